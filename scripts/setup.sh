@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs what kvxfer needs on a Debian machine that has only Node and npm:
+# UCX (libucx-dev, ucx-utils), the native toolchain (cmake, g++, pkg-config),
+# clang-format and iproute2 for the tests, the npm dependencies, and the build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+pkg-config --exists ucx 2>/dev/null || need+=(libucx-dev)
+command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils)
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
+command -v g++ >/dev/null 2>&1 || need+=(g++)
+command -v make >/dev/null 2>&1 || need+=(make)
+command -v clang-format >/dev/null 2>&1 || need+=(clang-format)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+
+if [ ${#need[@]} -gt 0 ]; then
+  echo "kvxfer setup: installing ${need[*]}"
+  if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo="sudo"; else
+    echo "kvxfer setup: missing ${need[*]} and not root: install them with apt-get install ${need[*]}" >&2
+    exit 1
+  fi
+  if ! { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null; }; then
+    echo "kvxfer setup: could not install ${need[*]}; install them with: apt-get install ${need[*]}" >&2
+    exit 1
+  fi
+fi
+
+if ! pkg-config --exists ucx; then
+  echo "kvxfer setup: UCX development files not found; install libucx-dev (UCX >= 1.13)" >&2
+  exit 1
+fi
+
+if [ -f package-lock.json ]; then npm ci --no-fund --no-audit; else npm install --no-fund --no-audit; fi
+npm run build
