@@ -1,0 +1,49 @@
+import { PlanError } from "./errors.js";
+import { type KvLayout, validateKvLayout } from "./layout.js";
+
+/** The fields P and D must agree on exactly, in the order they are checked. */
+const SAME_FIELDS = ["mla", "numLayers", "totalKvHeads", "headDim", "dtype", "dtypeBytes"] as const;
+
+/**
+ * Why KV cannot move from a P layout (`src`) to a D layout (`dst`), or `undefined` when it can.
+ * Each layout must be valid on its own (`ERR_LAYOUT_INVALID`, field prefixed `src.` or `dst.`);
+ * then the model shape must match and one TP size must divide the other
+ * (`ERR_LAYOUT_INCOMPATIBLE`). The message names the field and both values. Block sizes, block
+ * counts, HND/NHD order and addressing may differ freely.
+ */
+export function findIncompatibility(src: KvLayout, dst: KvLayout): PlanError | undefined {
+  for (const [side, layout] of [
+    ["src", src],
+    ["dst", dst],
+  ] as const) {
+    try {
+      validateKvLayout(layout);
+    } catch (err) {
+      if (!(err instanceof PlanError)) throw err;
+      return new PlanError(err.code, `${side}.${err.field}`, `${side} layout: ${err.message}`);
+    }
+  }
+  for (const field of SAME_FIELDS) {
+    if (src[field] !== dst[field]) {
+      return new PlanError(
+        "ERR_LAYOUT_INCOMPATIBLE",
+        field,
+        `${field} differs: P has ${String(src[field])}, D has ${String(dst[field])}`,
+      );
+    }
+  }
+  if (src.tpSize % dst.tpSize !== 0 && dst.tpSize % src.tpSize !== 0) {
+    return new PlanError(
+      "ERR_LAYOUT_INCOMPATIBLE",
+      "tpSize",
+      `tpSize does not divide either way: P has ${src.tpSize}, D has ${dst.tpSize}`,
+    );
+  }
+  return undefined;
+}
+
+/** Throws the `PlanError` `findIncompatibility` returns. */
+export function assertCompatible(src: KvLayout, dst: KvLayout): void {
+  const err = findIncompatibility(src, dst);
+  if (err) throw err;
+}

@@ -1,0 +1,27 @@
+// The planner's public face. Protobuf conversion lives in `layout-proto.ts`, so importing this
+// module pulls in no generated code.
+export { PlanError, type PlanErrorCode } from "./errors.js";
+export {
+  type KvBlockOrder,
+  type KvLayout,
+  type KvLayoutShape,
+  type KvRegionScheme,
+  type KvSlotAddress,
+  firstKvHeadOfRank,
+  kvBlockBytes,
+  kvHeadsPerRank,
+  kvLayout,
+  kvPerLayer,
+  validateKvLayout,
+} from "./layout.js";
+export { assertCompatible, findIncompatibility } from "./compat.js";
+export { type DstRankSources, type HeadSource, mapRanks } from "./ranks.js";
+export {
+  type PlanOptions,
+  type PlanRequest,
+  type RankPairPlan,
+  type RegionPairDescriptors,
+  type TransferPlan,
+  descriptorsForSide,
+  planTransfer,
+} from "./planner.js";

@@ -1,0 +1,504 @@
+import { assertCompatible } from "./compat.js";
+import { PlanError } from "./errors.js";
+import { type KvLayout, kvBlockBytes, kvHeadsPerRank, kvPerLayer } from "./layout.js";
+import { type HeadSource, mapRanks } from "./ranks.js";
+
+/** One request: which tokens move and where they live on each side. */
+export interface PlanRequest {
+  /** Tokens of the request held by P (prompt length). */
+  readonly numTokens: number;
+  /** Tokens `0 .. prefixTokens - 1` are already on D and do not move; need not be block-aligned. */
+  readonly prefixTokens?: number;
+  /**
+   * P's block table for the request: entry `i` holds tokens `i * P.blockSize ..`. Entries for
+   * blocks wholly inside the prefix are not read; entries past the last token are ignored.
+   */
+  readonly srcBlockIds: ArrayLike<number>;
+  /** D's block table, the same way round with D's block size. */
+  readonly dstBlockIds: ArrayLike<number>;
+}
+
+export interface PlanOptions {
+  /** Plan only these P ranks (default: all). */
+  readonly srcRanks?: readonly number[];
+  /** Plan only these D ranks (default: all). */
+  readonly dstRanks?: readonly number[];
+  /** Merge adjacent copies (default true). Off only to inspect the raw pieces. */
+  readonly coalesce?: boolean;
+}
+
+/** The copies between one P region and one D region of one rank pair. */
+export interface RegionPairDescriptors {
+  readonly srcRegion: number;
+  readonly dstRegion: number;
+  /**
+   * `(srcOffset, dstOffset, length)` triples, byte offsets relative to the start of each region;
+   * `descriptors.length === 3 * count`. Push posts them as (local, remote, length) as they are;
+   * pull swaps the first two (see `descriptorsForSide`).
+   */
+  readonly descriptors: Float64Array;
+  readonly count: number;
+  readonly bytes: number;
+}
+
+/** Everything one P rank sends to one D rank. */
+export interface RankPairPlan {
+  readonly srcRank: number;
+  readonly dstRank: number;
+  /** Bytes the pair moves; 0 when the prefix covers every token (the pair still exists). */
+  readonly bytes: number;
+  /** Descriptors after coalescing, over all region pairs. */
+  readonly descriptorCount: number;
+  /** Copies before coalescing. */
+  readonly rawDescriptorCount: number;
+  /** In order of first use by slot (layer, K|V). */
+  readonly regionPairs: readonly RegionPairDescriptors[];
+}
+
+/** The copies of one request, for every (P rank, D rank) pair that shares heads. */
+export interface TransferPlan {
+  readonly numTokens: number;
+  readonly prefixTokens: number;
+  /** Ordered by D rank, then P rank. */
+  readonly pairs: readonly RankPairPlan[];
+  readonly bytes: number;
+  readonly descriptorCount: number;
+  readonly rawDescriptorCount: number;
+}
+
+function requestError(field: string, message: string): PlanError {
+  return new PlanError("ERR_PLAN_INVALID", field, message);
+}
+
+/**
+ * A growable list of `(src, dst, len)` triples that merges a copy into the previous one when it
+ * continues it on both sides. Sized up front from an upper bound, so it rarely grows.
+ */
+class DescriptorList {
+  data: Float64Array;
+  count = 0;
+  bytes = 0;
+  private srcEnd = -1;
+  private dstEnd = -1;
+
+  constructor(
+    readonly srcRegion: number,
+    readonly dstRegion: number,
+    capacity: number,
+    private readonly coalesce: boolean,
+  ) {
+    this.data = new Float64Array(3 * Math.max(capacity, 1));
+  }
+
+  push(src: number, dst: number, len: number): void {
+    this.bytes += len;
+    if (src === this.srcEnd && dst === this.dstEnd && this.coalesce) {
+      this.data[3 * this.count - 1]! += len;
+    } else {
+      let i = 3 * this.count;
+      if (i === this.data.length) {
+        const grown = new Float64Array(this.data.length * 2);
+        grown.set(this.data);
+        this.data = grown;
+      }
+      const d = this.data;
+      d[i++] = src;
+      d[i++] = dst;
+      d[i] = len;
+      this.count++;
+    }
+    this.srcEnd = src + len;
+    this.dstEnd = dst + len;
+  }
+
+  finish(): RegionPairDescriptors {
+    const n = 3 * this.count;
+    return {
+      srcRegion: this.srcRegion,
+      dstRegion: this.dstRegion,
+      descriptors: n === this.data.length ? this.data : this.data.slice(0, n),
+      count: this.count,
+      bytes: this.bytes,
+    };
+  }
+}
+
+/**
+ * Token ranges `[t, t + len)` that stay inside one P block and one D block, from the first token
+ * that moves to the last: the unit every copy is cut from.
+ */
+interface Chunks {
+  readonly n: number;
+  readonly srcBlock: Float64Array;
+  readonly srcPos: Int32Array;
+  readonly dstBlock: Float64Array;
+  readonly dstPos: Int32Array;
+  readonly len: Int32Array;
+}
+
+function readBlockId(ids: ArrayLike<number>, i: number, layout: KvLayout, field: string): number {
+  const id = ids[i];
+  if (typeof id !== "number" || !Number.isInteger(id) || id < 0 || id >= layout.numBlocks) {
+    throw requestError(
+      field,
+      `${field}[${i}] = ${String(id)} is not a block id below numBlocks ${layout.numBlocks}`,
+    );
+  }
+  return id;
+}
+
+function buildChunks(src: KvLayout, dst: KvLayout, req: PlanRequest, first: number): Chunks {
+  const last = req.numTokens;
+  const bp = src.blockSize;
+  const bd = dst.blockSize;
+  // A chunk ends at a P or D block boundary or the last token, so there are at most this many.
+  const max =
+    Math.ceil(last / bp) - Math.floor(first / bp) + Math.ceil(last / bd) - Math.floor(first / bd);
+  const c: Chunks = {
+    n: 0,
+    srcBlock: new Float64Array(max),
+    srcPos: new Int32Array(max),
+    dstBlock: new Float64Array(max),
+    dstPos: new Int32Array(max),
+    len: new Int32Array(max),
+  };
+  // D blocks written twice would mix two token ranges; reading a P block twice is harmless.
+  const seen = new Uint8Array(dst.numBlocks);
+  let n = 0;
+  let t = first;
+  let lastDstIndex = -1;
+  let srcId = 0;
+  let dstId = 0;
+  let lastSrcIndex = -1;
+  while (t < last) {
+    const pi = Math.floor(t / bp);
+    const pp = t - pi * bp;
+    const di = Math.floor(t / bd);
+    const dp = t - di * bd;
+    if (pi !== lastSrcIndex) {
+      srcId = readBlockId(req.srcBlockIds, pi, src, "srcBlockIds");
+      lastSrcIndex = pi;
+    }
+    if (di !== lastDstIndex) {
+      dstId = readBlockId(req.dstBlockIds, di, dst, "dstBlockIds");
+      if (seen[dstId]) {
+        throw requestError("dstBlockIds", `dstBlockIds lists block ${dstId} twice`);
+      }
+      seen[dstId] = 1;
+      lastDstIndex = di;
+    }
+    const len = Math.min(last - t, bp - pp, bd - dp);
+    c.srcBlock[n] = srcId;
+    c.srcPos[n] = pp;
+    c.dstBlock[n] = dstId;
+    c.dstPos[n] = dp;
+    c.len[n] = len;
+    n++;
+    t += len;
+  }
+  return { ...c, n };
+}
+
+/** Whether heads `[h, h + hn)` × tokens `[p, p + tn)` of one block form one contiguous range. */
+function contiguous(order: "HND" | "NHD", hn: number, tn: number, block: number, hpr: number) {
+  return order === "HND" ? hn === 1 || tn === block : tn === 1 || hn === hpr;
+}
+
+/**
+ * The copies of one rank pair for one slot, as offsets relative to the slot's start
+ * (`blockId * blockStride + position in block`); adding a slot's offsets places them.
+ */
+class RelativePieces {
+  src: Float64Array;
+  dst: Float64Array;
+  len: Float64Array;
+  n = 0;
+  raw = 0;
+  bytes = 0;
+  /** Index of the first piece of each chunk, plus the end; used when slots are interleaved. */
+  readonly chunkStart: Int32Array;
+
+  constructor(capacity: number, chunks: number) {
+    this.src = new Float64Array(Math.max(capacity, 1));
+    this.dst = new Float64Array(Math.max(capacity, 1));
+    this.len = new Float64Array(Math.max(capacity, 1));
+    this.chunkStart = new Int32Array(chunks + 1);
+  }
+
+  add(src: number, dst: number, len: number, merge: boolean): void {
+    this.raw++;
+    this.bytes += len;
+    const j = this.n - 1;
+    if (
+      merge &&
+      j >= 0 &&
+      this.src[j]! + this.len[j]! === src &&
+      this.dst[j]! + this.len[j]! === dst
+    ) {
+      this.len[j]! += len;
+      return;
+    }
+    if (this.n === this.src.length) {
+      const grow = (a: Float64Array) => {
+        const b = new Float64Array(a.length * 2);
+        b.set(a);
+        return b;
+      };
+      this.src = grow(this.src);
+      this.dst = grow(this.dst);
+      this.len = grow(this.len);
+    }
+    this.src[this.n] = src;
+    this.dst[this.n] = dst;
+    this.len[this.n] = len;
+    this.n++;
+  }
+}
+
+function relativePieces(
+  src: KvLayout,
+  dst: KvLayout,
+  chunks: Chunks,
+  sources: readonly HeadSource[],
+  coalesce: boolean,
+  acrossChunks: boolean,
+): RelativePieces {
+  const row = src.headDim * src.dtypeBytes;
+  const bp = src.blockSize;
+  const bd = dst.blockSize;
+  const hp = kvHeadsPerRank(src);
+  const hd = kvHeadsPerRank(dst);
+  const sHnd = src.order === "HND";
+  const dHnd = dst.order === "HND";
+  const out = new RelativePieces(chunks.n * sources.length, chunks.n);
+  for (let c = 0; c < chunks.n; c++) {
+    out.chunkStart[c] = out.n;
+    const L = chunks.len[c]!;
+    const p0 = chunks.srcPos[c]!;
+    const d0 = chunks.dstPos[c]!;
+    const sBase = chunks.srcBlock[c]! * src.blockStride;
+    const dBase = chunks.dstBlock[c]! * dst.blockStride;
+    for (let si = 0; si < sources.length; si++) {
+      const s = sources[si]!;
+      const n = s.numHeads;
+      const a = s.srcHeadOffset;
+      const b = s.dstHeadOffset;
+      let hn: number;
+      let tn: number;
+      if (contiguous(src.order, n, L, bp, hp) && contiguous(dst.order, n, L, bd, hd)) {
+        hn = n;
+        tn = L;
+      } else {
+        const byHead = contiguous(src.order, 1, L, bp, hp) && contiguous(dst.order, 1, L, bd, hd);
+        const byToken = contiguous(src.order, n, 1, bp, hp) && contiguous(dst.order, n, 1, bd, hd);
+        if (byHead && (!byToken || n <= L)) {
+          hn = 1;
+          tn = L;
+        } else if (byToken) {
+          hn = n;
+          tn = 1;
+        } else {
+          hn = 1;
+          tn = 1;
+        }
+      }
+      const len = hn * tn * row;
+      for (let h = 0; h < n; h += hn) {
+        for (let t = 0; t < L; t += tn) {
+          const so = sHnd ? ((a + h) * bp + p0 + t) * row : ((p0 + t) * hp + a + h) * row;
+          const dOff = dHnd ? ((b + h) * bd + d0 + t) * row : ((d0 + t) * hd + b + h) * row;
+          const merge = coalesce && (acrossChunks || out.n > out.chunkStart[c]!);
+          out.add(sBase + so, dBase + dOff, len, merge);
+        }
+      }
+    }
+  }
+  out.chunkStart[chunks.n] = out.n;
+  return out;
+}
+
+/**
+ * Whether every block of a layout holds all slots back to back in slot order
+ * (`[block][layer][K|V]` in one region). When both sides are like that, copies are issued block
+ * by block across slots, so a whole block (and a run of blocks) becomes one descriptor.
+ */
+function slotsInterleaved(layout: KvLayout): boolean {
+  const bb = kvBlockBytes(layout);
+  const slots = layout.slots;
+  if (layout.blockStride !== slots.length * bb && layout.numBlocks > 1) return false;
+  for (let s = 1; s < slots.length; s++) {
+    if (slots[s]!.region !== slots[0]!.region) return false;
+    if (slots[s]!.offset !== slots[s - 1]!.offset + bb) return false;
+  }
+  return true;
+}
+
+function checkRequest(src: KvLayout, dst: KvLayout, req: PlanRequest): number {
+  const n = req.numTokens;
+  if (!Number.isSafeInteger(n) || n < 0) {
+    throw requestError("numTokens", `numTokens must be an integer >= 0, got ${String(n)}`);
+  }
+  const k = req.prefixTokens ?? 0;
+  if (!Number.isSafeInteger(k) || k < 0 || k > n) {
+    throw requestError("prefixTokens", `prefixTokens ${String(k)} is not within 0..${n}`);
+  }
+  for (const [field, ids, layout] of [
+    ["srcBlockIds", req.srcBlockIds, src],
+    ["dstBlockIds", req.dstBlockIds, dst],
+  ] as const) {
+    const need = Math.ceil(n / layout.blockSize);
+    if (ids == null || typeof ids.length !== "number" || ids.length < need) {
+      throw requestError(
+        field,
+        `${field} has ${String(ids?.length)} blocks; ${n} tokens in blocks of ${layout.blockSize} need ${need}`,
+      );
+    }
+  }
+  return k;
+}
+
+function checkRanks(field: string, ranks: readonly number[] | undefined, tpSize: number): void {
+  for (const r of ranks ?? []) {
+    if (!Number.isInteger(r) || r < 0 || r >= tpSize) {
+      throw requestError(field, `${field} lists rank ${String(r)}, not within 0..${tpSize - 1}`);
+    }
+  }
+}
+
+/**
+ * Plans moving tokens `prefixTokens .. numTokens - 1` of one request from P (`src`) to D
+ * (`dst`): for each (P rank, D rank) pair sharing heads, the byte copies grouped by
+ * (P region, D region), coalesced. The same plan serves push and pull. Throws `PlanError`:
+ * `ERR_LAYOUT_INVALID` / `ERR_LAYOUT_INCOMPATIBLE` for the layouts, `ERR_PLAN_INVALID` for the
+ * request (missing, out-of-range or repeated D block ids, bad token counts).
+ */
+export function planTransfer(
+  src: KvLayout,
+  dst: KvLayout,
+  request: PlanRequest,
+  options: PlanOptions = {},
+): TransferPlan {
+  assertCompatible(src, dst);
+  const prefix = checkRequest(src, dst, request);
+  checkRanks("srcRanks", options.srcRanks, src.tpSize);
+  checkRanks("dstRanks", options.dstRanks, dst.tpSize);
+  const coalesce = options.coalesce ?? true;
+  const chunks = buildChunks(src, dst, request, prefix);
+  const wantSrc = options.srcRanks ? new Set(options.srcRanks) : undefined;
+  const wantDst = options.dstRanks ? new Set(options.dstRanks) : undefined;
+  const interleaved = slotsInterleaved(src) && slotsInterleaved(dst);
+  const nSlots = src.numLayers * kvPerLayer(src);
+
+  // Region pairs are fixed by slot, the same for every rank pair.
+  const dstRegions = dst.regionBytes.length;
+  const slotPair = new Int32Array(nSlots);
+  const pairKeys: number[] = [];
+  const slotsPerPair: number[] = [];
+  const keyIndex = new Map<number, number>();
+  for (let s = 0; s < nSlots; s++) {
+    const key = src.slots[s]!.region * dstRegions + dst.slots[s]!.region;
+    let idx = keyIndex.get(key);
+    if (idx === undefined) {
+      idx = pairKeys.length;
+      keyIndex.set(key, idx);
+      pairKeys.push(key);
+      slotsPerPair.push(0);
+    }
+    slotPair[s] = idx;
+    slotsPerPair[idx]!++;
+  }
+  const srcOff = new Float64Array(nSlots);
+  const dstOff = new Float64Array(nSlots);
+  for (let s = 0; s < nSlots; s++) {
+    srcOff[s] = src.slots[s]!.offset;
+    dstOff[s] = dst.slots[s]!.offset;
+  }
+
+  const pairs: RankPairPlan[] = [];
+  let bytes = 0;
+  let descriptorCount = 0;
+  let rawDescriptorCount = 0;
+  for (const { dstRank, sources } of mapRanks(src, dst)) {
+    if (wantDst && !wantDst.has(dstRank)) continue;
+    const bySrc = new Map<number, HeadSource[]>();
+    for (const s of sources) {
+      if (wantSrc && !wantSrc.has(s.srcRank)) continue;
+      const list = bySrc.get(s.srcRank);
+      if (list) list.push(s);
+      else bySrc.set(s.srcRank, [s]);
+    }
+    for (const srcRank of [...bySrc.keys()].sort((x, y) => x - y)) {
+      const pieces = relativePieces(src, dst, chunks, bySrc.get(srcRank)!, coalesce, !interleaved);
+      const lists = pairKeys.map(
+        (key, i) =>
+          new DescriptorList(
+            Math.floor(key / dstRegions),
+            key % dstRegions,
+            pieces.n * slotsPerPair[i]!,
+            coalesce,
+          ),
+      );
+      const ps = pieces.src;
+      const pd = pieces.dst;
+      const pl = pieces.len;
+      if (interleaved) {
+        for (let c = 0; c < chunks.n; c++) {
+          const end = pieces.chunkStart[c + 1]!;
+          for (let s = 0; s < nSlots; s++) {
+            const list = lists[slotPair[s]!]!;
+            const so = srcOff[s]!;
+            const dOff = dstOff[s]!;
+            for (let i = pieces.chunkStart[c]!; i < end; i++)
+              list.push(so + ps[i]!, dOff + pd[i]!, pl[i]!);
+          }
+        }
+      } else {
+        for (let s = 0; s < nSlots; s++) {
+          const list = lists[slotPair[s]!]!;
+          const so = srcOff[s]!;
+          const dOff = dstOff[s]!;
+          for (let i = 0; i < pieces.n; i++) list.push(so + ps[i]!, dOff + pd[i]!, pl[i]!);
+        }
+      }
+      const regionPairs = lists.filter((l) => l.count > 0).map((l) => l.finish());
+      const pairBytes = pieces.bytes * nSlots;
+      const pairCount = regionPairs.reduce((sum, r) => sum + r.count, 0);
+      const pairRaw = pieces.raw * nSlots;
+      pairs.push({
+        srcRank,
+        dstRank,
+        bytes: pairBytes,
+        descriptorCount: pairCount,
+        rawDescriptorCount: pairRaw,
+        regionPairs,
+      });
+      bytes += pairBytes;
+      descriptorCount += pairCount;
+      rawDescriptorCount += pairRaw;
+    }
+  }
+  return {
+    numTokens: request.numTokens,
+    prefixTokens: prefix,
+    pairs,
+    bytes,
+    descriptorCount,
+    rawDescriptorCount,
+  };
+}
+
+/**
+ * A region pair's descriptors as `(localOffset, remoteOffset, length)` for the side that posts
+ * them: P posts (push) the plan's triples as they are; D posts (pull) them with the two offsets
+ * swapped, which this copies.
+ */
+export function descriptorsForSide(descriptors: Float64Array, side: "src" | "dst"): Float64Array {
+  if (side === "src") return descriptors;
+  const out = new Float64Array(descriptors.length);
+  for (let i = 0; i < descriptors.length; i += 3) {
+    out[i] = descriptors[i + 1]!;
+    out[i + 1] = descriptors[i]!;
+    out[i + 2] = descriptors[i + 2]!;
+  }
+  return out;
+}
