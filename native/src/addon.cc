@@ -1,0 +1,1119 @@
+// N-API face of the progress engine: Agent, Region, Endpoint and RemoteRegion
+// handles. Every JavaScript input is validated and copied here, on the JS
+// thread, before anything is handed to the progress thread ("baton" style);
+// results come back as Events and are turned into JavaScript values here.
+#include <fcntl.h>
+#include <napi.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "progress.h"
+#include "ucx_status.h"
+
+namespace kvxfer {
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Errors: every error carries a stable string `code`; UCX failures also carry
+// the numeric `ucsStatus`. The TypeScript layer turns these into KvxferError.
+
+Napi::Error MakeError(Napi::Env env, const std::string& code, const std::string& message,
+                      ucs_status_t status = UCS_OK, bool range = false) {
+  Napi::Error err = range ? Napi::RangeError::New(env, message) : Napi::Error::New(env, message);
+  err.Set("code", Napi::String::New(env, code));
+  if (status != UCS_OK) err.Set("ucsStatus", Napi::Number::New(env, static_cast<int>(status)));
+  return err;
+}
+
+Napi::Error UcsError(Napi::Env env, const std::string& what, ucs_status_t status) {
+  return MakeError(env, UcsStatusName(status),
+                   what + ": " + UcsStatusName(status) + " (" + ucs_status_string(status) + ")",
+                   status);
+}
+
+// ---------------------------------------------------------------------------
+// Wire blobs. A worker address or remote key that crosses the network is
+// wrapped with a magic, a length and a checksum, so that garbage is refused
+// here instead of being parsed by UCX (which trusts its input).
+
+constexpr uint32_t kAddressMagic = 0x4158564b;  // "KVXA"
+constexpr uint32_t kRemoteMagic = 0x5258564b;   // "KVXR"
+constexpr size_t kAddressHeader = 16;           // magic, length, checksum(8)
+constexpr size_t kRemoteHeader = 40;            // magic, length, address, size, checksum(8)
+constexpr size_t kMaxBlob = 1 << 20;
+
+uint64_t Fnv1a(const uint8_t* p, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+template <typename T>
+void Put(std::vector<uint8_t>* out, size_t at, T v) {
+  std::memcpy(out->data() + at, &v, sizeof(T));
+}
+template <typename T>
+T Get(const uint8_t* p, size_t at) {
+  T v;
+  std::memcpy(&v, p + at, sizeof(T));
+  return v;
+}
+
+std::vector<uint8_t> WrapAddress(const std::vector<uint8_t>& raw) {
+  std::vector<uint8_t> out(kAddressHeader + raw.size());
+  Put<uint32_t>(&out, 0, kAddressMagic);
+  Put<uint32_t>(&out, 4, static_cast<uint32_t>(raw.size()));
+  Put<uint64_t>(&out, 8, Fnv1a(raw.data(), raw.size()));
+  std::memcpy(out.data() + kAddressHeader, raw.data(), raw.size());
+  return out;
+}
+
+bool UnwrapAddress(const uint8_t* p, size_t n, std::vector<uint8_t>* raw) {
+  if (n < kAddressHeader || n > kMaxBlob || Get<uint32_t>(p, 0) != kAddressMagic) return false;
+  uint32_t len = Get<uint32_t>(p, 4);
+  if (len != n - kAddressHeader) return false;
+  if (Get<uint64_t>(p, 8) != Fnv1a(p + kAddressHeader, len)) return false;
+  raw->assign(p + kAddressHeader, p + n);
+  return true;
+}
+
+struct RemoteBlob {
+  uint64_t address = 0;
+  uint64_t length = 0;
+  std::vector<uint8_t> rkey;
+};
+
+std::vector<uint8_t> WrapRemote(uint64_t address, uint64_t length, const void* rkey, size_t size) {
+  std::vector<uint8_t> out(kRemoteHeader + size);
+  Put<uint32_t>(&out, 0, kRemoteMagic);
+  Put<uint32_t>(&out, 4, static_cast<uint32_t>(size));
+  Put<uint64_t>(&out, 8, address);
+  Put<uint64_t>(&out, 16, length);
+  std::memcpy(out.data() + kRemoteHeader, rkey, size);
+  // The checksum covers address, size and key.
+  Put<uint64_t>(&out, 32, 0);
+  uint64_t h = Fnv1a(out.data(), out.size());
+  Put<uint64_t>(&out, 32, h);
+  return out;
+}
+
+bool UnwrapRemote(const uint8_t* p, size_t n, RemoteBlob* out) {
+  if (n < kRemoteHeader || n > kMaxBlob || Get<uint32_t>(p, 0) != kRemoteMagic) return false;
+  uint32_t len = Get<uint32_t>(p, 4);
+  if (len != n - kRemoteHeader) return false;
+  std::vector<uint8_t> copy(p, p + n);
+  uint64_t want = Get<uint64_t>(p, 32);
+  Put<uint64_t>(&copy, 32, 0);
+  if (Fnv1a(copy.data(), copy.size()) != want) return false;
+  out->address = Get<uint64_t>(p, 8);
+  out->length = Get<uint64_t>(p, 16);
+  out->rkey.assign(p + kRemoteHeader, p + n);
+  // Zero padding: a key from a newer UCX must not make the unpacker read past our copy.
+  out->rkey.resize(out->rkey.size() + 64, 0);
+  return true;
+}
+
+// Raw bytes of a Buffer, TypedArray, DataView or ArrayBuffer.
+bool BytesOf(const Napi::Value& v, const uint8_t** data, size_t* size) {
+  if (v.IsArrayBuffer()) {
+    auto ab = v.As<Napi::ArrayBuffer>();
+    *data = static_cast<const uint8_t*>(ab.Data());
+    *size = ab.ByteLength();
+    return true;
+  }
+  if (v.IsTypedArray()) {
+    auto ta = v.As<Napi::TypedArray>();
+    *data = static_cast<const uint8_t*>(ta.ArrayBuffer().Data()) + ta.ByteOffset();
+    *size = ta.ByteLength();
+    return true;
+  }
+  if (v.IsDataView()) {
+    auto dv = v.As<Napi::DataView>();
+    *data = static_cast<const uint8_t*>(dv.ArrayBuffer().Data()) + dv.ByteOffset();
+    *size = dv.ByteLength();
+    return true;
+  }
+  return false;
+}
+
+enum class HandleState { kOpen, kClosing, kClosed };
+
+class AgentWrap;
+
+// A handle owned by an agent: closed by its parent when the agent closes.
+class Child {
+ public:
+  virtual ~Child() = default;
+  virtual void CloseFromParent() = 0;
+  AgentWrap* agent_ = nullptr;
+};
+
+struct AddonData {
+  Napi::FunctionReference agent_ctor;
+  Napi::FunctionReference region_ctor;
+  Napi::FunctionReference endpoint_ctor;
+  Napi::FunctionReference remote_ctor;
+  std::unordered_set<AgentWrap*> agents;
+};
+
+// Constructors of child handles take this token so JavaScript cannot call them.
+constexpr uint32_t kCtorToken = 0x6b767866;
+
+bool IsInternalCall(const Napi::CallbackInfo& info) {
+  return info.Length() >= 1 && info[0].IsNumber() &&
+         info[0].As<Napi::Number>().Uint32Value() == kCtorToken;
+}
+
+// ---------------------------------------------------------------------------
+
+class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
+ public:
+  static Napi::Function Define(Napi::Env env);
+  explicit RegionWrap(const Napi::CallbackInfo& info);
+  ~RegionWrap() override { Release(); }
+  void CloseFromParent() override { Release(); }
+
+  uint8_t* base() const { return base_; }
+  uint64_t length() const { return length_; }
+  HandleState state_ = HandleState::kOpen;
+  uint64_t inflight_ = 0;
+  void OpDone();
+
+  // Set by the agent right after construction.
+  void InitBuffer(Napi::Env env, Napi::Value owner, uint8_t* base, size_t length, ucp_mem_h memh);
+  void InitFile(void* map, size_t map_length, uint8_t* base, size_t length, ucp_mem_h memh,
+                std::string path);
+
+ private:
+  Napi::Value Address(const Napi::CallbackInfo& info);
+  Napi::Value Length(const Napi::CallbackInfo& info);
+  Napi::Value Path(const Napi::CallbackInfo& info);
+  Napi::Value RemoteKey(const Napi::CallbackInfo& info);
+  Napi::Value View(const Napi::CallbackInfo& info);
+  Napi::Value Close(const Napi::CallbackInfo& info);
+  Napi::Value IsClosed(const Napi::CallbackInfo& info);
+  void Release();
+
+  uint8_t* base_ = nullptr;
+  uint64_t length_ = 0;
+  ucp_mem_h memh_ = nullptr;
+  Napi::ObjectReference owner_;  // keeps a registered Buffer alive
+  void* map_ = nullptr;
+  size_t map_length_ = 0;
+  std::string path_;
+  std::vector<Napi::Reference<Napi::ArrayBuffer>> views_;
+};
+
+class EndpointWrap : public Napi::ObjectWrap<EndpointWrap>, public Child {
+ public:
+  static Napi::Function Define(Napi::Env env);
+  explicit EndpointWrap(const Napi::CallbackInfo& info);
+  ~EndpointWrap() override { Release(); }
+  void CloseFromParent() override { Release(); }
+
+  std::shared_ptr<EndpointCore> core_;
+  HandleState state_ = HandleState::kOpen;
+  uint64_t inflight_ = 0;
+  void OpDone();
+
+ private:
+  Napi::Value Id(const Napi::CallbackInfo& info);
+  Napi::Value State(const Napi::CallbackInfo& info);
+  Napi::Value ImportRemote(const Napi::CallbackInfo& info);
+  Napi::Value Close(const Napi::CallbackInfo& info);
+  void Release();
+};
+
+class RemoteWrap : public Napi::ObjectWrap<RemoteWrap>, public Child {
+ public:
+  static Napi::Function Define(Napi::Env env);
+  explicit RemoteWrap(const Napi::CallbackInfo& info);
+  ~RemoteWrap() override { Release(); }
+  void CloseFromParent() override { Release(); }
+
+  std::shared_ptr<EndpointCore> ep_;
+  ucp_rkey_h rkey_ = nullptr;
+  uint64_t address_ = 0;
+  uint64_t length_ = 0;
+  HandleState state_ = HandleState::kOpen;
+  uint64_t inflight_ = 0;
+  void OpDone();
+
+ private:
+  Napi::Value Length(const Napi::CallbackInfo& info);
+  Napi::Value Close(const Napi::CallbackInfo& info);
+  void Release();
+};
+
+// Shared between the agent and queued thread-safe calls, so a call that runs
+// after the agent closed finds nothing to do.
+struct AgentLink {
+  AgentWrap* agent = nullptr;
+};
+
+class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
+ public:
+  static Napi::Function Define(Napi::Env env);
+  explicit AgentWrap(const Napi::CallbackInfo& info);
+  ~AgentWrap() override;
+
+  ProgressEngine* engine() { return engine_.get(); }
+  bool open() const { return state_ == HandleState::kOpen; }
+  void Adopt(Child* c) {
+    c->agent_ = this;
+    children_.insert(c);
+  }
+  void Forget(Child* c) { children_.erase(c); }
+  void Register(EndpointWrap* ep) { endpoints_[ep->core_->id] = ep; }
+  void Unregister(EndpointWrap* ep) {
+    if (ep->core_) endpoints_.erase(ep->core_->id);
+  }
+  // Closes everything; delivers outstanding completions when `env` is usable.
+  void CloseAll(Napi::Env env, bool deliver);
+
+ private:
+  struct Pending {
+    explicit Pending(Napi::Env env) : deferred(Napi::Promise::Deferred::New(env)) {}
+    Napi::Promise::Deferred deferred;
+    OpKind kind = OpKind::kWrite;
+    EndpointWrap* ep = nullptr;
+    RegionWrap* local = nullptr;
+    RemoteWrap* remote = nullptr;
+    Napi::ObjectReference refs[3];  // keep the handle objects alive while in flight
+  };
+
+  Napi::Value Address(const Napi::CallbackInfo& info);
+  Napi::Value Name(const Napi::CallbackInfo& info);
+  Napi::Value Inflight(const Napi::CallbackInfo& info);
+  Napi::Value RegisterMemory(const Napi::CallbackInfo& info);
+  Napi::Value MapFile(const Napi::CallbackInfo& info);
+  Napi::Value Connect(const Napi::CallbackInfo& info);
+  Napi::Value Transfer(const Napi::CallbackInfo& info);
+  Napi::Value Notify(const Napi::CallbackInfo& info);
+  Napi::Value Close(const Napi::CallbackInfo& info);
+
+  void CheckOpen(Napi::Env env, const char* what);
+  Napi::Value Submit(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,
+                     RegionWrap* local, RemoteWrap* remote);
+  void Deliver(Napi::Env env);
+  void Settle(Napi::Env env, const Event& ev);
+  void UpdateRef(Napi::Env env);
+
+  std::unique_ptr<ProgressEngine> engine_;
+  HandleState state_ = HandleState::kOpen;
+  Napi::ThreadSafeFunction tsfn_;
+  bool tsfn_ref_ = false;
+  std::shared_ptr<AgentLink> link_;
+  Napi::FunctionReference on_event_;
+  std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending_;
+  std::unordered_set<Child*> children_;
+  std::unordered_map<uint64_t, EndpointWrap*> endpoints_;
+  uint64_t next_op_id_ = 1;
+  AddonData* data_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------
+// Agent
+
+Napi::Function AgentWrap::Define(Napi::Env env) {
+  return DefineClass(env, "Agent",
+                     {
+                         InstanceAccessor<&AgentWrap::Address>("address"),
+                         InstanceAccessor<&AgentWrap::Name>("name"),
+                         InstanceAccessor<&AgentWrap::Inflight>("inflight"),
+                         InstanceMethod<&AgentWrap::RegisterMemory>("registerMemory"),
+                         InstanceMethod<&AgentWrap::MapFile>("mapFile"),
+                         InstanceMethod<&AgentWrap::Connect>("connect"),
+                         InstanceMethod<&AgentWrap::Transfer>("transfer"),
+                         InstanceMethod<&AgentWrap::Notify>("notify"),
+                         InstanceMethod<&AgentWrap::Close>("close"),
+                     });
+}
+
+// new Agent({ name, transports, netDevices, busyPoll, maxNotificationBytes }, onEvents)
+AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWrap>(info) {
+  Napi::Env env = info.Env();
+  data_ = env.GetInstanceData<AddonData>();
+  if (info.Length() < 2 || !info[0].IsObject() || !info[1].IsFunction()) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", "Agent(options, onEvents) expects an object and a function");
+  }
+  Napi::Object o = info[0].As<Napi::Object>();
+  EngineOptions opts;
+  auto str = [&](const char* key) -> std::string {
+    Napi::Value v = o.Get(key);
+    return v.IsString() ? v.As<Napi::String>().Utf8Value() : std::string();
+  };
+  opts.name = str("name");
+  opts.transports = str("transports");
+  opts.net_devices = str("netDevices");
+  opts.busy_poll = o.Get("busyPoll").ToBoolean().Value();
+  Napi::Value maxn = o.Get("maxNotificationBytes");
+  if (maxn.IsNumber()) opts.max_notification_bytes = maxn.As<Napi::Number>().Int64Value();
+
+  ucs_status_t status = UCS_OK;
+  std::string what;
+  engine_ = ProgressEngine::Create(opts, &status, &what);
+  if (!engine_) throw UcsError(env, "cannot create UCX agent: " + what, status);
+
+  on_event_ = Napi::Persistent(info[1].As<Napi::Function>());
+  link_ = std::make_shared<AgentLink>();
+  link_->agent = this;
+  tsfn_ = Napi::ThreadSafeFunction::New(env, Napi::Function::New(env, [](const Napi::CallbackInfo&) {}),
+                                        "kvxfer-progress", 0, 1);
+  tsfn_.Unref(env);
+  auto link = link_;
+  Napi::ThreadSafeFunction tsfn = tsfn_;
+  engine_->Start([tsfn, link]() mutable {
+    tsfn.NonBlockingCall([link](Napi::Env env, Napi::Function) {
+      if (link->agent != nullptr) link->agent->Deliver(env);
+    });
+  });
+  data_->agents.insert(this);
+}
+
+AgentWrap::~AgentWrap() {
+  if (state_ != HandleState::kClosed) CloseAll(Env(), false);
+}
+
+void AgentWrap::CheckOpen(Napi::Env env, const char* what) {
+  if (state_ != HandleState::kOpen) {
+    throw MakeError(env, "ERR_CLOSED", std::string(what) + ": the agent is closed");
+  }
+}
+
+Napi::Value AgentWrap::Address(const Napi::CallbackInfo& info) {
+  CheckOpen(info.Env(), "address");
+  std::vector<uint8_t> blob = WrapAddress(engine_->worker_address());
+  return Napi::Buffer<uint8_t>::Copy(info.Env(), blob.data(), blob.size());
+}
+
+Napi::Value AgentWrap::Name(const Napi::CallbackInfo& info) {
+  return Napi::String::New(info.Env(), engine_ ? engine_->name() : std::string());
+}
+
+Napi::Value AgentWrap::Inflight(const Napi::CallbackInfo& info) {
+  return Napi::Number::New(info.Env(), static_cast<double>(pending_.size()));
+}
+
+// registerMemory(bufferOrView)
+Napi::Value AgentWrap::RegisterMemory(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "registerMemory");
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  if (info.Length() < 1 || !BytesOf(info[0], &data, &size)) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", "registerMemory expects a Buffer, TypedArray or ArrayBuffer");
+  }
+  if (size == 0) throw MakeError(env, "ERR_INVALID_LENGTH", "registerMemory: the memory is empty", UCS_OK, true);
+  ucp_mem_map_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = const_cast<uint8_t*>(data);
+  params.length = size;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t status = ucp_mem_map(engine_->context(), &params, &memh);
+  if (status != UCS_OK) throw UcsError(env, "ucp_mem_map failed", status);
+  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
+  RegionWrap* region = RegionWrap::Unwrap(obj);
+  region->InitBuffer(env, info[0], const_cast<uint8_t*>(data), size, memh);
+  Adopt(region);
+  return obj;
+}
+
+// mapFile(path, offset, length): maps a shared-memory file and registers it.
+Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "mapFile");
+  if (info.Length() < 3 || !info[0].IsString() || !info[1].IsNumber() || !info[2].IsNumber()) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", "mapFile(path, offset, length) expects a string and two numbers");
+  }
+  std::string path = info[0].As<Napi::String>().Utf8Value();
+  double off_d = info[1].As<Napi::Number>().DoubleValue();
+  double len_d = info[2].As<Napi::Number>().DoubleValue();
+  if (!(off_d >= 0) || std::floor(off_d) != off_d || off_d > 9007199254740992.0) {
+    throw MakeError(env, "ERR_INVALID_OFFSET", "mapFile: offset must be a non-negative integer", UCS_OK, true);
+  }
+  if (!(len_d > 0) || std::floor(len_d) != len_d || len_d > 9007199254740992.0) {
+    throw MakeError(env, "ERR_INVALID_LENGTH", "mapFile: length must be a positive integer", UCS_OK, true);
+  }
+  uint64_t offset = static_cast<uint64_t>(off_d), length = static_cast<uint64_t>(len_d);
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    throw MakeError(env, e == ENOENT ? "ERR_NO_SUCH_FILE" : "ERR_FILE",
+                    "mapFile: cannot open '" + path + "': " + std::strerror(e));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int e = errno;
+    close(fd);
+    throw MakeError(env, "ERR_FILE", "mapFile: cannot stat '" + path + "': " + std::strerror(e));
+  }
+  if (offset + length > static_cast<uint64_t>(st.st_size) || offset + length < offset) {
+    close(fd);
+    throw MakeError(env, "ERR_OUT_OF_BOUNDS",
+                    "mapFile: offset " + std::to_string(offset) + " + length " +
+                        std::to_string(length) + " exceeds the size of '" + path + "' (" +
+                        std::to_string(st.st_size) + " bytes)",
+                    UCS_OK, true);
+  }
+  // mmap needs a page-aligned offset; map from the page boundary below it.
+  uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  uint64_t map_off = offset - offset % page;
+  size_t map_len = static_cast<size_t>(length + (offset - map_off));
+  void* map = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(map_off));
+  int e = errno;
+  close(fd);
+  if (map == MAP_FAILED) {
+    throw MakeError(env, "ERR_FILE", "mapFile: cannot map '" + path + "': " + std::strerror(e));
+  }
+  uint8_t* base = static_cast<uint8_t*>(map) + (offset - map_off);
+  ucp_mem_map_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = base;
+  params.length = length;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t status = ucp_mem_map(engine_->context(), &params, &memh);
+  if (status != UCS_OK) {
+    munmap(map, map_len);
+    throw UcsError(env, "ucp_mem_map failed for '" + path + "'", status);
+  }
+  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
+  RegionWrap* region = RegionWrap::Unwrap(obj);
+  region->InitFile(map, map_len, base, length, memh, path);
+  Adopt(region);
+  return obj;
+}
+
+// connect(addressBlob, errorMode: "none" | "peer")
+Napi::Value AgentWrap::Connect(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "connect");
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  if (info.Length() < 1 || !BytesOf(info[0], &data, &size)) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", "connect expects the peer's address as a Buffer");
+  }
+  bool peer_mode = false;
+  if (info.Length() >= 2 && info[1].IsString()) {
+    std::string mode = info[1].As<Napi::String>().Utf8Value();
+    if (mode == "peer") {
+      peer_mode = true;
+    } else if (mode != "none") {
+      throw MakeError(env, "ERR_INVALID_ARGUMENT", "connect: errorMode must be 'none' or 'peer', got '" + mode + "'");
+    }
+  }
+  std::vector<uint8_t> raw;
+  if (!UnwrapAddress(data, size, &raw)) {
+    throw MakeError(env, "ERR_BAD_ADDRESS",
+                    "connect: not a kvxfer worker address (bad magic, length or checksum; " +
+                        std::to_string(size) + " bytes)");
+  }
+  std::shared_ptr<EndpointCore> core;
+  ucs_status_t status = engine_->CreateEndpoint(raw, peer_mode, &core);
+  if (status != UCS_OK) throw UcsError(env, "connect: ucp_ep_create failed", status);
+  Napi::Object obj = data_->endpoint_ctor.New({Napi::Number::New(env, kCtorToken)});
+  EndpointWrap* ep = EndpointWrap::Unwrap(obj);
+  ep->core_ = core;
+  Adopt(ep);
+  Register(ep);
+  return obj;
+}
+
+namespace {
+
+constexpr double kMaxSafe = 9007199254740992.0;  // 2^53
+
+// Reads and checks the descriptor array into `out`. The check and the use
+// must see the same bytes, so the progress thread gets a validated copy, not
+// a pointer into memory JavaScript could still change.
+void ReadDescriptors(Napi::Env env, const Napi::Value& v, uint64_t local_len, uint64_t remote_len,
+                     std::vector<uint64_t>* out) {
+  const double* doubles = nullptr;
+  const uint64_t* words = nullptr;
+  size_t count = 0;
+  if (v.IsTypedArray()) {
+    auto ta = v.As<Napi::TypedArray>();
+    const uint8_t* p = static_cast<const uint8_t*>(ta.ArrayBuffer().Data()) + ta.ByteOffset();
+    switch (ta.TypedArrayType()) {
+      case napi_float64_array:
+        doubles = reinterpret_cast<const double*>(p);
+        count = ta.ElementLength();
+        break;
+      case napi_biguint64_array:
+        words = reinterpret_cast<const uint64_t*>(p);
+        count = ta.ElementLength();
+        break;
+      case napi_uint8_array:
+        // Raw little-endian float64 triples, e.g. straight off a wire message.
+        if (reinterpret_cast<uintptr_t>(p) % 8 != 0) {
+          throw MakeError(env, "ERR_DESC_MISALIGNED",
+                          "descriptors: byte view must start on an 8-byte boundary (offset " +
+                              std::to_string(ta.ByteOffset()) + ")",
+                          UCS_OK, true);
+        }
+        if (ta.ByteLength() % 8 != 0) {
+          throw MakeError(env, "ERR_DESC_TRUNCATED",
+                          "descriptors: byte length " + std::to_string(ta.ByteLength()) +
+                              " is not a whole number of float64 values",
+                          UCS_OK, true);
+        }
+        doubles = reinterpret_cast<const double*>(p);
+        count = ta.ByteLength() / 8;
+        break;
+      default:
+        throw MakeError(env, "ERR_DESC_TYPE",
+                        "descriptors must be a Float64Array, BigUint64Array or Uint8Array of "
+                        "(localOffset, remoteOffset, length) triples",
+                        UCS_OK, true);
+    }
+  } else {
+    throw MakeError(env, "ERR_DESC_TYPE",
+                    "descriptors must be a Float64Array of (localOffset, remoteOffset, length) triples",
+                    UCS_OK, true);
+  }
+  if (count % 3 != 0) {
+    throw MakeError(env, "ERR_DESC_TRUNCATED",
+                    "descriptors: " + std::to_string(count) + " values is not a whole number of triples",
+                    UCS_OK, true);
+  }
+  out->resize(count);
+  static const char* kField[3] = {"localOffset", "remoteOffset", "length"};
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t value;
+    if (doubles) {
+      double d = doubles[i];
+      if (!(d >= 0) || d > kMaxSafe || std::floor(d) != d) {
+        bool len = i % 3 == 2;
+        throw MakeError(env, len ? "ERR_INVALID_LENGTH" : "ERR_INVALID_OFFSET",
+                        "descriptor " + std::to_string(i / 3) + ": " + kField[i % 3] + " " +
+                            std::to_string(d) + " is not a non-negative integer",
+                        UCS_OK, true);
+      }
+      value = static_cast<uint64_t>(d);
+    } else {
+      value = words[i];
+    }
+    (*out)[i] = value;
+  }
+  for (size_t t = 0; t < count / 3; ++t) {
+    uint64_t lo = (*out)[3 * t], ro = (*out)[3 * t + 1], len = (*out)[3 * t + 2];
+    if (len == 0) {
+      throw MakeError(env, "ERR_INVALID_LENGTH",
+                      "descriptor " + std::to_string(t) + ": length is zero", UCS_OK, true);
+    }
+    if (lo > local_len || len > local_len - lo) {
+      throw MakeError(env, "ERR_OUT_OF_BOUNDS",
+                      "descriptor " + std::to_string(t) + ": local range [" + std::to_string(lo) +
+                          ", " + std::to_string(lo + len) + ") exceeds the local region (" +
+                          std::to_string(local_len) + " bytes)",
+                      UCS_OK, true);
+    }
+    if (ro > remote_len || len > remote_len - ro) {
+      throw MakeError(env, "ERR_OUT_OF_BOUNDS",
+                      "descriptor " + std::to_string(t) + ": remote range [" + std::to_string(ro) +
+                          ", " + std::to_string(ro + len) + ") exceeds the remote region (" +
+                          std::to_string(remote_len) + " bytes)",
+                      UCS_OK, true);
+    }
+  }
+}
+
+template <typename W>
+W* UnwrapHandle(Napi::Env env, const Napi::Value& v, Napi::FunctionReference& ctor, const char* what) {
+  if (!v.IsObject() || !v.As<Napi::Object>().InstanceOf(ctor.Value())) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", std::string(what) + " is not a kvxfer handle of the right kind");
+  }
+  return W::Unwrap(v.As<Napi::Object>());
+}
+
+}  // namespace
+
+// transfer(kind: 0 write | 1 read, endpoint, localRegion, remoteRegion, descriptors, notification?)
+Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "transfer");
+  if (info.Length() < 5 || !info[0].IsNumber()) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "transfer(kind, endpoint, local, remote, descriptors, notification?)");
+  }
+  int kind = info[0].As<Napi::Number>().Int32Value();
+  if (kind != 0 && kind != 1) throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: kind must be 0 (write) or 1 (read)");
+  auto* ep = UnwrapHandle<EndpointWrap>(env, info[1], data_->endpoint_ctor, "endpoint");
+  auto* local = UnwrapHandle<RegionWrap>(env, info[2], data_->region_ctor, "local region");
+  auto* remote = UnwrapHandle<RemoteWrap>(env, info[3], data_->remote_ctor, "remote region");
+  if (ep->agent_ != this || local->agent_ != this || remote->agent_ != this) {
+    throw MakeError(env, "ERR_WRONG_AGENT", "transfer: a handle belongs to another agent");
+  }
+  if (ep->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "transfer: the endpoint is closed");
+  if (local->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "transfer: the local region is closed");
+  if (remote->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "transfer: the remote region is closed");
+  if (remote->ep_ != ep->core_) {
+    throw MakeError(env, "ERR_ENDPOINT_MISMATCH", "transfer: the remote region was imported on another endpoint");
+  }
+  auto op = std::make_unique<TransferOp>();
+  ReadDescriptors(env, info[4], local->length(), remote->length_, &op->desc);
+  if (info.Length() >= 6 && !info[5].IsUndefined() && !info[5].IsNull()) {
+    if (kind != 0) throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: only a write carries a notification");
+    const uint8_t* data = nullptr;
+    size_t size = 0;
+    if (!BytesOf(info[5], &data, &size)) {
+      throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: notification must be a Buffer or Uint8Array");
+    }
+    if (size > engine_->max_notification_bytes()) {
+      throw MakeError(env, "ERR_NOTIFICATION_TOO_LARGE",
+                      "notification of " + std::to_string(size) + " bytes exceeds the limit of " +
+                          std::to_string(engine_->max_notification_bytes()),
+                      UCS_OK, true);
+    }
+    op->notification.assign(data, data + size);
+    op->has_notification = true;
+  }
+  if (ep->core_->failed.load()) {
+    throw UcsError(env, "transfer: the endpoint has failed", ep->core_->fail_status);
+  }
+  op->kind = kind == 0 ? OpKind::kWrite : OpKind::kRead;
+  op->ep = ep->core_;
+  op->local_base = local->base();
+  op->remote_base = remote->address_;
+  op->rkey = remote->rkey_;
+  return Submit(env, std::move(op), ep, local, remote);
+}
+
+// notify(endpoint, bytes)
+Napi::Value AgentWrap::Notify(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "notify");
+  if (info.Length() < 2) throw MakeError(env, "ERR_INVALID_ARGUMENT", "notify(endpoint, bytes)");
+  auto* ep = UnwrapHandle<EndpointWrap>(env, info[0], data_->endpoint_ctor, "endpoint");
+  if (ep->agent_ != this) throw MakeError(env, "ERR_WRONG_AGENT", "notify: the endpoint belongs to another agent");
+  if (ep->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "notify: the endpoint is closed");
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  if (!BytesOf(info[1], &data, &size)) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", "notify: bytes must be a Buffer or Uint8Array");
+  }
+  if (size > engine_->max_notification_bytes()) {
+    throw MakeError(env, "ERR_NOTIFICATION_TOO_LARGE",
+                    "notification of " + std::to_string(size) + " bytes exceeds the limit of " +
+                        std::to_string(engine_->max_notification_bytes()),
+                    UCS_OK, true);
+  }
+  if (ep->core_->failed.load()) throw UcsError(env, "notify: the endpoint has failed", ep->core_->fail_status);
+  auto op = std::make_unique<TransferOp>();
+  op->kind = OpKind::kNotify;
+  op->ep = ep->core_;
+  op->notification.assign(data, data + size);
+  op->has_notification = true;
+  return Submit(env, std::move(op), ep, nullptr, nullptr);
+}
+
+Napi::Value AgentWrap::Submit(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,
+                              RegionWrap* local, RemoteWrap* remote) {
+  uint64_t id = next_op_id_++;
+  op->id = id;
+  auto pending = std::make_unique<Pending>(env);
+  pending->kind = op->kind;
+  pending->ep = ep;
+  pending->local = local;
+  pending->remote = remote;
+  pending->refs[0] = Napi::Persistent(ep->Value());
+  ep->inflight_++;
+  if (local) {
+    pending->refs[1] = Napi::Persistent(local->Value());
+    local->inflight_++;
+  }
+  if (remote) {
+    pending->refs[2] = Napi::Persistent(remote->Value());
+    remote->inflight_++;
+  }
+  Napi::Promise promise = pending->deferred.Promise();
+  pending_[id] = std::move(pending);
+  UpdateRef(env);
+  engine_->Submit(std::move(op));
+  return promise;
+}
+
+void AgentWrap::UpdateRef(Napi::Env env) {
+  // Keep the process alive while transfers are in flight, not while idle.
+  bool want = !pending_.empty() && state_ == HandleState::kOpen;
+  if (want != tsfn_ref_) {
+    if (want) {
+      tsfn_.Ref(env);
+    } else {
+      tsfn_.Unref(env);
+    }
+    tsfn_ref_ = want;
+  }
+}
+
+void AgentWrap::Settle(Napi::Env env, const Event& ev) {
+  auto it = pending_.find(ev.id);
+  if (it == pending_.end()) return;
+  std::unique_ptr<Pending> p = std::move(it->second);
+  pending_.erase(it);
+  if (p->ep) p->ep->OpDone();
+  if (p->local) p->local->OpDone();
+  if (p->remote) p->remote->OpDone();
+  if (ev.status == UCS_OK) {
+    p->deferred.Resolve(env.Undefined());
+  } else if (ev.status == UCS_ERR_CANCELED && state_ != HandleState::kOpen) {
+    p->deferred.Reject(MakeError(env, "ERR_CLOSED", "transfer cancelled: the agent was closed").Value());
+  } else {
+    const char* what = p->kind == OpKind::kWrite ? "write" : p->kind == OpKind::kRead ? "read" : "notify";
+    p->deferred.Reject(UcsError(env, std::string(what) + " failed", ev.status).Value());
+  }
+}
+
+void AgentWrap::Deliver(Napi::Env env) {
+  if (!engine_) return;
+  std::vector<Event> events;
+  engine_->TakeEvents(&events);
+  if (events.empty()) return;
+  Napi::HandleScope scope(env);
+  Napi::Array batch = Napi::Array::New(env);
+  uint32_t n = 0;
+  for (const Event& ev : events) {
+    switch (ev.kind) {
+      case Event::Kind::kCompletion:
+        Settle(env, ev);
+        break;
+      case Event::Kind::kNotification: {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("type", "notification");
+        o.Set("peer", Napi::String::New(env, ev.peer));
+        o.Set("data", Napi::Buffer<uint8_t>::Copy(env, ev.bytes.data(), ev.bytes.size()));
+        batch.Set(n++, o);
+        break;
+      }
+      case Event::Kind::kEndpointFailed: {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("type", "endpointFailed");
+        o.Set("endpointId", Napi::Number::New(env, static_cast<double>(ev.id)));
+        o.Set("code", Napi::String::New(env, UcsStatusName(ev.status)));
+        o.Set("ucsStatus", Napi::Number::New(env, static_cast<int>(ev.status)));
+        batch.Set(n++, o);
+        break;
+      }
+    }
+  }
+  UpdateRef(env);
+  if (n > 0 && !on_event_.IsEmpty() && state_ == HandleState::kOpen) {
+    on_event_.Call({batch});
+  }
+}
+
+void AgentWrap::CloseAll(Napi::Env env, bool deliver) {
+  if (state_ == HandleState::kClosed) return;
+  state_ = HandleState::kClosing;
+  data_->agents.erase(this);
+  link_->agent = nullptr;
+  // Stops the thread: queued transfers are cancelled, endpoints closed.
+  engine_->Shutdown();
+  if (deliver) {
+    Deliver(env);
+  } else {
+    std::vector<Event> dropped;
+    engine_->TakeEvents(&dropped);
+  }
+  pending_.clear();
+  std::vector<Child*> children(children_.begin(), children_.end());
+  for (Child* c : children) c->CloseFromParent();
+  children_.clear();
+  endpoints_.clear();
+  if (tsfn_ref_ && deliver) tsfn_.Unref(env);
+  tsfn_ref_ = false;
+  tsfn_.Release();
+  engine_.reset();
+  state_ = HandleState::kClosed;
+}
+
+Napi::Value AgentWrap::Close(const Napi::CallbackInfo& info) {
+  CloseAll(info.Env(), true);
+  return info.Env().Undefined();
+}
+
+// ---------------------------------------------------------------------------
+// Region
+
+Napi::Function RegionWrap::Define(Napi::Env env) {
+  return DefineClass(env, "Region",
+                     {
+                         InstanceAccessor<&RegionWrap::Address>("address"),
+                         InstanceAccessor<&RegionWrap::Length>("length"),
+                         InstanceAccessor<&RegionWrap::Path>("path"),
+                         InstanceAccessor<&RegionWrap::IsClosed>("closed"),
+                         InstanceMethod<&RegionWrap::RemoteKey>("remoteKey"),
+                         InstanceMethod<&RegionWrap::View>("view"),
+                         InstanceMethod<&RegionWrap::Close>("close"),
+                     });
+}
+
+RegionWrap::RegionWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<RegionWrap>(info) {
+  if (!IsInternalCall(info)) {
+    throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT", "Region handles come from Agent.registerMemory or Agent.mapFile");
+  }
+}
+
+void RegionWrap::InitBuffer(Napi::Env env, Napi::Value owner, uint8_t* base, size_t length, ucp_mem_h memh) {
+  base_ = base;
+  length_ = length;
+  memh_ = memh;
+  owner_ = Napi::Persistent(owner.As<Napi::Object>());
+}
+
+void RegionWrap::InitFile(void* map, size_t map_length, uint8_t* base, size_t length, ucp_mem_h memh,
+                          std::string path) {
+  map_ = map;
+  map_length_ = map_length;
+  base_ = base;
+  length_ = length;
+  memh_ = memh;
+  path_ = std::move(path);
+}
+
+void RegionWrap::OpDone() {
+  inflight_--;
+  if (inflight_ == 0 && state_ == HandleState::kClosing) Release();
+}
+
+void RegionWrap::Release() {
+  if (state_ == HandleState::kClosed) return;
+  state_ = HandleState::kClosed;
+  // JavaScript views of mapped memory must not outlive the mapping.
+  for (auto& ref : views_) {
+    if (!ref.IsEmpty()) {
+      Napi::ArrayBuffer ab = ref.Value();
+      if (!ab.IsEmpty() && !ab.IsDetached()) ab.Detach();
+    }
+  }
+  views_.clear();
+  if (memh_ && agent_ && agent_->engine()) ucp_mem_unmap(agent_->engine()->context(), memh_);
+  memh_ = nullptr;
+  if (map_) munmap(map_, map_length_);
+  map_ = nullptr;
+  owner_.Reset();
+  if (agent_) agent_->Forget(this);
+  agent_ = nullptr;
+}
+
+Napi::Value RegionWrap::Address(const Napi::CallbackInfo& info) {
+  return Napi::BigInt::New(info.Env(), static_cast<uint64_t>(reinterpret_cast<uintptr_t>(base_)));
+}
+Napi::Value RegionWrap::Length(const Napi::CallbackInfo& info) {
+  return Napi::Number::New(info.Env(), static_cast<double>(length_));
+}
+Napi::Value RegionWrap::Path(const Napi::CallbackInfo& info) {
+  if (path_.empty()) return info.Env().Null();
+  return Napi::String::New(info.Env(), path_);
+}
+Napi::Value RegionWrap::IsClosed(const Napi::CallbackInfo& info) {
+  return Napi::Boolean::New(info.Env(), state_ != HandleState::kOpen);
+}
+
+Napi::Value RegionWrap::RemoteKey(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (state_ != HandleState::kOpen || !agent_) throw MakeError(env, "ERR_CLOSED", "remoteKey: the region is closed");
+  void* buf = nullptr;
+  size_t size = 0;
+  ucs_status_t status = ucp_rkey_pack(agent_->engine()->context(), memh_, &buf, &size);
+  if (status != UCS_OK) throw UcsError(env, "ucp_rkey_pack failed", status);
+  std::vector<uint8_t> blob =
+      WrapRemote(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(base_)), length_, buf, size);
+  ucp_rkey_buffer_release(buf);
+  return Napi::Buffer<uint8_t>::Copy(env, blob.data(), blob.size());
+}
+
+// view(): an ArrayBuffer over the region's memory, detached when the region closes.
+Napi::Value RegionWrap::View(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "view: the region is closed");
+  if (!owner_.IsEmpty()) return owner_.Value();
+  Napi::ArrayBuffer ab = Napi::ArrayBuffer::New(env, base_, length_);
+  views_.push_back(Napi::Persistent(ab));
+  return ab;
+}
+
+Napi::Value RegionWrap::Close(const Napi::CallbackInfo& info) {
+  if (state_ == HandleState::kOpen) {
+    state_ = HandleState::kClosing;
+    if (inflight_ == 0) Release();
+  }
+  return info.Env().Undefined();
+}
+
+// ---------------------------------------------------------------------------
+// Endpoint
+
+Napi::Function EndpointWrap::Define(Napi::Env env) {
+  return DefineClass(env, "Endpoint",
+                     {
+                         InstanceAccessor<&EndpointWrap::Id>("id"),
+                         InstanceAccessor<&EndpointWrap::State>("state"),
+                         InstanceMethod<&EndpointWrap::ImportRemote>("importRemote"),
+                         InstanceMethod<&EndpointWrap::Close>("close"),
+                     });
+}
+
+EndpointWrap::EndpointWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<EndpointWrap>(info) {
+  if (!IsInternalCall(info)) {
+    throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT", "Endpoint handles come from Agent.connect");
+  }
+}
+
+Napi::Value EndpointWrap::Id(const Napi::CallbackInfo& info) {
+  return Napi::Number::New(info.Env(), core_ ? static_cast<double>(core_->id) : 0);
+}
+
+Napi::Value EndpointWrap::State(const Napi::CallbackInfo& info) {
+  const char* s = state_ != HandleState::kOpen ? "closed"
+                  : (core_ && core_->failed.load()) ? "failed"
+                                                    : "connected";
+  return Napi::String::New(info.Env(), s);
+}
+
+void EndpointWrap::OpDone() {
+  inflight_--;
+  if (inflight_ == 0 && state_ == HandleState::kClosing) Release();
+}
+
+void EndpointWrap::Release() {
+  if (state_ == HandleState::kClosed) return;
+  state_ = HandleState::kClosed;
+  if (agent_) {
+    // After the agent has shut its engine down, its endpoints are closed already.
+    if (agent_->engine() && agent_->open() && core_) agent_->engine()->CloseEndpoint(core_);
+    agent_->Unregister(this);
+    agent_->Forget(this);
+  }
+  agent_ = nullptr;
+}
+
+// importRemote(remoteKeyBlob): a peer's region, usable on this endpoint.
+Napi::Value EndpointWrap::ImportRemote(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (state_ != HandleState::kOpen || !agent_ || !agent_->open()) {
+    throw MakeError(env, "ERR_CLOSED", "importRemote: the endpoint is closed");
+  }
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  if (info.Length() < 1 || !BytesOf(info[0], &data, &size)) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", "importRemote expects the peer's remote key as a Buffer");
+  }
+  RemoteBlob blob;
+  if (!UnwrapRemote(data, size, &blob)) {
+    throw MakeError(env, "ERR_BAD_REMOTE_KEY",
+                    "importRemote: not a kvxfer remote key (bad magic, length or checksum; " +
+                        std::to_string(size) + " bytes)");
+  }
+  ucp_rkey_h rkey = nullptr;
+  ucs_status_t status = agent_->engine()->UnpackRkey(core_, blob.rkey, &rkey);
+  if (status != UCS_OK) throw UcsError(env, "importRemote: ucp_ep_rkey_unpack failed", status);
+  auto* addon = env.GetInstanceData<AddonData>();
+  Napi::Object obj = addon->remote_ctor.New({Napi::Number::New(env, kCtorToken)});
+  RemoteWrap* remote = RemoteWrap::Unwrap(obj);
+  remote->ep_ = core_;
+  remote->rkey_ = rkey;
+  remote->address_ = blob.address;
+  remote->length_ = blob.length;
+  agent_->Adopt(remote);
+  return obj;
+}
+
+Napi::Value EndpointWrap::Close(const Napi::CallbackInfo& info) {
+  if (state_ == HandleState::kOpen) {
+    state_ = HandleState::kClosing;
+    if (inflight_ == 0) Release();
+  }
+  return info.Env().Undefined();
+}
+
+// ---------------------------------------------------------------------------
+// RemoteRegion
+
+Napi::Function RemoteWrap::Define(Napi::Env env) {
+  return DefineClass(env, "RemoteRegion",
+                     {
+                         InstanceAccessor<&RemoteWrap::Length>("length"),
+                         InstanceMethod<&RemoteWrap::Close>("close"),
+                     });
+}
+
+RemoteWrap::RemoteWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<RemoteWrap>(info) {
+  if (!IsInternalCall(info)) {
+    throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT", "RemoteRegion handles come from Endpoint.importRemote");
+  }
+}
+
+Napi::Value RemoteWrap::Length(const Napi::CallbackInfo& info) {
+  return Napi::Number::New(info.Env(), static_cast<double>(length_));
+}
+
+void RemoteWrap::OpDone() {
+  inflight_--;
+  if (inflight_ == 0 && state_ == HandleState::kClosing) Release();
+}
+
+void RemoteWrap::Release() {
+  if (state_ == HandleState::kClosed) return;
+  state_ = HandleState::kClosed;
+  // After the agent closed, the engine destroyed every rkey it held.
+  if (agent_ && agent_->engine() && rkey_) agent_->engine()->DestroyRkey(rkey_);
+  rkey_ = nullptr;
+  if (agent_) agent_->Forget(this);
+  agent_ = nullptr;
+}
+
+Napi::Value RemoteWrap::Close(const Napi::CallbackInfo& info) {
+  if (state_ == HandleState::kOpen) {
+    state_ = HandleState::kClosing;
+    if (inflight_ == 0) Release();
+  }
+  return info.Env().Undefined();
+}
+
+// ---------------------------------------------------------------------------
+
+Napi::Object Init(Napi::Env env, Napi::Object exports) {
+  auto* data = new AddonData();
+  data->agent_ctor = Napi::Persistent(AgentWrap::Define(env));
+  data->region_ctor = Napi::Persistent(RegionWrap::Define(env));
+  data->endpoint_ctor = Napi::Persistent(EndpointWrap::Define(env));
+  data->remote_ctor = Napi::Persistent(RemoteWrap::Define(env));
+  env.SetInstanceData<AddonData>(data);
+  // Handles left open at exit: close every agent (and so its children)
+  // before the environment goes away. No JavaScript runs from here.
+  env.AddCleanupHook([data, env]() {
+    std::vector<AgentWrap*> agents(data->agents.begin(), data->agents.end());
+    for (AgentWrap* a : agents) a->CloseAll(env, false);
+  });
+  exports.Set("Agent", data->agent_ctor.Value());
+  exports.Set("Region", data->region_ctor.Value());
+  exports.Set("Endpoint", data->endpoint_ctor.Value());
+  exports.Set("RemoteRegion", data->remote_ctor.Value());
+  exports.Set("ucxVersion", Napi::String::New(env, ucp_get_version_string()));
+  return exports;
+}
+
+}  // namespace
+
+}  // namespace kvxfer
+
+static Napi::Object InitKvxfer(Napi::Env env, Napi::Object exports) { return kvxfer::Init(env, exports); }
+
+NODE_API_MODULE(kvxfer, InitKvxfer)

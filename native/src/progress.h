@@ -1,0 +1,175 @@
+// The progress engine: one UCX context and worker, and the one thread that
+// owns the worker. Nothing in this file touches N-API; the addon copies every
+// JavaScript input into the plain structs below before work leaves the JS
+// thread, and builds JavaScript results from Events back on the JS thread.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace kvxfer {
+
+// Active-message id used for notifications.
+constexpr uint16_t kNotifyAmId = 0x4b58;  // "KX"
+
+enum class OpKind { kWrite, kRead, kNotify };
+
+// One UCX endpoint. Touched by the progress thread only, except `failed`,
+// which the JS thread may read.
+struct EndpointCore {
+  uint64_t id = 0;
+  ucp_ep_h ep = nullptr;
+  bool peer_error_mode = false;
+  std::atomic<bool> failed{false};
+  ucs_status_t fail_status = UCS_OK;
+  class ProgressEngine* engine = nullptr;
+};
+
+// A transfer as the progress thread sees it: everything copied out of
+// JavaScript already, bounds already checked.
+struct TransferOp {
+  uint64_t id = 0;
+  OpKind kind = OpKind::kWrite;
+  std::shared_ptr<EndpointCore> ep;
+  uint8_t* local_base = nullptr;
+  uint64_t remote_base = 0;
+  ucp_rkey_h rkey = nullptr;
+  // (localOffset, remoteOffset, length) triples, validated.
+  std::vector<uint64_t> desc;
+  std::vector<uint8_t> notification;
+  bool has_notification = false;
+
+  // Progress-thread state.
+  size_t next = 0;
+  ucs_status_t status = UCS_OK;
+  enum class Phase { kPosting, kFlushing, kNotifying } phase = Phase::kPosting;
+};
+
+struct Event {
+  enum class Kind { kCompletion, kNotification, kEndpointFailed } kind;
+  uint64_t id = 0;  // transfer id (completion) or endpoint id (failure)
+  ucs_status_t status = UCS_OK;
+  std::string peer;            // notifications: the sender agent's name
+  std::vector<uint8_t> bytes;  // notifications: the payload
+};
+
+struct EngineOptions {
+  std::string name;
+  std::string transports;   // UCX_TLS-style list; empty = UCX default
+  std::string net_devices;  // UCX_NET_DEVICES-style list; empty = UCX default
+  bool busy_poll = false;
+  size_t max_notification_bytes = 4 << 20;
+};
+
+class ProgressEngine {
+ public:
+  // Creates the context and worker on the calling thread. On failure returns
+  // nullptr and fills *status and *what.
+  static std::unique_ptr<ProgressEngine> Create(const EngineOptions& opts, ucs_status_t* status,
+                                                std::string* what);
+  ~ProgressEngine();
+  ProgressEngine(const ProgressEngine&) = delete;
+  ProgressEngine& operator=(const ProgressEngine&) = delete;
+
+  // Starts the progress thread. `events_ready` is called from the progress
+  // thread when the first event of a new batch is queued; the JS side then
+  // calls TakeEvents() and re-arms by returning.
+  void Start(std::function<void()> events_ready);
+
+  ucp_context_h context() const { return context_; }
+  const std::vector<uint8_t>& worker_address() const { return worker_address_; }
+  const std::string& name() const { return opts_.name; }
+  size_t max_notification_bytes() const { return opts_.max_notification_bytes; }
+
+  // Runs `fn` on the progress thread and waits for it (bounded). Used for the
+  // cheap, local worker calls: endpoint creation, rkey unpacking.
+  [[nodiscard]] ucs_status_t RunSync(std::function<ucs_status_t()> fn);
+  // Runs `fn` on the progress thread without waiting.
+  void RunAsync(std::function<void()> fn);
+
+  void Submit(std::unique_ptr<TransferOp> op);
+  void TakeEvents(std::vector<Event>* out);
+
+  // Creates an endpoint (progress thread) from a raw UCX worker address.
+  [[nodiscard]] ucs_status_t CreateEndpoint(const std::vector<uint8_t>& address, bool peer_mode,
+                                            std::shared_ptr<EndpointCore>* out);
+  // Closes an endpoint in the background; FORCE in peer mode, flush otherwise.
+  void CloseEndpoint(std::shared_ptr<EndpointCore> ep);
+  // Unpacks a peer's packed remote key for `ep` (progress thread). The engine
+  // owns the result until DestroyRkey(), or until it is destroyed itself.
+  [[nodiscard]] ucs_status_t UnpackRkey(const std::shared_ptr<EndpointCore>& ep,
+                                        const std::vector<uint8_t>& packed, ucp_rkey_h* out);
+  void DestroyRkey(ucp_rkey_h rkey);
+
+  // Fails every queued transfer, closes endpoints within a deadline, stops
+  // and joins the thread. Idempotent. Completions for failed transfers are
+  // left in the event queue for the caller to deliver.
+  void Shutdown();
+
+ private:
+  ProgressEngine() = default;
+  void Loop();
+  void Wake();
+  void DrainCommands();
+  bool PostSome(TransferOp* op);  // returns true while descriptors remain
+  void StartFlush(TransferOp* op);
+  void AfterFlush(TransferOp* op, ucs_status_t status);
+  void StartNotify(TransferOp* op);
+  void Complete(TransferOp* op, ucs_status_t status);
+  void PushEvent(Event ev);
+  void CloseEndpointNow(const std::shared_ptr<EndpointCore>& ep);
+  bool ShutdownDone();
+
+  static void OnFlush(void* request, ucs_status_t status, void* user_data);
+  static void OnNotifySent(void* request, ucs_status_t status, void* user_data);
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static void OnEpClosed(void* request, ucs_status_t status, void* user_data);
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+
+  EngineOptions opts_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int worker_fd_ = -1;
+  int wake_fd_ = -1;
+  int epoll_fd_ = -1;
+  std::vector<uint8_t> worker_address_;
+
+  std::thread thread_;
+  bool started_ = false;
+  bool shut_down_ = false;        // JS thread
+  std::atomic<bool> stopped_{false};  // set once the thread has been joined
+
+  std::mutex cmd_mu_;
+  std::deque<std::function<void()>> commands_;
+
+  std::mutex ev_mu_;
+  std::vector<Event> events_;
+  bool events_signalled_ = false;
+  std::function<void()> events_ready_;
+
+  // Progress-thread only.
+  std::unordered_map<uint64_t, std::unique_ptr<TransferOp>> ops_;
+  std::deque<TransferOp*> posting_;
+  std::unordered_map<uint64_t, std::shared_ptr<EndpointCore>> endpoints_;
+  size_t closing_endpoints_ = 0;
+  uint64_t next_ep_id_ = 1;
+  bool stopping_ = false;
+  std::chrono::steady_clock::time_point deadline_;
+  std::unordered_set<ucp_rkey_h> rkeys_;
+  std::vector<std::unique_ptr<TransferOp>> abandoned_;
+};
+
+}  // namespace kvxfer

@@ -1,0 +1,51 @@
+// Stable string names for UCX status codes: JavaScript errors carry these as
+// `code`, so callers and tests match on a name that does not change with the
+// wording of ucs_status_string().
+#pragma once
+
+#include <ucs/type/status.h>
+
+#include <string>
+
+namespace kvxfer {
+
+inline std::string UcsStatusName(ucs_status_t status) {
+  switch (status) {
+#define KVXFER_STATUS(name) \
+  case name:                \
+    return #name;
+    KVXFER_STATUS(UCS_OK)
+    KVXFER_STATUS(UCS_INPROGRESS)
+    KVXFER_STATUS(UCS_ERR_NO_MESSAGE)
+    KVXFER_STATUS(UCS_ERR_NO_RESOURCE)
+    KVXFER_STATUS(UCS_ERR_IO_ERROR)
+    KVXFER_STATUS(UCS_ERR_NO_MEMORY)
+    KVXFER_STATUS(UCS_ERR_INVALID_PARAM)
+    KVXFER_STATUS(UCS_ERR_UNREACHABLE)
+    KVXFER_STATUS(UCS_ERR_INVALID_ADDR)
+    KVXFER_STATUS(UCS_ERR_NOT_IMPLEMENTED)
+    KVXFER_STATUS(UCS_ERR_MESSAGE_TRUNCATED)
+    KVXFER_STATUS(UCS_ERR_NO_PROGRESS)
+    KVXFER_STATUS(UCS_ERR_BUFFER_TOO_SMALL)
+    KVXFER_STATUS(UCS_ERR_NO_ELEM)
+    KVXFER_STATUS(UCS_ERR_SOME_CONNECTS_FAILED)
+    KVXFER_STATUS(UCS_ERR_NO_DEVICE)
+    KVXFER_STATUS(UCS_ERR_BUSY)
+    KVXFER_STATUS(UCS_ERR_CANCELED)
+    KVXFER_STATUS(UCS_ERR_SHMEM_SEGMENT)
+    KVXFER_STATUS(UCS_ERR_ALREADY_EXISTS)
+    KVXFER_STATUS(UCS_ERR_OUT_OF_RANGE)
+    KVXFER_STATUS(UCS_ERR_TIMED_OUT)
+    KVXFER_STATUS(UCS_ERR_EXCEEDS_LIMIT)
+    KVXFER_STATUS(UCS_ERR_UNSUPPORTED)
+    KVXFER_STATUS(UCS_ERR_REJECTED)
+    KVXFER_STATUS(UCS_ERR_NOT_CONNECTED)
+    KVXFER_STATUS(UCS_ERR_CONNECTION_RESET)
+    KVXFER_STATUS(UCS_ERR_ENDPOINT_TIMEOUT)
+#undef KVXFER_STATUS
+    default:
+      return "UCS_ERR_" + std::to_string(-static_cast<int>(status));
+  }
+}
+
+}  // namespace kvxfer

@@ -1,0 +1,418 @@
+/**
+ * The typed face of the native UCX addon. This is the only module that loads
+ * the `.node` file; everything else in kvxfer uses these classes.
+ *
+ * An Agent is one UCX context and worker with its own progress thread. It
+ * registers memory (Regions), connects to peers (Endpoints), imports peers'
+ * memory (RemoteRegions) and moves bytes with one-sided WRITE and READ.
+ */
+import { EventEmitter } from "node:events";
+import { existsSync } from "node:fs";
+import { createRequire } from "node:module";
+import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
+
+import { KvxferError } from "./errors.js";
+
+export { KvxferError, hasCode } from "./errors.js";
+
+// --- the raw addon -----------------------------------------------------------
+
+interface NativeRegion {
+  readonly address: bigint;
+  readonly length: number;
+  readonly path: string | null;
+  readonly closed: boolean;
+  remoteKey(): Buffer;
+  view(): ArrayBuffer;
+  close(): void;
+}
+
+interface NativeRemoteRegion {
+  readonly length: number;
+  close(): void;
+}
+
+interface NativeEndpoint {
+  readonly id: number;
+  readonly state: EndpointState;
+  importRemote(key: Uint8Array): NativeRemoteRegion;
+  close(): void;
+}
+
+type NativeEvent =
+  | { type: "notification"; peer: string; data: Buffer }
+  | { type: "endpointFailed"; endpointId: number; code: string; ucsStatus: number };
+
+interface NativeAgent {
+  readonly address: Buffer;
+  readonly name: string;
+  readonly inflight: number;
+  registerMemory(memory: ArrayBufferLike | ArrayBufferView): NativeRegion;
+  mapFile(path: string, offset: number, length: number): NativeRegion;
+  connect(address: Uint8Array, errorMode: ErrorMode): NativeEndpoint;
+  transfer(
+    kind: 0 | 1,
+    ep: NativeEndpoint,
+    local: NativeRegion,
+    remote: NativeRemoteRegion,
+    descriptors: Descriptors,
+    notification?: Uint8Array,
+  ): Promise<void>;
+  notify(ep: NativeEndpoint, bytes: Uint8Array): Promise<void>;
+  close(): void;
+}
+
+interface NativeAddon {
+  Agent: new (
+    options: {
+      name: string;
+      transports: string;
+      netDevices: string;
+      busyPoll: boolean;
+      maxNotificationBytes: number;
+    },
+    onEvents: (batch: NativeEvent[]) => void,
+  ) => NativeAgent;
+  ucxVersion: string;
+}
+
+function findPackageRoot(start: string): string {
+  let dir = start;
+  for (let i = 0; i < 8; i++) {
+    if (existsSync(join(dir, "package.json")) && existsSync(join(dir, "native"))) return dir;
+    dir = dirname(dir);
+  }
+  throw new KvxferError("ERR_NATIVE_MISSING", `cannot find the kvxfer package root above ${start}`);
+}
+
+function loadAddon(): NativeAddon {
+  // UCX's own SIGSEGV/SIGBUS handlers would turn V8's WebAssembly traps into
+  // crashes; an operator's explicit setting still wins.
+  process.env.UCX_ERROR_SIGNALS ??= "";
+  const root = findPackageRoot(dirname(fileURLToPath(import.meta.url)));
+  const path = join(root, "build", "native", "Release", "kvxfer.node");
+  if (!existsSync(path)) {
+    throw new KvxferError(
+      "ERR_NATIVE_MISSING",
+      `the native addon is not built (${path}); run 'npm run build' (needs libucx-dev and cmake)`,
+    );
+  }
+  return createRequire(import.meta.url)(path) as NativeAddon;
+}
+
+const addon = loadAddon();
+
+/** The UCX library version the addon runs on. */
+export const ucxVersion: string = addon.ucxVersion;
+
+// --- public types ------------------------------------------------------------
+
+/** `none`: no error handling (keeps shared-memory transports); `peer`: UCX reports peer failure. */
+export type ErrorMode = "none" | "peer";
+export type EndpointState = "connected" | "failed" | "closed";
+
+/**
+ * Descriptors: one typed array of (localOffset, remoteOffset, length) triples.
+ * A Float64Array (integers up to 2^53), a BigUint64Array, or a Uint8Array view
+ * of little-endian float64 triples (8-byte aligned).
+ */
+export type Descriptors = Float64Array | BigUint64Array | Uint8Array;
+
+export interface AgentOptions {
+  /** Sent with every notification as the sender's identity. Default: random. */
+  name?: string;
+  /** UCX transport list (as UCX_TLS), e.g. "shm,self" or "tcp". Default: UCX's choice. */
+  transports?: string;
+  /** UCX network devices (as UCX_NET_DEVICES), e.g. "veth0". Default: all. */
+  netDevices?: string;
+  /** Spin on the worker instead of sleeping on its event fd. */
+  busyPoll?: boolean;
+  /** Largest notification accepted or sent. Default 4 MiB. */
+  maxNotificationBytes?: number;
+}
+
+export interface Notification {
+  /** The sending agent's name. */
+  peer: string;
+  data: Buffer;
+}
+
+export interface AgentEvents {
+  /** A batch of notifications, in arrival order. */
+  notifications: [batch: Notification[]];
+  /** An endpoint failed; every operation on it has been or will be rejected. */
+  endpointFailed: [endpoint: Endpoint, code: string];
+}
+
+const NAME_MAX = 200;
+
+function check(cond: boolean, code: string, message: string): asserts cond {
+  if (!cond) throw new KvxferError(code, message);
+}
+
+function isBytes(v: unknown): v is Uint8Array {
+  return v instanceof Uint8Array;
+}
+
+/** Runs a native call, turning what it throws into a KvxferError. */
+function call<T>(fn: () => T): T {
+  try {
+    return fn();
+  } catch (err) {
+    throw KvxferError.from(err);
+  }
+}
+
+/** Awaits a native promise; a rejection becomes a KvxferError with the caller's stack. */
+async function settle(promise: Promise<void>, site: Error): Promise<void> {
+  try {
+    await promise;
+  } catch (err) {
+    throw KvxferError.from(err, site);
+  }
+}
+
+// --- handles -----------------------------------------------------------------
+
+/** Local memory registered with an agent. */
+export class Region {
+  /** @internal */
+  constructor(
+    readonly agent: Agent,
+    /** @internal */ readonly native: NativeRegion,
+  ) {}
+
+  get length(): number {
+    return this.native.length;
+  }
+  get address(): bigint {
+    return this.native.address;
+  }
+  /** The shared-memory file this region maps, or null for a registered Buffer. */
+  get path(): string | null {
+    return this.native.path;
+  }
+  get closed(): boolean {
+    return this.native.closed;
+  }
+  /** The packed remote key a peer needs to WRITE to or READ from this region. */
+  remoteKey(): Buffer {
+    return call(() => this.native.remoteKey());
+  }
+  /** The region's bytes (for a mapped file: detached when the region closes). */
+  bytes(): Uint8Array {
+    const v = call(() => this.native.view());
+    return v instanceof ArrayBuffer ? new Uint8Array(v) : (v as Uint8Array);
+  }
+  /** Idempotent; the memory is unregistered once no transfer uses it. */
+  close(): void {
+    this.native.close();
+  }
+}
+
+/** A peer's region, imported on one endpoint. */
+export class RemoteRegion {
+  /** @internal */
+  constructor(
+    readonly endpoint: Endpoint,
+    /** @internal */ readonly native: NativeRemoteRegion,
+  ) {}
+  get length(): number {
+    return this.native.length;
+  }
+  close(): void {
+    this.native.close();
+  }
+}
+
+/** A connection to one peer agent. */
+export class Endpoint {
+  /** @internal */
+  constructor(
+    readonly agent: Agent,
+    /** @internal */ readonly native: NativeEndpoint,
+    readonly errorMode: ErrorMode,
+  ) {}
+
+  get id(): number {
+    return this.native.id;
+  }
+  get state(): EndpointState {
+    return this.native.state;
+  }
+  /** Imports a peer's region from the remote key its Region.remoteKey() produced. */
+  importRemote(remoteKey: Uint8Array): RemoteRegion {
+    check(isBytes(remoteKey), "ERR_INVALID_ARGUMENT", "importRemote: remoteKey must be a Buffer");
+    return new RemoteRegion(
+      this,
+      call(() => this.native.importRemote(remoteKey)),
+    );
+  }
+  /** Idempotent; the endpoint is closed once no transfer uses it. */
+  close(): void {
+    this.native.close();
+    this.agent.forget(this);
+  }
+}
+
+/** One UCX context and worker, driven by its own progress thread. */
+export class Agent extends EventEmitter<AgentEvents> {
+  readonly name: string;
+  private readonly native: NativeAgent;
+  private readonly endpoints = new Map<number, Endpoint>();
+  private closedFlag = false;
+
+  constructor(options: AgentOptions = {}) {
+    super();
+    const name = options.name ?? `kvxfer-${process.pid}-${Math.random().toString(16).slice(2, 10)}`;
+    check(
+      typeof name === "string" && name.length > 0 && Buffer.byteLength(name) <= NAME_MAX,
+      "ERR_INVALID_ARGUMENT",
+      `agent name must be 1..${NAME_MAX} bytes`,
+    );
+    const maxNotificationBytes = options.maxNotificationBytes ?? 4 << 20;
+    check(
+      Number.isInteger(maxNotificationBytes) && maxNotificationBytes > 0,
+      "ERR_INVALID_ARGUMENT",
+      "maxNotificationBytes must be a positive integer",
+    );
+    this.name = name;
+    this.native = call(
+      () =>
+        new addon.Agent(
+          {
+            name,
+            transports: options.transports ?? "",
+            netDevices: options.netDevices ?? "",
+            busyPoll: options.busyPoll ?? false,
+            maxNotificationBytes,
+          },
+          (batch) => this.onNativeEvents(batch),
+        ),
+    );
+  }
+
+  /** This agent's worker address, for a peer's connect(). */
+  get address(): Buffer {
+    return call(() => this.native.address);
+  }
+  /** Operations (transfers and notifications) in flight. */
+  get inflight(): number {
+    return this.native.inflight;
+  }
+  get closed(): boolean {
+    return this.closedFlag;
+  }
+
+  /** Registers a Buffer, TypedArray or ArrayBuffer; it stays referenced until the region closes. */
+  registerMemory(memory: ArrayBufferLike | ArrayBufferView): Region {
+    return new Region(
+      this,
+      call(() => this.native.registerMemory(memory)),
+    );
+  }
+
+  /** Maps `length` bytes at `offset` of a (shared-memory) file and registers them. */
+  mapFile(path: string, options: { offset?: number; length: number }): Region {
+    check(typeof path === "string" && path.length > 0, "ERR_INVALID_ARGUMENT", "mapFile: path must be a non-empty string");
+    const offset = options.offset ?? 0;
+    return new Region(
+      this,
+      call(() => this.native.mapFile(path, offset, options.length)),
+    );
+  }
+
+  /** Connects to a peer agent from its address. */
+  connect(address: Uint8Array, options: { errorMode?: ErrorMode } = {}): Endpoint {
+    check(isBytes(address), "ERR_INVALID_ARGUMENT", "connect: address must be a Buffer");
+    const errorMode = options.errorMode ?? "none";
+    check(
+      errorMode === "none" || errorMode === "peer",
+      "ERR_INVALID_ARGUMENT",
+      `connect: errorMode must be 'none' or 'peer', got '${String(errorMode)}'`,
+    );
+    const native = call(() => this.native.connect(address, errorMode));
+    const ep = new Endpoint(this, native, errorMode);
+    this.endpoints.set(ep.id, ep);
+    return ep;
+  }
+
+  /**
+   * One-sided WRITE of every descriptor from `local` into `remote`. Resolves
+   * when all data is remotely complete; with a notification, the peer receives
+   * it only after all the data has landed.
+   */
+  write(
+    ep: Endpoint,
+    local: Region,
+    remote: RemoteRegion,
+    descriptors: Descriptors,
+    notification?: Uint8Array,
+  ): Promise<void> {
+    const site = new Error();
+    this.checkTransfer(ep, local, remote, descriptors);
+    if (notification !== undefined) {
+      check(isBytes(notification), "ERR_INVALID_ARGUMENT", "write: notification must be a Buffer");
+    }
+    const p = call(() => this.native.transfer(0, ep.native, local.native, remote.native, descriptors, notification));
+    return settle(p, site);
+  }
+
+  /** One-sided READ of every descriptor from `remote` into `local`; resolves when all data is local. */
+  read(ep: Endpoint, local: Region, remote: RemoteRegion, descriptors: Descriptors): Promise<void> {
+    const site = new Error();
+    this.checkTransfer(ep, local, remote, descriptors);
+    const p = call(() => this.native.transfer(1, ep.native, local.native, remote.native, descriptors));
+    return settle(p, site);
+  }
+
+  /** Sends a notification; it arrives after every write on `ep` that completed before this call. */
+  notify(ep: Endpoint, bytes: Uint8Array): Promise<void> {
+    const site = new Error();
+    check(ep instanceof Endpoint && ep.agent === this, "ERR_INVALID_ARGUMENT", "notify: endpoint is not this agent's");
+    check(isBytes(bytes), "ERR_INVALID_ARGUMENT", "notify: bytes must be a Buffer or Uint8Array");
+    const p = call(() => this.native.notify(ep.native, bytes));
+    return settle(p, site);
+  }
+
+  /**
+   * Idempotent. Cancels what is in flight (those promises reject with
+   * ERR_CLOSED), closes endpoints, regions and remote regions, stops the thread.
+   */
+  close(): void {
+    if (this.closedFlag) return;
+    this.closedFlag = true;
+    this.native.close();
+    this.endpoints.clear();
+  }
+
+  /** @internal */
+  forget(ep: Endpoint): void {
+    this.endpoints.delete(ep.id);
+  }
+
+  private checkTransfer(ep: Endpoint, local: Region, remote: RemoteRegion, descriptors: Descriptors): void {
+    check(ep instanceof Endpoint, "ERR_INVALID_ARGUMENT", "endpoint is not an Endpoint");
+    check(local instanceof Region, "ERR_INVALID_ARGUMENT", "local is not a Region");
+    check(remote instanceof RemoteRegion, "ERR_INVALID_ARGUMENT", "remote is not a RemoteRegion");
+    check(
+      descriptors instanceof Float64Array || descriptors instanceof BigUint64Array || descriptors instanceof Uint8Array,
+      "ERR_DESC_TYPE",
+      "descriptors must be a Float64Array, BigUint64Array or Uint8Array of (localOffset, remoteOffset, length) triples",
+    );
+  }
+
+  private onNativeEvents(batch: NativeEvent[]): void {
+    let notes: Notification[] | undefined;
+    for (const ev of batch) {
+      if (ev.type === "notification") {
+        (notes ??= []).push({ peer: ev.peer, data: ev.data });
+      } else {
+        const ep = this.endpoints.get(ev.endpointId);
+        if (ep !== undefined) this.emit("endpointFailed", ep, ev.code);
+      }
+    }
+    if (notes !== undefined) this.emit("notifications", notes);
+  }
+}
