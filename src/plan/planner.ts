@@ -285,7 +285,10 @@ function relativePieces(
       const b = s.dstHeadOffset;
       let hn: number;
       let tn: number;
-      if (contiguous(src.order, n, L, bp, hp) && contiguous(dst.order, n, L, bd, hd)) {
+      // A copy must also walk heads and tokens in the same order on both sides: HND goes
+      // head-major, NHD token-major, so they agree on a box only when it is one head or one token.
+      const sameWalk = src.order === dst.order || n === 1 || L === 1;
+      if (sameWalk && contiguous(src.order, n, L, bp, hp) && contiguous(dst.order, n, L, bd, hd)) {
         hn = n;
         tn = L;
       } else {

@@ -1,0 +1,353 @@
+import fc from "fast-check";
+import { describe, expect, it } from "vitest";
+import {
+  type KvBlockOrder,
+  type KvLayout,
+  type KvRegionScheme,
+  descriptorsForSide,
+  kvLayout,
+  planTransfer,
+} from "../src/plan/index.js";
+import {
+  type Model,
+  type PlanCase,
+  blockIds,
+  checkByteExact,
+  makeLayout,
+  planCaseArb,
+  shape,
+} from "./plan/cases.js";
+
+const llama8b: Model = {
+  numLayers: 32,
+  mla: false,
+  totalKvHeads: 8,
+  headDim: 128,
+  dtype: "bfloat16",
+  dtypeBytes: 2,
+};
+
+const deepseekMla: Model = {
+  numLayers: 61,
+  mla: true,
+  totalKvHeads: 1,
+  headDim: 576,
+  dtype: "bfloat16",
+  dtypeBytes: 2,
+};
+
+function layout(
+  model: Model,
+  tpSize: number,
+  blockSize: number,
+  numBlocks: number,
+  order: KvBlockOrder = "HND",
+  scheme: KvRegionScheme = "region-per-layer",
+): KvLayout {
+  return kvLayout(shape(model, { tpSize, blockSize, numBlocks, order }), scheme);
+}
+
+function fixedCase(
+  src: KvLayout,
+  dst: KvLayout,
+  numTokens: number,
+  prefixTokens: number,
+  seed: number,
+): PlanCase {
+  const srcIds = blockIds(Math.ceil(numTokens / src.blockSize), src.numBlocks, seed);
+  const dstIds = blockIds(Math.ceil(numTokens / dst.blockSize), dst.numBlocks, seed + 1);
+  return {
+    src,
+    dst,
+    numTokens,
+    prefixTokens,
+    srcIds,
+    dstIds,
+    srcIdsGiven: srcIds,
+    dstIdsGiven: dstIds,
+  };
+}
+
+describe("planTransfer against the reference model", () => {
+  it("is byte-exact over random layout pairs, TP sizes, block sizes, prefixes and block ids", () => {
+    fc.assert(
+      fc.property(planCaseArb, (c) => {
+        checkByteExact(c);
+      }),
+      { numRuns: 1000 },
+    );
+  });
+
+  it("is byte-exact without coalescing too, and coalescing only merges", () => {
+    fc.assert(
+      fc.property(planCaseArb, (c) => {
+        const raw = checkByteExact(c, { coalesce: false });
+        expect(raw.descriptorCount).toBe(raw.rawDescriptorCount);
+        const merged = planTransfer(c.src, c.dst, {
+          numTokens: c.numTokens,
+          prefixTokens: c.prefixTokens,
+          srcBlockIds: c.srcIdsGiven,
+          dstBlockIds: c.dstIdsGiven,
+        });
+        expect(merged.rawDescriptorCount).toBe(raw.rawDescriptorCount);
+        expect(merged.bytes).toBe(raw.bytes);
+      }),
+      { numRuns: 300 },
+    );
+  });
+
+  it("plans rank subsets as the matching part of the full plan", () => {
+    fc.assert(
+      fc.property(planCaseArb, fc.nat(), fc.nat(), (c, a, b) => {
+        const req = {
+          numTokens: c.numTokens,
+          prefixTokens: c.prefixTokens,
+          srcBlockIds: c.srcIdsGiven,
+          dstBlockIds: c.dstIdsGiven,
+        };
+        const full = planTransfer(c.src, c.dst, req);
+        const srcRank = a % c.src.tpSize;
+        const dstRank = b % c.dst.tpSize;
+        const part = planTransfer(c.src, c.dst, req, { srcRanks: [srcRank], dstRanks: [dstRank] });
+        expect(part.pairs).toEqual(
+          full.pairs.filter((p) => p.srcRank === srcRank && p.dstRank === dstRank),
+        );
+      }),
+      { numRuns: 100 },
+    );
+  });
+
+  it("covers the corners: partial last block, unaligned prefix, P block < = > D block, NHD head split", () => {
+    const model: Model = { ...llama8b, numLayers: 2, headDim: 4 };
+    for (const [bp, bd] of [
+      [16, 16],
+      [16, 64],
+      [64, 16],
+      [16, 24],
+      [1, 256],
+      [256, 1],
+    ] as const) {
+      for (const [tpP, tpD] of [
+        [2, 4],
+        [4, 2],
+        [1, 8],
+        [8, 1],
+      ] as const) {
+        for (const [op, od] of [
+          ["HND", "HND"],
+          ["NHD", "NHD"],
+          ["HND", "NHD"],
+          ["NHD", "HND"],
+        ] as const) {
+          const numTokens = 301;
+          const src = layout(model, tpP, bp, Math.ceil(numTokens / bp) + 3, op);
+          const dst = layout(model, tpD, bd, Math.ceil(numTokens / bd) + 3, od);
+          checkByteExact(fixedCase(src, dst, numTokens, 37, bp * 31 + bd));
+        }
+      }
+    }
+  });
+
+  it("moves nothing when the prefix covers every token, but keeps the rank pairs", () => {
+    const src = layout(llama8b, 2, 16, 8);
+    const dst = layout(llama8b, 4, 16, 8);
+    const plan = planTransfer(src, dst, {
+      numTokens: 40,
+      prefixTokens: 40,
+      srcBlockIds: [-1, -1, -1],
+      dstBlockIds: [-1, -1, -1],
+    });
+    expect(plan.bytes).toBe(0);
+    expect(plan.descriptorCount).toBe(0);
+    expect(plan.pairs.map((p) => [p.srcRank, p.dstRank])).toEqual([
+      [0, 0],
+      [0, 1],
+      [1, 2],
+      [1, 3],
+    ]);
+  });
+});
+
+describe("Llama-3-8B (32 layers, 8 KV heads, head 128, bf16, block 16)", () => {
+  const tps = [1, 2, 4, 8];
+  const numTokens = 1000;
+  const row = 128 * 2;
+
+  for (const tpP of tps) {
+    for (const tpD of tps) {
+      it(`P TP ${tpP} -> D TP ${tpD}: pairs, bytes and descriptors per pair`, () => {
+        const nb = Math.ceil(numTokens / 16);
+        const src = layout(llama8b, tpP, 16, nb + 10);
+        const dst = layout(llama8b, tpD, 16, nb + 10);
+        const ids = blockIds(nb, nb + 10, tpP * 10 + tpD);
+        const plan = planTransfer(src, dst, {
+          numTokens,
+          prefixTokens: 100,
+          srcBlockIds: ids,
+          dstBlockIds: ids,
+        });
+        const moved = numTokens - 100;
+        expect(plan.bytes).toBe(moved * 64 * 8 * row);
+        expect(plan.pairs.length).toBe(Math.max(tpP, tpD));
+        for (const pair of plan.pairs) {
+          expect(pair.bytes).toBe((moved * 64 * 8 * row) / Math.max(tpP, tpD));
+          // Blocks 6..62 move (the prefix ends inside block 6, token 999 inside block 62). A
+          // whole HND block is one copy for any head slice; the two partial blocks cost one
+          // copy per head the pair shares.
+          const heads = Math.min(8 / tpP, 8 / tpD);
+          expect(pair.rawDescriptorCount).toBe((55 + 2 * heads) * 64);
+          expect(pair.regionPairs.length).toBe(32);
+        }
+      });
+    }
+  }
+
+  it("is byte-exact on 2 layers between TP 1/2/4/8, HND and NHD", () => {
+    const model = { ...llama8b, numLayers: 2 };
+    for (const tpP of tps) {
+      for (const tpD of tps) {
+        for (const order of ["HND", "NHD"] as const) {
+          const src = layout(model, tpP, 16, 12, order);
+          const dst = layout(model, tpD, 16, 12, order);
+          checkByteExact(fixedCase(src, dst, 70, 21, tpP * 8 + tpD));
+        }
+      }
+    }
+  });
+
+  it("NHD with a head split costs one copy per token and head slice, HND one per block", () => {
+    const nb = 64;
+    const ids = Array.from({ length: nb }, (_, i) => i);
+    const req = { numTokens: nb * 16, srcBlockIds: ids, dstBlockIds: ids };
+    const hnd = planTransfer(layout(llama8b, 2, 16, nb), layout(llama8b, 4, 16, nb), req);
+    const nhd = planTransfer(
+      layout(llama8b, 2, 16, nb, "NHD"),
+      layout(llama8b, 4, 16, nb, "NHD"),
+      req,
+    );
+    const pair = (p: typeof hnd) => p.pairs[0]!;
+    expect(pair(hnd).rawDescriptorCount).toBe(nb * 64);
+    // D gets whole blocks, but P's half-blocks are not adjacent across blocks: nothing merges.
+    expect(pair(hnd).descriptorCount).toBe(nb * 64);
+    expect(pair(nhd).rawDescriptorCount).toBe(nb * 16 * 64);
+    expect(pair(nhd).descriptorCount).toBe(nb * 16 * 64);
+    expect(pair(nhd).bytes).toBe(pair(hnd).bytes);
+  });
+});
+
+describe("DeepSeek-style MLA (61 layers, one 576-wide bf16 latent)", () => {
+  it("maps each D rank to one P rank, spread over P ranks", () => {
+    for (const [tpP, tpD] of [
+      [1, 8],
+      [8, 1],
+      [4, 8],
+      [8, 2],
+      [8, 8],
+    ] as const) {
+      const src = layout(deepseekMla, tpP, 64, 40, "HND", "region-per-layer-kv");
+      const dst = layout(deepseekMla, tpD, 64, 40, "HND", "region-per-layer-kv");
+      const ids = blockIds(32, 40, 3);
+      const plan = planTransfer(src, dst, { numTokens: 2000, srcBlockIds: ids, dstBlockIds: ids });
+      expect(plan.pairs.map((p) => [p.srcRank, p.dstRank])).toEqual(
+        Array.from({ length: tpD }, (_, r) => [r % tpP, r]),
+      );
+      for (const p of plan.pairs) {
+        expect(p.bytes).toBe(2000 * 61 * 576 * 2);
+        expect(p.rawDescriptorCount).toBe(32 * 61);
+      }
+    }
+  });
+
+  it("is byte-exact on 3 layers with P block 64 and D block 32/64/128", () => {
+    const model = { ...deepseekMla, numLayers: 3, headDim: 24 };
+    for (const bd of [32, 64, 128]) {
+      for (const [tpP, tpD] of [
+        [2, 4],
+        [4, 1],
+      ] as const) {
+        const src = layout(model, tpP, 64, 12, "HND", "region-per-layer-kv");
+        const dst = layout(
+          model,
+          tpD,
+          bd,
+          Math.ceil(600 / bd) + 2,
+          "NHD",
+          "one-region-blocks-first",
+        );
+        checkByteExact(fixedCase(src, dst, 600, 130, bd + tpP));
+      }
+    }
+  });
+});
+
+describe("coalescing", () => {
+  const model: Model = { ...llama8b, numLayers: 4 };
+  const runs = [[5, 6, 7, 8], [20, 21], [3], [11, 12, 13]];
+  const ids = runs.flat();
+  const req = { numTokens: ids.length * 16, srcBlockIds: ids, dstBlockIds: ids };
+
+  const cases: [KvRegionScheme, number][] = [
+    // K and V share a region per layer: one descriptor per slot per run.
+    ["region-per-layer", 2 * runs.length],
+    ["region-per-layer-kv", runs.length],
+    ["one-region-layers-first", 8 * runs.length],
+    // Each block holds every layer back to back: one descriptor per run for the whole model.
+    ["one-region-blocks-first", runs.length],
+  ];
+  for (const [scheme, perRegionPair] of cases) {
+    it(`${scheme}: contiguous block ids give one descriptor per region pair per run`, () => {
+      for (const tp of [1, 4]) {
+        const src = kvLayout(
+          shape(model, { tpSize: tp, blockSize: 16, numBlocks: 32, order: "HND" }),
+          scheme,
+        );
+        const dst = kvLayout(
+          shape(model, { tpSize: tp, blockSize: 16, numBlocks: 32, order: "HND" }),
+          scheme,
+        );
+        const plan = planTransfer(src, dst, req);
+        for (const pair of plan.pairs) {
+          expect(pair.rawDescriptorCount).toBe(ids.length * 8);
+          for (const rp of pair.regionPairs) expect(rp.count).toBe(perRegionPair);
+          expect(pair.descriptorCount).toBe(perRegionPair * pair.regionPairs.length);
+        }
+      }
+    });
+  }
+
+  it("merges a run whose P and D block sizes differ (P 16, D 64, aligned ids)", () => {
+    const src = kvLayout(shape(model, { tpSize: 2, blockSize: 16, numBlocks: 64, order: "NHD" }));
+    const dst = kvLayout(shape(model, { tpSize: 2, blockSize: 64, numBlocks: 16, order: "NHD" }));
+    const plan = planTransfer(src, dst, {
+      numTokens: 256,
+      srcBlockIds: Array.from({ length: 16 }, (_, i) => 16 + i),
+      dstBlockIds: [4, 5, 6, 7],
+    });
+    for (const pair of plan.pairs) {
+      expect(pair.descriptorCount).toBe(8);
+      expect(pair.rawDescriptorCount).toBe(16 * 8);
+    }
+  });
+
+  it("scattered addressing still coalesces nothing it should not (checked byte-exact)", () => {
+    const src = makeLayout(
+      shape(model, { tpSize: 2, blockSize: 4, numBlocks: 30, order: "HND" }),
+      "scattered",
+      5,
+    );
+    const dst = makeLayout(
+      shape(model, { tpSize: 4, blockSize: 8, numBlocks: 20, order: "HND" }),
+      "scattered",
+      9,
+    );
+    checkByteExact(fixedCase(src, dst, 90, 3, 17));
+  });
+});
+
+describe("descriptorsForSide", () => {
+  it("passes P's triples through and swaps the offsets for D", () => {
+    const d = new Float64Array([1, 2, 3, 10, 20, 30]);
+    expect(descriptorsForSide(d, "src")).toBe(d);
+    expect([...descriptorsForSide(d, "dst")]).toEqual([2, 1, 3, 20, 10, 30]);
+  });
+});

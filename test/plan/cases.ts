@@ -1,0 +1,246 @@
+// Test layouts and requests: fast-check arbitraries and a byte-exact check through the reference.
+import fc from "fast-check";
+import { expect } from "vitest";
+import {
+  type KvBlockOrder,
+  type KvLayout,
+  type KvLayoutShape,
+  type KvRegionScheme,
+  type PlanOptions,
+  type TransferPlan,
+  kvLayout,
+  planTransfer,
+} from "../../src/plan/index.js";
+import {
+  applyPlan,
+  decodeMemories,
+  firstDifference,
+  headsOf,
+  prefillMemories,
+  rng,
+} from "./reference.js";
+
+export const SCHEMES: readonly KvRegionScheme[] = [
+  "region-per-layer",
+  "region-per-layer-kv",
+  "region-per-layer-blocks-first",
+  "one-region-blocks-first",
+  "one-region-layers-first",
+];
+
+/** A scheme name, or `scattered`: random regions, padded block stride, gaps, shuffled slots. */
+export type Addressing = KvRegionScheme | "scattered";
+
+/**
+ * Slots spread over 1-3 regions in a shuffled order, with a block stride above the block size
+ * and gaps between slots: addressing no engine uses, to keep the planner honest.
+ */
+export function scatteredLayout(shape: KvLayoutShape, seed: number): KvLayout {
+  const base = kvLayout(shape, "region-per-layer-kv");
+  const next = rng(seed);
+  const bb = base.blockStride;
+  const nRegions = 1 + Math.floor(next() * 3);
+  const blockStride = bb + Math.floor(next() * 3) * (1 + Math.floor(next() * 5));
+  const order = base.slots.map((_, i) => i).sort(() => next() - 0.5);
+  const cursor = new Array<number>(nRegions).fill(0).map(() => Math.floor(next() * 7));
+  const slots = new Array<{ region: number; offset: number }>(base.slots.length);
+  for (const s of order) {
+    const region = Math.floor(next() * nRegions);
+    slots[s] = { region, offset: cursor[region]! };
+    cursor[region]! +=
+      (shape.numBlocks - 1) * blockStride + bb + Math.floor(next() * 2) * Math.floor(next() * 9);
+  }
+  return {
+    ...shape,
+    blockStride,
+    slots,
+    regionBytes: cursor.map((c) => c + Math.floor(next() * 5)),
+  };
+}
+
+export function makeLayout(shape: KvLayoutShape, addressing: Addressing, seed = 1): KvLayout {
+  return addressing === "scattered" ? scatteredLayout(shape, seed) : kvLayout(shape, addressing);
+}
+
+export interface Model {
+  numLayers: number;
+  mla: boolean;
+  totalKvHeads: number;
+  headDim: number;
+  dtype: string;
+  dtypeBytes: number;
+}
+
+export function shape(
+  model: Model,
+  side: {
+    tpSize: number;
+    blockSize: number;
+    numBlocks: number;
+    order: KvBlockOrder;
+    tpRank?: number;
+  },
+): KvLayoutShape {
+  return { ...model, tpRank: 0, ...side };
+}
+
+/** Whether `tp` can hold `heads` KV heads (split or replicated). */
+export function tpFits(heads: number, tp: number): boolean {
+  return heads % tp === 0 || tp % heads === 0;
+}
+
+/** (heads, P TP, D TP) triples over TP 1-8 that the planner must accept. */
+export const TP_COMBOS: readonly [number, number, number][] = (() => {
+  const out: [number, number, number][] = [];
+  for (const h of [1, 2, 3, 4, 6, 8])
+    for (let p = 1; p <= 8; p++)
+      for (let d = 1; d <= 8; d++)
+        if (tpFits(h, p) && tpFits(h, d) && (p % d === 0 || d % p === 0)) out.push([h, p, d]);
+  return out;
+})();
+
+/** Distinct random block ids, `count` of them, below `numBlocks` (a shuffled sample). */
+export function blockIds(count: number, numBlocks: number, seed: number): number[] {
+  const next = rng(seed);
+  const all = Array.from({ length: numBlocks }, (_, i) => i);
+  for (let i = all.length - 1; i > 0; i--) {
+    const j = Math.floor(next() * (i + 1));
+    [all[i], all[j]] = [all[j]!, all[i]!];
+  }
+  return all.slice(0, count);
+}
+
+export interface PlanCase {
+  src: KvLayout;
+  dst: KvLayout;
+  numTokens: number;
+  prefixTokens: number;
+  /** The real block tables (every entry valid). */
+  srcIds: number[];
+  dstIds: number[];
+  /** What the planner is given: entries it must not read replaced by -1, maybe a trailing -1. */
+  srcIdsGiven: number[];
+  dstIdsGiven: number[];
+}
+
+/** Blocks wholly before `prefix` become -1 (the planner must not read them). */
+function maskPrefix(ids: number[], blockSize: number, prefix: number, extra: boolean): number[] {
+  const out = ids.map((id, i) => ((i + 1) * blockSize <= prefix ? -1 : id));
+  if (extra) out.push(-1);
+  return out;
+}
+
+/** Random compatible pairs of layouts and a request, kept small so a run takes milliseconds. */
+export const planCaseArb: fc.Arbitrary<PlanCase> = fc
+  .record({
+    combo: fc.constantFrom(...TP_COMBOS),
+    mla: fc.boolean(),
+    numLayers: fc.integer({ min: 1, max: 3 }),
+    headDim: fc.integer({ min: 1, max: 4 }),
+    dtypeBytes: fc.constantFrom(1, 2, 4),
+    blockSizes: fc.tuple(
+      fc.oneof(fc.integer({ min: 1, max: 8 }), fc.integer({ min: 1, max: 256 })),
+      fc.oneof(fc.integer({ min: 1, max: 8 }), fc.integer({ min: 1, max: 256 })),
+    ),
+    orders: fc.tuple(
+      fc.constantFrom<KvBlockOrder>("HND", "NHD"),
+      fc.constantFrom<KvBlockOrder>("HND", "NHD"),
+    ),
+    addressing: fc.tuple(
+      fc.constantFrom<Addressing>(...SCHEMES, "scattered"),
+      fc.constantFrom<Addressing>(...SCHEMES, "scattered"),
+    ),
+    numTokens: fc.oneof(fc.integer({ min: 0, max: 40 }), fc.integer({ min: 0, max: 300 })),
+    prefixFrac: fc.oneof(fc.constant(0), fc.double({ min: 0, max: 1, noNaN: true })),
+    spareBlocks: fc.tuple(fc.integer({ min: 0, max: 6 }), fc.integer({ min: 0, max: 6 })),
+    contiguous: fc.boolean(),
+    extraIds: fc.boolean(),
+    seed: fc.integer({ min: 1, max: 1 << 30 }),
+  })
+  .map((r) => {
+    const [heads, tpP, tpD] = r.mla ? [1, r.combo[1], r.combo[2]] : r.combo;
+    const model: Model = {
+      numLayers: r.numLayers,
+      mla: r.mla,
+      totalKvHeads: heads,
+      headDim: r.headDim,
+      dtype: `int${8 * r.dtypeBytes}`,
+      dtypeBytes: r.dtypeBytes,
+    };
+    const [bp, bd] = r.blockSizes;
+    const needP = Math.ceil(r.numTokens / bp);
+    const needD = Math.ceil(r.numTokens / bd);
+    const nbP = needP + r.spareBlocks[0] + (r.extraIds ? 1 : 0);
+    const nbD = needD + r.spareBlocks[1];
+    const src = makeLayout(
+      shape(model, { tpSize: tpP, blockSize: bp, numBlocks: Math.max(nbP, 1), order: r.orders[0] }),
+      r.addressing[0],
+      r.seed,
+    );
+    const dst = makeLayout(
+      shape(model, { tpSize: tpD, blockSize: bd, numBlocks: Math.max(nbD, 1), order: r.orders[1] }),
+      r.addressing[1],
+      r.seed + 7,
+    );
+    const prefixTokens = Math.min(r.numTokens, Math.floor(r.prefixFrac * (r.numTokens + 1)));
+    const srcIds = r.contiguous
+      ? Array.from({ length: needP }, (_, i) => i + r.spareBlocks[0])
+      : blockIds(needP, src.numBlocks, r.seed + 1);
+    const dstIds = r.contiguous
+      ? Array.from({ length: needD }, (_, i) => i + r.spareBlocks[1])
+      : blockIds(needD, dst.numBlocks, r.seed + 2);
+    return {
+      src,
+      dst,
+      numTokens: r.numTokens,
+      prefixTokens,
+      srcIds,
+      dstIds,
+      srcIdsGiven: maskPrefix(srcIds, bp, prefixTokens, r.extraIds),
+      dstIdsGiven: maskPrefix(dstIds, bd, prefixTokens, r.extraIds),
+    };
+  });
+
+/**
+ * Plans the case, applies it to reference memories and checks: every byte D should get has the
+ * logical tensor's value, nothing else on D changed (prefix included), each D rank got exactly its
+ * bytes (no byte written twice), and the plan's totals add up.
+ */
+export function checkByteExact(c: PlanCase, options: PlanOptions = {}, seed = 11): TransferPlan {
+  const plan = planTransfer(
+    c.src,
+    c.dst,
+    {
+      numTokens: c.numTokens,
+      prefixTokens: c.prefixTokens,
+      srcBlockIds: c.srcIdsGiven,
+      dstBlockIds: c.dstIdsGiven,
+    },
+    options,
+  );
+  const srcMem = prefillMemories(c.src, c.srcIds, c.numTokens, seed);
+  const { before, expected, bytesPerRank } = decodeMemories(
+    c.dst,
+    c.dstIds,
+    c.numTokens,
+    c.prefixTokens,
+    seed,
+  );
+  const written = applyPlan(plan, srcMem, before);
+  const diff = firstDifference(before, expected);
+  if (diff !== undefined) expect.fail(diff);
+  expect(written).toEqual(bytesPerRank);
+  expect(plan.bytes).toBe(bytesPerRank.reduce((a, b) => a + b, 0));
+  expect(plan.descriptorCount).toBe(plan.pairs.reduce((a, p) => a + p.descriptorCount, 0));
+  expect(plan.descriptorCount).toBeLessThanOrEqual(plan.rawDescriptorCount);
+  // Every D rank has exactly one source per head it holds, each from a P rank holding that head.
+  for (let r = 0; r < c.dst.tpSize; r++) {
+    const srcRanks = plan.pairs.filter((p) => p.dstRank === r).map((p) => p.srcRank);
+    expect(new Set(srcRanks).size).toBe(srcRanks.length);
+    for (const q of srcRanks) {
+      const held = headsOf(c.src, q);
+      expect(headsOf(c.dst, r).some((h) => held.includes(h))).toBe(true);
+    }
+  }
+  return plan;
+}
