@@ -657,12 +657,12 @@ Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
   auto* ep = UnwrapHandle<EndpointWrap>(env, info[1], data_->endpoint_ctor, "endpoint");
   auto* local = UnwrapHandle<RegionWrap>(env, info[2], data_->region_ctor, "local region");
   auto* remote = UnwrapHandle<RemoteWrap>(env, info[3], data_->remote_ctor, "remote region");
-  if (ep->agent_ != this || local->agent_ != this || remote->agent_ != this) {
-    throw MakeError(env, "ERR_WRONG_AGENT", "transfer: a handle belongs to another agent");
-  }
   if (ep->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "transfer: the endpoint is closed");
   if (local->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "transfer: the local region is closed");
   if (remote->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "transfer: the remote region is closed");
+  if (ep->agent_ != this || local->agent_ != this || remote->agent_ != this) {
+    throw MakeError(env, "ERR_WRONG_AGENT", "transfer: a handle belongs to another agent");
+  }
   if (remote->ep_ != ep->core_) {
     throw MakeError(env, "ERR_ENDPOINT_MISMATCH", "transfer: the remote region was imported on another endpoint");
   }
@@ -701,8 +701,8 @@ Napi::Value AgentWrap::Notify(const Napi::CallbackInfo& info) {
   CheckOpen(env, "notify");
   if (info.Length() < 2) throw MakeError(env, "ERR_INVALID_ARGUMENT", "notify(endpoint, bytes)");
   auto* ep = UnwrapHandle<EndpointWrap>(env, info[0], data_->endpoint_ctor, "endpoint");
-  if (ep->agent_ != this) throw MakeError(env, "ERR_WRONG_AGENT", "notify: the endpoint belongs to another agent");
   if (ep->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "notify: the endpoint is closed");
+  if (ep->agent_ != this) throw MakeError(env, "ERR_WRONG_AGENT", "notify: the endpoint belongs to another agent");
   const uint8_t* data = nullptr;
   size_t size = 0;
   if (!BytesOf(info[1], &data, &size)) {

@@ -1,0 +1,68 @@
+/**
+ * Two network namespaces joined by a veth pair, made (and removed) by the
+ * caller: the only "hosts" a cross-host test talks to.
+ */
+import { execFileSync } from "node:child_process";
+
+export interface NetnsPair {
+  names: [string, string];
+  devices: [string, string];
+  addresses: [string, string];
+  /** The command prefix that runs a program inside namespace i. */
+  prefix(i: 0 | 1): string[];
+  destroy(): void;
+}
+
+function ip(...args: string[]): void {
+  execFileSync("ip", args, { stdio: "pipe" });
+}
+
+/** True when this process may create network namespaces (root with iproute2). */
+export function canCreateNetns(): boolean {
+  if (process.getuid?.() !== 0) return false;
+  try {
+    execFileSync("ip", ["-V"], { stdio: "pipe" });
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+export function createNetnsPair(tag: string): NetnsPair {
+  const id = `${tag}${process.pid % 10000}`;
+  const names: [string, string] = [`kvx-${id}-a`, `kvx-${id}-b`];
+  const devices: [string, string] = [`kva${process.pid % 100000}`, `kvb${process.pid % 100000}`];
+  // Link-local addresses inside namespaces this process made: traffic never leaves them.
+  const addresses: [string, string] = ["169.254.77.1", "169.254.77.2"];
+  const destroy = (): void => {
+    for (const n of names) {
+      try {
+        ip("netns", "del", n);
+      } catch {
+        // already gone
+      }
+    }
+  };
+  destroy();
+  try {
+    ip("netns", "add", names[0]);
+    ip("netns", "add", names[1]);
+    ip("link", "add", devices[0], "type", "veth", "peer", "name", devices[1]);
+    for (const i of [0, 1] as const) {
+      ip("link", "set", devices[i], "netns", names[i]);
+      ip("-n", names[i], "addr", "add", `${addresses[i]}/24`, "dev", devices[i]);
+      ip("-n", names[i], "link", "set", devices[i], "up");
+      ip("-n", names[i], "link", "set", "lo", "up");
+    }
+  } catch (err) {
+    destroy();
+    throw err;
+  }
+  return {
+    names,
+    devices,
+    addresses,
+    prefix: (i) => ["ip", "netns", "exec", names[i]],
+    destroy,
+  };
+}
