@@ -1,7 +1,8 @@
 // Time to build transfer plans at the scale users report. Run: `node dist/bench/plan.js [--json]
-// [--runs N] [--case NAME]...`. Each case prints, next to its time, a floor measured in the same
-// run: writing the same number of uncoalesced triples into a preallocated Float64Array, the least
-// any planner that emits descriptors one by one must do.
+// [--runs N] [--case NAME]...`. Next to each time it prints two floors measured in the same run:
+// writing the same number of uncoalesced triples into an already-used Float64Array (the least any
+// planner emitting descriptors one by one must compute), and into a new one (adding the cost of
+// touching fresh memory, which dominates at millions of descriptors).
 import { pathToFileURL } from "node:url";
 import {
   type KvLayout,
@@ -14,7 +15,7 @@ import {
 export interface PlanBenchOptions {
   /** Timed runs per case after warm-up (the median is reported); default 7. */
   readonly runs?: number;
-  /** Untimed runs per case first; default 2. */
+  /** Untimed runs per case first, the first of them reported as `firstMs`; default 3. */
   readonly warmup?: number;
   /** Case names to run (default: all). */
   readonly cases?: readonly string[];
@@ -30,8 +31,12 @@ export interface PlanBenchResult {
   /** Median milliseconds to build the plan. */
   readonly ms: number;
   readonly minMs: number;
-  /** Median milliseconds to write `rawDescriptors` triples into a preallocated Float64Array. */
+  /** The first build of the case in this process (before warm-up; the first case pays for JIT). */
+  readonly firstMs: number;
+  /** Median milliseconds to write `rawDescriptors` triples into an already-used Float64Array. */
   readonly floorMs: number;
+  /** The same into a newly allocated Float64Array (first touch of fresh memory included). */
+  readonly freshFloorMs: number;
   /** Target from the issue, where there is one. */
   readonly targetMs?: number;
 }
@@ -143,40 +148,50 @@ function median(xs: number[]): number {
   return s.length % 2 ? s[m]! : (s[m - 1]! + s[m]!) / 2;
 }
 
-function floorRun(count: number): number {
+/** Writes `count` triples into `out` (or a new array); returns milliseconds. */
+function writeTriples(count: number, out?: Float64Array): number {
   const t0 = performance.now();
-  const out = new Float64Array(3 * count);
+  const d = out ?? new Float64Array(3 * count);
   for (let i = 0, j = 0; i < count; i++, j += 3) {
-    out[j] = i * 4096;
-    out[j + 1] = i * 8192;
-    out[j + 2] = 4096;
+    d[j] = i * 4096;
+    d[j + 1] = i * 8192;
+    d[j + 2] = 4096;
   }
   const ms = performance.now() - t0;
-  if (out[3 * count - 1] === -1) throw new Error("unreachable"); // keeps `out` alive
+  if (d[3 * count - 1] === -1) throw new Error("unreachable"); // keeps the writes observable
   return ms;
 }
 
 /** Runs the plan benchmark and returns one result per case. */
 export function runPlanBench(opts: PlanBenchOptions = {}): PlanBenchResult[] {
   const runs = Math.max(1, opts.runs ?? 7);
-  const warmup = Math.max(0, opts.warmup ?? 2);
+  const warmup = Math.max(1, opts.warmup ?? 3);
   const results: PlanBenchResult[] = [];
   for (const c of buildCases()) {
     if (opts.cases && !opts.cases.includes(c.name)) continue;
     const req = { numTokens: c.numTokens, srcBlockIds: c.srcBlockIds, dstBlockIds: c.dstBlockIds };
-    let plan: TransferPlan | undefined;
-    for (let i = 0; i < warmup; i++) plan = planTransfer(c.src, c.dst, req);
+    let t0 = performance.now();
+    let plan: TransferPlan = planTransfer(c.src, c.dst, req);
+    const firstMs = performance.now() - t0;
+    for (let i = 1; i < warmup; i++) plan = planTransfer(c.src, c.dst, req);
     const times: number[] = [];
     for (let i = 0; i < runs; i++) {
-      plan = undefined;
-      const t0 = performance.now();
+      t0 = performance.now();
       plan = planTransfer(c.src, c.dst, req);
       times.push(performance.now() - t0);
     }
-    if (!plan) throw new Error("no plan");
-    for (let i = 0; i < warmup; i++) floorRun(plan.rawDescriptorCount);
-    const floors: number[] = [];
-    for (let i = 0; i < runs; i++) floors.push(floorRun(plan.rawDescriptorCount));
+    const raw = plan.rawDescriptorCount;
+    const warm = new Float64Array(3 * raw);
+    const warmFloors: number[] = [];
+    const freshFloors: number[] = [];
+    for (let i = 0; i < warmup + runs; i++) {
+      const w = writeTriples(raw, warm);
+      const f = writeTriples(raw);
+      if (i >= warmup) {
+        warmFloors.push(w);
+        freshFloors.push(f);
+      }
+    }
     const result: PlanBenchResult = {
       case: c.name,
       description: c.description,
@@ -186,7 +201,9 @@ export function runPlanBench(opts: PlanBenchOptions = {}): PlanBenchResult[] {
       descriptors: plan.descriptorCount,
       ms: median(times),
       minMs: Math.min(...times),
-      floorMs: median(floors),
+      firstMs,
+      floorMs: median(warmFloors),
+      freshFloorMs: median(freshFloors),
       ...(c.targetMs !== undefined ? { targetMs: c.targetMs } : {}),
     };
     results.push(result);
@@ -204,7 +221,9 @@ export function formatPlanBench(results: readonly PlanBenchResult[]): string {
     "coalesced",
     "ms (median)",
     "ms (min)",
+    "first ms",
     "floor ms",
+    "fresh floor ms",
     "target ms",
   ];
   const rows = results.map((r) => [
@@ -215,7 +234,9 @@ export function formatPlanBench(results: readonly PlanBenchResult[]): string {
     r.descriptors.toLocaleString("en-US"),
     r.ms.toFixed(2),
     r.minMs.toFixed(2),
+    r.firstMs.toFixed(2),
     r.floorMs.toFixed(2),
+    r.freshFloorMs.toFixed(2),
     r.targetMs === undefined ? "" : `< ${r.targetMs}`,
   ]);
   const widths = head.map((h, i) => Math.max(h.length, ...rows.map((row) => row[i]!.length)));

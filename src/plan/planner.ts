@@ -90,25 +90,107 @@ class DescriptorList {
     this.data = new Float64Array(3 * Math.max(capacity, 1));
   }
 
-  push(src: number, dst: number, len: number): void {
-    this.bytes += len;
-    if (src === this.srcEnd && dst === this.dstEnd && this.coalesce) {
-      this.data[3 * this.count - 1]! += len;
-    } else {
-      let i = 3 * this.count;
-      if (i === this.data.length) {
-        const grown = new Float64Array(this.data.length * 2);
-        grown.set(this.data);
-        this.data = grown;
+  /**
+   * Appends pieces `from .. to - 1` of `ps`/`pd`/`pl` shifted by `srcBase`/`dstBase`. One call
+   * per run of pieces keeps the hot loop on locals.
+   */
+  append(
+    srcBase: number,
+    dstBase: number,
+    ps: Float64Array,
+    pd: Float64Array,
+    pl: Float64Array,
+    from: number,
+    to: number,
+  ): void {
+    this.reserve(to - from);
+    const d = this.data;
+    const merge = this.coalesce;
+    let j = 3 * this.count;
+    let srcEnd = this.srcEnd;
+    let dstEnd = this.dstEnd;
+    let bytes = 0;
+    for (let i = from; i < to; i++) {
+      const src = srcBase + ps[i]!;
+      const dst = dstBase + pd[i]!;
+      const len = pl[i]!;
+      bytes += len;
+      if (merge && src === srcEnd && dst === dstEnd) {
+        d[j - 1]! += len;
+      } else {
+        d[j] = src;
+        d[j + 1] = dst;
+        d[j + 2] = len;
+        j += 3;
       }
-      const d = this.data;
-      d[i++] = src;
-      d[i++] = dst;
-      d[i] = len;
-      this.count++;
+      srcEnd = src + len;
+      dstEnd = dst + len;
     }
-    this.srcEnd = src + len;
-    this.dstEnd = dst + len;
+    this.count = j / 3;
+    this.srcEnd = srcEnd;
+    this.dstEnd = dstEnd;
+    this.bytes += bytes;
+  }
+
+  /**
+   * Appends every chunk's pieces for every slot, chunk by chunk (`[block][slot]` order), for
+   * layouts whose blocks hold all slots back to back: the one list of such a pair.
+   */
+  appendInterleaved(
+    srcOff: Float64Array,
+    dstOff: Float64Array,
+    ps: Float64Array,
+    pd: Float64Array,
+    pl: Float64Array,
+    chunkStart: Int32Array,
+    chunks: number,
+  ): void {
+    const nSlots = srcOff.length;
+    const merge = this.coalesce;
+    let srcEnd = this.srcEnd;
+    let dstEnd = this.dstEnd;
+    let bytes = 0;
+    for (let c = 0; c < chunks; c++) {
+      const from = chunkStart[c]!;
+      const to = chunkStart[c + 1]!;
+      this.reserve((to - from) * nSlots);
+      const d = this.data;
+      let j = 3 * this.count;
+      for (let s = 0; s < nSlots; s++) {
+        const so = srcOff[s]!;
+        const dOff = dstOff[s]!;
+        for (let i = from; i < to; i++) {
+          const src = so + ps[i]!;
+          const dst = dOff + pd[i]!;
+          const len = pl[i]!;
+          bytes += len;
+          if (merge && src === srcEnd && dst === dstEnd) {
+            d[j - 1]! += len;
+          } else {
+            d[j] = src;
+            d[j + 1] = dst;
+            d[j + 2] = len;
+            j += 3;
+          }
+          srcEnd = src + len;
+          dstEnd = dst + len;
+        }
+      }
+      this.count = j / 3;
+    }
+    this.srcEnd = srcEnd;
+    this.dstEnd = dstEnd;
+    this.bytes += bytes;
+  }
+
+  /** Makes room for `extra` more triples. */
+  private reserve(extra: number): void {
+    const need = 3 * (this.count + extra);
+    if (need > this.data.length) {
+      const grown = new Float64Array(Math.max(2 * this.data.length, need));
+      grown.set(this.data.subarray(0, 3 * this.count));
+      this.data = grown;
+    }
   }
 
   finish(): RegionPairDescriptors {
@@ -432,12 +514,14 @@ export function planTransfer(
     }
     for (const srcRank of [...bySrc.keys()].sort((x, y) => x - y)) {
       const pieces = relativePieces(src, dst, chunks, bySrc.get(srcRank)!, coalesce, !interleaved);
+      // Slot by slot, pieces.n per slot bounds a list exactly; interleaved layouts mostly merge
+      // whole blocks across slots, so their one list starts small and grows.
       const lists = pairKeys.map(
         (key, i) =>
           new DescriptorList(
             Math.floor(key / dstRegions),
             key % dstRegions,
-            pieces.n * slotsPerPair[i]!,
+            interleaved ? Math.min(pieces.n * slotsPerPair[i]!, 4096) : pieces.n * slotsPerPair[i]!,
             coalesce,
           ),
       );
@@ -445,22 +529,11 @@ export function planTransfer(
       const pd = pieces.dst;
       const pl = pieces.len;
       if (interleaved) {
-        for (let c = 0; c < chunks.n; c++) {
-          const end = pieces.chunkStart[c + 1]!;
-          for (let s = 0; s < nSlots; s++) {
-            const list = lists[slotPair[s]!]!;
-            const so = srcOff[s]!;
-            const dOff = dstOff[s]!;
-            for (let i = pieces.chunkStart[c]!; i < end; i++)
-              list.push(so + ps[i]!, dOff + pd[i]!, pl[i]!);
-          }
-        }
+        // Interleaved layouts keep every slot in one region on each side: one list.
+        lists[0]!.appendInterleaved(srcOff, dstOff, ps, pd, pl, pieces.chunkStart, chunks.n);
       } else {
         for (let s = 0; s < nSlots; s++) {
-          const list = lists[slotPair[s]!]!;
-          const so = srcOff[s]!;
-          const dOff = dstOff[s]!;
-          for (let i = 0; i < pieces.n; i++) list.push(so + ps[i]!, dOff + pd[i]!, pl[i]!);
+          lists[slotPair[s]!]!.append(srcOff[s]!, dstOff[s]!, ps, pd, pl, 0, pieces.n);
         }
       }
       const regionPairs = lists.filter((l) => l.count > 0).map((l) => l.finish());
