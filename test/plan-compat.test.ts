@@ -205,6 +205,40 @@ describe("layout validation", () => {
   });
 });
 
+describe("slot overlap check", () => {
+  it("agrees with a block-by-block comparison", () => {
+    fc.assert(
+      fc.property(
+        fc.integer({ min: 1, max: 5 }),
+        fc.integer({ min: 0, max: 3 }),
+        fc.array(fc.integer({ min: 0, max: 60 }), { minLength: 2, maxLength: 2 }),
+        (numBlocks, pad, offsets) => {
+          // One layer, K and V in one region; block bytes 4 (4 tokens x 1 head x 1 byte).
+          const model = { ...llama8b, numLayers: 1, totalKvHeads: 1, headDim: 1, dtypeBytes: 1 };
+          const l = kvLayout(shape(model, { tpSize: 1, blockSize: 4, numBlocks, order: "HND" }));
+          const stride = 4 + pad;
+          const layout: KvLayout = {
+            ...l,
+            blockStride: stride,
+            regionBytes: [200],
+            slots: offsets.map((offset) => ({ region: 0, offset })),
+          };
+          let brute = false;
+          for (let i = 0; i < numBlocks; i++)
+            for (let j = 0; j < numBlocks; j++) {
+              const a = offsets[0]! + i * stride;
+              const b = offsets[1]! + j * stride;
+              if (a < b + 4 && b < a + 4) brute = true;
+            }
+          if (brute) expect(refusal(() => validateKvLayout(layout)).message).toContain("overlap");
+          else expect(() => validateKvLayout(layout)).not.toThrow();
+        },
+      ),
+      { numRuns: 500 },
+    );
+  });
+});
+
 describe("request checks", () => {
   const p = base();
   const d = base({}, 4);

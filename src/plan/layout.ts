@@ -253,24 +253,21 @@ function checkSlotsDisjoint(layout: KvLayout, bb: number): void {
     else byRegion.set(slot.region, [s]);
   });
   for (const list of byRegion.values()) {
+    const offsets = Float64Array.from(list, (s) => layout.slots[s]!.offset);
     for (let x = 0; x < list.length; x++) {
       for (let y = x + 1; y < list.length; y++) {
-        const a = list[x]!;
-        const b = list[y]!;
-        const d = layout.slots[b]!.offset - layout.slots[a]!.offset;
-        let overlap: boolean;
-        if (n === 1 || stride === 0) {
-          overlap = Math.abs(d) < bb;
-        } else {
+        const d = offsets[y]! - offsets[x]!;
+        let overlap = Math.abs(d) < bb;
+        if (!overlap && n > 1 && stride > 0) {
+          // f(k) = d + k * S grows with k: the k nearest its zero, clamped to the range, decides.
           const k0 = Math.floor(-d / stride);
-          overlap = false;
-          for (const k of [k0, k0 + 1]) {
-            if (k >= -(n - 1) && k <= n - 1 && Math.abs(d + k * stride) < bb) overlap = true;
-          }
-          const kc = Math.min(n - 1, Math.max(-(n - 1), k0));
-          if (Math.abs(d + kc * stride) < bb) overlap = true;
+          const lo = Math.min(n - 1, Math.max(1 - n, k0));
+          const hi = Math.min(n - 1, Math.max(1 - n, k0 + 1));
+          overlap = Math.abs(d + lo * stride) < bb || Math.abs(d + hi * stride) < bb;
         }
         if (overlap) {
+          const a = list[x]!;
+          const b = list[y]!;
           throw invalid(
             "slots",
             `slots[${a}] and slots[${b}] overlap in region ${layout.slots[a]!.region}`,
