@@ -158,7 +158,10 @@ async function handle(req: Request): Promise<unknown> {
     case "alloc": {
       const a = need(agent, "agent");
       region?.close();
-      if (typeof req.file === "string") {
+      if (req.memory === "ucx") {
+        region = a.allocate(Number(req.size));
+        region.bytes().fill(0);
+      } else if (typeof req.file === "string") {
         region = a.mapFile(req.file, { length: Number(req.size) });
       } else {
         region = a.registerMemory(Buffer.alloc(Number(req.size)));

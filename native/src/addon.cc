@@ -195,6 +195,11 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
 
   // Set by the agent right after construction.
   void InitBuffer(Napi::Env env, Napi::Value owner, uint8_t* base, size_t length, ucp_mem_h memh);
+  void InitAllocated(uint8_t* base, size_t length, ucp_mem_h memh) {
+    base_ = base;
+    length_ = length;
+    memh_ = memh;
+  }
   void InitFile(void* map, size_t map_length, uint8_t* base, size_t length, ucp_mem_h memh,
                 std::string path);
 
@@ -301,6 +306,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   Napi::Value Inflight(const Napi::CallbackInfo& info);
   Napi::Value RegisterMemory(const Napi::CallbackInfo& info);
   Napi::Value MapFile(const Napi::CallbackInfo& info);
+  Napi::Value Allocate(const Napi::CallbackInfo& info);
   Napi::Value Connect(const Napi::CallbackInfo& info);
   Napi::Value Transfer(const Napi::CallbackInfo& info);
   Napi::Value Notify(const Napi::CallbackInfo& info);
@@ -337,6 +343,7 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceAccessor<&AgentWrap::Inflight>("inflight"),
                          InstanceMethod<&AgentWrap::RegisterMemory>("registerMemory"),
                          InstanceMethod<&AgentWrap::MapFile>("mapFile"),
+                         InstanceMethod<&AgentWrap::Allocate>("allocate"),
                          InstanceMethod<&AgentWrap::Connect>("connect"),
                          InstanceMethod<&AgentWrap::Transfer>("transfer"),
                          InstanceMethod<&AgentWrap::Notify>("notify"),
@@ -496,6 +503,44 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
   Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
   RegionWrap* region = RegionWrap::Unwrap(obj);
   region->InitFile(map, map_len, base, length, memh, path);
+  Adopt(region);
+  return obj;
+}
+
+// allocate(length): memory allocated and registered by UCX. On one host this
+// lets the shared-memory transports copy with plain loads and stores instead of
+// a system call per operation (what ucx_perftest measures by default).
+Napi::Value AgentWrap::Allocate(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "allocate");
+  if (info.Length() < 1 || !info[0].IsNumber()) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", "allocate(length) expects a number");
+  }
+  double len_d = info[0].As<Napi::Number>().DoubleValue();
+  if (!(len_d > 0) || std::floor(len_d) != len_d || len_d > 9007199254740992.0) {
+    throw MakeError(env, "ERR_INVALID_LENGTH", "allocate: length must be a positive integer", UCS_OK, true);
+  }
+  ucp_mem_map_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  params.address = nullptr;
+  params.length = static_cast<size_t>(len_d);
+  params.flags = UCP_MEM_MAP_ALLOCATE;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t status = ucp_mem_map(engine_->context(), &params, &memh);
+  if (status != UCS_OK) throw UcsError(env, "allocate: ucp_mem_map failed", status);
+  ucp_mem_attr_t attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  status = ucp_mem_query(memh, &attr);
+  if (status != UCS_OK) {
+    ucp_mem_unmap(engine_->context(), memh);
+    throw UcsError(env, "allocate: ucp_mem_query failed", status);
+  }
+  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
+  RegionWrap* region = RegionWrap::Unwrap(obj);
+  region->InitAllocated(static_cast<uint8_t*>(attr.address), params.length, memh);
   Adopt(region);
   return obj;
 }

@@ -50,6 +50,7 @@ interface NativeAgent {
   readonly inflight: number;
   registerMemory(memory: ArrayBufferLike | ArrayBufferView): NativeRegion;
   mapFile(path: string, offset: number, length: number): NativeRegion;
+  allocate(length: number): NativeRegion;
   connect(address: Uint8Array, errorMode: ErrorMode): NativeEndpoint;
   transfer(
     kind: 0 | 1,
@@ -320,6 +321,19 @@ export class Agent extends EventEmitter<AgentEvents> {
     return new Region(
       this,
       call(() => this.native.mapFile(path, offset, options.length)),
+    );
+  }
+
+  /**
+   * Memory allocated and registered by UCX (zeroed is not guaranteed). On one
+   * host, shared-memory transports move it with plain copies rather than a
+   * system call per operation.
+   */
+  allocate(length: number): Region {
+    check(typeof length === "number", "ERR_INVALID_ARGUMENT", "allocate: length must be a number");
+    return new Region(
+      this,
+      call(() => this.native.allocate(length)),
     );
   }
 
