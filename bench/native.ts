@@ -148,9 +148,9 @@ export async function runNativeBench(opts: NativeBenchOptions = {}): Promise<Nat
         const put = await perftest("ucp_put_bw", size, iters, transports, memory);
         const r = await bw("read");
         // ucx_perftest's get on heap memory runs far slower than its put (about 1 ms
-      // a message at 4 KiB here): cap its iterations so the run stays bounded.
-      const getIters = memory === "host" ? Math.min(iters, 2000) : iters;
-      const get = await perftest("ucp_get", size, getIters, transports, memory);
+        // a message at 4 KiB here): cap its iterations so the run stays bounded.
+        const getIters = memory === "host" ? Math.min(iters, 2000) : iters;
+        const get = await perftest("ucp_get", size, getIters, transports, memory);
         const row: NativeBenchRow = {
           memory,
           size,
@@ -210,7 +210,7 @@ function parseSize(s: string): number {
   return Number(m[1]) * mult;
 }
 
-async function main(argv: string[]): Promise<void> {
+export async function main(argv: string[]): Promise<void> {
   const json = argv.includes("--json");
   const opts: NativeBenchOptions = {};
   const sizesAt = argv.indexOf("--sizes");

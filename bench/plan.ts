@@ -265,8 +265,8 @@ function parseArgs(argv: readonly string[]): PlanBenchOptions & { json: boolean 
   };
 }
 
-function main(): void {
-  const opts = parseArgs(process.argv.slice(2));
+export function main(argv: string[] = process.argv.slice(2)): void {
+  const opts = parseArgs(argv);
   const results = runPlanBench(opts);
   if (opts.json) {
     process.stdout.write(

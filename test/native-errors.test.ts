@@ -1,7 +1,13 @@
 /** Bad input: each gets its own error code, and nothing is posted. */
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 
-import { Agent, KvxferError, type Endpoint, type Region, type RemoteRegion } from "../src/native/index.js";
+import {
+  Agent,
+  KvxferError,
+  type Endpoint,
+  type Region,
+  type RemoteRegion,
+} from "../src/native/index.js";
 
 let a: Agent;
 let b: Agent;
@@ -45,7 +51,10 @@ function untouched(): void {
 
 describe("bad input to transfers", () => {
   it("refuses a descriptor past the local region", async () => {
-    const e = await expectCode(() => a.write(ep, local, remote, new Float64Array([0, 0, 64, 4000, 0, 200])), "ERR_OUT_OF_BOUNDS");
+    const e = await expectCode(
+      () => a.write(ep, local, remote, new Float64Array([0, 0, 64, 4000, 0, 200])),
+      "ERR_OUT_OF_BOUNDS",
+    );
     expect(e).toBeInstanceOf(KvxferError);
     expect(e.message).toMatch(/descriptor 1: local range/);
     expect(e.stack).toMatch(/native-errors\.test\.ts/);
@@ -53,27 +62,51 @@ describe("bad input to transfers", () => {
   });
 
   it("refuses a descriptor past the remote region", async () => {
-    const e = await expectCode(() => a.write(ep, local, remote, new Float64Array([0, 8190, 4])), "ERR_OUT_OF_BOUNDS");
+    const e = await expectCode(
+      () => a.write(ep, local, remote, new Float64Array([0, 8190, 4])),
+      "ERR_OUT_OF_BOUNDS",
+    );
     expect(e.message).toMatch(/remote range/);
     untouched();
   });
 
   it("refuses offsets that overflow when added to the length", async () => {
-    await expectCode(() => a.write(ep, local, remote, new BigUint64Array([0n, 2n ** 64n - 1n, 16n])), "ERR_OUT_OF_BOUNDS");
+    await expectCode(
+      () => a.write(ep, local, remote, new BigUint64Array([0n, 2n ** 64n - 1n, 16n])),
+      "ERR_OUT_OF_BOUNDS",
+    );
     untouched();
   });
 
   it("refuses zero and negative lengths, and non-integer or negative offsets", async () => {
-    await expectCode(() => a.write(ep, local, remote, new Float64Array([0, 0, 0])), "ERR_INVALID_LENGTH");
-    await expectCode(() => a.write(ep, local, remote, new Float64Array([0, 0, -5])), "ERR_INVALID_LENGTH");
-    await expectCode(() => a.read(ep, local, remote, new Float64Array([0, 0, 1.5])), "ERR_INVALID_LENGTH");
-    await expectCode(() => a.write(ep, local, remote, new Float64Array([-1, 0, 8])), "ERR_INVALID_OFFSET");
-    await expectCode(() => a.write(ep, local, remote, new Float64Array([0, Number.NaN, 8])), "ERR_INVALID_OFFSET");
+    await expectCode(
+      () => a.write(ep, local, remote, new Float64Array([0, 0, 0])),
+      "ERR_INVALID_LENGTH",
+    );
+    await expectCode(
+      () => a.write(ep, local, remote, new Float64Array([0, 0, -5])),
+      "ERR_INVALID_LENGTH",
+    );
+    await expectCode(
+      () => a.read(ep, local, remote, new Float64Array([0, 0, 1.5])),
+      "ERR_INVALID_LENGTH",
+    );
+    await expectCode(
+      () => a.write(ep, local, remote, new Float64Array([-1, 0, 8])),
+      "ERR_INVALID_OFFSET",
+    );
+    await expectCode(
+      () => a.write(ep, local, remote, new Float64Array([0, Number.NaN, 8])),
+      "ERR_INVALID_OFFSET",
+    );
     untouched();
   });
 
   it("refuses a truncated descriptor array", async () => {
-    await expectCode(() => a.write(ep, local, remote, new Float64Array([0, 0, 8, 16])), "ERR_DESC_TRUNCATED");
+    await expectCode(
+      () => a.write(ep, local, remote, new Float64Array([0, 0, 8, 16])),
+      "ERR_DESC_TRUNCATED",
+    );
     const bytes = new Uint8Array(8 * 3 + 8).subarray(0, 20);
     await expectCode(() => a.write(ep, local, remote, bytes), "ERR_DESC_TRUNCATED");
     untouched();
@@ -87,13 +120,22 @@ describe("bad input to transfers", () => {
   });
 
   it("refuses descriptors of the wrong type", async () => {
-    await expectCode(() => a.write(ep, local, remote, new Int32Array([0, 0, 8]) as unknown as Float64Array), "ERR_DESC_TYPE");
-    await expectCode(() => a.write(ep, local, remote, [0, 0, 8] as unknown as Float64Array), "ERR_DESC_TYPE");
+    await expectCode(
+      () => a.write(ep, local, remote, new Int32Array([0, 0, 8]) as unknown as Float64Array),
+      "ERR_DESC_TYPE",
+    );
+    await expectCode(
+      () => a.write(ep, local, remote, [0, 0, 8] as unknown as Float64Array),
+      "ERR_DESC_TYPE",
+    );
     untouched();
   });
 
   it("accepts a valid list after all that, on the same endpoint", async () => {
-    await expectCode(() => a.write(ep, local, remote, new Float64Array([0, 0, 0])), "ERR_INVALID_LENGTH");
+    await expectCode(
+      () => a.write(ep, local, remote, new Float64Array([0, 0, 0])),
+      "ERR_INVALID_LENGTH",
+    );
     await a.write(ep, local, remote, new Float64Array([0, 100, 16]));
     expect(dst.subarray(100, 116).every((x) => x === 0xaa)).toBe(true);
     expect(dst[99]).toBe(0);
@@ -129,18 +171,27 @@ describe("bad handles and addresses", () => {
   });
 
   it("refuses a shared-memory path that does not exist", async () => {
-    await expectCode(() => a.mapFile("/dev/shm/kvxfer-does-not-exist", { length: 4096 }), "ERR_NO_SUCH_FILE");
+    await expectCode(
+      () => a.mapFile("/dev/shm/kvxfer-does-not-exist", { length: 4096 }),
+      "ERR_NO_SUCH_FILE",
+    );
   });
 
   it("refuses a remote region used on another endpoint", async () => {
     const ep2 = a.connect(b.address);
-    await expectCode(() => a.write(ep2, local, remote, new Float64Array([0, 0, 8])), "ERR_ENDPOINT_MISMATCH");
+    await expectCode(
+      () => a.write(ep2, local, remote, new Float64Array([0, 0, 8])),
+      "ERR_ENDPOINT_MISMATCH",
+    );
     untouched();
   });
 
   it("refuses handles of another agent", async () => {
     const other = b.registerMemory(new Uint8Array(64));
-    await expectCode(() => a.write(ep, other, remote, new Float64Array([0, 0, 8])), "ERR_WRONG_AGENT");
+    await expectCode(
+      () => a.write(ep, other, remote, new Float64Array([0, 0, 8])),
+      "ERR_WRONG_AGENT",
+    );
     untouched();
   });
 

@@ -7,7 +7,8 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { canCreateNetns, createNetnsPair, type NetnsPair } from "../bench/native/netns.js";
 import { PeerProcess } from "../bench/native/peer-client.js";
 
-const b64 = (d: Float64Array): string => Buffer.from(d.buffer, d.byteOffset, d.byteLength).toString("base64");
+const b64 = (d: Float64Array): string =>
+  Buffer.from(d.buffer, d.byteOffset, d.byteLength).toString("base64");
 
 interface Init {
   address: string;
@@ -34,11 +35,22 @@ describe.skipIf(!canCreateNetns())("two processes in two network namespaces over
   async function start(i: 0 | 1, name: string): Promise<{ peer: PeerProcess; address: string }> {
     const peer = new PeerProcess(ns.prefix(i));
     peers.push(peer);
-    const init = await peer.call<Init>("init", { name, transports: "tcp", netDevices: ns.devices[i] });
+    const init = await peer.call<Init>("init", {
+      name,
+      transports: "tcp",
+      netDevices: ns.devices[i],
+    });
     return { peer, address: init.address };
   }
 
-  async function wire(a: PeerProcess, aAddr: string, b: PeerProcess, bAddr: string, size: number, fill = true): Promise<void> {
+  async function wire(
+    a: PeerProcess,
+    aAddr: string,
+    b: PeerProcess,
+    bAddr: string,
+    size: number,
+    fill = true,
+  ): Promise<void> {
     const ka = await a.call<Alloc>("alloc", fill ? { size, seed: 1 } : { size });
     const kb = await b.call<Alloc>("alloc", fill ? { size, seed: 2 } : { size });
     await a.call("connect", { address: bAddr, errorMode: "peer" });
@@ -76,7 +88,11 @@ describe.skipIf(!canCreateNetns())("two processes in two network namespaces over
     expect((await b.peer.call<Xfer>("write", { descs: whole })).failed).toBeUndefined();
     expect(await same()).toBe(true);
     // Notifications across hosts still follow their data.
-    const r = await a.peer.call<{ reps: number }>("pingpong", { reps: 300, maxLen: 64 << 10, seed: 9 }, 60_000);
+    const r = await a.peer.call<{ reps: number }>(
+      "pingpong",
+      { reps: 300, maxLen: 64 << 10, seed: 9 },
+      60_000,
+    );
     expect(r.reps).toBe(300);
     expect(await b.peer.call("watchStats")).toEqual({ ok: 300, bad: 0, firstBad: "" });
     await a.peer.close();
@@ -88,7 +104,11 @@ describe.skipIf(!canCreateNetns())("two processes in two network namespaces over
     const a = await start(0, "survivor");
     const b = await start(1, "victim");
     await wire(a.peer, a.address, b.peer, b.address, size, false);
-    const pending = a.peer.call<Xfer>("write", { descs: b64(new Float64Array([0, 0, size])) }, 60_000);
+    const pending = a.peer.call<Xfer>(
+      "write",
+      { descs: b64(new Float64Array([0, 0, size])) },
+      60_000,
+    );
     await new Promise((r) => setTimeout(r, 150));
     const killedAt = Date.now();
     b.peer.kill("SIGKILL");
@@ -96,7 +116,9 @@ describe.skipIf(!canCreateNetns())("two processes in two network namespaces over
     const detectMs = Date.now() - killedAt;
     console.log(`killed peer detected after ${detectMs} ms: ${res.failed?.code}`);
     expect(res.failed).toBeDefined();
-    expect(["UCS_ERR_CONNECTION_RESET", "UCS_ERR_ENDPOINT_TIMEOUT", "UCS_ERR_IO_ERROR"]).toContain(res.failed!.code);
+    expect(["UCS_ERR_CONNECTION_RESET", "UCS_ERR_ENDPOINT_TIMEOUT", "UCS_ERR_IO_ERROR"]).toContain(
+      res.failed!.code,
+    );
     expect(detectMs).toBeLessThan(DEAD_PEER_BOUND_MS);
     expect(await a.peer.call("endpointState")).toEqual({ state: "failed" });
 
@@ -109,7 +131,9 @@ describe.skipIf(!canCreateNetns())("two processes in two network namespaces over
     await c.peer.call("connect", { address: a.address, errorMode: "peer" });
     await a.peer.call("import", { key: kc.key });
     await c.peer.call("import", { key: ka.key });
-    expect((await a.peer.call<Xfer>("write", { descs: b64(new Float64Array([0, 0, small])) })).failed).toBeUndefined();
+    expect(
+      (await a.peer.call<Xfer>("write", { descs: b64(new Float64Array([0, 0, small])) })).failed,
+    ).toBeUndefined();
     expect((await c.peer.call<Hash>("hash")).sha256).toBe((await a.peer.call<Hash>("hash")).sha256);
     expect(await a.peer.close()).toBe(0);
     expect(await c.peer.close()).toBe(0);

@@ -5,7 +5,8 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { PeerProcess } from "../bench/native/peer-client.js";
 import { prng, randomDescriptors } from "../bench/native/pattern.js";
 
-const b64 = (d: Float64Array): string => Buffer.from(d.buffer, d.byteOffset, d.byteLength).toString("base64");
+const b64 = (d: Float64Array): string =>
+  Buffer.from(d.buffer, d.byteOffset, d.byteLength).toString("base64");
 
 interface Init {
   address: string;
@@ -88,7 +89,11 @@ describe("two processes over shared memory", () => {
   });
 
   it("never delivers a write's notification before its data (3000 round trips)", async () => {
-    const r = await p.call<{ reps: number }>("pingpong", { reps: 3000, maxLen: 128 << 10, seed: 7 }, 120_000);
+    const r = await p.call<{ reps: number }>(
+      "pingpong",
+      { reps: 3000, maxLen: 128 << 10, seed: 7 },
+      120_000,
+    );
     expect(r.reps).toBe(3000);
     const stats = await d.call<{ ok: number; bad: number; firstBad: string }>("watchStats");
     expect(stats.firstBad).toBe("");
@@ -110,7 +115,10 @@ describe("process exit", () => {
       a.write(ep, src, remote, new Float64Array([0, 0, 1 << 20])).then(() => console.log("written"));
       setTimeout(() => console.log("leaving"), 50);
     `;
-    const res = spawnSync(process.execPath, ["--input-type=module", "-e", script], { encoding: "utf8", timeout: 20_000 });
+    const res = spawnSync(process.execPath, ["--input-type=module", "-e", script], {
+      encoding: "utf8",
+      timeout: 20_000,
+    });
     expect(res.error).toBeUndefined();
     expect(res.signal).toBeNull();
     expect(res.stderr).toBe("");

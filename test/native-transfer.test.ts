@@ -1,10 +1,16 @@
 /** Two agents in one process: writes and reads both ways, byte for byte. */
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 
-import { Agent, type Endpoint, type Notification, type Region, type RemoteRegion } from "../src/native/index.js";
+import {
+  Agent,
+  type Endpoint,
+  type Notification,
+  type Region,
+  type RemoteRegion,
+} from "../src/native/index.js";
 import { applyDescriptors, fillPattern, prng, randomDescriptors } from "../bench/native/pattern.js";
 
 interface Side {
@@ -132,7 +138,9 @@ describe("in-process transfers over shared memory", () => {
     const expected = new Uint8Array(size);
     applyDescriptors(x.mem, expected, descs);
     expect(Buffer.compare(y.mem, expected)).toBe(0);
-    console.log(`100k descriptors: ${elapsed.toFixed(1)} ms, longest event-loop stall ${maxStall.toFixed(2)} ms`);
+    console.log(
+      `100k descriptors: ${elapsed.toFixed(1)} ms, longest event-loop stall ${maxStall.toFixed(2)} ms`,
+    );
     // Validation and copy of the list happen on the JS thread; everything else does not.
     expect(maxStall).toBeLessThan(250);
   });
@@ -218,7 +226,7 @@ describe("in-process transfers over shared memory", () => {
 
 function existsShm(): boolean {
   try {
-    return require("node:fs").statSync("/dev/shm").isDirectory() as boolean;
+    return statSync("/dev/shm").isDirectory();
   } catch {
     return false;
   }

@@ -79,7 +79,12 @@ export function randomDescriptors(
 }
 
 /** Applies descriptors with memcpy semantics: the reference result of a WRITE. */
-export function applyDescriptors(src: Uint8Array, dst: Uint8Array, descs: Float64Array, srcIsLocal = true): void {
+export function applyDescriptors(
+  src: Uint8Array,
+  dst: Uint8Array,
+  descs: Float64Array,
+  srcIsLocal = true,
+): void {
   for (let i = 0; i < descs.length; i += 3) {
     const local = descs[i]!;
     const remote = descs[i + 1]!;

@@ -27,7 +27,10 @@ function peerScript(): string {
 export class PeerProcess {
   readonly child: ChildProcess;
   private nextId = 1;
-  private readonly waiting = new Map<number, { resolve: (v: unknown) => void; reject: (e: Error) => void }>();
+  private readonly waiting = new Map<
+    number,
+    { resolve: (v: unknown) => void; reject: (e: Error) => void }
+  >();
   private exited: Promise<number | null>;
   stderr = "";
 
@@ -59,17 +62,26 @@ export class PeerProcess {
     });
     this.exited = new Promise((resolve) => this.child.on("exit", (code) => resolve(code)));
     this.child.on("exit", () => {
-      for (const w of this.waiting.values()) w.reject(new Error(`peer exited; stderr: ${this.stderr.slice(-2000)}`));
+      for (const w of this.waiting.values())
+        w.reject(new Error(`peer exited; stderr: ${this.stderr.slice(-2000)}`));
       this.waiting.clear();
     });
   }
 
-  call<T = Record<string, unknown>>(op: string, args: Record<string, unknown> = {}, timeoutMs = 30_000): Promise<T> {
+  call<T = Record<string, unknown>>(
+    op: string,
+    args: Record<string, unknown> = {},
+    timeoutMs = 30_000,
+  ): Promise<T> {
     const id = this.nextId++;
     return new Promise<T>((resolve, reject) => {
       const timer = setTimeout(() => {
         this.waiting.delete(id);
-        reject(new Error(`peer call '${op}' timed out after ${timeoutMs} ms; stderr: ${this.stderr.slice(-2000)}`));
+        reject(
+          new Error(
+            `peer call '${op}' timed out after ${timeoutMs} ms; stderr: ${this.stderr.slice(-2000)}`,
+          ),
+        );
       }, timeoutMs);
       this.waiting.set(id, {
         resolve: (v) => {

@@ -47,7 +47,13 @@ function descsFrom(s: unknown): Float64Array {
 
 function onNotifications(batch: Notification[]): void {
   for (const n of batch) {
-    const msg = JSON.parse(n.data.toString()) as { rep: number; off?: number; len?: number; seed?: number; ack?: boolean };
+    const msg = JSON.parse(n.data.toString()) as {
+      rep: number;
+      off?: number;
+      len?: number;
+      seed?: number;
+      ack?: boolean;
+    };
     if (msg.ack === true) {
       ackWaiter?.(msg.rep);
       continue;
@@ -63,7 +69,11 @@ function onNotifications(batch: Notification[]): void {
       watch.bad++;
       watch.firstBad ||= `rep ${msg.rep}: ${msg.len} bytes at ${msg.off} incomplete at notification time`;
     }
-    if (ep !== undefined) void need(agent, "agent").notify(ep, Buffer.from(JSON.stringify({ rep: msg.rep, ack: true })));
+    if (ep !== undefined)
+      void need(agent, "agent").notify(
+        ep,
+        Buffer.from(JSON.stringify({ rep: msg.rep, ack: true })),
+      );
   }
 }
 
@@ -90,7 +100,10 @@ async function pingpong(reps: number, maxLen: number, seed: number): Promise<unk
       descs.set([start, start, end - start], 3 * i);
     }
     const acked = new Promise<void>((resolve, reject) => {
-      const timer = setTimeout(() => reject(new KvxferError("ERR_TIMEOUT", `no ack for rep ${rep} within 5 s`)), 5000);
+      const timer = setTimeout(
+        () => reject(new KvxferError("ERR_TIMEOUT", `no ack for rep ${rep} within 5 s`)),
+        5000,
+      );
       ackWaiter = (n) => {
         if (n === rep) {
           clearTimeout(timer);
@@ -98,14 +111,26 @@ async function pingpong(reps: number, maxLen: number, seed: number): Promise<unk
         }
       };
     });
-    await a.write(e, r, rem, descs, Buffer.from(JSON.stringify({ rep, off, len, seed: seed + rep })));
+    await a.write(
+      e,
+      r,
+      rem,
+      descs,
+      Buffer.from(JSON.stringify({ rep, off, len, seed: seed + rep })),
+    );
     await acked;
   }
   return { reps, ms: performance.now() - t0 };
 }
 
 /** Bandwidth loop: `iters` descriptors of `size` bytes, `batch` per transfer, `window` transfers in flight. */
-async function bandwidth(kind: "write" | "read", size: number, iters: number, batch: number, window: number): Promise<unknown> {
+async function bandwidth(
+  kind: "write" | "read",
+  size: number,
+  iters: number,
+  batch: number,
+  window: number,
+): Promise<unknown> {
   const a = need(agent, "agent");
   const r = need(region, "region");
   const e = need(ep, "endpoint");
@@ -141,13 +166,21 @@ async function bandwidth(kind: "write" | "read", size: number, iters: number, ba
   });
   const seconds = Number(process.hrtime.bigint() - t0) / 1e9;
   const bytes = transfers * batch * size;
-  return { seconds, bytes, messages: transfers * batch, gbps: bytes / seconds / 1e9, msgRate: (transfers * batch) / seconds };
+  return {
+    seconds,
+    bytes,
+    messages: transfers * batch,
+    gbps: bytes / seconds / 1e9,
+    msgRate: (transfers * batch) / seconds,
+  };
 }
 
 async function handle(req: Request): Promise<unknown> {
   switch (req.op) {
     case "init": {
-      const opts: ConstructorParameters<typeof Agent>[0] = { name: String(req.name ?? `peer-${process.pid}`) };
+      const opts: ConstructorParameters<typeof Agent>[0] = {
+        name: String(req.name ?? `peer-${process.pid}`),
+      };
       if (typeof req.transports === "string") opts.transports = req.transports;
       if (typeof req.netDevices === "string") opts.netDevices = req.netDevices;
       if (req.busyPoll === true) opts.busyPoll = true;
@@ -187,10 +220,22 @@ async function handle(req: Request): Promise<unknown> {
       const t0 = performance.now();
       try {
         if (req.op === "write") {
-          const note = typeof req.notify === "string" ? Buffer.from(req.notify, "base64") : undefined;
-          await a.write(need(ep, "endpoint"), need(region, "region"), need(remote, "remote region"), d, note);
+          const note =
+            typeof req.notify === "string" ? Buffer.from(req.notify, "base64") : undefined;
+          await a.write(
+            need(ep, "endpoint"),
+            need(region, "region"),
+            need(remote, "remote region"),
+            d,
+            note,
+          );
         } else {
-          await a.read(need(ep, "endpoint"), need(region, "region"), need(remote, "remote region"), d);
+          await a.read(
+            need(ep, "endpoint"),
+            need(region, "region"),
+            need(remote, "remote region"),
+            d,
+          );
         }
         return { ms: performance.now() - t0 };
       } catch (err) {
@@ -243,7 +288,9 @@ rl.on("line", (line) => {
     (result) => process.stdout.write(JSON.stringify({ id: req.id, result }) + "\n"),
     (err: unknown) => {
       const e = KvxferError.from(err);
-      process.stdout.write(JSON.stringify({ id: req.id, error: { code: e.code, message: e.message } }) + "\n");
+      process.stdout.write(
+        JSON.stringify({ id: req.id, error: { code: e.code, message: e.message } }) + "\n",
+      );
     },
   );
 });

@@ -356,7 +356,8 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   Napi::Env env = info.Env();
   data_ = env.GetInstanceData<AddonData>();
   if (info.Length() < 2 || !info[0].IsObject() || !info[1].IsFunction()) {
-    throw MakeError(env, "ERR_INVALID_ARGUMENT", "Agent(options, onEvents) expects an object and a function");
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "Agent(options, onEvents) expects an object and a function");
   }
   Napi::Object o = info[0].As<Napi::Object>();
   EngineOptions opts;
@@ -379,8 +380,8 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   on_event_ = Napi::Persistent(info[1].As<Napi::Function>());
   link_ = std::make_shared<AgentLink>();
   link_->agent = this;
-  tsfn_ = Napi::ThreadSafeFunction::New(env, Napi::Function::New(env, [](const Napi::CallbackInfo&) {}),
-                                        "kvxfer-progress", 0, 1);
+  tsfn_ = Napi::ThreadSafeFunction::New(
+      env, Napi::Function::New(env, [](const Napi::CallbackInfo&) {}), "kvxfer-progress", 0, 1);
   tsfn_.Unref(env);
   auto link = link_;
   Napi::ThreadSafeFunction tsfn = tsfn_;
@@ -423,9 +424,11 @@ Napi::Value AgentWrap::RegisterMemory(const Napi::CallbackInfo& info) {
   const uint8_t* data = nullptr;
   size_t size = 0;
   if (info.Length() < 1 || !BytesOf(info[0], &data, &size)) {
-    throw MakeError(env, "ERR_INVALID_ARGUMENT", "registerMemory expects a Buffer, TypedArray or ArrayBuffer");
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "registerMemory expects a Buffer, TypedArray or ArrayBuffer");
   }
-  if (size == 0) throw MakeError(env, "ERR_INVALID_LENGTH", "registerMemory: the memory is empty", UCS_OK, true);
+  if (size == 0)
+    throw MakeError(env, "ERR_INVALID_LENGTH", "registerMemory: the memory is empty", UCS_OK, true);
   ucp_mem_map_params_t params;
   std::memset(&params, 0, sizeof(params));
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
@@ -446,16 +449,19 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   CheckOpen(env, "mapFile");
   if (info.Length() < 3 || !info[0].IsString() || !info[1].IsNumber() || !info[2].IsNumber()) {
-    throw MakeError(env, "ERR_INVALID_ARGUMENT", "mapFile(path, offset, length) expects a string and two numbers");
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "mapFile(path, offset, length) expects a string and two numbers");
   }
   std::string path = info[0].As<Napi::String>().Utf8Value();
   double off_d = info[1].As<Napi::Number>().DoubleValue();
   double len_d = info[2].As<Napi::Number>().DoubleValue();
   if (!(off_d >= 0) || std::floor(off_d) != off_d || off_d > 9007199254740992.0) {
-    throw MakeError(env, "ERR_INVALID_OFFSET", "mapFile: offset must be a non-negative integer", UCS_OK, true);
+    throw MakeError(env, "ERR_INVALID_OFFSET", "mapFile: offset must be a non-negative integer",
+                    UCS_OK, true);
   }
   if (!(len_d > 0) || std::floor(len_d) != len_d || len_d > 9007199254740992.0) {
-    throw MakeError(env, "ERR_INVALID_LENGTH", "mapFile: length must be a positive integer", UCS_OK, true);
+    throw MakeError(env, "ERR_INVALID_LENGTH", "mapFile: length must be a positive integer", UCS_OK,
+                    true);
   }
   uint64_t offset = static_cast<uint64_t>(off_d), length = static_cast<uint64_t>(len_d);
   int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
@@ -482,7 +488,8 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
   uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   uint64_t map_off = offset - offset % page;
   size_t map_len = static_cast<size_t>(length + (offset - map_off));
-  void* map = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(map_off));
+  void* map =
+      mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(map_off));
   int e = errno;
   close(fd);
   if (map == MAP_FAILED) {
@@ -518,7 +525,8 @@ Napi::Value AgentWrap::Allocate(const Napi::CallbackInfo& info) {
   }
   double len_d = info[0].As<Napi::Number>().DoubleValue();
   if (!(len_d > 0) || std::floor(len_d) != len_d || len_d > 9007199254740992.0) {
-    throw MakeError(env, "ERR_INVALID_LENGTH", "allocate: length must be a positive integer", UCS_OK, true);
+    throw MakeError(env, "ERR_INVALID_LENGTH", "allocate: length must be a positive integer",
+                    UCS_OK, true);
   }
   ucp_mem_map_params_t params;
   std::memset(&params, 0, sizeof(params));
@@ -560,7 +568,8 @@ Napi::Value AgentWrap::Connect(const Napi::CallbackInfo& info) {
     if (mode == "peer") {
       peer_mode = true;
     } else if (mode != "none") {
-      throw MakeError(env, "ERR_INVALID_ARGUMENT", "connect: errorMode must be 'none' or 'peer', got '" + mode + "'");
+      throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                      "connect: errorMode must be 'none' or 'peer', got '" + mode + "'");
     }
   }
   std::vector<uint8_t> raw;
@@ -628,14 +637,16 @@ void ReadDescriptors(Napi::Env env, const Napi::Value& v, uint64_t local_len, ui
                         UCS_OK, true);
     }
   } else {
-    throw MakeError(env, "ERR_DESC_TYPE",
-                    "descriptors must be a Float64Array of (localOffset, remoteOffset, length) triples",
-                    UCS_OK, true);
+    throw MakeError(
+        env, "ERR_DESC_TYPE",
+        "descriptors must be a Float64Array of (localOffset, remoteOffset, length) triples", UCS_OK,
+        true);
   }
   if (count % 3 != 0) {
-    throw MakeError(env, "ERR_DESC_TRUNCATED",
-                    "descriptors: " + std::to_string(count) + " values is not a whole number of triples",
-                    UCS_OK, true);
+    throw MakeError(
+        env, "ERR_DESC_TRUNCATED",
+        "descriptors: " + std::to_string(count) + " values is not a whole number of triples",
+        UCS_OK, true);
   }
   out->resize(count);
   static const char* kField[3] = {"localOffset", "remoteOffset", "length"};
@@ -680,9 +691,11 @@ void ReadDescriptors(Napi::Env env, const Napi::Value& v, uint64_t local_len, ui
 }
 
 template <typename W>
-W* UnwrapHandle(Napi::Env env, const Napi::Value& v, Napi::FunctionReference& ctor, const char* what) {
+W* UnwrapHandle(Napi::Env env, const Napi::Value& v, Napi::FunctionReference& ctor,
+                const char* what) {
   if (!v.IsObject() || !v.As<Napi::Object>().InstanceOf(ctor.Value())) {
-    throw MakeError(env, "ERR_INVALID_ARGUMENT", std::string(what) + " is not a kvxfer handle of the right kind");
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    std::string(what) + " is not a kvxfer handle of the right kind");
   }
   return W::Unwrap(v.As<Napi::Object>());
 }
@@ -698,27 +711,34 @@ Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
                     "transfer(kind, endpoint, local, remote, descriptors, notification?)");
   }
   int kind = info[0].As<Napi::Number>().Int32Value();
-  if (kind != 0 && kind != 1) throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: kind must be 0 (write) or 1 (read)");
+  if (kind != 0 && kind != 1)
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: kind must be 0 (write) or 1 (read)");
   auto* ep = UnwrapHandle<EndpointWrap>(env, info[1], data_->endpoint_ctor, "endpoint");
   auto* local = UnwrapHandle<RegionWrap>(env, info[2], data_->region_ctor, "local region");
   auto* remote = UnwrapHandle<RemoteWrap>(env, info[3], data_->remote_ctor, "remote region");
-  if (ep->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "transfer: the endpoint is closed");
-  if (local->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "transfer: the local region is closed");
-  if (remote->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "transfer: the remote region is closed");
+  if (ep->state_ != HandleState::kOpen)
+    throw MakeError(env, "ERR_CLOSED", "transfer: the endpoint is closed");
+  if (local->state_ != HandleState::kOpen)
+    throw MakeError(env, "ERR_CLOSED", "transfer: the local region is closed");
+  if (remote->state_ != HandleState::kOpen)
+    throw MakeError(env, "ERR_CLOSED", "transfer: the remote region is closed");
   if (ep->agent_ != this || local->agent_ != this || remote->agent_ != this) {
     throw MakeError(env, "ERR_WRONG_AGENT", "transfer: a handle belongs to another agent");
   }
   if (remote->ep_ != ep->core_) {
-    throw MakeError(env, "ERR_ENDPOINT_MISMATCH", "transfer: the remote region was imported on another endpoint");
+    throw MakeError(env, "ERR_ENDPOINT_MISMATCH",
+                    "transfer: the remote region was imported on another endpoint");
   }
   auto op = std::make_unique<TransferOp>();
   ReadDescriptors(env, info[4], local->length(), remote->length_, &op->desc);
   if (info.Length() >= 6 && !info[5].IsUndefined() && !info[5].IsNull()) {
-    if (kind != 0) throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: only a write carries a notification");
+    if (kind != 0)
+      throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: only a write carries a notification");
     const uint8_t* data = nullptr;
     size_t size = 0;
     if (!BytesOf(info[5], &data, &size)) {
-      throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: notification must be a Buffer or Uint8Array");
+      throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                      "transfer: notification must be a Buffer or Uint8Array");
     }
     if (size > engine_->max_notification_bytes()) {
       throw MakeError(env, "ERR_NOTIFICATION_TOO_LARGE",
@@ -746,8 +766,10 @@ Napi::Value AgentWrap::Notify(const Napi::CallbackInfo& info) {
   CheckOpen(env, "notify");
   if (info.Length() < 2) throw MakeError(env, "ERR_INVALID_ARGUMENT", "notify(endpoint, bytes)");
   auto* ep = UnwrapHandle<EndpointWrap>(env, info[0], data_->endpoint_ctor, "endpoint");
-  if (ep->state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "notify: the endpoint is closed");
-  if (ep->agent_ != this) throw MakeError(env, "ERR_WRONG_AGENT", "notify: the endpoint belongs to another agent");
+  if (ep->state_ != HandleState::kOpen)
+    throw MakeError(env, "ERR_CLOSED", "notify: the endpoint is closed");
+  if (ep->agent_ != this)
+    throw MakeError(env, "ERR_WRONG_AGENT", "notify: the endpoint belongs to another agent");
   const uint8_t* data = nullptr;
   size_t size = 0;
   if (!BytesOf(info[1], &data, &size)) {
@@ -759,7 +781,8 @@ Napi::Value AgentWrap::Notify(const Napi::CallbackInfo& info) {
                         std::to_string(engine_->max_notification_bytes()),
                     UCS_OK, true);
   }
-  if (ep->core_->failed.load()) throw UcsError(env, "notify: the endpoint has failed", ep->core_->fail_status);
+  if (ep->core_->failed.load())
+    throw UcsError(env, "notify: the endpoint has failed", ep->core_->fail_status);
   auto op = std::make_unique<TransferOp>();
   op->kind = OpKind::kNotify;
   op->ep = ep->core_;
@@ -818,9 +841,12 @@ void AgentWrap::Settle(Napi::Env env, const Event& ev) {
   if (ev.status == UCS_OK) {
     p->deferred.Resolve(env.Undefined());
   } else if (ev.status == UCS_ERR_CANCELED && state_ != HandleState::kOpen) {
-    p->deferred.Reject(MakeError(env, "ERR_CLOSED", "transfer cancelled: the agent was closed").Value());
+    p->deferred.Reject(
+        MakeError(env, "ERR_CLOSED", "transfer cancelled: the agent was closed").Value());
   } else {
-    const char* what = p->kind == OpKind::kWrite ? "write" : p->kind == OpKind::kRead ? "read" : "notify";
+    const char* what = p->kind == OpKind::kWrite  ? "write"
+                       : p->kind == OpKind::kRead ? "read"
+                                                  : "notify";
     p->deferred.Reject(UcsError(env, std::string(what) + " failed", ev.status).Value());
   }
 }
@@ -911,19 +937,21 @@ Napi::Function RegionWrap::Define(Napi::Env env) {
 
 RegionWrap::RegionWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<RegionWrap>(info) {
   if (!IsInternalCall(info)) {
-    throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT", "Region handles come from Agent.registerMemory or Agent.mapFile");
+    throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT",
+                    "Region handles come from Agent.registerMemory or Agent.mapFile");
   }
 }
 
-void RegionWrap::InitBuffer(Napi::Env env, Napi::Value owner, uint8_t* base, size_t length, ucp_mem_h memh) {
+void RegionWrap::InitBuffer(Napi::Env env, Napi::Value owner, uint8_t* base, size_t length,
+                            ucp_mem_h memh) {
   base_ = base;
   length_ = length;
   memh_ = memh;
   owner_ = Napi::Persistent(owner.As<Napi::Object>());
 }
 
-void RegionWrap::InitFile(void* map, size_t map_length, uint8_t* base, size_t length, ucp_mem_h memh,
-                          std::string path) {
+void RegionWrap::InitFile(void* map, size_t map_length, uint8_t* base, size_t length,
+                          ucp_mem_h memh, std::string path) {
   map_ = map;
   map_length_ = map_length;
   base_ = base;
@@ -973,7 +1001,8 @@ Napi::Value RegionWrap::IsClosed(const Napi::CallbackInfo& info) {
 
 Napi::Value RegionWrap::RemoteKey(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  if (state_ != HandleState::kOpen || !agent_) throw MakeError(env, "ERR_CLOSED", "remoteKey: the region is closed");
+  if (state_ != HandleState::kOpen || !agent_)
+    throw MakeError(env, "ERR_CLOSED", "remoteKey: the region is closed");
   void* buf = nullptr;
   size_t size = 0;
   ucs_status_t status = ucp_rkey_pack(agent_->engine()->context(), memh_, &buf, &size);
@@ -987,7 +1016,8 @@ Napi::Value RegionWrap::RemoteKey(const Napi::CallbackInfo& info) {
 // view(): an ArrayBuffer over the region's memory, detached when the region closes.
 Napi::Value RegionWrap::View(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  if (state_ != HandleState::kOpen) throw MakeError(env, "ERR_CLOSED", "view: the region is closed");
+  if (state_ != HandleState::kOpen)
+    throw MakeError(env, "ERR_CLOSED", "view: the region is closed");
   if (!owner_.IsEmpty()) return owner_.Value();
   Napi::ArrayBuffer ab = Napi::ArrayBuffer::New(env, base_, length_);
   views_.push_back(Napi::Persistent(ab));
@@ -1026,7 +1056,7 @@ Napi::Value EndpointWrap::Id(const Napi::CallbackInfo& info) {
 }
 
 Napi::Value EndpointWrap::State(const Napi::CallbackInfo& info) {
-  const char* s = state_ != HandleState::kOpen ? "closed"
+  const char* s = state_ != HandleState::kOpen      ? "closed"
                   : (core_ && core_->failed.load()) ? "failed"
                                                     : "connected";
   return Napi::String::New(info.Env(), s);
@@ -1058,7 +1088,8 @@ Napi::Value EndpointWrap::ImportRemote(const Napi::CallbackInfo& info) {
   const uint8_t* data = nullptr;
   size_t size = 0;
   if (info.Length() < 1 || !BytesOf(info[0], &data, &size)) {
-    throw MakeError(env, "ERR_INVALID_ARGUMENT", "importRemote expects the peer's remote key as a Buffer");
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "importRemote expects the peer's remote key as a Buffer");
   }
   RemoteBlob blob;
   if (!UnwrapRemote(data, size, &blob)) {
@@ -1101,7 +1132,8 @@ Napi::Function RemoteWrap::Define(Napi::Env env) {
 
 RemoteWrap::RemoteWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<RemoteWrap>(info) {
   if (!IsInternalCall(info)) {
-    throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT", "RemoteRegion handles come from Endpoint.importRemote");
+    throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT",
+                    "RemoteRegion handles come from Endpoint.importRemote");
   }
 }
 
@@ -1159,6 +1191,8 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
 
 }  // namespace kvxfer
 
-static Napi::Object InitKvxfer(Napi::Env env, Napi::Object exports) { return kvxfer::Init(env, exports); }
+static Napi::Object InitKvxfer(Napi::Env env, Napi::Object exports) {
+  return kvxfer::Init(env, exports);
+}
 
 NODE_API_MODULE(kvxfer, InitKvxfer)

@@ -61,8 +61,8 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
 
   ucp_params_t params;
   std::memset(&params, 0, sizeof(params));
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
-                      UCP_PARAM_FIELD_NAME;
+  params.field_mask =
+      UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   // Memory is registered from the JS thread while the progress thread drives
   // the worker, so the context must be thread safe.
@@ -70,8 +70,8 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
   params.name = engine->opts_.name.c_str();
   *status = ucp_init(&params, cfg.config, &engine->context_);
   if (*status != UCS_OK) {
-    *what = "ucp_init failed (transports '" + opts.transports + "', devices '" +
-            opts.net_devices + "')";
+    *what = "ucp_init failed (transports '" + opts.transports + "', devices '" + opts.net_devices +
+            "')";
     engine->context_ = nullptr;
     return nullptr;
   }
@@ -411,12 +411,11 @@ bool ProgressEngine::PostSome(TransferOp* op) {
     const uint64_t local = d[3 * op->next];
     const uint64_t remote = d[3 * op->next + 1];
     const uint64_t length = d[3 * op->next + 2];
-    ucs_status_ptr_t req =
-        op->kind == OpKind::kWrite
-            ? ucp_put_nbx(ep->ep, op->local_base + local, length, op->remote_base + remote,
-                          op->rkey, &param)
-            : ucp_get_nbx(ep->ep, op->local_base + local, length, op->remote_base + remote,
-                          op->rkey, &param);
+    ucs_status_ptr_t req = op->kind == OpKind::kWrite
+                               ? ucp_put_nbx(ep->ep, op->local_base + local, length,
+                                             op->remote_base + remote, op->rkey, &param)
+                               : ucp_get_nbx(ep->ep, op->local_base + local, length,
+                                             op->remote_base + remote, op->rkey, &param);
     if (UCS_PTR_IS_ERR(req)) {
       op->status = UCS_PTR_STATUS(req);
       break;
@@ -481,9 +480,8 @@ void ProgressEngine::StartNotify(TransferOp* op) {
   param.user_data = op;
   // Eager only: the receiver's handler then always holds the whole message.
   param.flags = UCP_AM_SEND_FLAG_EAGER;
-  ucs_status_ptr_t req =
-      ucp_am_send_nbx(ep->ep, kNotifyAmId, opts_.name.data(), opts_.name.size(),
-                      op->notification.data(), op->notification.size(), &param);
+  ucs_status_ptr_t req = ucp_am_send_nbx(ep->ep, kNotifyAmId, opts_.name.data(), opts_.name.size(),
+                                         op->notification.data(), op->notification.size(), &param);
   if (req == nullptr) {
     Complete(op, UCS_OK);
   } else if (UCS_PTR_IS_ERR(req)) {

@@ -149,7 +149,7 @@ class ProgressEngine {
 
   std::thread thread_;
   bool started_ = false;
-  bool shut_down_ = false;        // JS thread
+  bool shut_down_ = false;            // JS thread
   std::atomic<bool> stopped_{false};  // set once the thread has been joined
 
   std::mutex cmd_mu_;

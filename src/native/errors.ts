@@ -8,7 +8,11 @@ export class KvxferError extends Error {
   readonly code: string;
   readonly ucsStatus: number | undefined;
 
-  constructor(code: string, message: string, options: { ucsStatus?: number; cause?: unknown } = {}) {
+  constructor(
+    code: string,
+    message: string,
+    options: { ucsStatus?: number; cause?: unknown } = {},
+  ) {
     super(message, options.cause === undefined ? undefined : { cause: options.cause });
     this.code = code;
     this.ucsStatus = options.ucsStatus;

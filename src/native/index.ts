@@ -316,7 +316,11 @@ export class Agent extends EventEmitter<AgentEvents> {
 
   /** Maps `length` bytes at `offset` of a (shared-memory) file and registers them. */
   mapFile(path: string, options: { offset?: number; length: number }): Region {
-    check(typeof path === "string" && path.length > 0, "ERR_INVALID_ARGUMENT", "mapFile: path must be a non-empty string");
+    check(
+      typeof path === "string" && path.length > 0,
+      "ERR_INVALID_ARGUMENT",
+      "mapFile: path must be a non-empty string",
+    );
     const offset = options.offset ?? 0;
     return new Region(
       this,
@@ -369,7 +373,9 @@ export class Agent extends EventEmitter<AgentEvents> {
     if (notification !== undefined) {
       check(isBytes(notification), "ERR_INVALID_ARGUMENT", "write: notification must be a Buffer");
     }
-    const p = call(() => this.native.transfer(0, ep.native, local.native, remote.native, descriptors, notification));
+    const p = call(() =>
+      this.native.transfer(0, ep.native, local.native, remote.native, descriptors, notification),
+    );
     return settle(p, site);
   }
 
@@ -377,14 +383,20 @@ export class Agent extends EventEmitter<AgentEvents> {
   read(ep: Endpoint, local: Region, remote: RemoteRegion, descriptors: Descriptors): Promise<void> {
     const site = new Error();
     this.checkTransfer(ep, local, remote, descriptors);
-    const p = call(() => this.native.transfer(1, ep.native, local.native, remote.native, descriptors));
+    const p = call(() =>
+      this.native.transfer(1, ep.native, local.native, remote.native, descriptors),
+    );
     return settle(p, site);
   }
 
   /** Sends a notification; it arrives after every write on `ep` that completed before this call. */
   notify(ep: Endpoint, bytes: Uint8Array): Promise<void> {
     const site = new Error();
-    check(ep instanceof Endpoint && ep.agent === this, "ERR_INVALID_ARGUMENT", "notify: endpoint is not this agent's");
+    check(
+      ep instanceof Endpoint && ep.agent === this,
+      "ERR_INVALID_ARGUMENT",
+      "notify: endpoint is not this agent's",
+    );
     check(isBytes(bytes), "ERR_INVALID_ARGUMENT", "notify: bytes must be a Buffer or Uint8Array");
     const p = call(() => this.native.notify(ep.native, bytes));
     return settle(p, site);
@@ -406,12 +418,19 @@ export class Agent extends EventEmitter<AgentEvents> {
     this.endpoints.delete(ep.id);
   }
 
-  private checkTransfer(ep: Endpoint, local: Region, remote: RemoteRegion, descriptors: Descriptors): void {
+  private checkTransfer(
+    ep: Endpoint,
+    local: Region,
+    remote: RemoteRegion,
+    descriptors: Descriptors,
+  ): void {
     check(ep instanceof Endpoint, "ERR_INVALID_ARGUMENT", "endpoint is not an Endpoint");
     check(local instanceof Region, "ERR_INVALID_ARGUMENT", "local is not a Region");
     check(remote instanceof RemoteRegion, "ERR_INVALID_ARGUMENT", "remote is not a RemoteRegion");
     check(
-      descriptors instanceof Float64Array || descriptors instanceof BigUint64Array || descriptors instanceof Uint8Array,
+      descriptors instanceof Float64Array ||
+        descriptors instanceof BigUint64Array ||
+        descriptors instanceof Uint8Array,
       "ERR_DESC_TYPE",
       "descriptors must be a Float64Array, BigUint64Array or Uint8Array of (localOffset, remoteOffset, length) triples",
     );
