@@ -9,11 +9,8 @@ import type { Message } from "@bufbuild/protobuf";
 /**
  * Describes the file kvxfer/v1/layout.proto.
  */
-export const file_kvxfer_v1_layout: GenFile =
-  /*@__PURE__*/
-  fileDesc(
-    "ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiLwoNS3ZTbG90QWRkcmVzcxIOCgZyZWdpb24YASABKA0SDgoGb2Zmc2V0GAIgASgEIsACCghLdkxheW91dBISCgpudW1fbGF5ZXJzGAEgASgNEgsKA21sYRgCIAEoCBIWCg50b3RhbF9rdl9oZWFkcxgDIAEoDRIQCghoZWFkX2RpbRgEIAEoDRINCgVkdHlwZRgFIAEoCRITCgtkdHlwZV9ieXRlcxgGIAEoDRISCgpibG9ja19zaXplGAcgASgNEhIKCm51bV9ibG9ja3MYCCABKA0SJgoFb3JkZXIYCSABKA4yFy5rdnhmZXIudjEuS3ZCbG9ja09yZGVyEg8KB3RwX3NpemUYCiABKA0SDwoHdHBfcmFuaxgLIAEoDRIUCgxibG9ja19zdHJpZGUYDCABKAQSJwoFc2xvdHMYDSADKAsyGC5rdnhmZXIudjEuS3ZTbG90QWRkcmVzcxIUCgxyZWdpb25fYnl0ZXMYDiADKAQqXgoMS3ZCbG9ja09yZGVyEh4KGktWX0JMT0NLX09SREVSX1VOU1BFQ0lGSUVEEAASFgoSS1ZfQkxPQ0tfT1JERVJfSE5EEAESFgoSS1ZfQkxPQ0tfT1JERVJfTkhEEAJiBnByb3RvMw",
-  );
+export const file_kvxfer_v1_layout: GenFile = /*@__PURE__*/
+  fileDesc("ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiLwoNS3ZTbG90QWRkcmVzcxIOCgZyZWdpb24YASABKA0SDgoGb2Zmc2V0GAIgASgEIsACCghLdkxheW91dBISCgpudW1fbGF5ZXJzGAEgASgNEgsKA21sYRgCIAEoCBIWCg50b3RhbF9rdl9oZWFkcxgDIAEoDRIQCghoZWFkX2RpbRgEIAEoDRINCgVkdHlwZRgFIAEoCRITCgtkdHlwZV9ieXRlcxgGIAEoDRISCgpibG9ja19zaXplGAcgASgNEhIKCm51bV9ibG9ja3MYCCABKA0SJgoFb3JkZXIYCSABKA4yFy5rdnhmZXIudjEuS3ZCbG9ja09yZGVyEg8KB3RwX3NpemUYCiABKA0SDwoHdHBfcmFuaxgLIAEoDRIUCgxibG9ja19zdHJpZGUYDCABKAQSJwoFc2xvdHMYDSADKAsyGC5rdnhmZXIudjEuS3ZTbG90QWRkcmVzcxIUCgxyZWdpb25fYnl0ZXMYDiADKAQqXgoMS3ZCbG9ja09yZGVyEh4KGktWX0JMT0NLX09SREVSX1VOU1BFQ0lGSUVEEAASFgoSS1ZfQkxPQ0tfT1JERVJfSE5EEAESFgoSS1ZfQkxPQ0tfT1JERVJfTkhEEAJiBnByb3RvMw");
 
 /**
  * Where one (layer, K|V) slot lives: block b of the slot starts at
@@ -37,8 +34,7 @@ export type KvSlotAddress = Message<"kvxfer.v1.KvSlotAddress"> & {
  * Describes the message kvxfer.v1.KvSlotAddress.
  * Use `create(KvSlotAddressSchema)` to create a new message.
  */
-export const KvSlotAddressSchema: GenMessage<KvSlotAddress> =
-  /*@__PURE__*/
+export const KvSlotAddressSchema: GenMessage<KvSlotAddress> = /*@__PURE__*/
   messageDesc(file_kvxfer_v1_layout, 0);
 
 /**
@@ -139,8 +135,7 @@ export type KvLayout = Message<"kvxfer.v1.KvLayout"> & {
  * Describes the message kvxfer.v1.KvLayout.
  * Use `create(KvLayoutSchema)` to create a new message.
  */
-export const KvLayoutSchema: GenMessage<KvLayout> =
-  /*@__PURE__*/
+export const KvLayoutSchema: GenMessage<KvLayout> = /*@__PURE__*/
   messageDesc(file_kvxfer_v1_layout, 1);
 
 /**
@@ -172,6 +167,6 @@ export enum KvBlockOrder {
 /**
  * Describes the enum kvxfer.v1.KvBlockOrder.
  */
-export const KvBlockOrderSchema: GenEnum<KvBlockOrder> =
-  /*@__PURE__*/
+export const KvBlockOrderSchema: GenEnum<KvBlockOrder> = /*@__PURE__*/
   enumDesc(file_kvxfer_v1_layout, 0);
+
