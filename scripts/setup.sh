@@ -32,5 +32,7 @@ if ! pkg-config --exists ucx; then
   exit 1
 fi
 
-if [ -f package-lock.json ]; then npm ci --no-fund --no-audit; else npm install --no-fund --no-audit; fi
+# npm install (not npm ci): the lock file records only the platform packages this
+# registry serves (e.g. no darwin or win32 builds of buf), which npm ci refuses.
+npm install --no-fund --no-audit
 npm run build
