@@ -61,9 +61,9 @@ export class PeerProcess {
       }
     });
     this.exited = new Promise((resolve) => this.child.on("exit", (code) => resolve(code)));
-    this.child.on("exit", () => {
-      for (const w of this.waiting.values())
-        w.reject(new Error(`peer exited; stderr: ${this.stderr.slice(-2000)}`));
+    this.child.on("exit", (code, signal) => {
+      const why = `peer exited (code ${code}, signal ${signal}); stderr: ${this.stderr.slice(-2000)}`;
+      for (const w of this.waiting.values()) w.reject(new Error(why));
       this.waiting.clear();
     });
   }

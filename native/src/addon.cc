@@ -188,6 +188,7 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
   void CloseFromParent() override { Release(); }
 
   uint8_t* base() const { return base_; }
+  ucp_mem_h memh() const { return memh_; }
   uint64_t length() const { return length_; }
   HandleState state_ = HandleState::kOpen;
   uint64_t inflight_ = 0;
@@ -755,6 +756,7 @@ Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
   op->kind = kind == 0 ? OpKind::kWrite : OpKind::kRead;
   op->ep = ep->core_;
   op->local_base = local->base();
+  op->local_memh = local->memh();
   op->remote_base = remote->address_;
   op->rkey = remote->rkey_;
   return Submit(env, std::move(op), ep, local, remote);

@@ -404,6 +404,10 @@ bool ProgressEngine::PostSome(TransferOp* op) {
   }
   ucp_request_param_t param;
   std::memset(&param, 0, sizeof(param));
+  if (op->local_memh != nullptr) {
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = op->local_memh;
+  }
   const size_t count = op->desc.size() / 3;
   const size_t end = std::min(count, op->next + kPostChunk);
   const uint64_t* d = op->desc.data();

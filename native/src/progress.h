@@ -44,6 +44,9 @@ struct TransferOp {
   OpKind kind = OpKind::kWrite;
   std::shared_ptr<EndpointCore> ep;
   uint8_t* local_base = nullptr;
+  // The local region's registration, passed with every put/get: UCX then
+  // needs no registration cache (kvxfer runs without UCX memory hooks).
+  ucp_mem_h local_memh = nullptr;
   uint64_t remote_base = 0;
   ucp_rkey_h rkey = nullptr;
   // (localOffset, remoteOffset, length) triples, validated.
