@@ -1,0 +1,386 @@
+/**
+ * The engine link: one ZeroMQ connection between an engine and its sidecar. The sidecar binds a
+ * ROUTER (`EngineLinkServer`), the engine connects a DEALER (`EngineLinkClient`); every frame is
+ * one protobuf `EngineToSidecar` (engine → sidecar) or `SidecarToEngine` (sidecar → engine).
+ *
+ * Nothing an engine sends is trusted: each frame is size-capped and decoded in a try/catch, and a
+ * frame that fails is answered with `Refused { code: ERR_TOO_LARGE | ERR_MALFORMED }`. The fields
+ * of a well-formed message are checked by the sidecar with `checkEngineMessage` (validate.ts).
+ */
+import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
+import type { Logger } from "pino";
+import { Dealer, Router } from "zeromq";
+
+import {
+  type EngineToSidecar,
+  EngineToSidecarSchema,
+  RefusedSchema,
+  type SidecarToEngine,
+  SidecarToEngineSchema,
+} from "../gen/kvxfer/v1/engine_pb.js";
+import { KvxferError } from "../native/errors.js";
+
+/** Default cap on one received frame. A registration of 8 ranks x 160 files is ~100 KiB. */
+export const DEFAULT_MAX_FRAME_BYTES = 16 << 20;
+
+/**
+ * ZeroMQ drops the connection of a peer sending a frame above this multiple of the cap, so a
+ * runaway engine cannot make the sidecar buffer gigabytes; frames between the cap and this are
+ * still received and answered with ERR_TOO_LARGE.
+ */
+const HARD_CAP_FACTOR = 4;
+
+/** Outgoing messages queued per peer before a send fails (instead of blocking the sidecar). */
+const SEND_HIGH_WATER_MARK = 100_000;
+
+/** How long a closing socket keeps trying to deliver what was already queued. */
+const LINGER_MS = 200;
+
+/** The default engine link endpoint of an engine. */
+export function defaultEngineEndpoint(engineId: string): string {
+  return `ipc:///tmp/kvxfer-${engineId}.sock`;
+}
+
+/** One connected engine, as the ROUTER sees it. */
+export interface EnginePeer {
+  /** The ZeroMQ routing id, hex: stable for the life of one connection. */
+  readonly id: string;
+  readonly routingId: Buffer;
+}
+
+export type EngineMessageHandler = (msg: EngineToSidecar, from: EnginePeer) => void;
+export type SidecarMessageHandler = (msg: SidecarToEngine) => void;
+
+export interface EngineLinkServerOptions {
+  /** Any ZeroMQ endpoint; `defaultEngineEndpoint(engineId)` is the usual one. */
+  readonly endpoint: string;
+  /** Called once per well-framed message, in arrival order; what it throws is logged. */
+  readonly onMessage: EngineMessageHandler;
+  /** A pino logger; the link logs under a child `{ component: "engine-link" }`. */
+  readonly logger: Logger;
+  /** Largest frame accepted (default `DEFAULT_MAX_FRAME_BYTES`). */
+  readonly maxFrameBytes?: number;
+}
+
+function checkCap(n: number): number {
+  if (!Number.isSafeInteger(n) || n < 64) {
+    throw new KvxferError(
+      "ERR_INVALID_ARGUMENT",
+      `maxFrameBytes must be an integer >= 64, got ${n}`,
+    );
+  }
+  return n;
+}
+
+function errCode(err: unknown): string {
+  const c = (err as { code?: unknown } | null)?.code;
+  return typeof c === "string" ? c : "";
+}
+
+/** Resolves after `ms`, or when `p` settles, whichever is first; never rejects. */
+async function within(p: Promise<unknown>, ms: number): Promise<void> {
+  let timer: NodeJS.Timeout | undefined;
+  await Promise.race([
+    p.catch(() => undefined),
+    new Promise<void>((resolve) => {
+      timer = setTimeout(resolve, ms);
+    }),
+  ]);
+  clearTimeout(timer);
+}
+
+/** The sidecar's end of the engine link. */
+export class EngineLinkServer {
+  readonly endpoint: string;
+  readonly maxFrameBytes: number;
+  private readonly socket: Router;
+  private readonly log: Logger;
+  private readonly onMessage: EngineMessageHandler;
+  private state: "new" | "open" | "closed" = "new";
+  private loop: Promise<void> | undefined;
+  private registered: EnginePeer | undefined;
+
+  constructor(options: EngineLinkServerOptions) {
+    this.endpoint = options.endpoint;
+    this.maxFrameBytes = checkCap(options.maxFrameBytes ?? DEFAULT_MAX_FRAME_BYTES);
+    this.onMessage = options.onMessage;
+    this.log = options.logger.child({ component: "engine-link" });
+    this.socket = new Router({
+      linger: LINGER_MS,
+      // Unroutable sends fail (EHOSTUNREACH) instead of vanishing; with a zero send timeout a
+      // full queue fails at once instead of blocking every later send.
+      mandatory: true,
+      sendTimeout: 0,
+      sendHighWaterMark: SEND_HIGH_WATER_MARK,
+      maxMessageSize: this.maxFrameBytes * HARD_CAP_FACTOR,
+    });
+  }
+
+  /** The engine that last sent a `RegisterKvCache` (on any connection), if any. */
+  get registeredEngine(): EnginePeer | undefined {
+    return this.registered;
+  }
+
+  /** Binds the endpoint and starts receiving. Rejects with ERR_BIND when the endpoint is taken. */
+  async start(): Promise<void> {
+    if (this.state !== "new") {
+      throw new KvxferError("ERR_STATE", `engine link is ${this.state}; start() runs once`);
+    }
+    try {
+      await this.socket.bind(this.endpoint);
+    } catch (err) {
+      this.state = "closed";
+      this.socket.close();
+      throw new KvxferError(
+        "ERR_BIND",
+        `engine link cannot bind ${this.endpoint}: ${(err as Error).message}`,
+        { cause: err },
+      );
+    }
+    this.state = "open";
+    this.loop = this.receiveLoop();
+    this.log.info({ endpoint: this.endpoint }, "engine link listening");
+  }
+
+  private async receiveLoop(): Promise<void> {
+    // One loop; an error ends one pass, is logged, and the loop resumes unless the link closed.
+    while (this.state === "open") {
+      try {
+        for await (const frames of this.socket) {
+          this.onFrames(frames);
+        }
+        return; // the socket closed
+      } catch (err) {
+        if (this.state !== "open") return;
+        this.log.error({ err }, "engine link receive failed; resuming");
+        await new Promise((r) => setTimeout(r, 10));
+      }
+    }
+  }
+
+  private onFrames(frames: Buffer[]): void {
+    const routingId = frames[0];
+    if (routingId === undefined) return;
+    const from: EnginePeer = { id: routingId.toString("hex"), routingId };
+    if (frames.length !== 2) {
+      this.refuse(
+        from,
+        "ERR_MALFORMED",
+        `expected one frame per message, got ${frames.length - 1}`,
+      );
+      return;
+    }
+    const body = frames[1]!;
+    if (body.length > this.maxFrameBytes) {
+      this.refuse(
+        from,
+        "ERR_TOO_LARGE",
+        `frame of ${body.length} bytes exceeds the engine link cap of ${this.maxFrameBytes}`,
+      );
+      return;
+    }
+    let msg: EngineToSidecar;
+    try {
+      msg = fromBinary(EngineToSidecarSchema, body);
+    } catch (err) {
+      this.refuse(
+        from,
+        "ERR_MALFORMED",
+        `not an EngineToSidecar message: ${(err as Error).message}`,
+      );
+      return;
+    }
+    if (msg.msg.case === undefined) {
+      this.refuse(from, "ERR_MALFORMED", "EngineToSidecar has no message set");
+      return;
+    }
+    if (msg.msg.case === "register") this.registered = from;
+    try {
+      this.onMessage(msg, from);
+    } catch (err) {
+      this.log.error({ err, peer: from.id, kind: msg.msg.case }, "engine message handler threw");
+    }
+  }
+
+  private refuse(to: EnginePeer, code: string, message: string): void {
+    this.log.warn({ peer: to.id, code, reason: message }, "engine frame refused");
+    void this.send(
+      to,
+      sidecarMessage("refused", create(RefusedSchema, { transferId: "", code, message })),
+    );
+  }
+
+  /**
+   * Sends one message to one engine. Resolves true once queued; false (logged, never thrown)
+   * when the engine is gone, its queue is full, or the link is closed.
+   */
+  async send(to: EnginePeer, msg: SidecarToEngine): Promise<boolean> {
+    if (this.state !== "open") return false;
+    let body: Uint8Array;
+    try {
+      body = toBinary(SidecarToEngineSchema, msg);
+    } catch (err) {
+      this.log.error({ err, kind: msg.msg.case }, "cannot encode a message to the engine");
+      return false;
+    }
+    try {
+      await this.socket.send([to.routingId, body]);
+      return true;
+    } catch (err) {
+      if (this.state !== "open") return false;
+      const code = errCode(err);
+      const level = code === "EHOSTUNREACH" ? "warn" : "error";
+      this.log[level](
+        { err, peer: to.id, kind: msg.msg.case },
+        code === "EHOSTUNREACH"
+          ? "engine is not connected; message dropped"
+          : "send to engine failed",
+      );
+      return false;
+    }
+  }
+
+  /** `send` to the engine that registered; false when none has. */
+  async sendToRegistered(msg: SidecarToEngine): Promise<boolean> {
+    const to = this.registered;
+    if (to === undefined) {
+      this.log.warn({ kind: msg.msg.case }, "no engine has registered; message dropped");
+      return false;
+    }
+    return this.send(to, msg);
+  }
+
+  /** Idempotent; stops receiving and closes the socket (what is queued gets `LINGER_MS`). */
+  async close(timeoutMs = 2000): Promise<void> {
+    if (this.state === "closed") return;
+    const wasOpen = this.state === "open";
+    this.state = "closed";
+    this.socket.close();
+    if (wasOpen && this.loop) await within(this.loop, timeoutMs);
+  }
+}
+
+export interface EngineLinkClientOptions {
+  /** The sidecar's engine link endpoint. */
+  readonly endpoint: string;
+  /** Called once per well-formed message from the sidecar; what it throws is logged. */
+  readonly onMessage: SidecarMessageHandler;
+  readonly logger: Logger;
+  /** Largest frame accepted from the sidecar (default `DEFAULT_MAX_FRAME_BYTES`). */
+  readonly maxFrameBytes?: number;
+}
+
+/**
+ * The engine's end of the engine link. Connecting never waits for the sidecar: ZeroMQ queues
+ * what is sent and reconnects by itself, so an engine may start before its sidecar.
+ */
+export class EngineLinkClient {
+  readonly endpoint: string;
+  readonly maxFrameBytes: number;
+  private readonly socket: Dealer;
+  private readonly log: Logger;
+  private readonly onMessage: SidecarMessageHandler;
+  private closed = false;
+  private readonly loop: Promise<void>;
+
+  constructor(options: EngineLinkClientOptions) {
+    this.endpoint = options.endpoint;
+    this.maxFrameBytes = checkCap(options.maxFrameBytes ?? DEFAULT_MAX_FRAME_BYTES);
+    this.onMessage = options.onMessage;
+    this.log = options.logger.child({ component: "engine-link" });
+    this.socket = new Dealer({
+      linger: LINGER_MS,
+      sendTimeout: 0,
+      sendHighWaterMark: SEND_HIGH_WATER_MARK,
+      maxMessageSize: this.maxFrameBytes * HARD_CAP_FACTOR,
+      reconnectInterval: 50,
+      reconnectMaxInterval: 1000,
+    });
+    this.socket.connect(this.endpoint);
+    this.loop = this.receiveLoop();
+  }
+
+  private async receiveLoop(): Promise<void> {
+    while (!this.closed) {
+      try {
+        for await (const frames of this.socket) this.onFrames(frames);
+        return;
+      } catch (err) {
+        if (this.closed) return;
+        this.log.error({ err }, "engine link receive failed; resuming");
+        await new Promise((r) => setTimeout(r, 10));
+      }
+    }
+  }
+
+  private onFrames(frames: Buffer[]): void {
+    const body = frames[0];
+    if (frames.length !== 1 || body === undefined) {
+      this.log.warn({ parts: frames.length }, "sidecar sent a multi-part message; dropped");
+      return;
+    }
+    if (body.length > this.maxFrameBytes) {
+      this.log.warn({ bytes: body.length }, "sidecar sent an oversized frame; dropped");
+      return;
+    }
+    let msg: SidecarToEngine;
+    try {
+      msg = fromBinary(SidecarToEngineSchema, body);
+    } catch (err) {
+      this.log.warn({ err }, "sidecar sent a malformed frame; dropped");
+      return;
+    }
+    if (msg.msg.case === undefined) {
+      this.log.warn("sidecar sent a message with nothing set; dropped");
+      return;
+    }
+    try {
+      this.onMessage(msg);
+    } catch (err) {
+      this.log.error({ err, kind: msg.msg.case }, "sidecar message handler threw");
+    }
+  }
+
+  /** Queues one message. Rejects with ERR_CLOSED, or ERR_SEND_FAILED when the queue is full. */
+  async send(msg: EngineToSidecar): Promise<void> {
+    await this.sendRaw(toBinary(EngineToSidecarSchema, msg));
+  }
+
+  /** Queues one frame of raw bytes: for tests and tools that send what an engine should not. */
+  async sendRaw(frame: Uint8Array | Uint8Array[]): Promise<void> {
+    if (this.closed) throw new KvxferError("ERR_CLOSED", "engine link is closed");
+    try {
+      await this.socket.send(frame);
+    } catch (err) {
+      throw new KvxferError(
+        "ERR_SEND_FAILED",
+        `engine link send failed (${errCode(err) || "unknown"}): ${(err as Error).message}`,
+        { cause: err },
+      );
+    }
+  }
+
+  /** Idempotent; what is queued gets `LINGER_MS` to reach the sidecar. */
+  async close(timeoutMs = 2000): Promise<void> {
+    if (this.closed) return;
+    this.closed = true;
+    this.socket.close();
+    await within(this.loop, timeoutMs);
+  }
+}
+
+/** Wraps one engine message for `EngineLinkClient.send`. */
+export function engineMessage<K extends NonNullable<EngineToSidecar["msg"]["case"]>>(
+  kind: K,
+  value: Extract<EngineToSidecar["msg"], { case: K }>["value"],
+): EngineToSidecar {
+  return create(EngineToSidecarSchema, { msg: { case: kind, value } as EngineToSidecar["msg"] });
+}
+
+/** Wraps one sidecar message for `EngineLinkServer.send`. */
+export function sidecarMessage<K extends NonNullable<SidecarToEngine["msg"]["case"]>>(
+  kind: K,
+  value: Extract<SidecarToEngine["msg"], { case: K }>["value"],
+): SidecarToEngine {
+  return create(SidecarToEngineSchema, { msg: { case: kind, value } as SidecarToEngine["msg"] });
+}

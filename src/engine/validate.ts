@@ -1,0 +1,261 @@
+/**
+ * Field checks for messages an engine sends its sidecar. The link itself only checks framing
+ * (size, protobuf, a oneof set); the sidecar calls these before acting, and answers a problem
+ * with `Refused { transfer_id, code, message }`. A problem costs only the message it names.
+ */
+import type {
+  EngineToSidecar,
+  ExpectKv,
+  PrefillDone,
+  RegisterKvCache,
+} from "../gen/kvxfer/v1/engine_pb.js";
+import { type KvLayout, PlanError } from "../plan/index.js";
+import { kvLayoutFromProto } from "../plan/layout-proto.js";
+
+export type EngineErrorCode =
+  /** The frame is not one `EngineToSidecar` with its oneof set. */
+  | "ERR_MALFORMED"
+  /** The frame is larger than the link's cap. */
+  | "ERR_TOO_LARGE"
+  /** A transfer message arrived before the engine registered its KV cache. */
+  | "ERR_NOT_REGISTERED"
+  | "ERR_BAD_ENGINE_ID"
+  | "ERR_BAD_TRANSFER_ID"
+  | "ERR_BAD_LAYOUT"
+  | "ERR_BAD_REGIONS"
+  | "ERR_BAD_BLOCKS"
+  | "ERR_BAD_TOKENS"
+  | "ERR_BAD_SOURCE";
+
+/** Why a message was refused; `message` names the field at fault. */
+export interface EngineProblem {
+  readonly code: EngineErrorCode;
+  /** The transfer the message named, or "" (registration, unreadable frames). */
+  readonly transferId: string;
+  readonly message: string;
+}
+
+/** Longest transfer id, engine id or source address accepted, in UTF-8 bytes. */
+export const MAX_ID_BYTES = 256;
+/** Most block ids one message may carry (a bound on work, far above any real request). */
+export const MAX_BLOCK_IDS = 1 << 20;
+/** Most ranks or regions per rank a registration may list. */
+export const MAX_RANKS = 1024;
+export const MAX_REGIONS_PER_RANK = 65536;
+
+/** One rank's registered memory: `regions[g]` holds region `g` of the layout. */
+export interface RankRegionFiles {
+  readonly rank: number;
+  readonly regions: readonly { path: string; offset: number; length: number }[];
+}
+
+/** A checked `RegisterKvCache`: the layout and one entry per rank, indexed by rank. */
+export interface EngineKvCache {
+  readonly engineId: string;
+  /** The template layout (tpRank 0); rank `r`'s layout is `{ ...layout, tpRank: r }`. */
+  readonly layout: KvLayout;
+  readonly ranks: readonly RankRegionFiles[];
+}
+
+export type RegisterCheck =
+  | { readonly ok: true; readonly cache: EngineKvCache }
+  | { readonly ok: false; readonly problem: EngineProblem };
+
+function problem(code: EngineErrorCode, transferId: string, message: string): EngineProblem {
+  return { code, transferId, message };
+}
+
+function checkId(value: string, field: string): string | undefined {
+  if (value.length === 0) return `${field} is empty`;
+  const n = Buffer.byteLength(value, "utf8");
+  if (n > MAX_ID_BYTES) return `${field} is ${n} bytes, more than ${MAX_ID_BYTES}`;
+  return undefined;
+}
+
+/** A transfer id as it may be echoed in a refusal: cut to the limit so a refusal stays small. */
+function echoId(value: string): string {
+  return Buffer.byteLength(value, "utf8") <= MAX_ID_BYTES ? value : value.slice(0, 64) + "...";
+}
+
+/**
+ * Checks a registration and converts it: engine id, the layout (`validateKvLayout`), one entry
+ * per rank `0 .. tpSize - 1` each once, one file per layout region, each file at least as long
+ * as its region. Paths are not opened here.
+ */
+export function checkRegisterKvCache(msg: RegisterKvCache): RegisterCheck {
+  const fail = (code: EngineErrorCode, message: string): RegisterCheck => ({
+    ok: false,
+    problem: problem(code, "", message),
+  });
+  const idProblem = checkId(msg.engineId, "engine_id");
+  if (idProblem) return fail("ERR_BAD_ENGINE_ID", idProblem);
+  if (msg.layout === undefined) return fail("ERR_BAD_LAYOUT", "layout is missing");
+  let layout: KvLayout;
+  try {
+    layout = kvLayoutFromProto(msg.layout);
+  } catch (err) {
+    if (err instanceof PlanError)
+      return fail("ERR_BAD_LAYOUT", `layout.${err.field}: ${err.message}`);
+    throw err;
+  }
+  layout = { ...layout, tpRank: 0 };
+  if (msg.ranks.length !== layout.tpSize) {
+    return fail(
+      "ERR_BAD_REGIONS",
+      `ranks lists ${msg.ranks.length} ranks, the layout has tpSize ${layout.tpSize}`,
+    );
+  }
+  if (msg.ranks.length > MAX_RANKS)
+    return fail("ERR_BAD_REGIONS", `ranks lists more than ${MAX_RANKS}`);
+  const byRank: (RankRegionFiles | undefined)[] = new Array(layout.tpSize).fill(undefined);
+  for (const [i, entry] of msg.ranks.entries()) {
+    if (entry.rank >= layout.tpSize) {
+      return fail(
+        "ERR_BAD_REGIONS",
+        `ranks[${i}].rank ${entry.rank} is not below tpSize ${layout.tpSize}`,
+      );
+    }
+    if (byRank[entry.rank] !== undefined) {
+      return fail("ERR_BAD_REGIONS", `ranks[${i}].rank ${entry.rank} is listed twice`);
+    }
+    const want = layout.regionBytes.length;
+    if (entry.regions.length !== want) {
+      return fail(
+        "ERR_BAD_REGIONS",
+        `ranks[${i}].regions lists ${entry.regions.length} files, the layout has ${want} regions`,
+      );
+    }
+    const regions: { path: string; offset: number; length: number }[] = [];
+    for (const [g, file] of entry.regions.entries()) {
+      const where = `ranks[${i}].regions[${g}]`;
+      if (file.path.length === 0 || Buffer.byteLength(file.path) > 4096) {
+        return fail("ERR_BAD_REGIONS", `${where}.path must be 1..4096 bytes`);
+      }
+      if (
+        file.offset > BigInt(Number.MAX_SAFE_INTEGER) ||
+        file.length > BigInt(Number.MAX_SAFE_INTEGER)
+      ) {
+        return fail("ERR_BAD_REGIONS", `${where}: offset or length beyond 2^53`);
+      }
+      const length = Number(file.length);
+      const need = layout.regionBytes[g]!;
+      if (length < need) {
+        return fail(
+          "ERR_BAD_REGIONS",
+          `${where}.length ${length} is below the region's ${need} bytes`,
+        );
+      }
+      regions.push({ path: file.path, offset: Number(file.offset), length });
+    }
+    byRank[entry.rank] = { rank: entry.rank, regions };
+  }
+  return {
+    ok: true,
+    cache: { engineId: msg.engineId, layout, ranks: byRank as RankRegionFiles[] },
+  };
+}
+
+/** Checks a block table: size bounds, each id below `numBlocks`, no id twice. */
+function checkBlockIds(
+  ids: readonly number[],
+  field: string,
+  minCount: number,
+  numBlocks: number,
+): string | undefined {
+  if (ids.length > MAX_BLOCK_IDS)
+    return `${field} lists ${ids.length} ids, more than ${MAX_BLOCK_IDS}`;
+  if (ids.length < minCount) return `${field} lists ${ids.length} ids, the tokens need ${minCount}`;
+  if (ids.length > numBlocks)
+    return `${field} lists ${ids.length} ids, the cache has ${numBlocks} blocks`;
+  const seen = new Set<number>();
+  for (const [i, id] of ids.entries()) {
+    if (id >= numBlocks) return `${field}[${i}] = ${id} is not below numBlocks ${numBlocks}`;
+    if (seen.has(id)) return `${field}[${i}] = ${id} is listed twice`;
+    seen.add(id);
+  }
+  return undefined;
+}
+
+function checkPrefillDone(msg: PrefillDone, layout: KvLayout): EngineProblem | undefined {
+  const tid = echoId(msg.transferId);
+  const idProblem = checkId(msg.transferId, "transfer_id");
+  if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
+  if (msg.numTokens === 0) return problem("ERR_BAD_TOKENS", tid, "num_tokens must be > 0");
+  const need = Math.ceil(msg.numTokens / layout.blockSize);
+  const blocks = checkBlockIds(msg.blockIds, "block_ids", need, layout.numBlocks);
+  if (blocks) return problem("ERR_BAD_BLOCKS", tid, blocks);
+  return undefined;
+}
+
+function checkExpectKv(msg: ExpectKv, layout: KvLayout): EngineProblem | undefined {
+  const tid = echoId(msg.transferId);
+  const idProblem = checkId(msg.transferId, "transfer_id");
+  if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
+  const srcProblem = checkId(msg.source, "source");
+  if (srcProblem) return problem("ERR_BAD_SOURCE", tid, srcProblem);
+  if (msg.numTokens === 0) return problem("ERR_BAD_TOKENS", tid, "num_tokens must be > 0");
+  if (msg.prefixTokens > msg.numTokens) {
+    return problem(
+      "ERR_BAD_TOKENS",
+      tid,
+      `prefix_tokens ${msg.prefixTokens} is above num_tokens ${msg.numTokens}`,
+    );
+  }
+  const need = Math.ceil(msg.numTokens / layout.blockSize);
+  const blocks = checkBlockIds(msg.blockIds, "block_ids", need, layout.numBlocks);
+  if (blocks) return problem("ERR_BAD_BLOCKS", tid, blocks);
+  if (!msg.hasSourceBlockIds && msg.sourceBlockIds.length > 0) {
+    return problem(
+      "ERR_BAD_BLOCKS",
+      tid,
+      "source_block_ids is set but has_source_block_ids is false",
+    );
+  }
+  if (msg.hasSourceBlockIds) {
+    // P's layout is not known here: the sidecar checks the ids against it once it has it.
+    const src = checkBlockIds(msg.sourceBlockIds, "source_block_ids", 1, MAX_BLOCK_IDS);
+    if (src) return problem("ERR_BAD_BLOCKS", tid, src);
+  }
+  return undefined;
+}
+
+/**
+ * Checks one engine message's fields. `layout` is the engine's registered layout (undefined
+ * before `RegisterKvCache` was accepted): transfer messages need it. A registration is checked
+ * with `checkRegisterKvCache`, which also converts it.
+ */
+export function checkEngineMessage(
+  msg: EngineToSidecar,
+  layout: KvLayout | undefined,
+): EngineProblem | undefined {
+  const m = msg.msg;
+  switch (m.case) {
+    case "register": {
+      const r = checkRegisterKvCache(m.value);
+      return r.ok ? undefined : r.problem;
+    }
+    case "prefillDone":
+      if (!layout) return notRegistered(m.value.transferId);
+      return checkPrefillDone(m.value, layout);
+    case "expectKv":
+      if (!layout) return notRegistered(m.value.transferId);
+      return checkExpectKv(m.value, layout);
+    case "abort": {
+      const tid = echoId(m.value.transferId);
+      const idProblem = checkId(m.value.transferId, "transfer_id");
+      if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
+      if (!layout) return notRegistered(m.value.transferId);
+      return undefined;
+    }
+    case undefined:
+      return problem("ERR_MALFORMED", "", "EngineToSidecar has no message set");
+  }
+}
+
+function notRegistered(transferId: string): EngineProblem {
+  return problem(
+    "ERR_NOT_REGISTERED",
+    echoId(transferId),
+    "the engine has not registered its KV cache (send RegisterKvCache first)",
+  );
+}
