@@ -1,0 +1,242 @@
+/**
+ * Between the sidecar's view types (src/sidecar/view.ts) and the gRPC
+ * messages: the server converts view -> proto, the client proto -> view. The
+ * one place enum names are mapped.
+ */
+import { create } from "@bufbuild/protobuf";
+import { Role } from "../gen/kvxfer/v1/peer_pb.js";
+import {
+  type Event,
+  EventKind as PbEventKind,
+  EventSchema,
+  type GetStatusResponse,
+  GetStatusResponseSchema,
+  PeerState,
+  type Transfer,
+  TransferMode as PbTransferMode,
+  TransferSchema,
+  TransferSide as PbTransferSide,
+  TransferState as PbTransferState,
+} from "../gen/kvxfer/v1/sidecar_pb.js";
+import type {
+  EventKind,
+  SidecarEvent,
+  SidecarRole,
+  SidecarStatus,
+  TransferInfo,
+  TransferMode,
+  TransferSide,
+  TransferState,
+} from "../sidecar/view.js";
+
+/** Two-way map between string names and enum numbers; unknown names/numbers give undefined. */
+class EnumMap<N extends string, E extends number> {
+  private readonly toNum = new Map<string, E>();
+  private readonly toName = new Map<number, N>();
+  constructor(pairs: readonly (readonly [N, E])[]) {
+    for (const [n, e] of pairs) {
+      this.toNum.set(n, e);
+      this.toName.set(e, n);
+    }
+  }
+  num(name: string): E | undefined {
+    return this.toNum.get(name);
+  }
+  name(num: number): N | undefined {
+    return this.toName.get(num);
+  }
+  names(): N[] {
+    return [...this.toNum.keys()] as N[];
+  }
+}
+
+export const eventKinds = new EnumMap<EventKind, PbEventKind>([
+  ["KV_READY", PbEventKind.KV_READY],
+  ["FAILED", PbEventKind.FAILED],
+  ["EXPIRED", PbEventKind.EXPIRED],
+  ["ABORTED", PbEventKind.ABORTED],
+  ["RELEASED", PbEventKind.RELEASED],
+  ["PEER_UP", PbEventKind.PEER_UP],
+  ["PEER_DOWN", PbEventKind.PEER_DOWN],
+]);
+
+export const transferStates = new EnumMap<TransferState, PbTransferState>([
+  ["WAITING", PbTransferState.WAITING],
+  ["HELD", PbTransferState.HELD],
+  ["MOVING", PbTransferState.MOVING],
+  ["CONFIRMING", PbTransferState.CONFIRMING],
+  ["KV_READY", PbTransferState.KV_READY],
+  ["FAILED", PbTransferState.FAILED],
+  ["EXPIRED", PbTransferState.EXPIRED],
+  ["ABORTED", PbTransferState.ABORTED],
+  ["RELEASED", PbTransferState.RELEASED],
+]);
+
+export const transferSides = new EnumMap<TransferSide, PbTransferSide>([
+  ["prefill", PbTransferSide.PREFILL],
+  ["decode", PbTransferSide.DECODE],
+]);
+
+export const transferModes = new EnumMap<TransferMode, PbTransferMode>([
+  ["push", PbTransferMode.PUSH],
+  ["pull", PbTransferMode.PULL],
+  ["auto", PbTransferMode.AUTO],
+]);
+
+const roles = new EnumMap<SidecarRole, Role>([
+  ["prefill", Role.PREFILL],
+  ["decode", Role.DECODE],
+  ["both", Role.BOTH],
+]);
+
+const big = (n: number): bigint => BigInt(Math.max(0, Math.trunc(n)));
+const num = (n: bigint): number => Number(n);
+
+export function eventToProto(ev: SidecarEvent): Event {
+  return create(EventSchema, {
+    seq: big(ev.seq),
+    kind: eventKinds.num(ev.kind) ?? PbEventKind.UNSPECIFIED,
+    timeMs: big(ev.timeMs),
+    transferId: ev.transferId,
+    peer: ev.peer,
+    side: transferSides.num(ev.side) ?? PbTransferSide.UNSPECIFIED,
+    reason: ev.reason,
+    bytes: big(ev.bytes),
+    mode: transferModes.num(ev.mode) ?? PbTransferMode.UNSPECIFIED,
+  });
+}
+
+/** Throws when the kind is not one this client knows (a newer server). */
+export function eventFromProto(ev: Event): SidecarEvent {
+  const kind = eventKinds.name(ev.kind);
+  if (kind === undefined) throw new Error(`unknown event kind ${ev.kind} (seq ${ev.seq})`);
+  return {
+    seq: num(ev.seq),
+    kind,
+    timeMs: num(ev.timeMs),
+    transferId: ev.transferId,
+    peer: ev.peer,
+    side: transferSides.name(ev.side) ?? "",
+    reason: ev.reason,
+    bytes: num(ev.bytes),
+    mode: transferModes.name(ev.mode) ?? "",
+  };
+}
+
+export interface LogPosition {
+  readonly firstSeq: number;
+  readonly lastSeq: number;
+  readonly watchers: number;
+}
+
+export function statusToProto(
+  s: SidecarStatus,
+  log: LogPosition,
+  nowMs: number,
+): GetStatusResponse {
+  return create(GetStatusResponseSchema, {
+    engineId: s.engineId,
+    epoch: s.epoch,
+    role: roles.num(s.role) ?? Role.UNSPECIFIED,
+    mode: transferModes.num(s.mode) ?? PbTransferMode.UNSPECIFIED,
+    tpSize: s.tpSize,
+    layoutSummary: s.layoutSummary,
+    startedMs: big(s.startedMs),
+    uptimeMs: big(nowMs - s.startedMs),
+    draining: s.draining,
+    peers: s.peers.map((p) => ({
+      engineId: p.engineId,
+      epoch: p.epoch,
+      state: p.state === "connected" ? PeerState.CONNECTED : PeerState.FAILED,
+      lastSeenMs: big(p.lastSeenMs),
+      sideChannel: p.sideChannel,
+    })),
+    transfersByState: Object.fromEntries(
+      Object.entries(s.transfersByState).map(([k, v]) => [k, Math.max(0, Math.trunc(v))]),
+    ),
+    bytesMoved: big(s.bytesMoved),
+    transfersMoved: big(s.transfersMoved),
+    leaseTableSize: big(s.leaseTableSize),
+    lastErrors: [...s.lastErrors],
+    firstSeq: big(log.lastSeq === 0 ? 0 : log.firstSeq),
+    lastSeq: big(log.lastSeq),
+    watchers: log.watchers,
+  });
+}
+
+/** The status as a client sees it: the view's fields plus uptime and the event log's position. */
+export interface SidecarStatusReply extends SidecarStatus, LogPosition {
+  readonly uptimeMs: number;
+}
+
+export function statusFromProto(s: GetStatusResponse): SidecarStatusReply {
+  return {
+    engineId: s.engineId,
+    epoch: s.epoch,
+    role: roles.name(s.role) ?? "both",
+    mode: transferModes.name(s.mode) ?? "auto",
+    tpSize: s.tpSize,
+    layoutSummary: s.layoutSummary,
+    startedMs: num(s.startedMs),
+    uptimeMs: num(s.uptimeMs),
+    draining: s.draining,
+    peers: s.peers.map((p) => ({
+      engineId: p.engineId,
+      epoch: p.epoch,
+      state: p.state === PeerState.CONNECTED ? "connected" : "failed",
+      lastSeenMs: num(p.lastSeenMs),
+      sideChannel: p.sideChannel,
+    })),
+    transfersByState: { ...s.transfersByState },
+    bytesMoved: num(s.bytesMoved),
+    transfersMoved: num(s.transfersMoved),
+    leaseTableSize: num(s.leaseTableSize),
+    lastErrors: [...s.lastErrors],
+    firstSeq: num(s.firstSeq),
+    lastSeq: num(s.lastSeq),
+    watchers: s.watchers,
+  };
+}
+
+export function transferToProto(t: TransferInfo): Transfer {
+  return create(TransferSchema, {
+    transferId: t.transferId,
+    side: transferSides.num(t.side) ?? PbTransferSide.UNSPECIFIED,
+    mode: transferModes.num(t.mode) ?? PbTransferMode.UNSPECIFIED,
+    state: transferStates.num(t.state) ?? PbTransferState.UNSPECIFIED,
+    peer: t.peer,
+    bytes: big(t.bytes),
+    descriptors: big(t.descriptors),
+    reason: t.reason,
+    timings: {
+      registeredMs: big(t.timings.registeredMs),
+      prefillDoneMs: big(t.timings.prefillDoneMs),
+      dataStartedMs: big(t.timings.dataStartedMs),
+      dataDoneMs: big(t.timings.dataDoneMs),
+      readyMs: big(t.timings.readyMs),
+      endedMs: big(t.timings.endedMs),
+    },
+  });
+}
+
+export function transferFromProto(t: Transfer): TransferInfo {
+  const tm = t.timings;
+  return {
+    transferId: t.transferId,
+    side: transferSides.name(t.side) ?? "decode",
+    mode: transferModes.name(t.mode) ?? "",
+    state: transferStates.name(t.state) ?? "WAITING",
+    peer: t.peer,
+    bytes: num(t.bytes),
+    descriptors: num(t.descriptors),
+    reason: t.reason,
+    timings: {
+      registeredMs: num(tm?.registeredMs ?? 0n),
+      prefillDoneMs: num(tm?.prefillDoneMs ?? 0n),
+      dataStartedMs: num(tm?.dataStartedMs ?? 0n),
+      dataDoneMs: num(tm?.dataDoneMs ?? 0n),
+      readyMs: num(tm?.readyMs ?? 0n),
+      endedMs: num(tm?.endedMs ?? 0n),
+    },
+  };
+}
