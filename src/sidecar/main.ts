@@ -1,0 +1,231 @@
+/**
+ * `kvxfer sidecar`: one sidecar process next to one engine. Settings come
+ * from flags, then KVXFER_* environment variables, then a JSON config file
+ * (--config), then defaults. Logs are JSON (pino) on stderr; stdout carries
+ * one `{"event":"ready",...}` line once the sidecar is listening, for
+ * whatever started it.
+ */
+import { readFileSync } from "node:fs";
+import { parseArgs } from "node:util";
+import { pino, type Logger } from "pino";
+
+import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
+import { KvxferError } from "../native/errors.js";
+import { EventLog } from "./event-log.js";
+import { Sidecar, type SidecarOptions } from "./sidecar.js";
+import type { SidecarRole, TransferMode } from "./view.js";
+
+/** Every setting: flag name, kind, default, help. The env name is KVXFER_ + flag in UPPER_SNAKE. */
+export const SIDECAR_SETTINGS = {
+  "engine-id": { type: "string", default: "", help: "this engine's id (required)" },
+  role: { type: "string", default: "both", help: "prefill | decode | both" },
+  "engine-socket": {
+    type: "string",
+    default: "",
+    help: "ZeroMQ endpoint of the engine link (default ipc:///tmp/kvxfer-<engine-id>.sock)",
+  },
+  listen: {
+    type: "string",
+    default: "127.0.0.1:0",
+    help: "side channel host:port for peer handshakes",
+  },
+  mode: { type: "string", default: "auto", help: "push | pull | auto" },
+  transports: {
+    type: "string",
+    default: "",
+    help: "UCX transports for every agent (UCX_TLS), e.g. shm,self or tcp",
+  },
+  "net-devices": {
+    type: "string",
+    default: "",
+    help: "UCX net devices, comma-separated: one per rank, or one for all",
+  },
+  "error-mode": {
+    type: "string",
+    default: "none",
+    help: "none | peer (UCX peer failure detection; disables shared memory)",
+  },
+  "lease-ms": {
+    type: "string",
+    default: "30000",
+    help: "P holds finished blocks this long without D's heartbeat",
+  },
+  "reg-lease-ms": {
+    type: "string",
+    default: "30000",
+    help: "a push registration on P lives this long without renewal",
+  },
+  "transfer-timeout-ms": {
+    type: "string",
+    default: "60000",
+    help: "D gives up on a transfer after this long",
+  },
+  "heartbeat-ms": { type: "string", default: "1000", help: "heartbeat period between peers" },
+  "peer-timeout-ms": {
+    type: "string",
+    default: "5000",
+    help: "a silent peer with live transfers is down after this long",
+  },
+  "abort-grace-ms": {
+    type: "string",
+    default: "2000",
+    help: "extra wait past P's registration lease before D reuses blocks of an unacknowledged abort",
+  },
+  "max-transfers": { type: "string", default: "65536", help: "live transfers per side at most" },
+  "log-level": { type: "string", default: "info", help: "pino level" },
+  config: {
+    type: "string",
+    default: "",
+    help: "JSON file with any of these settings (flag names as keys)",
+  },
+} as const;
+
+export type SettingName = keyof typeof SIDECAR_SETTINGS;
+
+function envName(flag: string): string {
+  return `KVXFER_${flag.replace(/-/g, "_").toUpperCase()}`;
+}
+
+/** Resolves every setting: flag > environment > config file > default. */
+export function resolveSettings(
+  argv: string[],
+  env: NodeJS.ProcessEnv = process.env,
+): Record<SettingName, string> {
+  const options = Object.fromEntries(
+    Object.keys(SIDECAR_SETTINGS).map((k) => [k, { type: "string" as const }]),
+  );
+  const { values } = parseArgs({ args: argv, options, strict: true });
+  const flags = values as Partial<Record<SettingName, string>>;
+  const configPath = flags.config ?? env[envName("config")] ?? "";
+  let file: Record<string, unknown> = {};
+  if (configPath !== "") {
+    try {
+      file = JSON.parse(readFileSync(configPath, "utf8")) as Record<string, unknown>;
+    } catch (err) {
+      throw new KvxferError(
+        "ERR_CONFIG",
+        `cannot read config file '${configPath}': ${(err as Error).message}`,
+      );
+    }
+    for (const k of Object.keys(file)) {
+      if (!(k in SIDECAR_SETTINGS))
+        throw new KvxferError("ERR_CONFIG", `config file '${configPath}': unknown setting '${k}'`);
+    }
+  }
+  const out = {} as Record<SettingName, string>;
+  for (const [name, spec] of Object.entries(SIDECAR_SETTINGS) as [
+    SettingName,
+    { default: string },
+  ][]) {
+    const fromFile = file[name];
+    out[name] =
+      flags[name] ??
+      env[envName(name)] ??
+      (fromFile === undefined ? undefined : String(fromFile)) ??
+      spec.default;
+  }
+  return out;
+}
+
+function oneOf<T extends string>(name: string, value: string, allowed: readonly T[]): T {
+  if (!(allowed as readonly string[]).includes(value)) {
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--${name} must be one of ${allowed.join(", ")}, got '${value}'`,
+    );
+  }
+  return value as T;
+}
+
+function positiveInt(name: string, value: string): number {
+  const n = Number(value);
+  if (!Number.isSafeInteger(n) || n <= 0)
+    throw new KvxferError("ERR_CONFIG", `--${name} must be a positive integer, got '${value}'`);
+  return n;
+}
+
+export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): SidecarOptions {
+  if (s["engine-id"] === "") throw new KvxferError("ERR_CONFIG", "--engine-id is required");
+  return {
+    engineId: s["engine-id"],
+    role: oneOf<SidecarRole>("role", s.role, ["prefill", "decode", "both"]),
+    mode: oneOf<TransferMode>("mode", s.mode, ["push", "pull", "auto"]),
+    listen: s.listen,
+    transports: s.transports,
+    netDevices: s["net-devices"] === "" ? [] : s["net-devices"].split(","),
+    errorMode: oneOf("error-mode", s["error-mode"], ["none", "peer"] as const),
+    leaseMs: positiveInt("lease-ms", s["lease-ms"]),
+    regLeaseMs: positiveInt("reg-lease-ms", s["reg-lease-ms"]),
+    transferTimeoutMs: positiveInt("transfer-timeout-ms", s["transfer-timeout-ms"]),
+    heartbeatMs: positiveInt("heartbeat-ms", s["heartbeat-ms"]),
+    peerTimeoutMs: positiveInt("peer-timeout-ms", s["peer-timeout-ms"]),
+    abortGraceMs: positiveInt("abort-grace-ms", s["abort-grace-ms"]),
+    maxTransfers: positiveInt("max-transfers", s["max-transfers"]),
+    logger,
+  };
+}
+
+export interface RunningSidecar {
+  sidecar: Sidecar;
+  link: EngineLinkServer;
+  events: EventLog;
+  close(): Promise<void>;
+}
+
+/** Starts a sidecar from settings; returns once it listens on both channels. */
+export async function startSidecar(
+  s: Record<SettingName, string>,
+  logger: Logger,
+): Promise<RunningSidecar> {
+  const sidecar = new Sidecar(sidecarOptions(s, logger));
+  const events = new EventLog();
+  const link = new EngineLinkServer({
+    endpoint:
+      s["engine-socket"] !== "" ? s["engine-socket"] : defaultEngineEndpoint(s["engine-id"]),
+    onMessage: (msg) => sidecar.onEngineMessage(msg),
+    logger,
+  });
+  await link.start();
+  await sidecar.start((msg) => void link.sendToRegistered(msg), events);
+  let closed = false;
+  return {
+    sidecar,
+    link,
+    events,
+    close: async () => {
+      if (closed) return;
+      closed = true;
+      await sidecar.close();
+      await link.close();
+      events.close();
+    },
+  };
+}
+
+export async function runSidecar(argv: string[]): Promise<number> {
+  const settings = resolveSettings(argv);
+  const logger = pino(
+    { level: settings["log-level"], base: { pid: process.pid } },
+    pino.destination(2),
+  );
+  const running = await startSidecar(settings, logger);
+  process.stdout.write(
+    JSON.stringify({
+      event: "ready",
+      engineId: running.sidecar.engineId,
+      epoch: String(running.sidecar.epoch),
+      sideChannel: running.sidecar.sideChannelAddress,
+      engineSocket: running.link.endpoint,
+    }) + "\n",
+  );
+  await new Promise<void>((resolve) => {
+    const stop = (signal: string): void => {
+      logger.info({ signal }, "stopping");
+      resolve();
+    };
+    process.once("SIGINT", () => stop("SIGINT"));
+    process.once("SIGTERM", () => stop("SIGTERM"));
+  });
+  await running.close();
+  return 0;
+}
