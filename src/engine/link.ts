@@ -116,6 +116,11 @@ export class EngineLinkServer {
     });
   }
 
+  /** The endpoint actually bound (a tcp port 0 resolved), once started. */
+  get boundEndpoint(): string {
+    return this.socket.lastEndpoint ?? this.endpoint;
+  }
+
   /** The engine that last sent a `RegisterKvCache` (on any connection), if any. */
   get registeredEngine(): EnginePeer | undefined {
     return this.registered;

@@ -1,0 +1,369 @@
+/**
+ * Drives a simulated engine process (engine-main.js, compiled) over its JSON-lines control
+ * protocol. Every call and every wait has a deadline; close() ends the process and waits for it
+ * (bounded), then removes any KV file a killed engine left behind.
+ */
+import { type ChildProcess, spawn } from "node:child_process";
+import { EventEmitter } from "node:events";
+import { existsSync, unlinkSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { createInterface } from "node:readline";
+import { fileURLToPath } from "node:url";
+
+import type { KvLayout } from "../plan/index.js";
+import type { SimEngineRole, SimModel } from "./engine.js";
+
+/** Flags of `kvxfer sim-engine`, as options. */
+export interface SimEngineOptions {
+  engineId: string;
+  role: SimEngineRole;
+  socket?: string;
+  tp?: number;
+  model?: SimModel;
+  layers?: number;
+  kvHeads?: number;
+  headDim?: number;
+  block?: number;
+  blocks?: number;
+  layout?: "hnd" | "nhd";
+  scheme?: string;
+  shmDir?: string;
+  seed?: number;
+  registerTimeoutMs?: number;
+  logLevel?: string;
+}
+
+/** The engine's first event, once its sidecar accepted the KV cache. */
+export interface SimEngineReady {
+  event: "ready";
+  engineId: string;
+  role: SimEngineRole;
+  pid: number;
+  socket: string;
+  /** The sidecar's side channel ("host:port"), from `Registered`; what D's `expect` needs as `source`. */
+  sideChannel: string;
+  totalBlocks: number;
+  /** `files[rank][region]`: the shared-memory files of the KV cache. */
+  files: string[][];
+  layout: KvLayout;
+}
+
+/** An event line: `verified`, `failed`, `released`, `bad-release`, `refused`, `unexpected`, ... */
+export interface SimEngineEvent {
+  event: string;
+  transferId?: string;
+  [key: string]: unknown;
+}
+
+export interface SimEngineStats {
+  freeBlocks: number;
+  totalBlocks: number;
+  /** Live transfers (blocks held). */
+  transfers: number;
+  /** KvReady transfers whose every byte matched. */
+  verified: number;
+  /** KvFailed received. */
+  failed: number;
+  /** KvReady transfers with at least one wrong byte. */
+  mismatches: number;
+  refused: number;
+  released: number;
+  badReleases: number;
+}
+
+export class SimEngineError extends Error {
+  constructor(
+    readonly code: string,
+    message: string,
+  ) {
+    super(message);
+  }
+}
+
+/** Command-line flags for the options. */
+export function simEngineArgs(o: SimEngineOptions): string[] {
+  const args = ["--engine-id", o.engineId, "--role", o.role];
+  const add = (flag: string, v: string | number | undefined): void => {
+    if (v !== undefined) args.push(flag, String(v));
+  };
+  add("--socket", o.socket);
+  add("--tp", o.tp);
+  add("--model", o.model);
+  add("--layers", o.layers);
+  add("--kv-heads", o.kvHeads);
+  add("--head-dim", o.headDim);
+  add("--block", o.block);
+  add("--blocks", o.blocks);
+  add("--layout", o.layout);
+  add("--scheme", o.scheme);
+  add("--shm-dir", o.shmDir);
+  add("--seed", o.seed);
+  add("--register-timeout-ms", o.registerTimeoutMs);
+  add("--log-level", o.logLevel);
+  return args;
+}
+
+/** The compiled engine-main.js: next to this file in dist/, or found from the source tree. */
+export function simEngineScript(): string {
+  const here = dirname(fileURLToPath(import.meta.url));
+  const sibling = join(here, "engine-main.js");
+  if (existsSync(sibling)) return sibling;
+  let dir = here;
+  for (let i = 0; i < 6; i++) {
+    const candidate = join(dir, "dist", "src", "sim", "engine-main.js");
+    if (existsSync(candidate)) return candidate;
+    dir = dirname(dir);
+  }
+  throw new Error("dist/src/sim/engine-main.js not found: run 'npm run build' first");
+}
+
+const MAX_EVENTS = 100_000;
+
+export interface SimEngineSpawnOptions {
+  /** A command to run node under, e.g. ["ip", "netns", "exec", "ns1"]. */
+  prefix?: string[];
+  env?: NodeJS.ProcessEnv;
+  /** Bound on waiting for the `ready` event (default 15 s). */
+  readyTimeoutMs?: number;
+}
+
+export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> {
+  readonly child: ChildProcess;
+  /** Every event line so far (the oldest dropped past 100 000), `ready` included. */
+  readonly events: SimEngineEvent[] = [];
+  ready: SimEngineReady | undefined;
+  stderr = "";
+  private nextId = 1;
+  private readonly waiting = new Map<
+    number,
+    { resolve: (v: unknown) => void; reject: (e: Error) => void }
+  >();
+  private readonly exited: Promise<number | null>;
+  private exitReason: string | undefined;
+
+  private constructor(args: string[], opts: SimEngineSpawnOptions) {
+    super();
+    const argv = [...(opts.prefix ?? []), process.execPath, simEngineScript(), ...args];
+    this.child = spawn(argv[0]!, argv.slice(1), {
+      stdio: ["pipe", "pipe", "pipe"],
+      env: { ...process.env, ...opts.env },
+    });
+    this.child.stdin!.on("error", () => undefined); // writes after exit are reported by exit
+    this.child.stderr!.on("data", (d: Buffer) => {
+      if (this.stderr.length < 65536) this.stderr += d.toString();
+    });
+    createInterface({ input: this.child.stdout! }).on("line", (line) => this.onLine(line));
+    this.exited = new Promise((resolve) => this.child.on("exit", (code) => resolve(code)));
+    this.child.on("exit", (code, signal) => {
+      this.exitReason = `sim engine exited (code ${code}, signal ${signal}); stderr: ${this.stderr.slice(-2000)}`;
+      for (const w of this.waiting.values())
+        w.reject(new SimEngineError("ERR_EXITED", this.exitReason));
+      this.waiting.clear();
+      this.emit("event", { event: "exit", code, signal });
+    });
+  }
+
+  /** Spawns an engine and waits (bounded) for its `ready` event; kills it if that fails. */
+  static async start(
+    options: SimEngineOptions | string[],
+    spawnOptions: SimEngineSpawnOptions = {},
+  ): Promise<SimEngineProcess> {
+    const args = Array.isArray(options) ? options : simEngineArgs(options);
+    const p = new SimEngineProcess(args, spawnOptions);
+    try {
+      const ready = await p.waitEvent(
+        (e) => e.event === "ready" || e.event === "error" || e.event === "exit",
+        spawnOptions.readyTimeoutMs ?? 15_000,
+      );
+      if (ready.event !== "ready") {
+        throw new SimEngineError(
+          typeof ready.code === "string" ? ready.code : "ERR_START",
+          `sim engine did not start: ${String(ready.message ?? "")} ${p.stderr.slice(-2000)}`,
+        );
+      }
+      p.ready = ready as unknown as SimEngineReady;
+      return p;
+    } catch (err) {
+      await p.close(2000);
+      throw err;
+    }
+  }
+
+  private onLine(line: string): void {
+    let msg: {
+      id?: number;
+      result?: unknown;
+      error?: { code: string; message: string };
+      event?: string;
+    };
+    try {
+      msg = JSON.parse(line) as typeof msg;
+    } catch {
+      return;
+    }
+    if (typeof msg.event === "string") {
+      const ev = msg as SimEngineEvent;
+      this.events.push(ev);
+      if (this.events.length > MAX_EVENTS) this.events.shift();
+      this.emit("event", ev);
+      return;
+    }
+    if (typeof msg.id !== "number") return;
+    const w = this.waiting.get(msg.id);
+    if (w === undefined) return;
+    this.waiting.delete(msg.id);
+    if (msg.error !== undefined) w.reject(new SimEngineError(msg.error.code, msg.error.message));
+    else w.resolve(msg.result);
+  }
+
+  /** One control request; rejects with SimEngineError (the engine's code, or ERR_TIMEOUT / ERR_EXITED). */
+  call<T = Record<string, unknown>>(
+    op: string,
+    args: Record<string, unknown> = {},
+    timeoutMs = 30_000,
+  ): Promise<T> {
+    if (this.exitReason !== undefined) {
+      return Promise.reject(new SimEngineError("ERR_EXITED", this.exitReason));
+    }
+    const id = this.nextId++;
+    return new Promise<T>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.waiting.delete(id);
+        reject(
+          new SimEngineError(
+            "ERR_TIMEOUT",
+            `sim engine call '${op}' timed out after ${timeoutMs} ms; stderr: ${this.stderr.slice(-2000)}`,
+          ),
+        );
+      }, timeoutMs);
+      this.waiting.set(id, {
+        resolve: (v) => {
+          clearTimeout(timer);
+          resolve(v as T);
+        },
+        reject: (e) => {
+          clearTimeout(timer);
+          reject(e);
+        },
+      });
+      this.child.stdin!.write(JSON.stringify({ ...args, id, op }) + "\n");
+    });
+  }
+
+  prefill(transferId: string, tokens: number, computeMs = 0, timeoutMs = 30_000) {
+    return this.call<{ blockIds: number[] }>(
+      "prefill",
+      { transferId, tokens, computeMs },
+      timeoutMs,
+    );
+  }
+
+  expect(
+    args: {
+      transferId: string;
+      tokens: number;
+      source: string;
+      prefixTokens?: number;
+      sourceBlockIds?: number[];
+    },
+    timeoutMs = 30_000,
+  ) {
+    return this.call<{ blockIds: number[] }>("expect", args, timeoutMs);
+  }
+
+  stats(timeoutMs = 10_000): Promise<SimEngineStats> {
+    return this.call<SimEngineStats>("stats", {}, timeoutMs);
+  }
+
+  /**
+   * The first event (already received, or still to come) that `pred` accepts. Rejects with
+   * ERR_TIMEOUT after `timeoutMs`, or ERR_EXITED when the engine exits first.
+   */
+  waitEvent(pred: (e: SimEngineEvent) => boolean, timeoutMs: number): Promise<SimEngineEvent> {
+    const seen = this.events.find(pred);
+    if (seen) return Promise.resolve(seen);
+    return new Promise((resolve, reject) => {
+      const onEvent = (e: SimEngineEvent): void => {
+        if (pred(e)) {
+          cleanup();
+          resolve(e);
+        } else if (e.event === "exit") {
+          cleanup();
+          reject(new SimEngineError("ERR_EXITED", this.exitReason ?? "sim engine exited"));
+        }
+      };
+      const timer = setTimeout(() => {
+        cleanup();
+        reject(
+          new SimEngineError(
+            "ERR_TIMEOUT",
+            `no matching sim engine event within ${timeoutMs} ms; last events: ${JSON.stringify(
+              this.events.slice(-5),
+            )}; stderr: ${this.stderr.slice(-1000)}`,
+          ),
+        );
+      }, timeoutMs);
+      const cleanup = (): void => {
+        clearTimeout(timer);
+        this.off("event", onEvent);
+      };
+      if (this.exitReason !== undefined) {
+        cleanup();
+        reject(new SimEngineError("ERR_EXITED", this.exitReason));
+        return;
+      }
+      this.on("event", onEvent);
+    });
+  }
+
+  /** The event of one transfer, e.g. `waitTransfer("t1", "verified", 5000)`. */
+  waitTransfer(transferId: string, event: string, timeoutMs: number): Promise<SimEngineEvent> {
+    return this.waitEvent((e) => e.transferId === transferId && e.event === event, timeoutMs);
+  }
+
+  get pid(): number | undefined {
+    return this.child.pid;
+  }
+
+  get running(): boolean {
+    return this.child.exitCode === null && this.child.signalCode === null;
+  }
+
+  kill(signal: NodeJS.Signals = "SIGKILL"): void {
+    this.child.kill(signal);
+  }
+
+  /** Waits (bounded) for the process to exit; null on timeout. */
+  async waitExit(timeoutMs: number): Promise<number | null> {
+    let timer: NodeJS.Timeout | undefined;
+    const r = await Promise.race([
+      this.exited.then((code) => ({ code })),
+      new Promise<undefined>((resolve) => {
+        timer = setTimeout(() => resolve(undefined), timeoutMs);
+      }),
+    ]);
+    clearTimeout(timer);
+    return r === undefined ? null : r.code;
+  }
+
+  /**
+   * Ends stdin (the engine exits cleanly), SIGKILLs it after `timeoutMs`, waits for the exit,
+   * and removes KV files a killed engine could not. Returns the exit code (null if killed).
+   */
+  async close(timeoutMs = 5000): Promise<number | null> {
+    if (this.running) {
+      this.child.stdin!.end();
+      const timer = setTimeout(() => this.child.kill("SIGKILL"), timeoutMs);
+      await this.exited;
+      clearTimeout(timer);
+    }
+    for (const p of (this.ready?.files ?? []).flat()) {
+      try {
+        unlinkSync(p);
+      } catch {
+        // removed by the engine
+      }
+    }
+    return this.child.exitCode;
+  }
+}

@@ -1,0 +1,11 @@
+#!/usr/bin/env node
+/** Runs a simulated engine directly: `node dist/src/sim/engine-main.js --engine-id ... --role ...`. */
+import { runSimEngine } from "./engine.js";
+
+runSimEngine(process.argv.slice(2)).then(
+  (code) => process.exit(code),
+  (err: unknown) => {
+    process.stderr.write(`sim engine crashed: ${err instanceof Error ? err.stack : String(err)}\n`);
+    process.exit(1);
+  },
+);
