@@ -441,7 +441,7 @@ function streamDone(
   call: grpc.ClientReadableStream<unknown>,
   cancelled: () => boolean,
 ): Promise<void> {
-  return new Promise((resolve, reject) => {
+  const done = new Promise<void>((resolve, reject) => {
     call.on("error", (err: grpc.ServiceError) => {
       if (cancelled() && err.code === grpc.status.CANCELLED) resolve();
       else reject(err);
