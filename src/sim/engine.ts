@@ -817,11 +817,12 @@ export async function runSimEngine(argv: readonly string[]): Promise<number> {
   } catch (err) {
     const e = err as { code?: unknown; message?: unknown };
     log.error({ err }, "sim engine failed to start");
-    write({
-      event: "error",
+    const error = {
       code: typeof e?.code === "string" ? e.code : "ERR_START",
       message: typeof e?.message === "string" ? e.message : String(err),
-    });
+    };
+    write({ event: "error", ...error });
+    for (const req of pending.splice(0)) write({ id: req.id, error });
     shutdown(1);
   }
   const code = await done;
