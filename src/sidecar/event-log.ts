@@ -6,8 +6,11 @@
  * A subscription is a cursor into the shared ring, not a queue of its own:
  * events waiting for a slow watcher cost that watcher no memory. Its "buffer"
  * is the number of events appended since it went live that it has not been
- * sent yet; past `bufferLimit` it is ended with ERR_FELL_BEHIND (the watcher
- * resumes from its last seq, at once, while those events are retained). When
+ * sent yet; when it pushes back (`pause()`, e.g. its gRPC stream is full)
+ * and that number passes `bufferLimit`, it is ended with ERR_FELL_BEHIND (the
+ * watcher resumes from its last seq, at once, while those events are
+ * retained). A subscriber that is not pushing back is never judged behind: a
+ * burst of any size appended in one tick reaches it at the next flush. When
  * the ring drops an event a subscription has not reached, it is ended with
  * ERR_OUT_OF_RANGE: those events are gone.
  */
@@ -439,7 +442,7 @@ class Subscription implements EventSubscription {
     this.end(undefined);
   }
 
-  /** @internal Called on every append, before delivery: enforces the bounds. */
+  /** @internal Called on every append and when it pauses: enforces the bounds. */
   onAppend(): void {
     if (this.done) return;
     if (this.cursor < this.log.firstSeq - 1)
@@ -449,7 +452,9 @@ class Subscription implements EventSubscription {
           `fell behind: events after seq ${this.cursor} were dropped (oldest retained seq ${this.log.firstSeq})`,
         ),
       );
-    else if (this.buffered > this.limit)
+    // Only a subscriber that pushes back (paused) can be behind: one that is
+    // not gets the whole burst at the next flush, however large.
+    else if (this.paused && this.buffered > this.limit)
       this.end(
         new KvxferError(
           "ERR_FELL_BEHIND",
@@ -481,6 +486,7 @@ class Subscription implements EventSubscription {
           this.handlers.onEvent(ev);
         }
       }
+      if (this.paused) this.onAppend(); // it pushed back with events still waiting
       if (!this.done && !this.reachedHead && this.cursor >= this.log.lastSeq) {
         this.reachedHead = true;
         this.liveFrom = this.cursor;
