@@ -1,16 +1,31 @@
 #!/usr/bin/env node
 /**
- * The `kvxfer` command.
- *   kvxfer demo [--size BYTES] [--transport shm|tcp] [--json]
- *   kvxfer bench native [--sizes 4k,...] [--memory ucx,host] [--json]
- *   kvxfer bench plan [--json]
+ * The `kvxfer` command: sidecar, sim-engine, demo, native-demo, bench.
  */
 import { parseArgs } from "node:util";
 
 import { runNativeDemo } from "./native-demo.js";
+import { DEMO_USAGE, runDemoCommand } from "../sim/demo.js";
+import { runSidecar, SIDECAR_SETTINGS } from "../sidecar/main.js";
+import { runSimEngine } from "../sim/engine.js";
+
+const sidecarHelp = Object.entries(SIDECAR_SETTINGS)
+  .map(
+    ([k, v]) =>
+      `      --${k.padEnd(20)} ${v.help}${v.default !== "" ? ` (default ${v.default})` : ""}`,
+  )
+  .join("\n");
 
 const USAGE = `usage:
-  kvxfer demo [--size BYTES] [--json]
+  kvxfer sidecar --engine-id ID [flags]
+      one sidecar next to one engine; every flag may also come from KVXFER_<FLAG>
+      (e.g. KVXFER_ENGINE_ID) or a JSON --config file
+${sidecarHelp}
+  kvxfer sim-engine --engine-id ID --role prefill|decode --socket ENDPOINT [flags]
+      a simulated engine (see docs/engine-link.md)
+  ${DEMO_USAGE.replace("usage: ", "")}
+      sidecars and simulated engines as processes, a workload, every byte verified
+  kvxfer native-demo [--size BYTES] [--json]
       two processes, two UCX agents: writes and reads a region both ways over
       shared memory and checks every byte
   kvxfer bench native [--sizes 4k,32k,...] [--memory ucx,host] [--json]
@@ -21,7 +36,13 @@ const USAGE = `usage:
 async function main(argv: string[]): Promise<number> {
   const [command, ...rest] = argv;
   switch (command) {
-    case "demo": {
+    case "sidecar":
+      return runSidecar(rest);
+    case "sim-engine":
+      return runSimEngine(rest);
+    case "demo":
+      return runDemoCommand(rest);
+    case "native-demo": {
       const { values } = parseArgs({
         args: rest,
         options: {
@@ -68,10 +89,11 @@ async function main(argv: string[]): Promise<number> {
 
 main(process.argv.slice(2)).then(
   (code) => {
-    process.exitCode = code;
+    // Sidecars and engines may hold sockets and timers: their exit code is final.
+    process.exit(code);
   },
   (err: unknown) => {
     console.error(`kvxfer: ${err instanceof Error ? err.message : String(err)}`);
-    process.exitCode = 1;
+    process.exit(1);
   },
 );

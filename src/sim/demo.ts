@@ -1,0 +1,457 @@
+/**
+ * `kvxfer demo`: starts sidecars and simulated engines as separate
+ * processes, runs a workload through a simulated router, and summarises it.
+ * Tests and benchmarks drive the same code (`runDemo`).
+ */
+import { parseArgs } from "node:util";
+
+import { kvHeadsPerRank, kvPerLayer, type KvLayout } from "../plan/index.js";
+import type { TransferMode } from "../sidecar/view.js";
+import { SimEngineProcess, type SimEngineOptions } from "./engine-client.js";
+import { SIM_MODELS, type SimModel } from "./engine.js";
+import { SidecarProcess, type SidecarReady } from "./sidecar-process.js";
+
+/** Where one side's processes run: a command prefix (network namespace), its address, its NIC. */
+export interface HostSpec {
+  prefix: string[];
+  listenHost: string;
+  netDevice?: string;
+}
+
+export interface DemoOptions {
+  prefill: number;
+  decode: number;
+  pTp: number;
+  dTp: number;
+  pBlock: number;
+  dBlock: number;
+  layout: "hnd" | "nhd";
+  model: SimModel;
+  layers?: number;
+  kvHeads?: number;
+  headDim?: number;
+  mode: TransferMode;
+  dispatch: "sequential" | "concurrent";
+  requests: number;
+  promptTokens: number[];
+  /** Tokens already cached on D for every request (only the rest moves). */
+  prefixTokens: number;
+  transport: "shm" | "tcp";
+  /** Simulated prefill compute per request. */
+  computeMs: number;
+  /** Requests in flight at once. */
+  concurrency: number;
+  /** Blocks per rank; default: enough for `concurrency` requests of the longest prompt, twice. */
+  blocks?: number;
+  /** Where prefill and decode processes run (default: here, loopback). */
+  hosts?: { prefill: HostSpec; decode: HostSpec };
+  /** Extra sidecar flags. */
+  sidecarArgs?: string[];
+  /** A bound for each request from dispatch to verification. */
+  requestTimeoutMs: number;
+  log?: (line: string) => void;
+  progress?: (done: number, total: number) => void;
+}
+
+export const DEFAULT_DEMO: DemoOptions = {
+  prefill: 2,
+  decode: 2,
+  pTp: 2,
+  dTp: 4,
+  pBlock: 16,
+  dBlock: 32,
+  layout: "hnd",
+  model: "llama3-8b",
+  layers: 8,
+  mode: "auto",
+  dispatch: "concurrent",
+  requests: 32,
+  promptTokens: [256, 1024, 2048],
+  prefixTokens: 0,
+  transport: "shm",
+  computeMs: 20,
+  concurrency: 4,
+  requestTimeoutMs: 60_000,
+};
+
+export interface SidecarSummary {
+  engineId: string;
+  role: "prefill" | "decode";
+  epoch: string;
+  sideChannel: string;
+  engineSocket: string;
+  grpc?: string;
+  metrics?: string;
+}
+
+export interface DemoSummary {
+  /** True only when every byte of every transfer was checked and matched, nothing failed, nothing leaked. */
+  verified: boolean;
+  transfers: number;
+  failed: number;
+  mismatches: number;
+  /** KV bytes that landed on D (checked byte for byte). */
+  bytes: number;
+  checkedBytes: number;
+  mode: TransferMode;
+  dispatch: "sequential" | "concurrent";
+  elapsedMs: number;
+  gbps: number;
+  /** Prefill done (P answered the router) to D verified, per request. */
+  readyLatencyMs: { p50: number; p99: number; max: number };
+  leakedBlocks: number;
+  failures: string[];
+  sidecars: SidecarSummary[];
+}
+
+function percentile(sorted: number[], p: number): number {
+  if (sorted.length === 0) return 0;
+  return sorted[Math.min(sorted.length - 1, Math.ceil((p / 100) * sorted.length) - 1)]!;
+}
+
+/** Bytes D receives for `tokens` tokens over all its ranks. */
+function dBytesPerToken(layout: KvLayout): number {
+  return (
+    layout.numLayers *
+    kvPerLayer(layout) *
+    kvHeadsPerRank(layout) *
+    layout.tpSize *
+    layout.headDim *
+    layout.dtypeBytes
+  );
+}
+
+interface Node {
+  engineId: string;
+  role: "prefill" | "decode";
+  sidecar: SidecarProcess;
+  ready: SidecarReady;
+  engine: SimEngineProcess;
+}
+
+export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
+  const log = o.log ?? ((): void => {});
+  const tag = `${process.pid}-${Date.now().toString(36)}`;
+  const maxTokens = Math.max(...o.promptTokens);
+  const blocksFor = (block: number): number =>
+    o.blocks ?? Math.max(64, 2 * o.concurrency * Math.ceil(maxTokens / block) + 8);
+  const nodes: Node[] = [];
+  const sidecars: SidecarProcess[] = [];
+  const engines: SimEngineProcess[] = [];
+  const t0 = Date.now();
+  try {
+    const start = async (role: "prefill" | "decode", i: number): Promise<Node> => {
+      const engineId = `${role === "prefill" ? "p" : "d"}${i}-${tag}`;
+      const host = o.hosts?.[role];
+      const socket = `ipc:///tmp/kvxfer-demo-${engineId}.sock`;
+      const args = [
+        "--engine-id",
+        engineId,
+        "--role",
+        role,
+        "--engine-socket",
+        socket,
+        "--listen",
+        `${host?.listenHost ?? "127.0.0.1"}:0`,
+        "--mode",
+        o.mode,
+        "--transfer-timeout-ms",
+        String(o.requestTimeoutMs),
+        ...(o.transport === "tcp"
+          ? ["--transports", "tcp", "--error-mode", "peer"]
+          : ["--transports", "shm,self"]),
+        ...(host?.netDevice !== undefined ? ["--net-devices", host.netDevice] : []),
+        ...(o.sidecarArgs ?? []),
+      ];
+      const sidecar = new SidecarProcess(
+        args,
+        host?.prefix !== undefined ? { prefix: host.prefix } : {},
+      );
+      sidecars.push(sidecar);
+      const ready = await sidecar.ready;
+      const engineOpts: SimEngineOptions = {
+        engineId,
+        role,
+        socket,
+        tp: role === "prefill" ? o.pTp : o.dTp,
+        model: o.model,
+        block: role === "prefill" ? o.pBlock : o.dBlock,
+        blocks: blocksFor(role === "prefill" ? o.pBlock : o.dBlock),
+        layout: o.layout,
+        ...(o.layers !== undefined ? { layers: o.layers } : {}),
+        ...(o.kvHeads !== undefined ? { kvHeads: o.kvHeads } : {}),
+        ...(o.headDim !== undefined ? { headDim: o.headDim } : {}),
+      };
+      const engine = await SimEngineProcess.start(
+        engineOpts,
+        host?.prefix !== undefined ? { prefix: host.prefix } : {},
+      );
+      engines.push(engine);
+      return { engineId, role, sidecar, ready, engine };
+    };
+    const ps = await Promise.all(Array.from({ length: o.prefill }, (_, i) => start("prefill", i)));
+    const ds = await Promise.all(Array.from({ length: o.decode }, (_, i) => start("decode", i)));
+    nodes.push(...ps, ...ds);
+    const dLayout = ds[0]!.engine.ready!.layout;
+    log(
+      `started ${o.prefill} prefill (TP ${o.pTp}, block ${o.pBlock}) and ${o.decode} decode (TP ${o.dTp}, block ${o.dBlock}) engines with sidecars; ` +
+        `${dLayout.numLayers} layers, ${dLayout.mla ? "MLA" : `${dLayout.totalKvHeads} KV heads`} x ${dLayout.headDim}, ${o.layout.toUpperCase()}, ${o.transport}`,
+    );
+
+    const latencies: number[] = [];
+    const failures: string[] = [];
+    let done = 0;
+    let mismatches = 0;
+    let checkedBytes = 0;
+    let bytes = 0;
+    const perToken = dBytesPerToken(dLayout);
+
+    const one = async (r: number): Promise<void> => {
+      const p = ps[r % ps.length]!;
+      const d = ds[r % ds.length]!;
+      const transferId = `req-${r}-${tag}`;
+      const tokens = o.promptTokens[r % o.promptTokens.length]!;
+      const prefix = Math.min(o.prefixTokens, tokens - 1);
+      let prefilledAt = 0;
+      try {
+        if (o.dispatch === "sequential") {
+          const { blockIds } = await p.engine.prefill(
+            transferId,
+            tokens,
+            o.computeMs,
+            o.requestTimeoutMs,
+          );
+          prefilledAt = Date.now();
+          await d.engine.expect(
+            {
+              transferId,
+              tokens,
+              prefixTokens: prefix,
+              source: p.ready.sideChannel,
+              sourceBlockIds: blockIds,
+            },
+            o.requestTimeoutMs,
+          );
+        } else {
+          const pre = p.engine
+            .prefill(transferId, tokens, o.computeMs, o.requestTimeoutMs)
+            .then(() => {
+              prefilledAt = Date.now();
+            });
+          await d.engine.expect(
+            { transferId, tokens, prefixTokens: prefix, source: p.ready.sideChannel },
+            o.requestTimeoutMs,
+          );
+          await pre;
+        }
+        const ev = await Promise.race([
+          d.engine.waitTransfer(transferId, "verified", o.requestTimeoutMs),
+          d.engine.waitTransfer(transferId, "failed", o.requestTimeoutMs),
+        ]);
+        if (ev.event === "verified") {
+          latencies.push(Date.now() - prefilledAt);
+          checkedBytes += Number(ev.checkedBytes ?? 0);
+          bytes += (tokens - prefix) * perToken;
+          if (ev.ok !== true) {
+            mismatches += Number(ev.mismatches ?? 1);
+            failures.push(`${transferId}: ${String(ev.first ?? "mismatch")}`);
+          }
+        } else {
+          failures.push(`${transferId}: ${String(ev.reason)} ${String(ev.message ?? "")}`);
+        }
+      } catch (err) {
+        failures.push(`${transferId}: ${(err as Error).message.slice(0, 300)}`);
+      }
+      done++;
+      o.progress?.(done, o.requests);
+    };
+
+    let next = 0;
+    const worker = async (): Promise<void> => {
+      while (next < o.requests) await one(next++);
+    };
+    await Promise.all(Array.from({ length: Math.min(o.concurrency, o.requests) }, worker));
+    const elapsedMs = Date.now() - t0;
+
+    // Every block must be back with its engine: P's once released, D's once verified or released.
+    let leakedBlocks = 0;
+    for (const n of nodes) {
+      const deadline = Date.now() + 10_000;
+      let free = 0;
+      let total = 0;
+      for (;;) {
+        const s = await n.engine.stats();
+        free = s.freeBlocks;
+        total = s.totalBlocks;
+        if (free === total || Date.now() > deadline) break;
+        await new Promise((r) => setTimeout(r, 50));
+      }
+      leakedBlocks += (total - free) * (n.role === "prefill" ? o.pTp : o.dTp);
+    }
+    latencies.sort((a, b) => a - b);
+    const verified =
+      failures.length === 0 &&
+      mismatches === 0 &&
+      leakedBlocks === 0 &&
+      latencies.length === o.requests &&
+      checkedBytes > 0;
+    return {
+      verified,
+      transfers: o.requests,
+      failed: failures.length,
+      mismatches,
+      bytes,
+      checkedBytes,
+      mode: o.mode,
+      dispatch: o.dispatch,
+      elapsedMs,
+      gbps: bytes / (elapsedMs * 1e6),
+      readyLatencyMs: {
+        p50: percentile(latencies, 50),
+        p99: percentile(latencies, 99),
+        max: latencies[latencies.length - 1] ?? 0,
+      },
+      leakedBlocks,
+      failures: failures.slice(0, 20),
+      sidecars: nodes.map((n) => ({
+        engineId: n.engineId,
+        role: n.role,
+        epoch: n.ready.epoch,
+        sideChannel: n.ready.sideChannel,
+        engineSocket: n.ready.engineSocket,
+        ...(n.ready.grpc !== undefined ? { grpc: n.ready.grpc } : {}),
+        ...(n.ready.metrics !== undefined ? { metrics: n.ready.metrics } : {}),
+      })),
+    };
+  } finally {
+    await Promise.all(engines.map((e) => e.close().catch(() => undefined)));
+    await Promise.all(sidecars.map((s) => s.close().catch(() => undefined)));
+  }
+}
+
+export const DEMO_USAGE = `usage: kvxfer demo [--prefill N] [--decode N] [--p-tp N] [--d-tp N] [--p-block N] [--d-block N]
+  [--layout hnd|nhd] [--model ${Object.keys(SIM_MODELS).join("|")}] [--layers N] [--kv-heads N] [--head-dim N]
+  [--mode push|pull|auto] [--dispatch sequential|concurrent] [--requests N] [--prompt-tokens N[,N...]]
+  [--prefix-tokens N] [--compute-ms N] [--concurrency N] [--blocks N] [--transport shm|tcp] [--json]`;
+
+function int(name: string, v: string | undefined, min = 1): number | undefined {
+  if (v === undefined) return undefined;
+  const n = Number(v);
+  if (!Number.isSafeInteger(n) || n < min)
+    throw new Error(`--${name} must be an integer >= ${min}, got '${v}'`);
+  return n;
+}
+
+function choice<T extends string>(
+  name: string,
+  v: string | undefined,
+  allowed: readonly T[],
+): T | undefined {
+  if (v === undefined) return undefined;
+  if (!(allowed as readonly string[]).includes(v))
+    throw new Error(`--${name} must be one of ${allowed.join(", ")}, got '${v}'`);
+  return v as T;
+}
+
+export function parseDemoArgs(argv: string[]): { options: DemoOptions; json: boolean } {
+  const s = { type: "string" } as const;
+  const { values } = parseArgs({
+    args: argv,
+    strict: true,
+    options: {
+      prefill: s,
+      decode: s,
+      "p-tp": s,
+      "d-tp": s,
+      "p-block": s,
+      "d-block": s,
+      layout: s,
+      model: s,
+      layers: s,
+      "kv-heads": s,
+      "head-dim": s,
+      mode: s,
+      dispatch: s,
+      requests: s,
+      "prompt-tokens": s,
+      "prefix-tokens": s,
+      "compute-ms": s,
+      concurrency: s,
+      blocks: s,
+      transport: s,
+      json: { type: "boolean" },
+    },
+  });
+  const o: DemoOptions = { ...DEFAULT_DEMO };
+  const set = <K extends keyof DemoOptions>(k: K, v: DemoOptions[K] | undefined): void => {
+    if (v !== undefined) o[k] = v;
+  };
+  set("prefill", int("prefill", values.prefill));
+  set("decode", int("decode", values.decode));
+  set("pTp", int("p-tp", values["p-tp"]));
+  set("dTp", int("d-tp", values["d-tp"]));
+  set("pBlock", int("p-block", values["p-block"]));
+  set("dBlock", int("d-block", values["d-block"]));
+  set("layout", choice("layout", values.layout, ["hnd", "nhd"] as const));
+  const model = choice("model", values.model, Object.keys(SIM_MODELS) as SimModel[]);
+  if (model !== undefined) {
+    o.model = model;
+    // A named model runs at its full size unless --layers says otherwise.
+    delete o.layers;
+  }
+  set("layers", int("layers", values.layers));
+  set("kvHeads", int("kv-heads", values["kv-heads"]));
+  set("headDim", int("head-dim", values["head-dim"]));
+  set("mode", choice("mode", values.mode, ["push", "pull", "auto"] as const));
+  set("dispatch", choice("dispatch", values.dispatch, ["sequential", "concurrent"] as const));
+  set("requests", int("requests", values.requests));
+  if (values["prompt-tokens"] !== undefined) {
+    o.promptTokens = values["prompt-tokens"].split(",").map((x) => int("prompt-tokens", x)!);
+  }
+  set("prefixTokens", int("prefix-tokens", values["prefix-tokens"], 0));
+  set("computeMs", int("compute-ms", values["compute-ms"], 0));
+  set("concurrency", int("concurrency", values.concurrency));
+  set("blocks", int("blocks", values.blocks));
+  set("transport", choice("transport", values.transport, ["shm", "tcp"] as const));
+  // Pull needs P's block ids before D asks: the router waits for prefill.
+  if (o.mode === "pull" && values.dispatch === undefined) o.dispatch = "sequential";
+  if (o.mode === "pull" && o.dispatch === "concurrent")
+    throw new Error("--mode pull needs --dispatch sequential (D must know P's block ids)");
+  return { options: o, json: values.json === true };
+}
+
+export function formatDemoSummary(s: DemoSummary): string {
+  const mb = (s.bytes / 1e6).toFixed(1);
+  const lines = [
+    "",
+    `transfers: ${s.transfers} (${s.mode}, ${s.dispatch} dispatch), failed: ${s.failed}, mismatched: ${s.mismatches}, leaked blocks: ${s.leakedBlocks}`,
+    `KV moved: ${mb} MB in ${(s.elapsedMs / 1000).toFixed(2)} s (${s.gbps.toFixed(2)} GB/s overall, compute and verification included)`,
+    `KV ready after prefill: p50 ${s.readyLatencyMs.p50} ms, p99 ${s.readyLatencyMs.p99} ms`,
+    s.verified
+      ? `verified: every byte of every transfer checked on D (${(s.checkedBytes / 1e6).toFixed(1)} MB)`
+      : `NOT verified`,
+    ...s.failures.map((f) => `  failure: ${f}`),
+  ];
+  return lines.join("\n");
+}
+
+export async function runDemoCommand(argv: string[]): Promise<number> {
+  const { options, json } = parseDemoArgs(argv);
+  if (!json) {
+    options.log = (l): void => console.log(l);
+    let shown = -1;
+    options.progress = (done, total): void => {
+      const pct = Math.floor((done / total) * 20);
+      if (pct === shown && done !== total) return;
+      shown = pct;
+      process.stdout.write(
+        `\r[${"#".repeat(pct)}${" ".repeat(20 - pct)}] ${done}/${total} transfers`,
+      );
+      if (done === total) process.stdout.write("\n");
+    };
+  }
+  const summary = await runDemo(options);
+  if (json) console.log(JSON.stringify(summary));
+  else console.log(formatDemoSummary(summary));
+  return summary.verified ? 0 : 1;
+}

@@ -1,0 +1,97 @@
+/**
+ * A `kvxfer sidecar` child process, as the demo, tests and benchmarks start
+ * it: waits (bounded) for its ready line, stops it (bounded) on close().
+ */
+import { spawn, type ChildProcess } from "node:child_process";
+import { existsSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { createInterface } from "node:readline";
+import { fileURLToPath } from "node:url";
+
+/** The compiled CLI (dist/src/cli/main.js), found from src or dist. */
+export function cliScript(): string {
+  let dir = dirname(fileURLToPath(import.meta.url));
+  for (let i = 0; i < 6; i++) {
+    const candidate = join(dir, "dist", "src", "cli", "main.js");
+    if (existsSync(candidate)) return candidate;
+    dir = dirname(dir);
+  }
+  throw new Error("dist/src/cli/main.js not found: run 'npm run build' first");
+}
+
+export interface SidecarReady {
+  engineId: string;
+  epoch: string;
+  sideChannel: string;
+  engineSocket: string;
+  grpc?: string;
+  metrics?: string;
+}
+
+export class SidecarProcess {
+  readonly child: ChildProcess;
+  readonly ready: Promise<SidecarReady>;
+  stderrTail = "";
+  private readonly exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
+
+  /** `args`: sidecar flags; `prefix`: a command to run node under (e.g. ip netns exec). */
+  constructor(
+    args: string[],
+    options: { prefix?: string[]; env?: NodeJS.ProcessEnv; readyTimeoutMs?: number } = {},
+  ) {
+    const argv = [...(options.prefix ?? []), process.execPath, cliScript(), "sidecar", ...args];
+    this.child = spawn(argv[0]!, argv.slice(1), {
+      stdio: ["ignore", "pipe", "pipe"],
+      env: { ...process.env, ...options.env },
+    });
+    this.child.stderr!.on("data", (d: Buffer) => {
+      this.stderrTail = (this.stderrTail + d.toString()).slice(-20_000);
+    });
+    this.exited = new Promise((resolve) =>
+      this.child.on("exit", (code, signal) => resolve({ code, signal })),
+    );
+    const timeoutMs = options.readyTimeoutMs ?? 20_000;
+    this.ready = new Promise<SidecarReady>((resolve, reject) => {
+      const timer = setTimeout(
+        () =>
+          reject(
+            new Error(`sidecar not ready within ${timeoutMs} ms: ${this.stderrTail.slice(-2000)}`),
+          ),
+        timeoutMs,
+      );
+      createInterface({ input: this.child.stdout! }).on("line", (line) => {
+        try {
+          const msg = JSON.parse(line) as { event?: string } & SidecarReady;
+          if (msg.event === "ready") {
+            clearTimeout(timer);
+            resolve(msg);
+          }
+        } catch {
+          // not a control line
+        }
+      });
+      void this.exited.then(({ code, signal }) => {
+        clearTimeout(timer);
+        reject(
+          new Error(
+            `sidecar exited (code ${code}, signal ${signal}) before ready: ${this.stderrTail.slice(-2000)}`,
+          ),
+        );
+      });
+    });
+    this.ready.catch(() => undefined);
+  }
+
+  kill(signal: NodeJS.Signals = "SIGKILL"): void {
+    this.child.kill(signal);
+  }
+
+  /** SIGTERM, then SIGKILL after `timeoutMs`. Resolves with how it ended. */
+  async close(timeoutMs = 10_000): Promise<{ code: number | null; signal: NodeJS.Signals | null }> {
+    if (this.child.exitCode === null && this.child.signalCode === null) this.child.kill("SIGTERM");
+    const timer = setTimeout(() => this.child.kill("SIGKILL"), timeoutMs);
+    const res = await this.exited;
+    clearTimeout(timer);
+    return res;
+  }
+}
