@@ -1,0 +1,87 @@
+/**
+ * kvxfer await <addr> <transfer-id> [--timeout MS] [--side prefill|decode] [--json]:
+ * waits for one transfer's terminal event.
+ * Exit: 0 KV_READY or RELEASED, 1 FAILED, EXPIRED or ABORTED, 2 usage,
+ * 3 the timeout passed first, 4 any other error (unreachable, NOT_FOUND, ...).
+ */
+import * as grpc from "@grpc/grpc-js";
+import { parseArgs } from "node:util";
+import { isServiceError } from "../api/client.js";
+import {
+  type CliIo,
+  TLS_OPTIONS,
+  TLS_USAGE,
+  UsageError,
+  clientFrom,
+  describeError,
+  formatEvent,
+  output,
+  toJson,
+} from "./grpc-client.js";
+
+export const AWAIT_USAGE = `kvxfer await <host:port> <transfer-id> [--timeout MS] [--side prefill|decode] [--json]
+    waits for the transfer's terminal event (default timeout 30000 ms)
+    exit 0: KV_READY or RELEASED; 1: FAILED, EXPIRED or ABORTED; 3: timed out; 4: other error
+    ${TLS_USAGE}`;
+
+export async function runAwait(argv: string[], io: CliIo = {}): Promise<number> {
+  const { out, err } = output(io);
+  let values;
+  let address: string | undefined;
+  let transferId: string | undefined;
+  let timeoutMs = 30_000;
+  try {
+    const parsed = parseArgs({
+      args: argv,
+      allowPositionals: true,
+      options: {
+        timeout: { type: "string" },
+        side: { type: "string" },
+        json: { type: "boolean", default: false },
+        ...TLS_OPTIONS,
+      },
+    });
+    values = parsed.values;
+    [address, transferId] = parsed.positionals;
+    if (parsed.positionals.length > 2)
+      throw new UsageError(`unexpected arguments: ${parsed.positionals.slice(2).join(" ")}`);
+    if (transferId === undefined || transferId === "")
+      throw new UsageError("missing the transfer id");
+    if (values.timeout !== undefined) {
+      timeoutMs = Number(values.timeout);
+      if (!Number.isFinite(timeoutMs) || timeoutMs <= 0)
+        throw new UsageError(`--timeout must be a positive number of ms, got '${values.timeout}'`);
+    }
+    if (values.side !== undefined && values.side !== "prefill" && values.side !== "decode")
+      throw new UsageError(`--side must be prefill or decode, got '${values.side}'`);
+  } catch (e) {
+    err(`${describeError(e)}\nusage: ${AWAIT_USAGE}`);
+    return 2;
+  }
+  let client;
+  try {
+    client = clientFrom(address, values);
+  } catch (e) {
+    err(`${describeError(e)}\nusage: ${AWAIT_USAGE}`);
+    return 2;
+  }
+  try {
+    const side = values.side as "prefill" | "decode" | undefined;
+    const ev = await client.awaitTransfer(
+      transferId,
+      timeoutMs,
+      side !== undefined ? { side } : {},
+    );
+    out(values.json ? toJson(ev) : formatEvent(ev));
+    return ev.kind === "KV_READY" || ev.kind === "RELEASED" ? 0 : 1;
+  } catch (e) {
+    if (isServiceError(e) && e.code === grpc.status.DEADLINE_EXCEEDED) {
+      err(`kvxfer await: transfer '${transferId}' has not ended within ${timeoutMs} ms`);
+      return 3;
+    }
+    err(`kvxfer await ${address}: ${describeError(e)}`);
+    return 4;
+  } finally {
+    client.close();
+  }
+}

@@ -1,0 +1,121 @@
+/**
+ * kvxfer status <addr> [--json] [TLS flags]: what a sidecar is doing, as a table.
+ */
+import { parseArgs } from "node:util";
+import {
+  type CliIo,
+  TLS_OPTIONS,
+  TLS_USAGE,
+  UsageError,
+  clientFrom,
+  describeError,
+  formatBytes,
+  formatDuration,
+  output,
+  table,
+  toJson,
+} from "./grpc-client.js";
+import type { SidecarStatusReply } from "../api/client.js";
+
+export const STATUS_USAGE = `kvxfer status <host:port> [--json] [--timeout MS]
+    the sidecar's identity, peers, transfers by state, bytes moved, event log, health
+    ${TLS_USAGE}`;
+
+export function formatStatus(s: SidecarStatusReply, health: string, nowMs = Date.now()): string[] {
+  const lines = [
+    ...table(
+      ["SIDECAR", "EPOCH", "ROLE", "MODE", "TP", "UP", "HEALTH"],
+      [
+        [
+          s.engineId,
+          `0x${s.epoch.toString(16)}`,
+          s.role,
+          s.mode,
+          String(s.tpSize),
+          formatDuration(s.uptimeMs),
+          s.draining ? `${health} (draining)` : health,
+        ],
+      ],
+    ),
+    `layout: ${s.layoutSummary || "(not registered yet)"}`,
+    `moved: ${s.transfersMoved} transfers, ${formatBytes(s.bytesMoved)}; lease table: ${s.leaseTableSize}`,
+    `events: ${s.lastSeq === 0 ? "none yet" : `seq ${s.firstSeq}..${s.lastSeq} retained`}; ${s.watchers} watcher${s.watchers === 1 ? "" : "s"}`,
+    "",
+  ];
+  if (s.peers.length === 0) lines.push("peers: none");
+  else
+    lines.push(
+      ...table(
+        ["PEER", "EPOCH", "STATE", "LAST SEEN", "SIDE CHANNEL"],
+        s.peers.map((p) => [
+          p.engineId,
+          `0x${p.epoch.toString(16)}`,
+          p.state,
+          p.lastSeenMs > 0 ? `${formatDuration(Math.max(0, nowMs - p.lastSeenMs))} ago` : "-",
+          p.sideChannel,
+        ]),
+      ),
+    );
+  lines.push("");
+  const states = Object.entries(s.transfersByState).filter(([, n]) => n > 0);
+  if (states.length === 0) lines.push("transfers: none");
+  else
+    lines.push(
+      ...table(
+        ["STATE", "TRANSFERS"],
+        states.map(([k, n]) => [k, String(n)]),
+      ),
+    );
+  if (s.lastErrors.length > 0) {
+    lines.push("", "recent errors (newest last):");
+    for (const e of s.lastErrors) lines.push(`  ${e}`);
+  }
+  return lines;
+}
+
+export async function runStatus(argv: string[], io: CliIo = {}): Promise<number> {
+  const { out, err } = output(io);
+  let values;
+  let positionals;
+  try {
+    ({ values, positionals } = parseArgs({
+      args: argv,
+      allowPositionals: true,
+      options: {
+        json: { type: "boolean", default: false },
+        timeout: { type: "string" },
+        ...TLS_OPTIONS,
+      },
+    }));
+    if (positionals.length > 1)
+      throw new UsageError(`unexpected arguments: ${positionals.slice(1).join(" ")}`);
+  } catch (e) {
+    err(`${describeError(e)}\nusage: ${STATUS_USAGE}`);
+    return 2;
+  }
+  let client;
+  try {
+    client = clientFrom(
+      positionals[0],
+      values,
+      values.timeout === undefined ? undefined : Number(values.timeout),
+    );
+  } catch (e) {
+    err(`${describeError(e)}\nusage: ${STATUS_USAGE}`);
+    return 2;
+  }
+  try {
+    const [status, health] = await Promise.all([
+      client.getStatus(),
+      client.health().catch(() => "UNKNOWN"),
+    ]);
+    if (values.json) out(toJson({ ...status, health }));
+    else for (const l of formatStatus(status, health)) out(l);
+    return 0;
+  } catch (e) {
+    err(`kvxfer status ${positionals[0]}: ${describeError(e)}`);
+    return 1;
+  } finally {
+    client.close();
+  }
+}

@@ -1,0 +1,106 @@
+/**
+ * kvxfer watch <addr> [--from N] [--transfer ID]... [--kind K]... [--count N] [--json]:
+ * one line per event, live; reconnects and resumes after its last seq.
+ */
+import { parseArgs } from "node:util";
+import { EVENT_KINDS } from "../sidecar/event-log.js";
+import type { EventKind } from "../sidecar/view.js";
+import {
+  type CliIo,
+  TLS_OPTIONS,
+  TLS_USAGE,
+  UsageError,
+  clientFrom,
+  describeError,
+  formatEvent,
+  output,
+  stopSignal,
+  toJson,
+} from "./grpc-client.js";
+
+export const WATCH_USAGE = `kvxfer watch <host:port> [--from SEQ] [--transfer ID]... [--kind KIND]... [--count N] [--json]
+    events as they happen, one per line; reconnects and resumes after the last seq it printed
+    --from SEQ   start with event SEQ (0: every retained event); default: new events only
+    --kind KIND  ${EVENT_KINDS.join(", ")}
+    --count N    exit after N events
+    ${TLS_USAGE}`;
+
+export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> {
+  const { out, err } = output(io);
+  let values;
+  let address: string | undefined;
+  let from: number | undefined;
+  let count = Infinity;
+  try {
+    const parsed = parseArgs({
+      args: argv,
+      allowPositionals: true,
+      options: {
+        from: { type: "string" },
+        transfer: { type: "string", multiple: true },
+        kind: { type: "string", multiple: true },
+        count: { type: "string" },
+        json: { type: "boolean", default: false },
+        ...TLS_OPTIONS,
+      },
+    });
+    values = parsed.values;
+    if (parsed.positionals.length > 1)
+      throw new UsageError(`unexpected arguments: ${parsed.positionals.slice(1).join(" ")}`);
+    address = parsed.positionals[0];
+    if (values.from !== undefined) {
+      from = Number(values.from);
+      if (!Number.isSafeInteger(from) || from < 0)
+        throw new UsageError(`--from must be a sequence number >= 0, got '${values.from}'`);
+    }
+    if (values.count !== undefined) {
+      count = Number(values.count);
+      if (!Number.isSafeInteger(count) || count < 1)
+        throw new UsageError(`--count must be a positive integer, got '${values.count}'`);
+    }
+    for (const k of values.kind ?? [])
+      if (!EVENT_KINDS.includes(k as EventKind))
+        throw new UsageError(`unknown kind '${k}' (known: ${EVENT_KINDS.join(", ")})`);
+  } catch (e) {
+    err(`${describeError(e)}\nusage: ${WATCH_USAGE}`);
+    return 2;
+  }
+  let client;
+  try {
+    client = clientFrom(address, values);
+  } catch (e) {
+    err(`${describeError(e)}\nusage: ${WATCH_USAGE}`);
+    return 2;
+  }
+  const stop = stopSignal(io);
+  let seen = 0;
+  const watch = client.watchResumable(
+    {
+      ...(from === undefined ? { liveOnly: true } : { afterSeq: Math.max(0, from - 1) }),
+      ...(values.transfer !== undefined ? { transferIds: values.transfer } : {}),
+      ...(values.kind !== undefined ? { kinds: values.kind } : {}),
+      onReconnect: (n, e) =>
+        err(
+          `kvxfer watch: stream ended (${e === undefined ? "closed" : describeError(e)}); reconnecting (${n})`,
+        ),
+    },
+    (ev) => {
+      out(values.json ? toJson(ev) : formatEvent(ev));
+      if (++seen >= count) watch.cancel();
+    },
+  );
+  const onStop = () => watch.cancel();
+  stop.signal.addEventListener("abort", onStop, { once: true });
+  if (stop.signal.aborted) watch.cancel();
+  try {
+    await watch.done;
+    return 0;
+  } catch (e) {
+    err(`kvxfer watch ${address}: ${describeError(e)} (last seq ${watch.lastSeq})`);
+    return 1;
+  } finally {
+    stop.signal.removeEventListener("abort", onStop);
+    stop.dispose();
+    client.close();
+  }
+}
