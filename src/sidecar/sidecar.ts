@@ -607,6 +607,10 @@ export class Sidecar implements SidecarView {
     t.t.dataDoneMs = Date.now();
     t.bytes = plan.bytes;
     t.descriptors = plan.descriptorCount;
+    this.log.debug(
+      { transferId: t.id, bytes: plan.bytes, descriptors: plan.descriptorCount, ms: t.t.dataDoneMs - t.t.dataStartedMs },
+      "push writes settled",
+    );
     const failed = results.find((r) => r.status === "rejected");
     if (failed !== undefined) {
       const e = KvxferError.from((failed as PromiseRejectedResult).reason);

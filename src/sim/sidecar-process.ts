@@ -3,7 +3,7 @@
  * it: waits (bounded) for its ready line, stops it (bounded) on close().
  */
 import { spawn, type ChildProcess } from "node:child_process";
-import { existsSync } from "node:fs";
+import { appendFileSync, existsSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
@@ -44,8 +44,11 @@ export class SidecarProcess {
       stdio: ["ignore", "pipe", "pipe"],
       env: { ...process.env, ...options.env },
     });
+    // KVXFER_LOG_DIR keeps every sidecar's log (one file per process) for a look afterwards.
+    const logDir = process.env.KVXFER_LOG_DIR;
     this.child.stderr!.on("data", (d: Buffer) => {
       this.stderrTail = (this.stderrTail + d.toString()).slice(-20_000);
+      if (logDir !== undefined && logDir !== "") appendFileSync(join(logDir, `sidecar-${this.child.pid}.log`), d);
     });
     this.exited = new Promise((resolve) =>
       this.child.on("exit", (code, signal) => resolve({ code, signal })),
