@@ -8,6 +8,9 @@ import { runNativeDemo } from "./native-demo.js";
 import { DEMO_USAGE, runDemoCommand } from "../sim/demo.js";
 import { runSidecar, SIDECAR_SETTINGS } from "../sidecar/main.js";
 import { runSimEngine } from "../sim/engine.js";
+import { AWAIT_USAGE, runAwait } from "./await.js";
+import { STATUS_USAGE, runStatus } from "./status.js";
+import { WATCH_USAGE, runWatch } from "./watch.js";
 
 const sidecarHelp = Object.entries(SIDECAR_SETTINGS)
   .map(
@@ -25,13 +28,18 @@ ${sidecarHelp}
       a simulated engine (see docs/engine-link.md)
   ${DEMO_USAGE.replace("usage: ", "")}
       sidecars and simulated engines as processes, a workload, every byte verified
+  ${STATUS_USAGE}
+  ${WATCH_USAGE}
+  ${AWAIT_USAGE}
   kvxfer native-demo [--size BYTES] [--json]
       two processes, two UCX agents: writes and reads a region both ways over
       shared memory and checks every byte
   kvxfer bench native [--sizes 4k,32k,...] [--memory ucx,host] [--json]
       kvxfer vs ucx_perftest bandwidth and message rate
   kvxfer bench plan [--json]
-      time to build transfer plans at production scale`;
+      time to build transfer plans at production scale
+  kvxfer bench events [--json]
+      KV_READY to gRPC watcher latency, 1 and 64 watchers`;
 
 async function main(argv: string[]): Promise<number> {
   const [command, ...rest] = argv;
@@ -42,6 +50,12 @@ async function main(argv: string[]): Promise<number> {
       return runSimEngine(rest);
     case "demo":
       return runDemoCommand(rest);
+    case "status":
+      return runStatus(rest);
+    case "watch":
+      return runWatch(rest);
+    case "await":
+      return runAwait(rest);
     case "native-demo": {
       const { values } = parseArgs({
         args: rest,
@@ -64,6 +78,11 @@ async function main(argv: string[]): Promise<number> {
       const [suite, ...args] = rest;
       if (suite === "native") {
         const mod = await import("../../bench/native.js");
+        await mod.main(args);
+        return 0;
+      }
+      if (suite === "events") {
+        const mod = await import("../../bench/events.js");
         await mod.main(args);
         return 0;
       }

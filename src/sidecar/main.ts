@@ -9,6 +9,8 @@ import { readFileSync } from "node:fs";
 import { parseArgs } from "node:util";
 import { pino, type Logger } from "pino";
 
+import { startApiServer, type ApiServer } from "../api/server.js";
+import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/metrics.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
 import { KvxferError } from "../native/errors.js";
 import { EventLog } from "./event-log.js";
@@ -72,6 +74,32 @@ export const SIDECAR_SETTINGS = {
     help: "extra wait past P's registration lease before D reuses blocks of an unacknowledged abort",
   },
   "max-transfers": { type: "string", default: "65536", help: "live transfers per side at most" },
+  grpc: {
+    type: "string",
+    default: "127.0.0.1:0",
+    help: "gRPC address for routers and operators (status, events, health)",
+  },
+  metrics: {
+    type: "string",
+    default: "",
+    help: "Prometheus metrics host:port (GET /metrics); empty: off",
+  },
+  "tls-cert": {
+    type: "string",
+    default: "",
+    help: "PEM server certificate for gRPC (enables TLS)",
+  },
+  "tls-key": { type: "string", default: "", help: "PEM private key for --tls-cert" },
+  "tls-ca": {
+    type: "string",
+    default: "",
+    help: "PEM CA for client certificates (enables mutual TLS)",
+  },
+  "drain-ms": {
+    type: "string",
+    default: "10000",
+    help: "on SIGTERM, how long in-flight transfers get to finish",
+  },
   "log-level": { type: "string", default: "info", help: "pino level" },
   config: {
     type: "string",
@@ -169,16 +197,37 @@ export interface RunningSidecar {
   sidecar: Sidecar;
   link: EngineLinkServer;
   events: EventLog;
+  api: ApiServer;
+  metrics: MetricsServer | undefined;
+  /** NOT_SERVING, refuse new transfers, wait (bounded) for in-flight ones to end. */
+  drain(deadlineMs: number): Promise<number>;
   close(): Promise<void>;
 }
 
-/** Starts a sidecar from settings; returns once it listens on both channels. */
+function readPem(flag: string, path: string): Buffer {
+  try {
+    return readFileSync(path);
+  } catch (err) {
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--${flag}: cannot read '${path}': ${(err as Error).message}`,
+    );
+  }
+}
+
+/** Starts a sidecar from settings; returns once it listens on every channel. */
 export async function startSidecar(
   s: Record<SettingName, string>,
   logger: Logger,
 ): Promise<RunningSidecar> {
   const sidecar = new Sidecar(sidecarOptions(s, logger));
   const events = new EventLog();
+  const metrics = new SidecarMetrics();
+  metrics.watchEventLog(events);
+  if ((s["tls-cert"] === "") !== (s["tls-key"] === ""))
+    throw new KvxferError("ERR_CONFIG", "--tls-cert and --tls-key go together");
+  if (s["tls-ca"] !== "" && s["tls-cert"] === "")
+    throw new KvxferError("ERR_CONFIG", "--tls-ca needs --tls-cert and --tls-key");
   const link = new EngineLinkServer({
     endpoint:
       s["engine-socket"] !== "" ? s["engine-socket"] : defaultEngineEndpoint(s["engine-id"]),
@@ -186,15 +235,56 @@ export async function startSidecar(
     logger,
   });
   await link.start();
-  await sidecar.start((msg) => void link.sendToRegistered(msg), events);
+  let api: ApiServer | undefined;
+  let metricsServer: MetricsServer | undefined;
+  try {
+    await sidecar.start((msg) => void link.sendToRegistered(msg), events, metrics);
+    api = await startApiServer({
+      view: sidecar,
+      events,
+      address: s.grpc,
+      logger,
+      ...(s["tls-cert"] !== ""
+        ? {
+            tls: {
+              cert: readPem("tls-cert", s["tls-cert"]),
+              key: readPem("tls-key", s["tls-key"]),
+              ...(s["tls-ca"] !== ""
+                ? { ca: readPem("tls-ca", s["tls-ca"]), requireClientCert: true }
+                : {}),
+            },
+          }
+        : {}),
+    });
+    if (s.metrics !== "")
+      metricsServer = await startMetricsServer({ registry: metrics.registry, address: s.metrics });
+  } catch (err) {
+    await api?.close(0);
+    await sidecar.close();
+    await link.close();
+    throw err;
+  }
+  const apiServer = api;
   let closed = false;
   return {
     sidecar,
     link,
     events,
+    api: apiServer,
+    metrics: metricsServer,
+    drain: async (deadlineMs) => {
+      apiServer.setServing(false);
+      sidecar.draining = true;
+      const end = Date.now() + deadlineMs;
+      while (sidecar.liveTransfers() > 0 && Date.now() < end)
+        await new Promise((r) => setTimeout(r, 50));
+      return sidecar.liveTransfers();
+    },
     close: async () => {
       if (closed) return;
       closed = true;
+      await apiServer.close(1000);
+      await metricsServer?.close();
       await sidecar.close();
       await link.close();
       events.close();
@@ -216,16 +306,24 @@ export async function runSidecar(argv: string[]): Promise<number> {
       epoch: String(running.sidecar.epoch),
       sideChannel: running.sidecar.sideChannelAddress,
       engineSocket: running.link.endpoint,
+      grpc: running.api.address,
+      ...(running.metrics !== undefined ? { metrics: running.metrics.address } : {}),
     }) + "\n",
   );
-  await new Promise<void>((resolve) => {
-    const stop = (signal: string): void => {
-      logger.info({ signal }, "stopping");
-      resolve();
-    };
-    process.once("SIGINT", () => stop("SIGINT"));
-    process.once("SIGTERM", () => stop("SIGTERM"));
+  const signal = await new Promise<string>((resolve) => {
+    process.once("SIGINT", () => resolve("SIGINT"));
+    process.once("SIGTERM", () => resolve("SIGTERM"));
   });
+  // SIGTERM drains: health goes NOT_SERVING, new transfers are refused, and
+  // in-flight ones get --drain-ms to end (each also has its own deadlines).
+  if (signal === "SIGTERM") {
+    const drainMs = positiveInt("drain-ms", settings["drain-ms"]);
+    logger.info({ drainMs, live: running.sidecar.liveTransfers() }, "draining");
+    const left = await running.drain(drainMs);
+    logger.info({ left }, left === 0 ? "drained" : "drain deadline passed");
+  } else {
+    logger.info({ signal }, "stopping");
+  }
   await running.close();
   return 0;
 }

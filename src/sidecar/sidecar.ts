@@ -59,6 +59,7 @@ import {
   type PeerBody,
 } from "../peer/messages.js";
 import { SideChannelServer, handshake, refusal } from "../peer/side-channel.js";
+import type { SidecarMetrics } from "../api/metrics.js";
 import { PeerState } from "./peers.js";
 import type {
   EventKind,
@@ -181,6 +182,8 @@ interface DTransfer {
   failing:
     { kind: TerminalKind; reason: FailureReason; code: string; release: ReleaseReason } | undefined;
   readsInFlight: number;
+  /** Push: P's time from PrefillDone to the last XferDone. */
+  sincePrefillDoneMs: number;
   bytes: number;
   descriptors: number;
   reason: string;
@@ -210,6 +213,7 @@ export class Sidecar implements SidecarView {
   private readonly log: Logger;
   private engineSend: EngineSender = () => {};
   private events: EventSink = { append: () => undefined };
+  private metrics: SidecarMetrics | undefined;
 
   private layout: KvLayout | undefined;
   private agents: Agent[] = [];
@@ -272,9 +276,14 @@ export class Sidecar implements SidecarView {
   }
 
   /** Binds the side channel and starts the sweep and heartbeats. */
-  async start(engineSend: EngineSender, events: EventSink): Promise<string> {
+  async start(
+    engineSend: EngineSender,
+    events: EventSink,
+    metrics?: SidecarMetrics,
+  ): Promise<string> {
     this.engineSend = engineSend;
     this.events = events;
+    this.metrics = metrics;
     this.sideChannel = await this.side.bind(this.opts.listen);
     this.sweepTimer = setInterval(() => this.sweep(), this.opts.sweepMs);
     this.heartbeatTimer = setInterval(() => this.sendHeartbeats(), this.opts.heartbeatMs);
@@ -327,6 +336,25 @@ export class Sidecar implements SidecarView {
       const problem = checkEngineMessage(msg, this.layout);
       if (problem !== undefined) {
         this.refuse(problem.transferId, problem.code, problem.message);
+        return;
+      }
+      if (this.draining && (msg.msg.case === "prefillDone" || msg.msg.case === "expectKv")) {
+        // Blocks of a refused PrefillDone go straight back: no one will read them.
+        if (msg.msg.case === "prefillDone") {
+          this.send({
+            case: "releaseBlocks",
+            value: {
+              transferId: msg.msg.value.transferId,
+              blockIds: msg.msg.value.blockIds,
+              reason: ReleaseReason.FAILED,
+            },
+          });
+        }
+        this.refuse(
+          msg.msg.value.transferId,
+          "ERR_DRAINING",
+          "the sidecar is draining (SIGTERM): no new transfers",
+        );
         return;
       }
       switch (msg.msg.case) {
@@ -608,7 +636,12 @@ export class Sidecar implements SidecarView {
     t.bytes = plan.bytes;
     t.descriptors = plan.descriptorCount;
     this.log.debug(
-      { transferId: t.id, bytes: plan.bytes, descriptors: plan.descriptorCount, ms: t.t.dataDoneMs - t.t.dataStartedMs },
+      {
+        transferId: t.id,
+        bytes: plan.bytes,
+        descriptors: plan.descriptorCount,
+        ms: t.t.dataDoneMs - t.t.dataStartedMs,
+      },
       "push writes settled",
     );
     const failed = results.find((r) => r.status === "rejected");
@@ -734,6 +767,7 @@ export class Sidecar implements SidecarView {
       lastRenewMs: now,
       failing: undefined,
       readsInFlight: 0,
+      sincePrefillDoneMs: 0,
       bytes: 0,
       descriptors: 0,
       reason: "",
@@ -886,7 +920,13 @@ export class Sidecar implements SidecarView {
     peer: PeerState,
     fromRank: number,
     toRank: number,
-    m: { transferId: string; srcRank: number; dstRank: number; bytes: bigint },
+    m: {
+      transferId: string;
+      srcRank: number;
+      dstRank: number;
+      bytes: bigint;
+      sincePrefillDoneMs: number;
+    },
   ): void {
     const t = this.dTransfers.get(m.transferId);
     if (t === undefined || t.peer !== peer || t.mode !== "push" || t.state !== "MOVING") {
@@ -905,6 +945,7 @@ export class Sidecar implements SidecarView {
     if (t.t.dataStartedMs === 0) t.t.dataStartedMs = Date.now();
     t.donePairs.add(key);
     t.bytes += Number(m.bytes);
+    t.sincePrefillDoneMs = Math.max(t.sincePrefillDoneMs, m.sincePrefillDoneMs);
     if (t.donePairs.size === t.expectedPairs.size) {
       t.t.dataDoneMs = Date.now();
       this.bytesMoved += t.bytes;
@@ -920,6 +961,10 @@ export class Sidecar implements SidecarView {
     t.t.endedMs = now;
     t.deadline = now + this.opts.tombstoneMs;
     this.send({ case: "kvReady", value: { transferId: t.id } });
+    // Prefill done -> ready: for push P reports its side; for pull the router sent
+    // ExpectKv only once prefill was done, so registration stands in for it.
+    const latency = t.mode === "push" ? t.sincePrefillDoneMs : now - t.t.registeredMs;
+    this.metrics?.transferReady(t.mode, latency, t.bytes, t.descriptors);
     this.emit("KV_READY", t.id, t.peer?.engineId ?? "", "decode", "", t.bytes, t.mode);
   }
 
@@ -941,6 +986,7 @@ export class Sidecar implements SidecarView {
     if (isTerminal(t.state) || t.failing !== undefined) return;
     t.failing = { kind, reason, code, release };
     t.reason = code;
+    this.metrics?.transferFailed(code);
     this.send({ case: "kvFailed", value: { transferId: t.id, reason, message } });
     if (safe) {
       this.finishFailingD(t);
@@ -1348,6 +1394,14 @@ export class Sidecar implements SidecarView {
           t.state === "WAITING" && t.peer === undefined,
         );
       }
+    }
+    if (this.metrics !== undefined) {
+      this.metrics.setQueueDepth("prefill_live", this.countLive(this.pTransfers));
+      this.metrics.setQueueDepth("decode_live", this.countLive(this.dTransfers));
+      this.metrics.setQueueDepth(
+        "agents_inflight",
+        this.agents.reduce((n, a) => n + a.inflight, 0),
+      );
     }
     for (const peer of [...this.peers.values()]) {
       if (peer.state !== "connected" || now - peer.lastSeenMs < this.opts.peerTimeoutMs) continue;
