@@ -5,8 +5,9 @@
  */
 import { parseArgs } from "node:util";
 
+import { SidecarClient, type ResumableWatch } from "../api/client.js";
 import { kvHeadsPerRank, kvPerLayer, type KvLayout } from "../plan/index.js";
-import type { TransferMode } from "../sidecar/view.js";
+import type { SidecarEvent, TransferMode } from "../sidecar/view.js";
 import { SimEngineProcess, type SimEngineOptions } from "./engine-client.js";
 import { SIM_MODELS, type SimModel } from "./engine.js";
 import { SidecarProcess, type SidecarReady } from "./sidecar-process.js";
@@ -70,7 +71,7 @@ export const DEFAULT_DEMO: DemoOptions = {
   prefixTokens: 0,
   transport: "shm",
   computeMs: 20,
-  concurrency: 4,
+  concurrency: 2,
   requestTimeoutMs: 60_000,
 };
 
@@ -94,10 +95,12 @@ export interface DemoSummary {
   bytes: number;
   checkedBytes: number;
   mode: TransferMode;
+  /** How the transfers actually moved, from D's KV_READY events (auto picks per transfer). */
+  byMode: Record<string, number>;
   dispatch: "sequential" | "concurrent";
   elapsedMs: number;
   gbps: number;
-  /** Prefill done (P answered the router) to D verified, per request. */
+  /** Prefill done (P answered the router) to the router hearing KV_READY from D's sidecar (gRPC). */
   readyLatencyMs: { p50: number; p99: number; max: number };
   leakedBlocks: number;
   failures: string[];
@@ -139,6 +142,33 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
   const sidecars: SidecarProcess[] = [];
   const engines: SimEngineProcess[] = [];
   const t0 = Date.now();
+  const clients: SidecarClient[] = [];
+  const watches: ResumableWatch[] = [];
+  // The router learns "KV ready" from D's sidecars over gRPC (WatchEvents), one event per transfer.
+  const terminal = new Map<string, SidecarEvent>();
+  const waiting = new Map<string, (ev: SidecarEvent) => void>();
+  const onTerminal = (ev: SidecarEvent): void => {
+    if (ev.side !== "decode" || terminal.has(ev.transferId)) return;
+    terminal.set(ev.transferId, ev);
+    waiting.get(ev.transferId)?.(ev);
+  };
+  const awaitTerminal = (transferId: string, timeoutMs: number): Promise<SidecarEvent> => {
+    const seen = terminal.get(transferId);
+    if (seen !== undefined) return Promise.resolve(seen);
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        waiting.delete(transferId);
+        reject(
+          new Error(`no terminal event for ${transferId} from D's sidecar within ${timeoutMs} ms`),
+        );
+      }, timeoutMs);
+      waiting.set(transferId, (ev) => {
+        clearTimeout(timer);
+        waiting.delete(transferId);
+        resolve(ev);
+      });
+    });
+  };
   try {
     const start = async (role: "prefill" | "decode", i: number): Promise<Node> => {
       const engineId = `${role === "prefill" ? "p" : "d"}${i}-${tag}`;
@@ -192,6 +222,14 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     const ps = await Promise.all(Array.from({ length: o.prefill }, (_, i) => start("prefill", i)));
     const ds = await Promise.all(Array.from({ length: o.decode }, (_, i) => start("decode", i)));
     nodes.push(...ps, ...ds);
+    for (const d of ds) {
+      if (d.ready.grpc === undefined) continue;
+      const client = new SidecarClient(d.ready.grpc);
+      clients.push(client);
+      watches.push(
+        client.watchResumable({ kinds: ["KV_READY", "FAILED", "EXPIRED", "ABORTED"] }, onTerminal),
+      );
+    }
     const dLayout = ds[0]!.engine.ready!.layout;
     log(
       `started ${o.prefill} prefill (TP ${o.pTp}, block ${o.pBlock}) and ${o.decode} decode (TP ${o.dTp}, block ${o.dBlock}) engines with sidecars; ` +
@@ -204,6 +242,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     let mismatches = 0;
     let checkedBytes = 0;
     let bytes = 0;
+    const byMode: Record<string, number> = {};
     const perToken = dBytesPerToken(dLayout);
 
     const one = async (r: number): Promise<void> => {
@@ -244,12 +283,20 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
           );
           await pre;
         }
+        const ready = await awaitTerminal(transferId, o.requestTimeoutMs);
+        const readyAt = Date.now();
         const ev = await Promise.race([
           d.engine.waitTransfer(transferId, "verified", o.requestTimeoutMs),
           d.engine.waitTransfer(transferId, "failed", o.requestTimeoutMs),
         ]);
+        if (ready.kind !== "KV_READY" && ev.event === "verified") {
+          failures.push(
+            `${transferId}: the engine verified KV its sidecar reported as ${ready.kind}`,
+          );
+        }
+        if (ready.kind === "KV_READY") byMode[ready.mode] = (byMode[ready.mode] ?? 0) + 1;
         if (ev.event === "verified") {
-          latencies.push(Date.now() - prefilledAt);
+          latencies.push(readyAt - prefilledAt);
           checkedBytes += Number(ev.checkedBytes ?? 0);
           bytes += (tokens - prefix) * perToken;
           if (ev.ok !== true) {
@@ -303,6 +350,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       bytes,
       checkedBytes,
       mode: o.mode,
+      byMode,
       dispatch: o.dispatch,
       elapsedMs,
       gbps: bytes / (elapsedMs * 1e6),
@@ -324,6 +372,8 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       })),
     };
   } finally {
+    for (const w of watches) w.cancel();
+    for (const c of clients) c.close();
     await Promise.all(engines.map((e) => e.close().catch(() => undefined)));
     await Promise.all(sidecars.map((s) => s.close().catch(() => undefined)));
   }
@@ -424,7 +474,11 @@ export function formatDemoSummary(s: DemoSummary): string {
   const mb = (s.bytes / 1e6).toFixed(1);
   const lines = [
     "",
-    `transfers: ${s.transfers} (${s.mode}, ${s.dispatch} dispatch), failed: ${s.failed}, mismatched: ${s.mismatches}, leaked blocks: ${s.leakedBlocks}`,
+    `transfers: ${s.transfers} (mode ${s.mode}: ${
+      Object.entries(s.byMode)
+        .map(([m, n]) => `${n} ${m}`)
+        .join(", ") || "none ready"
+    }; ${s.dispatch} dispatch), failed: ${s.failed}, mismatched: ${s.mismatches}, leaked blocks: ${s.leakedBlocks}`,
     `KV moved: ${mb} MB in ${(s.elapsedMs / 1000).toFixed(2)} s (${s.gbps.toFixed(2)} GB/s overall, compute and verification included)`,
     `KV ready after prefill: p50 ${s.readyLatencyMs.p50} ms, p99 ${s.readyLatencyMs.p99} ms`,
     s.verified
