@@ -3,6 +3,7 @@
  * processes, runs a workload through a simulated router, and summarises it.
  * Tests and benchmarks drive the same code (`runDemo`).
  */
+import { performance } from "node:perf_hooks";
 import { parseArgs } from "node:util";
 
 import { SidecarClient, type ResumableWatch } from "../api/client.js";
@@ -52,6 +53,14 @@ export interface DemoOptions {
   requestTimeoutMs: number;
   log?: (line: string) => void;
   progress?: (done: number, total: number) => void;
+  /** Extra simulated prefill compute per prompt token (ms), on top of `computeMs` (rounded per request). */
+  computeMsPerToken?: number;
+  /** Keep per-request timings, block ids and both layouts in the summary (benchmarks). */
+  recordRequests?: boolean;
+  /** Called once every process is up, before the first request (benchmarks read process CPU here). */
+  onStarted?: (sidecars: SidecarSummary[]) => void | Promise<void>;
+  /** Called after the workload and the block check, before any process stops (e.g. to read ListTransfers). */
+  beforeStop?: (sidecars: SidecarSummary[]) => void | Promise<void>;
 }
 
 export const DEFAULT_DEMO: DemoOptions = {
@@ -83,6 +92,27 @@ export interface SidecarSummary {
   engineSocket: string;
   grpc?: string;
   metrics?: string;
+  /** The sidecar's process id. */
+  pid?: number;
+}
+
+/** One request as the router saw it (with `recordRequests`); times are performance.now() in ms. */
+export interface DemoRequestRecord {
+  transferId: string;
+  tokens: number;
+  computeMs: number;
+  /** The router started the request (sent the prompt to P, and in concurrent dispatch to D). */
+  dispatchedMs: number;
+  /** P's engine answered: prefill done. */
+  prefilledMs: number;
+  /** The router heard KV_READY from D's sidecar (gRPC WatchEvents). */
+  readyMs: number;
+  /** How the transfer moved ("push" or "pull"); empty unless it became ready. */
+  mode: string;
+  /** Ready and verified byte for byte on D. */
+  ok: boolean;
+  srcBlockIds: number[];
+  dstBlockIds: number[];
 }
 
 export interface DemoSummary {
@@ -105,6 +135,10 @@ export interface DemoSummary {
   leakedBlocks: number;
   failures: string[];
   sidecars: SidecarSummary[];
+  /** With `recordRequests`: every request, in completion order. */
+  requests?: DemoRequestRecord[];
+  /** With `recordRequests`: the layouts of P's and D's engines. */
+  layouts?: { prefill: KvLayout; decode: KvLayout };
 }
 
 function percentile(sorted: number[], p: number): number {
@@ -222,6 +256,17 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     const ps = await Promise.all(Array.from({ length: o.prefill }, (_, i) => start("prefill", i)));
     const ds = await Promise.all(Array.from({ length: o.decode }, (_, i) => start("decode", i)));
     nodes.push(...ps, ...ds);
+    const summaries = (): SidecarSummary[] =>
+      nodes.map((n) => ({
+        engineId: n.engineId,
+        role: n.role,
+        epoch: n.ready.epoch,
+        sideChannel: n.ready.sideChannel,
+        engineSocket: n.ready.engineSocket,
+        ...(n.ready.grpc !== undefined ? { grpc: n.ready.grpc } : {}),
+        ...(n.ready.metrics !== undefined ? { metrics: n.ready.metrics } : {}),
+        ...(n.sidecar.child.pid !== undefined ? { pid: n.sidecar.child.pid } : {}),
+      }));
     for (const d of ds) {
       if (d.ready.grpc === undefined) continue;
       const client = new SidecarClient(d.ready.grpc);
@@ -244,6 +289,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     let bytes = 0;
     const byMode: Record<string, number> = {};
     const perToken = dBytesPerToken(dLayout);
+    const records: DemoRequestRecord[] = [];
 
     const one = async (r: number): Promise<void> => {
       const p = ps[r % ps.length]!;
@@ -251,17 +297,32 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       const transferId = `req-${r}-${tag}`;
       const tokens = o.promptTokens[r % o.promptTokens.length]!;
       const prefix = Math.min(o.prefixTokens, tokens - 1);
+      const computeMs = o.computeMs + Math.round((o.computeMsPerToken ?? 0) * tokens);
+      const rec: DemoRequestRecord = {
+        transferId,
+        tokens,
+        computeMs,
+        dispatchedMs: performance.now(),
+        prefilledMs: 0,
+        readyMs: 0,
+        mode: "",
+        ok: false,
+        srcBlockIds: [],
+        dstBlockIds: [],
+      };
       let prefilledAt = 0;
       try {
         if (o.dispatch === "sequential") {
           const { blockIds } = await p.engine.prefill(
             transferId,
             tokens,
-            o.computeMs,
+            computeMs,
             o.requestTimeoutMs,
           );
           prefilledAt = Date.now();
-          await d.engine.expect(
+          rec.prefilledMs = performance.now();
+          rec.srcBlockIds = [...blockIds];
+          const expected = await d.engine.expect(
             {
               transferId,
               tokens,
@@ -271,20 +332,25 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
             },
             o.requestTimeoutMs,
           );
+          rec.dstBlockIds = [...expected.blockIds];
         } else {
           const pre = p.engine
-            .prefill(transferId, tokens, o.computeMs, o.requestTimeoutMs)
-            .then(() => {
+            .prefill(transferId, tokens, computeMs, o.requestTimeoutMs)
+            .then(({ blockIds }) => {
               prefilledAt = Date.now();
+              rec.prefilledMs = performance.now();
+              rec.srcBlockIds = [...blockIds];
             });
-          await d.engine.expect(
+          const expected = await d.engine.expect(
             { transferId, tokens, prefixTokens: prefix, source: p.ready.sideChannel },
             o.requestTimeoutMs,
           );
+          rec.dstBlockIds = [...expected.blockIds];
           await pre;
         }
         const ready = await awaitTerminal(transferId, o.requestTimeoutMs);
         const readyAt = Date.now();
+        rec.readyMs = performance.now();
         const ev = await Promise.race([
           d.engine.waitTransfer(transferId, "verified", o.requestTimeoutMs),
           d.engine.waitTransfer(transferId, "failed", o.requestTimeoutMs),
@@ -294,7 +360,11 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
             `${transferId}: the engine verified KV its sidecar reported as ${ready.kind}`,
           );
         }
-        if (ready.kind === "KV_READY") byMode[ready.mode] = (byMode[ready.mode] ?? 0) + 1;
+        if (ready.kind === "KV_READY") {
+          byMode[ready.mode] = (byMode[ready.mode] ?? 0) + 1;
+          rec.mode = ready.mode;
+        }
+        rec.ok = ready.kind === "KV_READY" && ev.event === "verified" && ev.ok === true;
         if (ev.event === "verified") {
           latencies.push(readyAt - prefilledAt);
           checkedBytes += Number(ev.checkedBytes ?? 0);
@@ -309,10 +379,12 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       } catch (err) {
         failures.push(`${transferId}: ${(err as Error).message.slice(0, 300)}`);
       }
+      if (o.recordRequests === true) records.push(rec);
       done++;
       o.progress?.(done, o.requests);
     };
 
+    await o.onStarted?.(summaries());
     let next = 0;
     const worker = async (): Promise<void> => {
       while (next < o.requests) await one(next++);
@@ -335,6 +407,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       }
       leakedBlocks += (total - free) * (n.role === "prefill" ? o.pTp : o.dTp);
     }
+    await o.beforeStop?.(summaries());
     latencies.sort((a, b) => a - b);
     const verified =
       failures.length === 0 &&
@@ -361,15 +434,13 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       },
       leakedBlocks,
       failures: failures.slice(0, 20),
-      sidecars: nodes.map((n) => ({
-        engineId: n.engineId,
-        role: n.role,
-        epoch: n.ready.epoch,
-        sideChannel: n.ready.sideChannel,
-        engineSocket: n.ready.engineSocket,
-        ...(n.ready.grpc !== undefined ? { grpc: n.ready.grpc } : {}),
-        ...(n.ready.metrics !== undefined ? { metrics: n.ready.metrics } : {}),
-      })),
+      sidecars: summaries(),
+      ...(o.recordRequests === true
+        ? {
+            requests: records,
+            layouts: { prefill: ps[0]!.engine.ready!.layout, decode: dLayout },
+          }
+        : {}),
     };
   } finally {
     for (const w of watches) w.cancel();
