@@ -158,12 +158,96 @@ function dBytesPerToken(layout: KvLayout): number {
   );
 }
 
-interface Node {
+/** One engine and its sidecar, both running. */
+export interface Node {
   engineId: string;
   role: "prefill" | "decode";
   sidecar: SidecarProcess;
   ready: SidecarReady;
   engine: SimEngineProcess;
+}
+
+export type NodeShape = Pick<
+  DemoOptions,
+  | "pTp"
+  | "dTp"
+  | "pBlock"
+  | "dBlock"
+  | "layout"
+  | "model"
+  | "layers"
+  | "kvHeads"
+  | "headDim"
+  | "mode"
+  | "transport"
+  | "hosts"
+  | "sidecarArgs"
+  | "requestTimeoutMs"
+>;
+
+/**
+ * Starts one sidecar and its simulated engine. Both processes are added to
+ * `track` as soon as they exist, so the caller can stop them whatever fails.
+ */
+export async function startNode(
+  o: NodeShape,
+  role: "prefill" | "decode",
+  engineId: string,
+  track: {
+    sidecars: SidecarProcess[];
+    engines: SimEngineProcess[];
+    blocks: number;
+    listen?: string;
+    extraArgs?: string[];
+  },
+): Promise<Node> {
+  const host = o.hosts?.[role];
+  const socket = `ipc:///tmp/kvxfer-demo-${engineId}.sock`;
+  const args = [
+    "--engine-id",
+    engineId,
+    "--role",
+    role,
+    "--engine-socket",
+    socket,
+    "--listen",
+    track.listen ?? `${host?.listenHost ?? "127.0.0.1"}:0`,
+    "--mode",
+    o.mode,
+    "--transfer-timeout-ms",
+    String(o.requestTimeoutMs),
+    ...(o.transport === "tcp"
+      ? ["--transports", "tcp", "--error-mode", "peer"]
+      : ["--transports", "shm,self"]),
+    ...(host?.netDevice !== undefined ? ["--net-devices", host.netDevice] : []),
+    ...(o.sidecarArgs ?? []),
+    ...(track.extraArgs ?? []),
+  ];
+  const sidecar = new SidecarProcess(
+    args,
+    host?.prefix !== undefined ? { prefix: host.prefix } : {},
+  );
+  track.sidecars.push(sidecar);
+  const ready = await sidecar.ready;
+  const engineOpts: SimEngineOptions = {
+    engineId,
+    role,
+    socket,
+    tp: role === "prefill" ? o.pTp : o.dTp,
+    model: o.model,
+    block: role === "prefill" ? o.pBlock : o.dBlock,
+    blocks: track.blocks,
+    layout: o.layout,
+    ...(o.layers !== undefined ? { layers: o.layers } : {}),
+    ...(o.kvHeads !== undefined ? { kvHeads: o.kvHeads } : {}),
+    ...(o.headDim !== undefined ? { headDim: o.headDim } : {}),
+  };
+  const engine = await SimEngineProcess.start(
+    engineOpts,
+    host?.prefix !== undefined ? { prefix: host.prefix } : {},
+  );
+  track.engines.push(engine);
+  return { engineId, role, sidecar, ready, engine };
 }
 
 export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
@@ -204,55 +288,12 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     });
   };
   try {
-    const start = async (role: "prefill" | "decode", i: number): Promise<Node> => {
-      const engineId = `${role === "prefill" ? "p" : "d"}${i}-${tag}`;
-      const host = o.hosts?.[role];
-      const socket = `ipc:///tmp/kvxfer-demo-${engineId}.sock`;
-      const args = [
-        "--engine-id",
-        engineId,
-        "--role",
-        role,
-        "--engine-socket",
-        socket,
-        "--listen",
-        `${host?.listenHost ?? "127.0.0.1"}:0`,
-        "--mode",
-        o.mode,
-        "--transfer-timeout-ms",
-        String(o.requestTimeoutMs),
-        ...(o.transport === "tcp"
-          ? ["--transports", "tcp", "--error-mode", "peer"]
-          : ["--transports", "shm,self"]),
-        ...(host?.netDevice !== undefined ? ["--net-devices", host.netDevice] : []),
-        ...(o.sidecarArgs ?? []),
-      ];
-      const sidecar = new SidecarProcess(
-        args,
-        host?.prefix !== undefined ? { prefix: host.prefix } : {},
-      );
-      sidecars.push(sidecar);
-      const ready = await sidecar.ready;
-      const engineOpts: SimEngineOptions = {
-        engineId,
-        role,
-        socket,
-        tp: role === "prefill" ? o.pTp : o.dTp,
-        model: o.model,
-        block: role === "prefill" ? o.pBlock : o.dBlock,
+    const start = (role: "prefill" | "decode", i: number): Promise<Node> =>
+      startNode(o, role, `${role === "prefill" ? "p" : "d"}${i}-${tag}`, {
+        sidecars,
+        engines,
         blocks: blocksFor(role === "prefill" ? o.pBlock : o.dBlock),
-        layout: o.layout,
-        ...(o.layers !== undefined ? { layers: o.layers } : {}),
-        ...(o.kvHeads !== undefined ? { kvHeads: o.kvHeads } : {}),
-        ...(o.headDim !== undefined ? { headDim: o.headDim } : {}),
-      };
-      const engine = await SimEngineProcess.start(
-        engineOpts,
-        host?.prefix !== undefined ? { prefix: host.prefix } : {},
-      );
-      engines.push(engine);
-      return { engineId, role, sidecar, ready, engine };
-    };
+      });
     const ps = await Promise.all(Array.from({ length: o.prefill }, (_, i) => start("prefill", i)));
     const ds = await Promise.all(Array.from({ length: o.decode }, (_, i) => start("decode", i)));
     nodes.push(...ps, ...ds);
@@ -267,7 +308,9 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
         ...(n.ready.metrics !== undefined ? { metrics: n.ready.metrics } : {}),
         ...(n.sidecar.child.pid !== undefined ? { pid: n.sidecar.child.pid } : {}),
       }));
-    for (const d of ds) {
+    // Sidecars in other network namespaces serve gRPC on their own loopback, out of
+    // the router's reach: there the router hears readiness from the engines alone.
+    for (const d of o.hosts === undefined ? ds : []) {
       if (d.ready.grpc === undefined) continue;
       const client = new SidecarClient(d.ready.grpc);
       clients.push(client);
@@ -348,7 +391,10 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
           rec.dstBlockIds = [...expected.blockIds];
           await pre;
         }
-        const ready = await awaitTerminal(transferId, o.requestTimeoutMs);
+        const ready: Pick<SidecarEvent, "kind" | "mode"> =
+          watches.length > 0
+            ? await awaitTerminal(transferId, o.requestTimeoutMs)
+            : { kind: "KV_READY", mode: "" };
         const readyAt = Date.now();
         rec.readyMs = performance.now();
         const ev = await Promise.race([
@@ -360,7 +406,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
             `${transferId}: the engine verified KV its sidecar reported as ${ready.kind}`,
           );
         }
-        if (ready.kind === "KV_READY") {
+        if (ready.kind === "KV_READY" && ready.mode !== "") {
           byMode[ready.mode] = (byMode[ready.mode] ?? 0) + 1;
           rec.mode = ready.mode;
         }
