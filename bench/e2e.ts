@@ -1,0 +1,515 @@
+// The control plane's overhead, by request size: KV moved through full sidecars (a prefill and a
+// decode sidecar and their simulated engines, each its own process, driven by the demo's router)
+// next to the native addon alone moving the very same plans (same layouts, same block ids, hence
+// the same descriptors) in the same run, as a ratio.
+//
+// Sidecar path, per request: from P's engine answering "prefill done" to the router hearing
+// KV_READY from D's sidecar over gRPC WatchEvents, timed in the router with performance.now()
+// (sub-millisecond). It is the most accurate figure here: the sidecars' own timings from
+// ListTransfers (P's prefillDoneMs to D's readyMs, and the data phase dataStartedMs..dataDoneMs)
+// are wall-clock milliseconds, printed next to it as a cross-check.
+//
+// Reference: in this process, after the sidecars have stopped, two native Agents per rank pair
+// over shared memory map files of the engines' region sizes and move each measured request's
+// plan the way the sidecar does. Push: every region pair's WRITE, then one notification per rank
+// pair, timed until the decode agent has it. Pull: every region pair's READ. Planning is not in
+// the reference (it is in the sidecar path; `kvxfer bench plan` times it).
+//
+// Run: `node dist/bench/e2e.js [--json] [--quick] [--modes push,pull] [--tokens 128,512,2048,8192]
+//   [--layers 4] [--rounds 8] [--reps 3]`.
+import { closeSync, ftruncateSync, openSync, unlinkSync } from "node:fs";
+import { performance } from "node:perf_hooks";
+import { pathToFileURL } from "node:url";
+
+import { SidecarClient } from "../src/api/client.js";
+import {
+  Agent,
+  type Endpoint,
+  type Region,
+  type RemoteRegion,
+  ucxVersion,
+} from "../src/native/index.js";
+import {
+  type KvLayout,
+  type TransferPlan,
+  descriptorsForSide,
+  planTransfer,
+} from "../src/plan/index.js";
+import type { TransferInfo } from "../src/sidecar/view.js";
+import { DEFAULT_DEMO, runDemo, type DemoRequestRecord } from "../src/sim/demo.js";
+import {
+  BenchArgs,
+  type Stats,
+  fmt,
+  machineLine,
+  markdownTable,
+  stats,
+  table,
+  writeJsonResult,
+} from "./report.js";
+
+export type E2eMode = "push" | "pull";
+
+export interface E2eBenchOptions {
+  /** Prompt lengths (tokens); default 128, 512, 2048, 8192. */
+  promptTokens?: number[];
+  /** Layers of the llama3-8b-shaped model (8 KV heads x 128, bfloat16); default 4. */
+  layers?: number;
+  /** Measured requests per prompt length; default 8. */
+  rounds?: number;
+  /** Requests per prompt length first, not measured (handshake, first touch); default 1. */
+  warmupRounds?: number;
+  modes?: E2eMode[];
+  /** Times the reference moves each measured plan; default 3. */
+  refReps?: number;
+  pTp?: number;
+  dTp?: number;
+  pBlock?: number;
+  dBlock?: number;
+  log?: (line: string) => void;
+}
+
+export interface E2eRow {
+  mode: E2eMode;
+  tokens: number;
+  /** KV bytes per request (the plan's). */
+  bytes: number;
+  /** Descriptors per request after coalescing (mean over the measured requests). */
+  descriptors: number;
+  /** Router: P's prefill answer -> KV_READY over gRPC (performance.now, ms). */
+  sidecarMs: Stats;
+  /** Sidecars' own: P's prefillDoneMs -> D's readyMs (ListTransfers, whole ms). */
+  sidecarOwnMs: Stats;
+  /** Sidecars' own data phase on the side that moves (push: P's writes and XferDone; pull: D's reads). */
+  dataMs: Stats;
+  /** The native addon alone, the same plans. */
+  nativeMs: Stats;
+  /** sidecarMs.p50 / nativeMs.p50. */
+  ratio: number;
+  ratioP99: number;
+  sidecarGBps: number;
+  nativeGBps: number;
+}
+
+export interface E2eBenchResult {
+  bench: "e2e";
+  machine: string;
+  ucx: string;
+  shape: string;
+  rows: E2eRow[];
+}
+
+const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
+
+interface SidecarTimes {
+  p?: TransferInfo;
+  d?: TransferInfo;
+}
+
+/** Reads both sidecars' transfer tables (with their timings) before the demo stops them. */
+async function readTimings(
+  grpcAddresses: string[],
+  into: Map<string, SidecarTimes>,
+): Promise<void> {
+  for (const address of grpcAddresses) {
+    const client = new SidecarClient(address);
+    try {
+      await client.connect(5_000);
+      const { transfers } = await client.listTransfers({ limit: 10_000 });
+      for (const t of transfers) {
+        const e = into.get(t.transferId) ?? {};
+        if (t.side === "prefill") e.p = t;
+        else e.d = t;
+        into.set(t.transferId, e);
+      }
+    } finally {
+      client.close();
+    }
+  }
+}
+
+/** One agent per rank on each side, regions over shared-memory files of the engines' sizes. */
+class NativePair {
+  private readonly files: string[] = [];
+  private readonly agents: Agent[] = [];
+  private readonly pRegions: Region[][] = [];
+  private readonly dRegions: Region[][] = [];
+  /** Push: [pRank][dRank]; pull: [dRank][pRank]. */
+  private readonly eps = new Map<string, Endpoint>();
+  private readonly remotes = new Map<string, RemoteRegion>();
+  private readonly waiting = new Map<string, () => void>();
+  private pAgents: Agent[] = [];
+  private dAgents: Agent[] = [];
+
+  constructor(
+    private readonly pLayout: KvLayout,
+    private readonly dLayout: KvLayout,
+    private readonly mode: E2eMode,
+  ) {}
+
+  open(): void {
+    const map = (agent: Agent, side: string, rank: number, layout: KvLayout, fill: number) =>
+      layout.regionBytes.map((len, g) => {
+        const path = `/dev/shm/kvxfer-bench-e2e-${process.pid}-${side}${rank}-g${g}.kv`;
+        const fd = openSync(path, "w+");
+        this.files.push(path);
+        try {
+          ftruncateSync(fd, len);
+        } finally {
+          closeSync(fd);
+        }
+        const region = agent.mapFile(path, { length: len });
+        // Touch every page first, as the engines' caches are in steady state.
+        region.bytes().fill(fill);
+        return region;
+      });
+    for (let r = 0; r < this.pLayout.tpSize; r++) {
+      const a = new Agent({ name: `e2e-p${r}`, transports: "shm,self" });
+      this.agents.push(a);
+      this.pAgents.push(a);
+      this.pRegions.push(map(a, "p", r, this.pLayout, 0x5a));
+    }
+    for (let r = 0; r < this.dLayout.tpSize; r++) {
+      const a = new Agent({ name: `e2e-d${r}`, transports: "shm,self" });
+      this.agents.push(a);
+      this.dAgents.push(a);
+      this.dRegions.push(map(a, "d", r, this.dLayout, 0));
+      a.on("notifications", (batch) => {
+        for (const n of batch) {
+          const key = n.data.toString();
+          const w = this.waiting.get(key);
+          this.waiting.delete(key);
+          w?.();
+        }
+      });
+    }
+    for (let s = 0; s < this.pAgents.length; s++)
+      for (let d = 0; d < this.dAgents.length; d++) {
+        const [from, to, toRegions] =
+          this.mode === "push"
+            ? [this.pAgents[s]!, this.dAgents[d]!, this.dRegions[d]!]
+            : [this.dAgents[d]!, this.pAgents[s]!, this.pRegions[s]!];
+        const ep = from.connect(to.address);
+        this.eps.set(`${s}:${d}`, ep);
+        toRegions.forEach((region, g) =>
+          this.remotes.set(`${s}:${d}:${g}`, ep.importRemote(region.remoteKey())),
+        );
+      }
+  }
+
+  /** Moves one plan; returns milliseconds. `pullDescs`: the plan's triples swapped for D. */
+  async move(plan: TransferPlan, id: string, pullDescs: Float64Array[][]): Promise<number> {
+    const t0 = performance.now();
+    await Promise.all(
+      plan.pairs.map(async (pair, i) => {
+        const key = `${pair.srcRank}:${pair.dstRank}`;
+        const ep = this.eps.get(key)!;
+        if (this.mode === "push") {
+          const a = this.pAgents[pair.srcRank]!;
+          const writes: Promise<void>[] = [];
+          for (const rp of pair.regionPairs) {
+            if (rp.count === 0) continue;
+            writes.push(
+              a.write(
+                ep,
+                this.pRegions[pair.srcRank]![rp.srcRegion]!,
+                this.remotes.get(`${key}:${rp.dstRegion}`)!,
+                rp.descriptors,
+              ),
+            );
+          }
+          await Promise.all(writes);
+          const note = `${id}:${key}`;
+          // Bounded, and the timer keeps the event loop alive: the addon does not while it waits.
+          const arrived = new Promise<void>((resolve, reject) => {
+            const timer = setTimeout(() => {
+              this.waiting.delete(note);
+              reject(new Error(`no notification '${note}' within 10 s`));
+            }, 10_000);
+            this.waiting.set(note, () => {
+              clearTimeout(timer);
+              resolve();
+            });
+          });
+          await a.notify(ep, Buffer.from(note));
+          await arrived;
+        } else {
+          const a = this.dAgents[pair.dstRank]!;
+          const reads: Promise<void>[] = [];
+          pair.regionPairs.forEach((rp, j) => {
+            if (rp.count === 0) return;
+            reads.push(
+              a.read(
+                ep,
+                this.dRegions[pair.dstRank]![rp.dstRegion]!,
+                this.remotes.get(`${key}:${rp.srcRegion}`)!,
+                pullDescs[i]![j]!,
+              ),
+            );
+          });
+          await Promise.all(reads);
+        }
+      }),
+    );
+    return performance.now() - t0;
+  }
+
+  close(): void {
+    for (const a of this.agents) a.close();
+    for (const f of this.files) {
+      try {
+        unlinkSync(f);
+      } catch {
+        // already gone
+      }
+    }
+  }
+}
+
+interface Measured {
+  rec: DemoRequestRecord;
+  plan: TransferPlan;
+  own?: number;
+  data?: number;
+}
+
+async function runMode(
+  mode: E2eMode,
+  o: Required<Omit<E2eBenchOptions, "log" | "modes">>,
+  log: (l: string) => void,
+): Promise<E2eRow[]> {
+  const sizes = o.promptTokens;
+  const times = new Map<string, SidecarTimes>();
+  log(`e2e ${mode}: sidecars and engines for ${sizes.join(", ")} tokens ...`);
+  const summary = await runDemo({
+    ...DEFAULT_DEMO,
+    prefill: 1,
+    decode: 1,
+    pTp: o.pTp,
+    dTp: o.dTp,
+    pBlock: o.pBlock,
+    dBlock: o.dBlock,
+    layout: "hnd",
+    model: "llama3-8b",
+    layers: o.layers,
+    mode,
+    // Push: D registers while P computes, so P writes the moment prefill is done.
+    // Pull: D needs P's block ids, so the router waits for prefill.
+    dispatch: mode === "push" ? "concurrent" : "sequential",
+    requests: sizes.length * (o.warmupRounds + o.rounds),
+    promptTokens: sizes,
+    prefixTokens: 0,
+    computeMs: 20,
+    concurrency: 1,
+    recordRequests: true,
+    beforeStop: async (sidecars) => {
+      await readTimings(
+        sidecars.flatMap((s) => (s.grpc !== undefined ? [s.grpc] : [])),
+        times,
+      );
+    },
+  });
+  if (!summary.verified)
+    throw new Error(`the sidecar run was not verified: ${summary.failures.join("; ")}`);
+  const layouts = summary.layouts!;
+  const order = new Map(summary.requests!.map((r) => [r.transferId, r]));
+  // Concurrency 1: requests ran in order; the first rounds warm up.
+  const measured: Measured[] = [...order.values()]
+    .slice(sizes.length * o.warmupRounds)
+    .map((rec) => {
+      const t = times.get(rec.transferId);
+      const plan = planTransfer(layouts.prefill, layouts.decode, {
+        numTokens: rec.tokens,
+        prefixTokens: 0,
+        srcBlockIds: rec.srcBlockIds,
+        dstBlockIds: rec.dstBlockIds,
+      });
+      const m: Measured = { rec, plan };
+      if (t?.p !== undefined && t.d !== undefined && t.d.timings.readyMs > 0) {
+        m.own = t.d.timings.readyMs - t.p.timings.prefillDoneMs;
+        const side = mode === "push" ? t.p : t.d;
+        m.data = side.timings.dataDoneMs - side.timings.dataStartedMs;
+      }
+      return m;
+    });
+
+  // The reference, with every sidecar and engine stopped.
+  log(`e2e ${mode}: the native addon alone, the same ${measured.length} plans x ${o.refReps} ...`);
+  const native = new NativePair(layouts.prefill, layouts.decode, mode);
+  const nativeMs = new Map<Measured, number[]>();
+  try {
+    native.open();
+    let n = 0;
+    for (const m of measured) {
+      const pull = m.plan.pairs.map((p) =>
+        p.regionPairs.map((rp) => descriptorsForSide(rp.descriptors, "dst")),
+      );
+      await native.move(m.plan, `w${n++}`, pull); // warm-up
+      const samples: number[] = [];
+      for (let i = 0; i < o.refReps; i++) samples.push(await native.move(m.plan, `m${n++}`, pull));
+      nativeMs.set(m, samples);
+      await sleep(1);
+    }
+  } finally {
+    native.close();
+  }
+
+  return sizes.map((tokens) => {
+    const ms = measured.filter((m) => m.rec.tokens === tokens);
+    const bytes = ms[0]?.plan.bytes ?? 0;
+    const sidecar = stats(ms.map((m) => m.rec.readyMs - m.rec.prefilledMs));
+    const ref = stats(ms.flatMap((m) => nativeMs.get(m) ?? []));
+    return {
+      mode,
+      tokens,
+      bytes,
+      descriptors: ms.reduce((a, m) => a + m.plan.descriptorCount, 0) / Math.max(1, ms.length),
+      sidecarMs: sidecar,
+      sidecarOwnMs: stats(ms.flatMap((m) => (m.own !== undefined ? [m.own] : []))),
+      dataMs: stats(ms.flatMap((m) => (m.data !== undefined ? [m.data] : []))),
+      nativeMs: ref,
+      ratio: sidecar.p50 / ref.p50,
+      ratioP99: sidecar.p99 / ref.p99,
+      sidecarGBps: bytes / (sidecar.p50 * 1e6),
+      nativeGBps: bytes / (ref.p50 * 1e6),
+    };
+  });
+}
+
+export async function runE2eBench(opts: E2eBenchOptions = {}): Promise<E2eBenchResult> {
+  const o = {
+    promptTokens: opts.promptTokens ?? [128, 512, 2048, 8192],
+    layers: opts.layers ?? 4,
+    rounds: opts.rounds ?? 8,
+    warmupRounds: opts.warmupRounds ?? 1,
+    refReps: opts.refReps ?? 3,
+    pTp: opts.pTp ?? 1,
+    dTp: opts.dTp ?? 1,
+    pBlock: opts.pBlock ?? 16,
+    dBlock: opts.dBlock ?? 16,
+  };
+  const log = opts.log ?? ((): void => {});
+  const rows: E2eRow[] = [];
+  for (const mode of opts.modes ?? (["push", "pull"] as E2eMode[])) {
+    const modeRows = await runMode(mode, o, log);
+    rows.push(...modeRows);
+    for (const r of modeRows) log(formatE2eRows([r]).split("\n").slice(2).join("\n"));
+  }
+  return {
+    bench: "e2e",
+    machine: machineLine(),
+    ucx: ucxVersion,
+    shape:
+      `llama3-8b shape with ${o.layers} layers (8 KV heads x 128, bfloat16, HND, a region per layer), ` +
+      `P TP ${o.pTp} block ${o.pBlock} -> D TP ${o.dTp} block ${o.dBlock}, shm; ` +
+      `${o.rounds} measured requests per size after ${o.warmupRounds} warm-up, one in flight; reference x${o.refReps}`,
+    rows,
+  };
+}
+
+const HEAD = [
+  "mode",
+  "tokens",
+  "MiB",
+  "descs",
+  "sidecar p50 ms",
+  "p99 ms",
+  "own p50 ms",
+  "data p50 ms",
+  "native p50 ms (ref)",
+  "p99 ms",
+  "ratio p50",
+  "ratio p99",
+  "sidecar GB/s",
+  "native GB/s",
+];
+
+function cells(r: E2eRow): string[] {
+  return [
+    r.mode,
+    String(r.tokens),
+    fmt(r.bytes / 2 ** 20, 1),
+    fmt(r.descriptors, 0),
+    fmt(r.sidecarMs.p50),
+    fmt(r.sidecarMs.p99),
+    fmt(r.sidecarOwnMs.p50, 0),
+    fmt(r.dataMs.p50, 0),
+    fmt(r.nativeMs.p50),
+    fmt(r.nativeMs.p99),
+    fmt(r.ratio),
+    fmt(r.ratioP99),
+    fmt(r.sidecarGBps),
+    fmt(r.nativeGBps),
+  ];
+}
+
+export function formatE2eRows(rows: readonly E2eRow[]): string {
+  return table(HEAD, rows.map(cells));
+}
+
+export function formatE2eMarkdown(rows: readonly E2eRow[]): string {
+  return markdownTable(HEAD, rows.map(cells));
+}
+
+export const E2E_NOTES = [
+  "  sidecar: P's engine answered prefill-done -> the router heard KV_READY from D's sidecar over gRPC (performance.now)",
+  "  own: the sidecars' ListTransfers timings, P prefillDoneMs -> D readyMs (whole ms); data: dataStartedMs -> dataDoneMs on the moving side",
+  "  native (reference): the same plans (same layouts and block ids) moved by two native agents per rank pair in one process over shm;",
+  "    push = WRITEs + one notification per rank pair until the decode agent has it, pull = READs; no planning",
+  "  ratio = sidecar / native (p50 and p99); GB/s = bytes / p50",
+].join("\n");
+
+const USAGE =
+  "usage: kvxfer bench e2e [--json] [--quick] [--modes push,pull] [--tokens 128,512,2048,8192] [--layers N] [--rounds N] [--reps N]";
+
+export function parseE2eArgs(argv: readonly string[]): E2eBenchOptions & { json: boolean } {
+  const a = new BenchArgs(argv, USAGE);
+  const json = a.has("--json");
+  const quick = a.has("--quick");
+  const o: E2eBenchOptions & { json: boolean } = { json };
+  if (quick) {
+    o.promptTokens = [128, 2048, 8192];
+    o.rounds = 3;
+    o.refReps = 2;
+  }
+  const modes = a.list("--modes");
+  if (modes !== undefined) {
+    for (const m of modes)
+      if (m !== "push" && m !== "pull") throw new Error(`--modes takes push,pull, got '${m}'`);
+    o.modes = modes as E2eMode[];
+  }
+  const tokens = a.ints("--tokens");
+  if (tokens !== undefined) o.promptTokens = tokens;
+  const layers = a.number("--layers", 1);
+  if (layers !== undefined) o.layers = layers;
+  const rounds = a.number("--rounds", 1);
+  if (rounds !== undefined) o.rounds = rounds;
+  const reps = a.number("--reps", 1);
+  if (reps !== undefined) o.refReps = reps;
+  a.done();
+  return o;
+}
+
+export async function main(argv: string[] = process.argv.slice(2)): Promise<E2eBenchResult> {
+  const opts = parseE2eArgs(argv);
+  if (!opts.json) opts.log = (l): void => console.log(l);
+  const result = await runE2eBench(opts);
+  const path = writeJsonResult("e2e", result);
+  if (opts.json) console.log(JSON.stringify(result, null, 2));
+  else {
+    console.log(
+      `\nkvxfer e2e: full sidecars vs the native addon alone, same plans; ${result.machine}, UCX ${result.ucx}`,
+    );
+    console.log(`  ${result.shape}`);
+    console.log(formatE2eRows(result.rows));
+    console.log(E2E_NOTES);
+    console.log(`  results: ${path}`);
+  }
+  return result;
+}
+
+if (process.argv[1] && import.meta.url === pathToFileURL(process.argv[1]).href)
+  main().catch((err: unknown) => {
+    console.error(err);
+    process.exitCode = 1;
+  });
