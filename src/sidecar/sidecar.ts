@@ -449,6 +449,26 @@ export class Sidecar implements SidecarView {
       return this.refuse(m.transferId, "ERR_WRONG_ROLE", "PrefillDone sent to a decode sidecar");
     const now = Date.now();
     const existing = this.pTransfers.get(m.transferId);
+    if (existing !== undefined && isTerminal(existing.state) && existing.blocks === undefined) {
+      // The transfer ended before prefill did (D aborted, its registration ran out, D went
+      // down): nobody will read these blocks, so they go straight back. Its one terminal event
+      // was already emitted; a second PrefillDone is a duplicate (blocks are now set).
+      existing.blocks = [...m.blockIds];
+      this.send({
+        case: "releaseBlocks",
+        value: {
+          transferId: m.transferId,
+          blockIds: existing.blocks,
+          reason:
+            existing.state === "ABORTED"
+              ? ReleaseReason.ABORTED
+              : existing.state === "EXPIRED"
+                ? ReleaseReason.EXPIRED
+                : ReleaseReason.FAILED,
+        },
+      });
+      return;
+    }
     if (existing !== undefined && (existing.blocks !== undefined || isTerminal(existing.state))) {
       return this.refuse(
         m.transferId,
@@ -601,18 +621,25 @@ export class Sidecar implements SidecarView {
         const agent = this.agents[pair.srcRank]!;
         const ep = peer.endpoint(pair.srcRank, pair.dstRank);
         const writes: Promise<void>[] = [];
-        for (const rp of pair.regionPairs) {
-          if (rp.count === 0) continue;
-          if (Date.now() > t.regDeadline || t.abortWanted !== "" || peer.state !== "connected") {
-            throw new KvxferError(
-              "ERR_ABORTED",
-              "registration expired, aborted, or peer down before the write",
+        try {
+          for (const rp of pair.regionPairs) {
+            if (rp.count === 0) continue;
+            if (Date.now() > t.regDeadline || t.abortWanted !== "" || peer.state !== "connected") {
+              throw new KvxferError(
+                "ERR_ABORTED",
+                "registration expired, aborted, or peer down before the write",
+              );
+            }
+            const remote = peer.remote(pair.srcRank, pair.dstRank, rp.dstRegion);
+            writes.push(
+              agent.write(ep, this.regions[pair.srcRank]![rp.srcRegion]!, remote, rp.descriptors),
             );
           }
-          const remote = peer.remote(pair.srcRank, pair.dstRank, rp.dstRegion);
-          writes.push(
-            agent.write(ep, this.regions[pair.srcRank]![rp.srcRegion]!, remote, rp.descriptors),
-          );
+        } catch (err) {
+          // Writes already posted for this pair must settle before the failure is reported:
+          // D releases its blocks on our Failed / AbortAck.
+          await Promise.allSettled(writes);
+          throw err;
         }
         // The XferDone follows only once every write of the pair is remotely complete.
         const settled = await Promise.allSettled(writes);
