@@ -53,6 +53,8 @@ export interface DemoOptions {
   requestTimeoutMs: number;
   log?: (line: string) => void;
   progress?: (done: number, total: number) => void;
+  /** Stops dispatching new requests (Ctrl-C); what is running finishes, then everything is stopped. */
+  signal?: AbortSignal;
   /** Extra simulated prefill compute per prompt token (ms), on top of `computeMs` (rounded per request). */
   computeMsPerToken?: number;
   /** Keep per-request timings, block ids and both layouts in the summary (benchmarks). */
@@ -274,15 +276,24 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     const seen = terminal.get(transferId);
     if (seen !== undefined) return Promise.resolve(seen);
     return new Promise((resolve, reject) => {
+      const stop = (): void => {
+        clearTimeout(timer);
+        waiting.delete(transferId);
+        reject(new Error(`${transferId}: interrupted`));
+      };
       const timer = setTimeout(() => {
         waiting.delete(transferId);
+        o.signal?.removeEventListener("abort", stop);
         reject(
           new Error(`no terminal event for ${transferId} from D's sidecar within ${timeoutMs} ms`),
         );
       }, timeoutMs);
+      // Ctrl-C reaches the sidecars too: nobody will answer, so stop waiting.
+      o.signal?.addEventListener("abort", stop, { once: true });
       waiting.set(transferId, (ev) => {
         clearTimeout(timer);
         waiting.delete(transferId);
+        o.signal?.removeEventListener("abort", stop);
         resolve(ev);
       });
     });
@@ -323,6 +334,17 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       `started ${o.prefill} prefill (TP ${o.pTp}, block ${o.pBlock}) and ${o.decode} decode (TP ${o.dTp}, block ${o.dBlock}) engines with sidecars; ` +
         `${dLayout.numLayers} layers, ${dLayout.mla ? "MLA" : `${dLayout.totalKvHeads} KV heads`} x ${dLayout.headDim}, ${o.layout.toUpperCase()}, ${o.transport}`,
     );
+    for (const n of nodes) {
+      log(
+        `  ${n.role.padEnd(7)} ${n.engineId}: side channel ${n.ready.sideChannel}, gRPC ${n.ready.grpc ?? "-"}`,
+      );
+    }
+    const firstD = ds[0]?.ready.grpc;
+    if (firstD !== undefined) {
+      log(
+        `watch it live from another shell: node dist/src/cli/main.js watch ${firstD}   (or: status ${firstD})`,
+      );
+    }
 
     const latencies: number[] = [];
     const failures: string[] = [];
@@ -433,14 +455,15 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     await o.onStarted?.(summaries());
     let next = 0;
     const worker = async (): Promise<void> => {
-      while (next < o.requests) await one(next++);
+      while (next < o.requests && o.signal?.aborted !== true) await one(next++);
     };
     await Promise.all(Array.from({ length: Math.min(o.concurrency, o.requests) }, worker));
     const elapsedMs = Date.now() - t0;
 
     // Every block must be back with its engine: P's once released, D's once verified or released.
     let leakedBlocks = 0;
-    for (const n of nodes) {
+    // After Ctrl-C the engines may be gone already: there is nothing left to count.
+    for (const n of o.signal?.aborted === true ? [] : nodes) {
       const deadline = Date.now() + 10_000;
       let free = 0;
       let total = 0;
@@ -460,6 +483,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       mismatches === 0 &&
       leakedBlocks === 0 &&
       latencies.length === o.requests &&
+      o.signal?.aborted !== true &&
       checkedBytes > 0;
     return {
       verified,
@@ -621,7 +645,20 @@ export async function runDemoCommand(argv: string[]): Promise<number> {
       if (done === total) process.stdout.write("\n");
     };
   }
+  // Ctrl-C (or SIGTERM): no new requests, then every process is stopped and its
+  // shared-memory files removed; a second signal leaves at once.
+  const controller = new AbortController();
+  options.signal = controller.signal;
+  const onSignal = (sig: NodeJS.Signals): void => {
+    if (controller.signal.aborted) process.exit(sig === "SIGINT" ? 130 : 143);
+    console.error(`\n${sig}: stopping after the transfers in flight; cleaning up`);
+    controller.abort();
+  };
+  process.on("SIGINT", onSignal);
+  process.on("SIGTERM", onSignal);
   const summary = await runDemo(options);
+  process.off("SIGINT", onSignal);
+  process.off("SIGTERM", onSignal);
   if (json) console.log(JSON.stringify(summary));
   else console.log(formatDemoSummary(summary));
   return summary.verified ? 0 : 1;
