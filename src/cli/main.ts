@@ -39,7 +39,17 @@ ${sidecarHelp}
   kvxfer bench plan [--json]
       time to build transfer plans at production scale
   kvxfer bench events [--json]
-      KV_READY to gRPC watcher latency, 1 and 64 watchers`;
+      KV_READY to gRPC watcher latency, 1 and 64 watchers
+  kvxfer bench e2e [--quick] [--json] [--modes push,pull] [--tokens 128,512,2048,8192]
+      full sidecars vs the native addon alone on the same plans, by prompt length
+  kvxfer bench modes [--quick] [--json] [--tokens ...] [--requests N] [--ms-per-token X]
+      push vs pull vs auto, sequential and concurrent dispatch: TTFT and KV-ready p50/p99
+  kvxfer bench control [--quick] [--json] [--requests N] [--concurrency N]
+      transfers/s and CPU per transfer of one sidecar pair vs native round trips
+  kvxfer bench all [--quick]
+      every suite in sequence, JSON and SVG plots in bench/results/
+  kvxfer bench plot
+      the SVG plots again from bench/results/*.json`;
 
 async function main(argv: string[]): Promise<number> {
   const [command, ...rest] = argv;
@@ -89,6 +99,31 @@ async function main(argv: string[]): Promise<number> {
       if (suite === "plan") {
         const mod = await import("../../bench/plan.js");
         mod.main(args);
+        return 0;
+      }
+      if (suite === "e2e") {
+        const mod = await import("../../bench/e2e.js");
+        await mod.main(args);
+        return 0;
+      }
+      if (suite === "modes") {
+        const mod = await import("../../bench/modes.js");
+        await mod.main(args);
+        return 0;
+      }
+      if (suite === "control") {
+        const mod = await import("../../bench/control.js");
+        await mod.main(args);
+        return 0;
+      }
+      if (suite === "all") {
+        const mod = await import("../../bench/all.js");
+        await mod.main(args);
+        return 0;
+      }
+      if (suite === "plot") {
+        const mod = await import("../../bench/all.js");
+        for (const file of mod.runPlots()) console.log(file);
         return 0;
       }
       console.error(`unknown bench suite '${suite ?? ""}'\n${USAGE}`);
