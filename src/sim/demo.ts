@@ -74,11 +74,11 @@ export const DEFAULT_DEMO: DemoOptions = {
   dBlock: 32,
   layout: "hnd",
   model: "llama3-8b",
-  layers: 8,
+  layers: 4,
   mode: "auto",
   dispatch: "concurrent",
-  requests: 32,
-  promptTokens: [256, 1024, 2048],
+  requests: 24,
+  promptTokens: [128, 512, 1024],
   prefixTokens: 0,
   transport: "shm",
   computeMs: 20,
@@ -419,10 +419,11 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
             : { kind: "KV_READY", mode: "" };
         const readyAt = Date.now();
         rec.readyMs = performance.now();
-        const ev = await Promise.race([
-          d.engine.waitTransfer(transferId, "verified", o.requestTimeoutMs),
-          d.engine.waitTransfer(transferId, "failed", o.requestTimeoutMs),
-        ]);
+        // One waiter for either outcome: a losing waiter would linger until its timeout.
+        const ev = await d.engine.waitEvent(
+          (e) => e.transferId === transferId && (e.event === "verified" || e.event === "failed"),
+          o.requestTimeoutMs,
+        );
         if (ready.kind !== "KV_READY" && ev.event === "verified") {
           failures.push(
             `${transferId}: the engine verified KV its sidecar reported as ${ready.kind}`,
@@ -631,6 +632,10 @@ export function formatDemoSummary(s: DemoSummary): string {
 }
 
 export async function runDemoCommand(argv: string[]): Promise<number> {
+  if (argv.includes("--help") || argv.includes("-h")) {
+    console.log(DEMO_USAGE);
+    return 0;
+  }
   const { options, json } = parseDemoArgs(argv);
   if (!json) {
     options.log = (l): void => console.log(l);
