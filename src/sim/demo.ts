@@ -222,6 +222,8 @@ export async function startNode(
       ? ["--transports", "tcp", "--error-mode", "peer"]
       : ["--transports", "shm,self"]),
     ...(host?.netDevice !== undefined ? ["--net-devices", host.netDevice] : []),
+    // On one host, TCP stays on loopback: UCX would otherwise also offer every other interface.
+    ...(o.transport === "tcp" && host === undefined ? ["--net-devices", "lo"] : []),
     ...(o.sidecarArgs ?? []),
     ...(track.extraArgs ?? []),
   ];
