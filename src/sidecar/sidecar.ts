@@ -476,7 +476,7 @@ export class Sidecar implements SidecarView {
         `PrefillDone for transfer '${m.transferId}' already received`,
       );
     }
-    if (existing === undefined && this.countLive(this.pTransfers) >= this.opts.maxTransfers) {
+    if (existing === undefined && this.atCapacity(this.pTransfers)) {
       // The engine gets its blocks back at once: nobody will read them.
       this.send({
         case: "releaseBlocks",
@@ -547,7 +547,7 @@ export class Sidecar implements SidecarView {
     if (existing?.reg !== undefined) return; // duplicate or replayed registration
     if (m.numTokens === 0 || m.prefixTokens > m.numTokens)
       return fail("ERR_BAD_TOKENS", "bad token counts in PushReg");
-    if (existing === undefined && this.countLive(this.pTransfers) >= this.opts.maxTransfers) {
+    if (existing === undefined && this.atCapacity(this.pTransfers)) {
       return fail("ERR_OVERLOADED", `${this.opts.maxTransfers} transfers live on P`);
     }
     const leaseMs = Math.min(Math.max(m.leaseMs, 100), 10 * 60_000);
@@ -757,7 +757,7 @@ export class Sidecar implements SidecarView {
         `ExpectKv for transfer '${m.transferId}' already received`,
       );
     }
-    if (this.countLive(this.dTransfers) >= this.opts.maxTransfers) {
+    if (this.atCapacity(this.dTransfers)) {
       return this.refuse(
         m.transferId,
         "ERR_OVERLOADED",
@@ -956,7 +956,14 @@ export class Sidecar implements SidecarView {
     },
   ): void {
     const t = this.dTransfers.get(m.transferId);
-    if (t === undefined || t.peer !== peer || t.mode !== "push" || t.state !== "MOVING") {
+    if (t === undefined) {
+      // Never expected here (or its tombstone is gone): a peer bug or a forgery, worth seeing.
+      this.noteError(
+        `XferDone from '${peer.engineId}' for unknown transfer '${m.transferId}': ERR_UNKNOWN_TRANSFER`,
+      );
+      return;
+    }
+    if (t.peer !== peer || t.mode !== "push" || t.state !== "MOVING") {
       this.log.debug({ transferId: m.transferId }, "XferDone for no moving push transfer: ignored");
       return;
     }
@@ -1443,6 +1450,11 @@ export class Sidecar implements SidecarView {
     for (const p of this.pTransfers.values())
       if (p.reg?.peer === peer && !isTerminal(p.state)) return true;
     return false;
+  }
+
+  /** Live entries at the cap. Cheap while the table (tombstones included) is below it. */
+  private atCapacity(table: Map<string, { state: TransferState }>): boolean {
+    return table.size >= this.opts.maxTransfers && this.countLive(table) >= this.opts.maxTransfers;
   }
 
   private countLive(table: Map<string, { state: TransferState }>): number {
