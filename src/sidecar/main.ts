@@ -74,6 +74,16 @@ export const SIDECAR_SETTINGS = {
     help: "extra wait past P's registration lease before D reuses blocks of an unacknowledged abort",
   },
   "max-transfers": { type: "string", default: "65536", help: "live transfers per side at most" },
+  "tombstone-ms": {
+    type: "string",
+    default: "60000",
+    help: "ended transfers are remembered this long (to refuse duplicates, replays, late requests)",
+  },
+  "event-log-capacity": {
+    type: "string",
+    default: "100000",
+    help: "events kept for WatchEvents replay and AwaitTransfer",
+  },
   grpc: {
     type: "string",
     default: "127.0.0.1:0",
@@ -189,6 +199,7 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     peerTimeoutMs: positiveInt("peer-timeout-ms", s["peer-timeout-ms"]),
     abortGraceMs: positiveInt("abort-grace-ms", s["abort-grace-ms"]),
     maxTransfers: positiveInt("max-transfers", s["max-transfers"]),
+    tombstoneMs: positiveInt("tombstone-ms", s["tombstone-ms"]),
     logger,
   };
 }
@@ -221,7 +232,9 @@ export async function startSidecar(
   logger: Logger,
 ): Promise<RunningSidecar> {
   const sidecar = new Sidecar(sidecarOptions(s, logger));
-  const events = new EventLog();
+  const events = new EventLog({
+    capacity: positiveInt("event-log-capacity", s["event-log-capacity"]),
+  });
   const metrics = new SidecarMetrics();
   metrics.watchEventLog(events);
   if ((s["tls-cert"] === "") !== (s["tls-key"] === ""))
