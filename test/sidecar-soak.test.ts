@@ -68,7 +68,7 @@ class EventBox {
 }
 
 describe("sidecar soak (multi-process)", () => {
-  it(`${TRANSFERS} small transfers: all verified, one terminal state per side, memory flat`, async () => {
+  it(`${TRANSFERS} small transfers: all verified, one terminal state per side, sidecar RSS growth bounded`, async () => {
     const pair: Pair = await startPair({
       mode: "push",
       sidecarArgs: [
