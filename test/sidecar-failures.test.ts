@@ -175,8 +175,7 @@ describe("sidecar failure cases (multi-process)", () => {
         const dEv = await oneTerminal(d, id);
         expect(dEv.kind).toBe("EXPIRED");
         expect(dEv.reason).toBe("ERR_TIMEOUT");
-        // The blocks came back on P's AbortAck, not on the reg-lease fallback.
-        expect(dEv.timeMs).toBeGreaterThanOrEqual(pEv.timeMs);
+        // The blocks came back on P's AbortAck: the reg-lease fallback would take REG_LEASE + GRACE.
         expect(at(rel) - at(failed)).toBeLessThan(REG_LEASE);
         const failMs = at(failed) - t0;
         expect(failMs).toBeGreaterThanOrEqual(WATCHDOG);
@@ -215,8 +214,7 @@ describe("sidecar failure cases (multi-process)", () => {
       const dEv = await oneTerminal(d, id);
       expect(pEv.kind).toBe("ABORTED");
       expect(dEv.kind).toBe("ABORTED");
-      // P acknowledged first; D's blocks came back on that acknowledgement.
-      expect(dEv.timeMs).toBeGreaterThanOrEqual(pEv.timeMs);
+      // D's blocks came back on P's AbortAck: the reg-lease fallback would take REG_LEASE + GRACE.
       expect(at(rel) - t0).toBeLessThan(REG_LEASE);
       // P's compute ends now; its PrefillDone must not start writes into D's released blocks,
       // and its blocks must come back to P's engine.
@@ -263,9 +261,12 @@ describe("sidecar failure cases (multi-process)", () => {
           expect(evs).toEqual(["failed", "released"]);
           const snapshot = hashFiles(d);
           // P ends RELEASED (writes were done or in flight: acknowledged after they settled) or
-          // ABORTED (the abort came first); either way before D's blocks came back.
+          // ABORTED (the abort came first); either way its writes had settled before D's blocks
+          // came back.
           expect(["RELEASED", "ABORTED"]).toContain(pEv.kind);
-          expect(dEv.timeMs).toBeGreaterThanOrEqual(pEv.timeMs);
+          const { transfers } = await p.client.listTransfers();
+          const pT = transfers.find((t) => t.transferId === id && t.side === "prefill")!;
+          expect(pT.timings.dataDoneMs).toBeLessThanOrEqual(dEv.timeMs);
           await sleep(200);
           expect(hashFiles(d), "D's KV files changed after release").toBe(snapshot);
         }
