@@ -4,7 +4,7 @@
  * the package root, whatever the working directory).
  */
 import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
-import { cpus, totalmem } from "node:os";
+import { cpus, loadavg, totalmem } from "node:os";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
@@ -176,6 +176,10 @@ export function machineLine(): string {
   const cpu = cpus();
   return (
     `${new Date().toISOString().slice(0, 10)}, ${cpu.length} cores (${cpu[0]?.model.trim() ?? "?"}), ` +
-    `${Math.round(totalmem() / 2 ** 30)} GiB, ${process.platform} ${process.arch}, node ${process.version}`
+    `${Math.round(totalmem() / 2 ** 30)} GiB, ${process.platform} ${process.arch}, node ${process.version}, ` +
+    // Other work on the machine skews every figure: the load when the table was made says how much.
+    `load ${loadavg()
+      .map((l) => l.toFixed(1))
+      .join(" ")}`
   );
 }
