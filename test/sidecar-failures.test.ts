@@ -477,4 +477,43 @@ describe("sidecar failure cases (multi-process)", () => {
       },
     );
   }, 60_000);
+
+  it("D aborts a pull: P lets go of its blocks at once instead of holding them to the lease", async () => {
+    await withPair(
+      { mode: "pull", sidecarArgs: fastArgs(), pArgs: flags({ "lease-ms": 30_000 }) },
+      async ({ p, d }) => {
+        const id = "t8-pull-abort";
+        const { blockIds } = await p.engine.prefill(id, 40, 0);
+        const t0 = Date.now();
+        await d.engine.expect({
+          transferId: id,
+          tokens: 40,
+          source: p.sideChannel,
+          sourceBlockIds: blockIds,
+        });
+        await d.engine.call("abort", { transferId: id });
+        // Either the abort won (ABORTED on both sides) or the read finished first (ready,
+        // released as transferred); both end at once, far inside P's 30 s lease.
+        const pRel = await p.engineEvent(id, "released", 5000);
+        const pEv = await oneTerminal(p, id);
+        const dEv = await oneTerminal(d, id);
+        expect(at(pRel) - t0).toBeLessThan(3000);
+        if (dEv.kind === "KV_READY") {
+          expect(pEv.kind).toBe("RELEASED");
+          expect(pRel.reason).toBe("TRANSFERRED");
+        } else {
+          expect(dEv.kind).toBe("ABORTED");
+          expect(pEv.kind).toBe("ABORTED");
+          expect(pRel.reason).toBe("ABORTED");
+          expect((await d.engineEvent(id, "released", 5000)).reason).toBe("ABORTED");
+        }
+        await p.allBlocksFree();
+        await d.allBlocksFree();
+        console.log(
+          `[t8] pull abort: D ${dEv.kind}, P ${pEv.kind} after ${at(pRel) - t0} ms (lease 30 000)`,
+        );
+        await goodTransfer(p, d, "t8-after", { pull: true });
+      },
+    );
+  }, 60_000);
 });

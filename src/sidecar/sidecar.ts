@@ -819,7 +819,12 @@ export class Sidecar implements SidecarView {
       this.failD(t, "FAILED", reason, e.code, e.message, ReleaseReason.FAILED, true);
       return;
     }
-    if (isTerminal(t.state) || t.failing !== undefined) return;
+    if (isTerminal(t.state) || t.failing !== undefined) {
+      // Given up on while the handshake ran (abort, watchdog): a pull tells P it can let go.
+      if (t.mode === "pull")
+        this.sendPeer(peer, { case: "abort", value: { transferId: t.id, reason: t.reason } });
+      return;
+    }
     t.peer = peer;
     const layout = this.layout!;
     for (const d of mapRanks(peer.layout, layout)) {
@@ -1022,6 +1027,15 @@ export class Sidecar implements SidecarView {
     t.reason = code;
     this.metrics?.transferFailed(code);
     this.send({ case: "kvFailed", value: { transferId: t.id, reason, message } });
+    // A pull that D gives up on (abort, watchdog): P need not hold its blocks to the lease.
+    if (
+      t.mode === "pull" &&
+      t.peer !== undefined &&
+      reason !== FailureReason.LEASE_EXPIRED &&
+      reason !== FailureReason.PEER_FAILED
+    ) {
+      this.sendPeer(t.peer, { case: "abort", value: { transferId: t.id, reason: code } });
+    }
     if (safe) {
       this.finishFailingD(t);
       return;
@@ -1103,7 +1117,8 @@ export class Sidecar implements SidecarView {
 
   private onAbortAck(peer: PeerState, transferId: string): void {
     const d = this.dTransfers.get(transferId);
-    if (d === undefined || d.peer !== peer || d.failing === undefined) return;
+    // Only a push waits for P's acknowledgement; a pull waits for its own reads to settle.
+    if (d === undefined || d.peer !== peer || d.failing === undefined || d.mode !== "push") return;
     this.finishFailingD(d);
   }
 
