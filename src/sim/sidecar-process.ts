@@ -48,7 +48,8 @@ export class SidecarProcess {
     const logDir = process.env.KVXFER_LOG_DIR;
     this.child.stderr!.on("data", (d: Buffer) => {
       this.stderrTail = (this.stderrTail + d.toString()).slice(-20_000);
-      if (logDir !== undefined && logDir !== "") appendFileSync(join(logDir, `sidecar-${this.child.pid}.log`), d);
+      if (logDir !== undefined && logDir !== "")
+        appendFileSync(join(logDir, `sidecar-${this.child.pid}.log`), d);
     });
     this.exited = new Promise((resolve) =>
       this.child.on("exit", (code, signal) => resolve({ code, signal })),
