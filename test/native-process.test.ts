@@ -103,7 +103,7 @@ describe("two processes over shared memory", () => {
 });
 
 describe("process exit", () => {
-  it("exits cleanly with agents, regions, endpoints and transfers left open", () => {
+  it("exits cleanly with agents, regions (with views), endpoints and transfers left open", () => {
     const script = `
       import { Agent } from ${JSON.stringify(new URL("../src/native/index.ts", import.meta.url).pathname.replace("/src/", "/dist/src/").replace(/\.ts$/, ".js"))};
       const a = new Agent({ transports: "shm,self" });
@@ -112,6 +112,14 @@ describe("process exit", () => {
       const dst = b.registerMemory(new Uint8Array(1 << 20));
       const ep = a.connect(b.address);
       const remote = ep.importRemote(dst.remoteKey());
+      // A mapped file and UCX-allocated memory, each with a JavaScript view still reachable.
+      const { writeFileSync, rmSync } = await import("node:fs");
+      const file = "/tmp/kvxfer-exit-test-" + process.pid + ".kv";
+      writeFileSync(file, Buffer.alloc(1 << 16));
+      const mapped = b.mapFile(file, { length: 1 << 16 });
+      globalThis.keep = [mapped.bytes(), a.allocate(1 << 16).bytes()];
+      globalThis.keep[0][0] = 1;
+      rmSync(file);
       a.write(ep, src, remote, new Float64Array([0, 0, 1 << 20])).then(() => console.log("written"));
       setTimeout(() => console.log("leaving"), 50);
     `;

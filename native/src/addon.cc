@@ -158,7 +158,9 @@ class AgentWrap;
 class Child {
  public:
   virtual ~Child() = default;
-  virtual void CloseFromParent() = 0;
+  // `js`: called where JavaScript handles may be made (not from a finalizer or
+  // the environment's cleanup hook).
+  virtual void CloseFromParent(bool js) = 0;
   AgentWrap* agent_ = nullptr;
 };
 
@@ -180,12 +182,23 @@ bool IsInternalCall(const Napi::CallbackInfo& info) {
 
 // ---------------------------------------------------------------------------
 
+struct Mapping {
+  void* addr = nullptr;
+  size_t length = 0;
+  Mapping(void* a, size_t n) : addr(a), length(n) {}
+  ~Mapping() {
+    if (addr != nullptr) munmap(addr, length);
+  }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+};
+
 class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
  public:
   static Napi::Function Define(Napi::Env env);
   explicit RegionWrap(const Napi::CallbackInfo& info);
-  ~RegionWrap() override { Release(); }
-  void CloseFromParent() override { Release(); }
+  ~RegionWrap() override { Release(false); }
+  void CloseFromParent(bool js) override { Release(js); }
 
   uint8_t* base() const { return base_; }
   ucp_mem_h memh() const { return memh_; }
@@ -200,6 +213,7 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
     base_ = base;
     length_ = length;
     memh_ = memh;
+    allocated_ = true;
   }
   void InitFile(void* map, size_t map_length, uint8_t* base, size_t length, ucp_mem_h memh,
                 std::string path);
@@ -212,14 +226,16 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
   Napi::Value View(const Napi::CallbackInfo& info);
   Napi::Value Close(const Napi::CallbackInfo& info);
   Napi::Value IsClosed(const Napi::CallbackInfo& info);
-  void Release();
+  void Release(bool js);
 
   uint8_t* base_ = nullptr;
   uint64_t length_ = 0;
   ucp_mem_h memh_ = nullptr;
   Napi::ObjectReference owner_;  // keeps a registered Buffer alive
-  void* map_ = nullptr;
-  size_t map_length_ = 0;
+  // A mapped file stays mapped while any JavaScript view of it may still be
+  // reachable: each view holds a reference, released by its finalizer.
+  std::shared_ptr<Mapping> mapping_;
+  bool allocated_ = false;
   std::string path_;
   std::vector<Napi::Reference<Napi::ArrayBuffer>> views_;
 };
@@ -229,7 +245,7 @@ class EndpointWrap : public Napi::ObjectWrap<EndpointWrap>, public Child {
   static Napi::Function Define(Napi::Env env);
   explicit EndpointWrap(const Napi::CallbackInfo& info);
   ~EndpointWrap() override { Release(); }
-  void CloseFromParent() override { Release(); }
+  void CloseFromParent(bool) override { Release(); }
 
   std::shared_ptr<EndpointCore> core_;
   HandleState state_ = HandleState::kOpen;
@@ -249,7 +265,7 @@ class RemoteWrap : public Napi::ObjectWrap<RemoteWrap>, public Child {
   static Napi::Function Define(Napi::Env env);
   explicit RemoteWrap(const Napi::CallbackInfo& info);
   ~RemoteWrap() override { Release(); }
-  void CloseFromParent() override { Release(); }
+  void CloseFromParent(bool) override { Release(); }
 
   std::shared_ptr<EndpointCore> ep_;
   ucp_rkey_h rkey_ = nullptr;
@@ -906,7 +922,7 @@ void AgentWrap::CloseAll(Napi::Env env, bool deliver) {
   }
   pending_.clear();
   std::vector<Child*> children(children_.begin(), children_.end());
-  for (Child* c : children) c->CloseFromParent();
+  for (Child* c : children) c->CloseFromParent(deliver);
   children_.clear();
   endpoints_.clear();
   if (tsfn_ref_ && deliver) tsfn_.Unref(env);
@@ -954,8 +970,7 @@ void RegionWrap::InitBuffer(Napi::Env env, Napi::Value owner, uint8_t* base, siz
 
 void RegionWrap::InitFile(void* map, size_t map_length, uint8_t* base, size_t length,
                           ucp_mem_h memh, std::string path) {
-  map_ = map;
-  map_length_ = map_length;
+  mapping_ = std::make_shared<Mapping>(map, map_length);
   base_ = base;
   length_ = length;
   memh_ = memh;
@@ -964,24 +979,32 @@ void RegionWrap::InitFile(void* map, size_t map_length, uint8_t* base, size_t le
 
 void RegionWrap::OpDone() {
   inflight_--;
-  if (inflight_ == 0 && state_ == HandleState::kClosing) Release();
+  if (inflight_ == 0 && state_ == HandleState::kClosing) Release(true);
 }
 
-void RegionWrap::Release() {
+void RegionWrap::Release(bool js) {
   if (state_ == HandleState::kClosed) return;
   state_ = HandleState::kClosed;
-  // JavaScript views of mapped memory must not outlive the mapping.
-  for (auto& ref : views_) {
-    if (!ref.IsEmpty()) {
-      Napi::ArrayBuffer ab = ref.Value();
-      if (!ab.IsEmpty() && !ab.IsDetached()) ab.Detach();
+  // Views are detached when JavaScript can be touched; otherwise (finalizer,
+  // exit) they are left alone and keep a mapped file mapped through their own
+  // reference, so no view ever points at unmapped memory.
+  const bool views_left = !js && !views_.empty();
+  if (js) {
+    for (auto& ref : views_) {
+      if (!ref.IsEmpty()) {
+        Napi::ArrayBuffer ab = ref.Value();
+        if (!ab.IsEmpty() && !ab.IsDetached()) ab.Detach();
+      }
     }
   }
   views_.clear();
-  if (memh_ && agent_ && agent_->engine()) ucp_mem_unmap(agent_->engine()->context(), memh_);
+  // UCX-allocated memory with views that may live on is left allocated (this
+  // only happens at exit or when everything was dropped without close()).
+  if (memh_ && agent_ && agent_->engine() && !(allocated_ && views_left)) {
+    ucp_mem_unmap(agent_->engine()->context(), memh_);
+  }
   memh_ = nullptr;
-  if (map_) munmap(map_, map_length_);
-  map_ = nullptr;
+  mapping_.reset();
   owner_.Reset();
   if (agent_) agent_->Forget(this);
   agent_ = nullptr;
@@ -1021,7 +1044,14 @@ Napi::Value RegionWrap::View(const Napi::CallbackInfo& info) {
   if (state_ != HandleState::kOpen)
     throw MakeError(env, "ERR_CLOSED", "view: the region is closed");
   if (!owner_.IsEmpty()) return owner_.Value();
-  Napi::ArrayBuffer ab = Napi::ArrayBuffer::New(env, base_, length_);
+  Napi::ArrayBuffer ab;
+  if (mapping_) {
+    auto* hold = new std::shared_ptr<Mapping>(mapping_);
+    ab = Napi::ArrayBuffer::New(
+        env, base_, length_, [](Napi::Env, void*, std::shared_ptr<Mapping>* h) { delete h; }, hold);
+  } else {
+    ab = Napi::ArrayBuffer::New(env, base_, length_);
+  }
   views_.push_back(Napi::Persistent(ab));
   return ab;
 }
@@ -1029,7 +1059,7 @@ Napi::Value RegionWrap::View(const Napi::CallbackInfo& info) {
 Napi::Value RegionWrap::Close(const Napi::CallbackInfo& info) {
   if (state_ == HandleState::kOpen) {
     state_ = HandleState::kClosing;
-    if (inflight_ == 0) Release();
+    if (inflight_ == 0) Release(true);
   }
   return info.Env().Undefined();
 }

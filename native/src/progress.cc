@@ -16,6 +16,10 @@ namespace {
 // Descriptors posted per transfer per loop turn: large enough to keep the
 // transport busy, small enough that commands and other transfers interleave.
 constexpr size_t kPostChunk = 512;
+// ...and at most this many bytes: on shared memory a put copies synchronously,
+// so one turn over large descriptors would otherwise hold notifications
+// (heartbeats included) back for as long as the whole transfer takes.
+constexpr uint64_t kPostChunkBytes = 8ull << 20;
 // A sleeping loop wakes at least this often, so a missed wake-up costs
 // latency, never a hang.
 constexpr int kSleepBoundMs = 100;
@@ -411,10 +415,12 @@ bool ProgressEngine::PostSome(TransferOp* op) {
   const size_t count = op->desc.size() / 3;
   const size_t end = std::min(count, op->next + kPostChunk);
   const uint64_t* d = op->desc.data();
-  for (; op->next < end; ++op->next) {
+  uint64_t posted_bytes = 0;
+  for (; op->next < end && posted_bytes < kPostChunkBytes; ++op->next) {
     const uint64_t local = d[3 * op->next];
     const uint64_t remote = d[3 * op->next + 1];
     const uint64_t length = d[3 * op->next + 2];
+    posted_bytes += length;
     ucs_status_ptr_t req = op->kind == OpKind::kWrite
                                ? ucp_put_nbx(ep->ep, op->local_base + local, length,
                                              op->remote_base + remote, op->rkey, &param)

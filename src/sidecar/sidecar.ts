@@ -719,7 +719,9 @@ export class Sidecar implements SidecarView {
     const t = this.pTransfers.get(transferId);
     const held = t !== undefined && t.state === "HELD" && t.blocks !== undefined;
     // D reports ready only if P says the blocks were still held when it read them.
-    this.sendPeer(peer, { case: "readAck", value: { transferId, held } });
+    // The router may have told D about the blocks before P's sidecar processed the
+    // engine's PrefillDone: then P has no record at all, and D asks again.
+    this.sendPeer(peer, { case: "readAck", value: { transferId, held, unknown: t === undefined } });
     if (held) {
       t.peer = peer.engineId;
       t.mode = "pull";
@@ -930,9 +932,22 @@ export class Sidecar implements SidecarView {
     this.sendPeer(peer, { case: "readDone", value: { transferId: t.id, bytes: BigInt(t.bytes) } });
   }
 
-  private onReadAck(peer: PeerState, transferId: string, held: boolean): void {
+  private onReadAck(peer: PeerState, transferId: string, held: boolean, unknown: boolean): void {
     const t = this.dTransfers.get(transferId);
     if (t === undefined || t.peer !== peer || t.state !== "CONFIRMING" || t.mode !== "pull") return;
+    if (unknown) {
+      // P has not seen PrefillDone yet, so it cannot have released the blocks: ask again
+      // shortly (the watchdog bounds how long).
+      setTimeout(() => {
+        if (t.state === "CONFIRMING" && t.failing === undefined && t.peer !== undefined) {
+          this.sendPeer(t.peer, {
+            case: "readDone",
+            value: { transferId: t.id, bytes: BigInt(t.bytes) },
+          });
+        }
+      }, 10);
+      return;
+    }
     if (held) {
       this.readyD(t);
     } else {
@@ -1349,7 +1364,7 @@ export class Sidecar implements SidecarView {
           this.onReadDone(peer, b.value.transferId, Number(b.value.bytes));
           break;
         case "readAck":
-          this.onReadAck(peer, b.value.transferId, b.value.held);
+          this.onReadAck(peer, b.value.transferId, b.value.held, b.value.unknown);
           break;
         case "heartbeat":
           this.onHeartbeat(peer, b.value.transferIds);
