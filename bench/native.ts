@@ -123,15 +123,20 @@ export async function runNativeBench(opts: NativeBenchOptions = {}): Promise<Nat
   const transports = opts.transports ?? "shm,self";
   const targetBytes = opts.targetBytes ?? 4 * 2 ** 30;
   const log = opts.log ?? ((): void => {});
-  const p = new PeerProcess();
-  const d = new PeerProcess();
   const rows: NativeBenchRow[] = [];
-  try {
-    const ip = await p.call<{ address: string }>("init", { name: "bench-p", transports });
-    const id = await d.call<{ address: string }>("init", { name: "bench-d", transports });
-    void ip;
-    await p.call("connect", { address: id.address });
-    for (const memory of opts.memories ?? (["ucx", "host"] as BenchMemory[]))
+  for (const memory of opts.memories ?? (["ucx", "host"] as BenchMemory[])) {
+    // Each memory kind with the UCX protocols kvxfer picks for it (AgentOptions.protocols).
+    const protocols = memory === "ucx" ? "v1" : "v2";
+    const p = new PeerProcess();
+    const d = new PeerProcess();
+    try {
+      await p.call("init", { name: "bench-p", transports, protocols });
+      const id = await d.call<{ address: string }>("init", {
+        name: "bench-d",
+        transports,
+        protocols,
+      });
+      await p.call("connect", { address: id.address });
       for (const size of sizes) {
         const iters = Math.min(200_000, Math.max(64, Math.floor(targetBytes / size)));
         // One buffer of `size` on each side, reused by every message, as ucx_perftest does.
@@ -171,9 +176,10 @@ export async function runNativeBench(opts: NativeBenchOptions = {}): Promise<Nat
         rows.push(row);
         log(formatRow(row));
       }
-  } finally {
-    await p.close();
-    await d.close();
+    } finally {
+      await p.close();
+      await d.close();
+    }
   }
   return rows;
 }

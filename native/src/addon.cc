@@ -385,6 +385,7 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   opts.name = str("name");
   opts.transports = str("transports");
   opts.net_devices = str("netDevices");
+  opts.proto_enable = str("protoEnable");
   opts.busy_poll = o.Get("busyPoll").ToBoolean().Value();
   Napi::Value maxn = o.Get("maxNotificationBytes");
   if (maxn.IsNumber()) opts.max_notification_bytes = maxn.As<Napi::Number>().Int64Value();

@@ -55,6 +55,13 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
       return nullptr;
     }
   }
+  if (!opts.proto_enable.empty()) {
+    *status = ucp_config_modify(cfg.config, "PROTO_ENABLE", opts.proto_enable.c_str());
+    if (*status != UCS_OK) {
+      *what = "invalid protocol selection '" + opts.proto_enable + "'";
+      return nullptr;
+    }
+  }
   if (!opts.net_devices.empty()) {
     *status = ucp_config_modify(cfg.config, "NET_DEVICES", opts.net_devices.c_str());
     if (*status != UCS_OK) {

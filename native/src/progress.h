@@ -70,8 +70,9 @@ struct Event {
 
 struct EngineOptions {
   std::string name;
-  std::string transports;   // UCX_TLS-style list; empty = UCX default
-  std::string net_devices;  // UCX_NET_DEVICES-style list; empty = UCX default
+  std::string transports;    // UCX_TLS-style list; empty = UCX default
+  std::string net_devices;   // UCX_NET_DEVICES-style list; empty = UCX default
+  std::string proto_enable;  // UCX_PROTO_ENABLE for this agent ("y"/"n"); empty = environment
   bool busy_poll = false;
   size_t max_notification_bytes = 4 << 20;
 };

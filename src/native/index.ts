@@ -72,6 +72,7 @@ interface NativeAddon {
       netDevices: string;
       busyPoll: boolean;
       maxNotificationBytes: number;
+      protoEnable: string;
     },
     onEvents: (batch: NativeEvent[]) => void,
   ) => NativeAgent;
@@ -97,10 +98,6 @@ function loadAddon(): NativeAddon {
   // regions explicitly and passes the handle with every operation, so it does
   // not need the cache.
   process.env.UCX_MEM_EVENTS ??= "no";
-  // Without the cache, only UCX's v2 protocols use the handle passed with each
-  // operation; the v1 protocols registered memory per operation, and small
-  // WRITEs took from milliseconds to seconds (measured here with UCX 1.13).
-  process.env.UCX_PROTO_ENABLE ??= "y";
   const root = findPackageRoot(dirname(fileURLToPath(import.meta.url)));
   const path = join(root, "build", "native", "Release", "kvxfer.node");
   if (!existsSync(path)) {
@@ -141,6 +138,16 @@ export interface AgentOptions {
   busyPoll?: boolean;
   /** Largest notification accepted or sent. Default 4 MiB. */
   maxNotificationBytes?: number;
+  /**
+   * UCX protocol generation for this agent. Default "v2", unless the operator
+   * set UCX_PROTO_ENABLE. Without UCX's registration cache (see above), only
+   * the v2 protocols use the memory handle passed with each operation: with
+   * v1, WRITEs from registered host memory took from milliseconds to seconds
+   * (UCX 1.13, measured here). For memory from `allocate()` it is the other
+   * way round: v1 moves it by plain copies on one host, about 3x faster at
+   * 256 KiB than v2.
+   */
+  protocols?: "v1" | "v2";
 }
 
 export interface Notification {
@@ -298,6 +305,14 @@ export class Agent extends EventEmitter<AgentEvents> {
             netDevices: options.netDevices ?? "",
             busyPoll: options.busyPoll ?? false,
             maxNotificationBytes,
+            protoEnable:
+              options.protocols !== undefined
+                ? options.protocols === "v2"
+                  ? "y"
+                  : "n"
+                : process.env.UCX_PROTO_ENABLE !== undefined
+                  ? ""
+                  : "y",
           },
           (batch) => this.onNativeEvents(batch),
         ),
