@@ -4,6 +4,8 @@
  */
 import { createHash } from "node:crypto";
 
+export { prng } from "../../src/sim/prng.js";
+
 function word(seed: number, index: number): number {
   let x = (Math.imul(index, 0x9e3779b1) ^ seed) >>> 0;
   x = Math.imul(x ^ (x >>> 16), 0x85ebca6b) >>> 0;
@@ -33,18 +35,6 @@ export function fillPattern(buf: Uint8Array, seed: number, baseOffset = 0): void
 
 export function sha256(buf: Uint8Array): string {
   return createHash("sha256").update(buf).digest("hex");
-}
-
-/** A small seeded PRNG (mulberry32) for reproducible random descriptor lists. */
-export function prng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
 }
 
 /**

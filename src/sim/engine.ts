@@ -37,6 +37,7 @@ import { Agent, type Region } from "../native/index.js";
 import { type KvLayout, type KvRegionScheme, kvLayout, validateKvLayout } from "../plan/index.js";
 import { kvLayoutToProto } from "../plan/layout-proto.js";
 import { fillKv, verifyKv } from "./kv-pattern.js";
+import { prng } from "./prng.js";
 
 export type SimEngineRole = "prefill" | "decode" | "both";
 export type SimModel = "llama3-8b" | "llama3-70b" | "deepseek-mla";
@@ -195,18 +196,6 @@ export function simKvFilePath(
   region: number,
 ): string {
   return join(shmDir, `kvxfer-${engineId}-${pid}-r${rank}-g${region}.kv`);
-}
-
-/** mulberry32: a small seeded PRNG for the block allocator. */
-function prng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
 }
 
 /** Errors of control requests; `code` goes into the reply. */

@@ -3,6 +3,10 @@
 // [layer][k|v][token][head][dim-byte] into P rank memories, apply a plan with plain copies into D
 // rank memories, and compare every D byte with what it should be.
 import type { KvLayout, TransferPlan } from "../../src/plan/index.js";
+import { prng } from "../../src/sim/prng.js";
+
+/** Small deterministic PRNG (mulberry32) for backgrounds and test layouts. */
+export const rng = prng;
 
 /** Global KV heads a rank holds, straight from the definition (vLLM's head split/replication). */
 export function headsOf(layout: KvLayout, rank: number): number[] {
@@ -50,18 +54,6 @@ export function kvByte(layer: number, kv: number, token: number, head: number, b
   h = Math.imul(h ^ (h >>> 15), 0x165667b1) ^ byte;
   h = Math.imul(h ^ (h >>> 13), 0x85ebca6b);
   return (h ^ (h >>> 16)) & 0xff;
-}
-
-/** Small deterministic PRNG (mulberry32) for backgrounds and test layouts. */
-export function rng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
 }
 
 export type RankMemory = Uint8Array[];
