@@ -110,7 +110,7 @@ describe("a router watching a real sidecar", () => {
   }, 600_000);
 
   it("AwaitTransfer before, during and after a real transfer, and with a deadline that passes", async () => {
-    const { p, d, dApi, pApi } = await pair("await");
+    const { p, d, dApi, pApi } = await pair("await", ["--metrics", "127.0.0.1:0"]);
     // Before: the call is waiting when the transfer starts.
     const early = dApi.awaitTransfer("aw-1", 20_000);
     await new Promise((r) => setTimeout(r, 100));
@@ -130,6 +130,12 @@ describe("a router watching a real sidecar", () => {
       (e: unknown) => e as { code?: number },
     );
     expect(err?.code).toBe(4); // grpc.status.DEADLINE_EXCEEDED
+    // The same transfer in D's Prometheus metrics.
+    const text = await (await fetch(`http://${d.ready.metrics!}/metrics`)).text();
+    expect(text).toMatch(/kvxfer_transfers_ready_total\{mode="push"\} 1/);
+    expect(text).toMatch(/kvxfer_transfer_latency_seconds_count\{mode="push"\} 1/);
+    expect(text).toMatch(/kvxfer_transfer_bytes_total\{mode="push"\} [1-9]/);
+    expect(text).toMatch(/kvxfer_queue_depth\{queue="decode_live"\} 0/);
   }, 120_000);
 });
 
