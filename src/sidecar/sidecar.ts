@@ -190,6 +190,9 @@ interface DTransfer {
   t: Timings;
 }
 
+/** Peers known at once at most; an idle peer is forgotten after the tombstone time. */
+const MAX_PEERS = 4096;
+
 const TERMINAL = new Set<TransferState>(["KV_READY", "FAILED", "EXPIRED", "ABORTED", "RELEASED"]);
 
 function isTerminal(s: TransferState): boolean {
@@ -1218,6 +1221,9 @@ export class Sidecar implements SidecarView {
     }
     if (old !== undefined)
       this.dropPeer(old, old.epoch === md.epoch ? "peer failed" : "peer restarted (new epoch)");
+    if (this.peers.size >= MAX_PEERS) {
+      throw new KvxferError("ERR_OVERLOADED", `${MAX_PEERS} peers known; refusing another`);
+    }
     const peer = new PeerState(md, layout, this.agents, this.opts.errorMode, this.log);
     this.peers.set(md.engineId, peer);
     this.emit("PEER_UP", "", md.engineId, "", `epoch ${md.epoch}`, 0, "");
@@ -1469,8 +1475,15 @@ export class Sidecar implements SidecarView {
     }
     for (const peer of [...this.peers.values()]) {
       if (peer.state !== "connected" || now - peer.lastSeenMs < this.opts.peerTimeoutMs) continue;
-      if (this.hasLiveTransfersWith(peer))
+      if (this.hasLiveTransfersWith(peer)) {
         this.dropPeer(peer, `silent for ${now - peer.lastSeenMs} ms`);
+      } else if (now - peer.lastSeenMs > this.opts.tombstoneMs) {
+        // Idle and unheard of for long: forget it (a new transfer handshakes again).
+        this.peers.delete(peer.engineId);
+        if (this.peerByAddress.get(peer.dialedAddress) === peer.engineId)
+          this.peerByAddress.delete(peer.dialedAddress);
+        peer.close();
+      }
     }
   }
 
