@@ -506,8 +506,10 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
   uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   uint64_t map_off = offset - offset % page;
   size_t map_len = static_cast<size_t>(length + (offset - map_off));
-  void* map =
-      mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(map_off));
+  // Populated at once: otherwise the first WRITE or READ into each page of this
+  // mapping pays a page fault inside the transfer (a 128 MiB push took 2x longer).
+  void* map = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                   static_cast<off_t>(map_off));
   int e = errno;
   close(fd);
   if (map == MAP_FAILED) {
