@@ -618,6 +618,7 @@ export class Sidecar implements SidecarView {
       this.endP(t, "FAILED", e.code, ReleaseReason.FAILED);
       return;
     }
+    const plannedAt = performance.now();
     // A registration whose lease ran out must not be written to: D may have released the blocks.
     const results = await Promise.allSettled(
       plan.pairs.map(async (pair) => {
@@ -657,6 +658,7 @@ export class Sidecar implements SidecarView {
               srcRank: pair.srcRank,
               dstRank: pair.dstRank,
               bytes: BigInt(pair.bytes),
+              sincePrefillDoneMs: Math.max(0, Date.now() - t.t.prefillDoneMs),
             },
           }),
         );
@@ -671,6 +673,7 @@ export class Sidecar implements SidecarView {
         bytes: plan.bytes,
         descriptors: plan.descriptorCount,
         ms: t.t.dataDoneMs - t.t.dataStartedMs,
+        moveMs: Math.round((performance.now() - plannedAt) * 100) / 100,
       },
       "push writes settled",
     );
