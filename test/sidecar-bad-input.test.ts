@@ -83,6 +83,10 @@ describe("sidecar bad input (multi-process)", () => {
     await p.engine.call("send-raw", { hex: Buffer.alloc((16 << 20) + 1).toString("hex") }, 60_000);
     const big = await refusal(p, "", n);
     expect(big.code).toBe("ERR_TOO_LARGE");
+    // The operator sees them in GetStatus.
+    const errs = (await lastErrors(p)).join("\n");
+    expect(errs).toMatch(/engine frame refused: ERR_MALFORMED/);
+    expect(errs).toMatch(/engine frame refused: ERR_TOO_LARGE/);
     await goodTransfer(p, d, "good-after-frames");
   }, 90_000);
 
@@ -225,6 +229,9 @@ describe("sidecar bad input (multi-process)", () => {
     const r = await ask([empty]);
     expect(r.code).toBe("ERR_MALFORMED");
     expect(r.error).toContain("metadata");
+    const errs = (await lastErrors(p)).join("\n");
+    expect(errs).toMatch(/handshake refused: ERR_TOO_LARGE/);
+    expect(errs).toMatch(/handshake refused: ERR_MALFORMED: handshake carries no metadata/);
     await goodTransfer(p, d, "good-after-side-channel");
   }, 60_000);
 

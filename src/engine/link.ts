@@ -60,6 +60,8 @@ export interface EngineLinkServerOptions {
   readonly logger: Logger;
   /** Largest frame accepted (default `DEFAULT_MAX_FRAME_BYTES`). */
   readonly maxFrameBytes?: number;
+  /** Told about every frame refused at the link (malformed, too large), e.g. for status. */
+  readonly onRefused?: (code: string, message: string) => void;
 }
 
 function checkCap(n: number): number {
@@ -96,6 +98,7 @@ export class EngineLinkServer {
   private readonly socket: Router;
   private readonly log: Logger;
   private readonly onMessage: EngineMessageHandler;
+  private readonly onRefused: ((code: string, message: string) => void) | undefined;
   private state: "new" | "open" | "closed" = "new";
   private loop: Promise<void> | undefined;
   private registered: EnginePeer | undefined;
@@ -104,6 +107,7 @@ export class EngineLinkServer {
     this.endpoint = options.endpoint;
     this.maxFrameBytes = checkCap(options.maxFrameBytes ?? DEFAULT_MAX_FRAME_BYTES);
     this.onMessage = options.onMessage;
+    this.onRefused = options.onRefused;
     this.log = options.logger.child({ component: "engine-link" });
     this.socket = new Router({
       linger: LINGER_MS,
@@ -209,6 +213,7 @@ export class EngineLinkServer {
 
   private refuse(to: EnginePeer, code: string, message: string): void {
     this.log.warn({ peer: to.id, code, reason: message }, "engine frame refused");
+    this.onRefused?.(code, message);
     void this.send(
       to,
       sidecarMessage("refused", create(RefusedSchema, { transferId: "", code, message })),

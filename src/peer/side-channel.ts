@@ -43,6 +43,8 @@ export class SideChannelServer {
   constructor(
     private readonly handler: HandshakeHandler,
     private readonly log: Logger,
+    /** Told about frames refused before they reach the handler (malformed, too large). */
+    private readonly onRefused?: (code: string, message: string) => void,
   ) {
     this.socket.linger = 0;
   }
@@ -61,6 +63,7 @@ export class SideChannelServer {
         const [id, body] = frames;
         if (id === undefined) continue;
         let response: HandshakeResponse;
+        let req: HandshakeRequest | undefined;
         if (frames.length !== 2 || body === undefined) {
           response = refusal("ERR_MALFORMED", `expected one frame, got ${frames.length - 1}`);
         } else if (body.length > MAX_HANDSHAKE_BYTES) {
@@ -69,7 +72,6 @@ export class SideChannelServer {
             `handshake of ${body.length} bytes exceeds ${MAX_HANDSHAKE_BYTES}`,
           );
         } else {
-          let req: HandshakeRequest | undefined;
           try {
             req = fromBinary(HandshakeRequestSchema, body);
           } catch (err) {
@@ -86,6 +88,9 @@ export class SideChannelServer {
               response = refusal(e.code, e.message);
             }
           }
+        }
+        if (req === undefined && response!.errorCode !== "") {
+          this.onRefused?.(response!.errorCode, response!.error);
         }
         try {
           await this.socket.send([id, toBinary(HandshakeResponseSchema, response!)]);

@@ -245,6 +245,7 @@ export async function startSidecar(
     endpoint:
       s["engine-socket"] !== "" ? s["engine-socket"] : defaultEngineEndpoint(s["engine-id"]),
     onMessage: (msg) => sidecar.onEngineMessage(msg),
+    onRefused: (code, message) => sidecar.noteError(`engine frame refused: ${code}: ${message}`),
     logger,
   });
   await link.start();

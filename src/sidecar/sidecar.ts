@@ -275,6 +275,7 @@ export class Sidecar implements SidecarView {
     this.side = new SideChannelServer(
       (req) => this.onHandshake(req),
       this.log.child({ component: "side-channel" }),
+      (code, message) => this.noteError(`handshake refused: ${code}: ${message}`),
     );
   }
 
@@ -390,7 +391,8 @@ export class Sidecar implements SidecarView {
     this.send({ case: "refused", value: { transferId, code, message } });
   }
 
-  private noteError(text: string): void {
+  /** Keeps the last errors for GetStatus (bounded). */
+  noteError(text: string): void {
     this.lastErrors.push(`${new Date().toISOString()} ${text}`);
     if (this.lastErrors.length > 20) this.lastErrors.shift();
   }
@@ -1197,6 +1199,12 @@ export class Sidecar implements SidecarView {
 
   /** Prefill side: D introduces itself; we answer with our metadata. */
   private onHandshake(req: HandshakeRequest): HandshakeResponse {
+    const res = this.answerHandshake(req);
+    if (res.errorCode !== "") this.noteError(`handshake refused: ${res.errorCode}: ${res.error}`);
+    return res;
+  }
+
+  private answerHandshake(req: HandshakeRequest): HandshakeResponse {
     if (this.layout === undefined)
       return refusal("ERR_NOT_READY", "the engine has not registered its KV cache");
     if (this.draining) return refusal("ERR_DRAINING", "the sidecar is draining");
