@@ -153,6 +153,34 @@ describe("bad input to transfers", () => {
   });
 });
 
+describe("notifications above the receiver's cap", () => {
+  it("are dropped unread and reported with the sender and size", async () => {
+    const small = new Agent({
+      name: "small-receiver",
+      transports: "shm,self",
+      maxNotificationBytes: 64,
+    });
+    try {
+      const toSmall = a.connect(small.address);
+      const dropped: [string, number][] = [];
+      const got: number[] = [];
+      small.on("notificationDropped", (peer, bytes) => dropped.push([peer, bytes]));
+      small.on("notifications", (batch) => {
+        for (const n of batch) got.push(n.data.length);
+      });
+      await a.notify(toSmall, Buffer.alloc(100));
+      await a.notify(toSmall, Buffer.alloc(10));
+      const end = Date.now() + 5000;
+      while ((dropped.length < 1 || got.length < 1) && Date.now() < end)
+        await new Promise((r) => setTimeout(r, 5));
+      expect(dropped).toEqual([["err-a", 100]]);
+      expect(got).toEqual([10]);
+    } finally {
+      small.close();
+    }
+  });
+});
+
 describe("bad handles and addresses", () => {
   it("refuses a garbage remote key", async () => {
     await expectCode(() => ep.importRemote(Buffer.from("not a key at all")), "ERR_BAD_REMOTE_KEY");

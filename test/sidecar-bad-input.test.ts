@@ -288,7 +288,7 @@ describe("sidecar bad input (multi-process)", () => {
 
       // Garbage bytes.
       await send(NOT_PROTOBUF);
-      // Oversized: above P's notification cap (1 MiB); the native layer drops it unread.
+      // Oversized: above P's notification cap (1 MiB); the native layer drops it unread and says so.
       await send(Buffer.alloc((1 << 20) + 4096, 7));
       // Well-formed, but addressed to an epoch P does not have.
       await send(encodePeerMessage(myId, myEpoch, pEpoch + 2n, { case: "heartbeat", value: {} }));
@@ -327,6 +327,7 @@ describe("sidecar bad input (multi-process)", () => {
           const e = errs.join("\n");
           return (
             (e.match(/ERR_MALFORMED/g) ?? []).length >= 2 &&
+            /refused: ERR_TOO_LARGE \(1052672 bytes\)/.test(e) &&
             (e.match(/ERR_STALE_EPOCH/g) ?? []).length >= 3 &&
             e.includes("ERR_UNKNOWN_TRANSFER")
           );

@@ -893,6 +893,14 @@ void AgentWrap::Deliver(Napi::Env env) {
         batch.Set(n++, o);
         break;
       }
+      case Event::Kind::kDropped: {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("type", "notificationDropped");
+        o.Set("peer", Napi::String::New(env, ev.peer));
+        o.Set("bytes", Napi::Number::New(env, static_cast<double>(ev.id)));
+        batch.Set(n++, o);
+        break;
+      }
       case Event::Kind::kEndpointFailed: {
         Napi::Object o = Napi::Object::New(env);
         o.Set("type", "endpointFailed");

@@ -541,15 +541,21 @@ void ProgressEngine::OnEpClosed(void* request, ucs_status_t status, void* user_d
 ucs_status_t ProgressEngine::OnAm(void* arg, const void* header, size_t header_length, void* data,
                                   size_t length, const ucp_am_recv_param_t* param) {
   auto* engine = static_cast<ProgressEngine*>(arg);
-  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
-    // Senders use eager only; a rendezvous message did not come from kvxfer.
-    ucp_am_data_release(engine->worker_, data);
+  Event ev;
+  ev.peer.assign(static_cast<const char*>(header), std::min<size_t>(header_length, 256));
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ||
+      length > engine->opts_.max_notification_bytes || header_length > 256) {
+    // Senders use eager only and respect the cap: this did not come from a
+    // well-behaved kvxfer. It is released unread, and reported.
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+      ucp_am_data_release(engine->worker_, data);
+    }
+    ev.kind = Event::Kind::kDropped;
+    ev.id = length;
+    engine->PushEvent(std::move(ev));
     return UCS_OK;
   }
-  if (length > engine->opts_.max_notification_bytes || header_length > 256) return UCS_OK;
-  Event ev;
   ev.kind = Event::Kind::kNotification;
-  ev.peer.assign(static_cast<const char*>(header), header_length);
   auto* bytes = static_cast<const uint8_t*>(data);
   ev.bytes.assign(bytes, bytes + length);
   engine->PushEvent(std::move(ev));

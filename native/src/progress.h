@@ -61,7 +61,8 @@ struct TransferOp {
 };
 
 struct Event {
-  enum class Kind { kCompletion, kNotification, kEndpointFailed } kind;
+  // kDropped: a notification refused unread (too large, or not eager); id = its size.
+  enum class Kind { kCompletion, kNotification, kEndpointFailed, kDropped } kind;
   uint64_t id = 0;  // transfer id (completion) or endpoint id (failure)
   ucs_status_t status = UCS_OK;
   std::string peer;            // notifications: the sender agent's name

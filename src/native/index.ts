@@ -42,7 +42,8 @@ interface NativeEndpoint {
 
 type NativeEvent =
   | { type: "notification"; peer: string; data: Buffer }
-  | { type: "endpointFailed"; endpointId: number; code: string; ucsStatus: number };
+  | { type: "endpointFailed"; endpointId: number; code: string; ucsStatus: number }
+  | { type: "notificationDropped"; peer: string; bytes: number };
 
 interface NativeAgent {
   readonly address: Buffer;
@@ -161,6 +162,8 @@ export interface AgentEvents {
   notifications: [batch: Notification[]];
   /** An endpoint failed; every operation on it has been or will be rejected. */
   endpointFailed: [endpoint: Endpoint, code: string];
+  /** A notification was refused unread: larger than maxNotificationBytes, or not eager. */
+  notificationDropped: [peer: string, bytes: number];
 }
 
 const NAME_MAX = 200;
@@ -466,6 +469,8 @@ export class Agent extends EventEmitter<AgentEvents> {
     for (const ev of batch) {
       if (ev.type === "notification") {
         (notes ??= []).push({ peer: ev.peer, data: ev.data });
+      } else if (ev.type === "notificationDropped") {
+        this.emit("notificationDropped", ev.peer, ev.bytes);
       } else {
         const ep = this.endpoints.get(ev.endpointId);
         if (ep !== undefined) this.emit("endpointFailed", ep, ev.code);

@@ -431,6 +431,11 @@ export class Sidecar implements SidecarView {
         );
         agent.on("notifications", (batch) => this.onNotifications(rk.rank, batch));
         agent.on("endpointFailed", (ep, code) => this.onEndpointFailed(ep, code));
+        agent.on("notificationDropped", (peer, bytes) =>
+          this.noteError(
+            `peer message from '${peer.slice(0, 200)}' refused: ERR_TOO_LARGE (${bytes} bytes)`,
+          ),
+        );
       }
     } catch (err) {
       for (const a of agents) a.close();
