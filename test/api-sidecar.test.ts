@@ -146,6 +146,12 @@ describe("SIGTERM", () => {
     // In flight: D has registered, P is still computing.
     const pre = p.engine.prefill("drain-1", 64, 1500);
     await d.engine.expect({ transferId: "drain-1", tokens: 64, source: p.ready.sideChannel });
+    // D's sidecar has the transfer (not only its engine): it is in flight when SIGTERM lands.
+    const listed = Date.now() + 10_000;
+    while (!(await dApi.listTransfers()).transfers.some((t) => t.transferId === "drain-1")) {
+      if (Date.now() > listed) throw new Error("D's sidecar never listed drain-1");
+      await new Promise((r) => setTimeout(r, 10));
+    }
     const terminal = dApi.awaitTransfer("drain-1", 20_000);
     const exited = new Promise<number | null>((resolve) =>
       d.sidecar.child.on("exit", (code) => resolve(code)),

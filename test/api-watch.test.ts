@@ -139,7 +139,8 @@ describe("resuming", () => {
     let n = 0;
     for (let round = 0; round < 4; round++) {
       for (let i = 0; i < 500; i++) fx.end(`r${round}-${n++}`, "KV_READY");
-      await until(() => seqs.length > 0, 5_000, "some events");
+      // Everything so far delivered: the client is connected to this incarnation.
+      await until(() => seqs.length === n, 10_000, "this round's events");
       // The server goes away mid-stream (the log survives, as in the sidecar) and comes back.
       await server.close(200);
       for (let i = 0; i < 300; i++) fx.end(`r${round}-${n++}`, "KV_READY");

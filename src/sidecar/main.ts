@@ -14,6 +14,7 @@ import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/m
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
 import { KvxferError } from "../native/errors.js";
 import { EventLog } from "./event-log.js";
+import { stderrSink } from "./log-sink.js";
 import { Sidecar, type SidecarOptions } from "./sidecar.js";
 import type { SidecarRole, TransferMode } from "./view.js";
 
@@ -308,10 +309,7 @@ export async function startSidecar(
 
 export async function runSidecar(argv: string[]): Promise<number> {
   const settings = resolveSettings(argv);
-  const logger = pino(
-    { level: settings["log-level"], base: { pid: process.pid } },
-    pino.destination(2),
-  );
+  const logger = pino({ level: settings["log-level"], base: { pid: process.pid } }, stderrSink());
   const running = await startSidecar(settings, logger);
   process.stdout.write(
     JSON.stringify({
@@ -325,13 +323,25 @@ export async function runSidecar(argv: string[]): Promise<number> {
     }) + "\n",
   );
   const signal = await new Promise<string>((resolve) => {
-    process.once("SIGINT", () => resolve("SIGINT"));
-    process.once("SIGTERM", () => resolve("SIGTERM"));
+    let first = true;
+    const on = (sig: string): void => {
+      // A second signal leaves at once, whatever is still closing.
+      if (!first) process.exit(1);
+      first = false;
+      resolve(sig);
+    };
+    process.on("SIGINT", () => on("SIGINT"));
+    process.on("SIGTERM", () => on("SIGTERM"));
   });
+  // Stopping is bounded too: the drain, then a few seconds to close everything.
+  const drainMs = positiveInt("drain-ms", settings["drain-ms"]);
+  setTimeout(() => {
+    logger.error("shutdown took too long; exiting");
+    process.exit(1);
+  }, drainMs + 15_000).unref();
   // SIGTERM drains: health goes NOT_SERVING, new transfers are refused, and
   // in-flight ones get --drain-ms to end (each also has its own deadlines).
   if (signal === "SIGTERM") {
-    const drainMs = positiveInt("drain-ms", settings["drain-ms"]);
     logger.info({ drainMs, live: running.sidecar.liveTransfers() }, "draining");
     const left = await running.drain(drainMs);
     logger.info({ left }, left === 0 ? "drained" : "drain deadline passed");
@@ -339,5 +349,7 @@ export async function runSidecar(argv: string[]): Promise<number> {
     logger.info({ signal }, "stopping");
   }
   await running.close();
+  // Let the last log lines reach stderr (bounded: the sink never blocks).
+  await new Promise((r) => setTimeout(r, 50));
   return 0;
 }

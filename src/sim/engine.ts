@@ -38,6 +38,7 @@ import { type KvLayout, type KvRegionScheme, kvLayout, validateKvLayout } from "
 import { kvLayoutToProto } from "../plan/layout-proto.js";
 import { fillKv, verifyKv } from "./kv-pattern.js";
 import { prng } from "./prng.js";
+import { stderrSink } from "../sidecar/log-sink.js";
 
 export type SimEngineRole = "prefill" | "decode" | "both";
 export type SimModel = "llama3-8b" | "llama3-70b" | "deepseek-mla";
@@ -734,7 +735,8 @@ export async function runSimEngine(argv: readonly string[]): Promise<number> {
   }
   const log = pino(
     { name: "sim-engine", level: cfg.logLevel, base: { engineId: cfg.engineId, pid: process.pid } },
-    pino.destination(2),
+    // Never blocks, like the sidecar's (src/sidecar/log-sink.ts).
+    stderrSink(),
   );
   const engine = new SimEngine(cfg, log, write);
   const onExit = (): void => engine.removeFiles();

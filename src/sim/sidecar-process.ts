@@ -28,6 +28,25 @@ export interface SidecarReady {
   metrics?: string;
 }
 
+/**
+ * Sidecars still running, stopped if this process exits first (a second
+ * Ctrl-C, an uncaught error): a sidecar does not watch its parent, so it would
+ * otherwise run on. SIGKILL of this process is the one case not covered.
+ */
+const running = new Set<ChildProcess>();
+let exitHook = false;
+
+function track(child: ChildProcess): void {
+  running.add(child);
+  child.on("exit", () => running.delete(child));
+  if (!exitHook) {
+    exitHook = true;
+    process.on("exit", () => {
+      for (const c of running) c.kill("SIGTERM");
+    });
+  }
+}
+
 export class SidecarProcess {
   readonly child: ChildProcess;
   readonly ready: Promise<SidecarReady>;
@@ -44,6 +63,7 @@ export class SidecarProcess {
       stdio: ["ignore", "pipe", "pipe"],
       env: { ...process.env, ...options.env },
     });
+    track(this.child);
     // KVXFER_LOG_DIR keeps every sidecar's log (one file per process) for a look afterwards.
     const logDir = process.env.KVXFER_LOG_DIR;
     this.child.stderr!.on("data", (d: Buffer) => {
