@@ -78,6 +78,8 @@ export function shortNumber(v: number): string {
   const abs = Math.abs(v);
   if (abs >= 1e9) return `${+(v / 1e9).toPrecision(3)}G`;
   if (abs >= 1e6) return `${+(v / 1e6).toPrecision(3)}M`;
+  // Whole numbers below 100k as they are (2048 tokens, not "2050").
+  if (abs < 1e5 && Number.isInteger(v)) return String(v);
   if (abs >= 1e4) return `${+(v / 1e3).toPrecision(3)}k`;
   return `${+v.toPrecision(3)}`;
 }
