@@ -387,6 +387,10 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   opts.net_devices = str("netDevices");
   opts.proto_enable = str("protoEnable");
   opts.busy_poll = o.Get("busyPoll").ToBoolean().Value();
+  Napi::Value spin = o.Get("spinUs");
+  if (spin.IsNumber() && spin.As<Napi::Number>().Int64Value() > 0) {
+    opts.spin_after_activity = std::chrono::microseconds(spin.As<Napi::Number>().Int64Value());
+  }
   Napi::Value maxn = o.Get("maxNotificationBytes");
   if (maxn.IsNumber()) opts.max_notification_bytes = maxn.As<Napi::Number>().Int64Value();
 

@@ -342,13 +342,14 @@ void ProgressEngine::Shutdown() {
   stopped_.store(true);
 }
 
-void ProgressEngine::DrainCommands() {
+bool ProgressEngine::DrainCommands() {
   std::deque<std::function<void()>> cmds;
   {
     std::lock_guard<std::mutex> lock(cmd_mu_);
     cmds.swap(commands_);
   }
   for (auto& cmd : cmds) cmd();
+  return !cmds.empty();
 }
 
 bool ProgressEngine::ShutdownDone() {
@@ -379,19 +380,27 @@ bool ProgressEngine::ShutdownDone() {
 
 void ProgressEngine::Loop() {
   epoll_event evs[2];
+  auto last_activity = std::chrono::steady_clock::now();
   for (;;) {
-    DrainCommands();
+    bool active = DrainCommands();
     size_t n = posting_.size();
+    active = active || n > 0;
     for (size_t i = 0; i < n; ++i) {
       TransferOp* op = posting_.front();
       posting_.pop_front();
       if (PostSome(op)) posting_.push_back(op);
     }
     // Progress until idle, bounded so that commands are not starved.
-    for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) {
-    }
+    for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) active = true;
     if (ShutdownDone()) break;
     if (!posting_.empty() || opts_.busy_poll || stopping_) continue;
+    // Keep polling briefly after activity: the answer to what was just sent
+    // usually comes within this window, and waking a sleeping thread costs
+    // milliseconds on a VM (measured here: KV-ready p50 13 ms sleeping, 3 ms
+    // spinning, for a one-transfer-at-a-time push).
+    auto now = std::chrono::steady_clock::now();
+    if (active) last_activity = now;
+    if (now - last_activity < opts_.spin_after_activity) continue;
     {
       std::lock_guard<std::mutex> lock(cmd_mu_);
       if (!commands_.empty()) continue;

@@ -75,6 +75,8 @@ struct EngineOptions {
   std::string net_devices;   // UCX_NET_DEVICES-style list; empty = UCX default
   std::string proto_enable;  // UCX_PROTO_ENABLE for this agent ("y"/"n"); empty = environment
   bool busy_poll = false;
+  // After any activity, poll this long before sleeping on the event fd.
+  std::chrono::microseconds spin_after_activity{0};
   size_t max_notification_bytes = 4 << 20;
 };
 
@@ -127,7 +129,7 @@ class ProgressEngine {
   ProgressEngine() = default;
   void Loop();
   void Wake();
-  void DrainCommands();
+  bool DrainCommands();           // true when there were any
   bool PostSome(TransferOp* op);  // returns true while descriptors remain
   void StartFlush(TransferOp* op);
   void AfterFlush(TransferOp* op, ucs_status_t status);

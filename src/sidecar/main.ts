@@ -48,6 +48,16 @@ export const SIDECAR_SETTINGS = {
     default: "none",
     help: "none | peer (UCX peer failure detection; disables shared memory)",
   },
+  "busy-poll": {
+    type: "string",
+    default: "false",
+    help: "true: each agent's progress thread spins instead of sleeping (lower latency, one core per rank)",
+  },
+  "spin-us": {
+    type: "string",
+    default: "0",
+    help: "after any activity, progress threads keep polling this many microseconds before sleeping",
+  },
   "lease-ms": {
     type: "string",
     default: "30000",
@@ -176,6 +186,14 @@ function oneOf<T extends string>(name: string, value: string, allowed: readonly 
   return value as T;
 }
 
+function nonNegativeInt(name: string, value: string): number {
+  const n = Number(value);
+  if (!Number.isSafeInteger(n) || n < 0) {
+    throw new KvxferError("ERR_CONFIG", `--${name} must be a non-negative integer, got '${value}'`);
+  }
+  return n;
+}
+
 function positiveInt(name: string, value: string): number {
   const n = Number(value);
   if (!Number.isSafeInteger(n) || n <= 0)
@@ -193,6 +211,8 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     transports: s.transports,
     netDevices: s["net-devices"] === "" ? [] : s["net-devices"].split(","),
     errorMode: oneOf("error-mode", s["error-mode"], ["none", "peer"] as const),
+    busyPoll: oneOf("busy-poll", s["busy-poll"], ["true", "false"] as const) === "true",
+    spinUs: nonNegativeInt("spin-us", s["spin-us"]),
     leaseMs: positiveInt("lease-ms", s["lease-ms"]),
     regLeaseMs: positiveInt("reg-lease-ms", s["reg-lease-ms"]),
     transferTimeoutMs: positiveInt("transfer-timeout-ms", s["transfer-timeout-ms"]),

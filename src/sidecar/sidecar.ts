@@ -85,6 +85,10 @@ export interface SidecarOptions {
   /** UCX net devices, one entry per rank or one for all. */
   netDevices?: readonly string[];
   errorMode?: ErrorMode;
+  /** Progress threads spin instead of sleeping on the worker's event fd. */
+  busyPoll?: boolean;
+  /** After any activity, progress threads poll this long (µs) before sleeping. */
+  spinUs?: number;
   /** P holds finished blocks this long without a heartbeat from D. */
   leaseMs?: number;
   /** A push registration on P lives this long without renewal. */
@@ -261,6 +265,8 @@ export class Sidecar implements SidecarView {
       transports: options.transports ?? "",
       netDevices: options.netDevices ?? [],
       errorMode: options.errorMode ?? "none",
+      busyPoll: options.busyPoll ?? false,
+      spinUs: options.spinUs ?? 0,
       leaseMs: options.leaseMs ?? 30_000,
       regLeaseMs: options.regLeaseMs ?? options.leaseMs ?? 30_000,
       transferTimeoutMs: options.transferTimeoutMs ?? 60_000,
@@ -422,6 +428,8 @@ export class Sidecar implements SidecarView {
           ...(this.opts.transports !== "" ? { transports: this.opts.transports } : {}),
           ...(netDevices !== undefined ? { netDevices } : {}),
           maxNotificationBytes: MAX_PEER_MESSAGE_BYTES,
+          busyPoll: this.opts.busyPoll,
+          spinUs: this.opts.spinUs,
         });
         agents.push(agent);
         regions.push(
