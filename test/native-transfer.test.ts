@@ -224,6 +224,36 @@ describe("in-process transfers over shared memory", () => {
   });
 });
 
+describe("progress modes", () => {
+  it("a busy-polling agent and a spin-then-sleep agent move data byte for byte", async () => {
+    const busy = new Agent({ name: "busy", transports: "shm,self", busyPoll: true });
+    const spin = new Agent({ name: "spin", transports: "shm,self", spinUs: 2000 });
+    try {
+      const src = new Uint8Array(1 << 20);
+      fillPattern(src, 42);
+      const dst = new Uint8Array(1 << 20);
+      const rs = busy.registerMemory(src);
+      const rd = spin.registerMemory(dst);
+      const ep = busy.connect(spin.address);
+      const remote = ep.importRemote(rd.remoteKey());
+      await busy.write(ep, rs, remote, new Float64Array([0, 0, 1 << 20]));
+      expect(Buffer.compare(dst, src)).toBe(0);
+      fillPattern(dst, 43);
+      const back = spin.connect(busy.address);
+      await spin.write(
+        back,
+        rd,
+        back.importRemote(rs.remoteKey()),
+        new Float64Array([0, 0, 1 << 20]),
+      );
+      expect(Buffer.compare(src, dst)).toBe(0);
+    } finally {
+      busy.close();
+      spin.close();
+    }
+  });
+});
+
 function existsShm(): boolean {
   try {
     return statSync("/dev/shm").isDirectory();
