@@ -7,11 +7,11 @@ import { type ChildProcess, spawn } from "node:child_process";
 import { EventEmitter } from "node:events";
 import { existsSync, unlinkSync } from "node:fs";
 import { dirname, join } from "node:path";
-import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
 
 import type { KvLayout } from "../plan/index.js";
 import type { SimEngineRole, SimModel } from "./engine.js";
+import { JsonLinesChild } from "./json-lines-child.js";
 
 /** Flags of `kvxfer sim-engine`, as options. */
 export interface SimEngineOptions {
@@ -128,39 +128,39 @@ export interface SimEngineSpawnOptions {
 }
 
 export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> {
-  readonly child: ChildProcess;
   /** Every event line so far (the oldest dropped past 100 000), `ready` included. */
   readonly events: SimEngineEvent[] = [];
   ready: SimEngineReady | undefined;
-  stderr = "";
-  private nextId = 1;
-  private readonly waiting = new Map<
-    number,
-    { resolve: (v: unknown) => void; reject: (e: Error) => void }
-  >();
-  private readonly exited: Promise<number | null>;
-  private exitReason: string | undefined;
+  private readonly proc: JsonLinesChild;
 
   private constructor(args: string[], opts: SimEngineSpawnOptions) {
     super();
     const argv = [...(opts.prefix ?? []), process.execPath, simEngineScript(), ...args];
-    this.child = spawn(argv[0]!, argv.slice(1), {
-      stdio: ["pipe", "pipe", "pipe"],
-      env: { ...process.env, ...opts.env },
+    this.proc = new JsonLinesChild(argv, {
+      name: "sim engine",
+      ...(opts.env !== undefined ? { env: opts.env } : {}),
+      makeError: (code, message) => new SimEngineError(code, message),
+      onMessage: (msg) => {
+        if (typeof msg.event !== "string") return;
+        const ev = msg as SimEngineEvent;
+        this.events.push(ev);
+        if (this.events.length > MAX_EVENTS) this.events.shift();
+        this.emit("event", ev);
+      },
+      onExit: (code, signal) => this.emit("event", { event: "exit", code, signal }),
     });
-    this.child.stdin!.on("error", () => undefined); // writes after exit are reported by exit
-    this.child.stderr!.on("data", (d: Buffer) => {
-      if (this.stderr.length < 65536) this.stderr += d.toString();
-    });
-    createInterface({ input: this.child.stdout! }).on("line", (line) => this.onLine(line));
-    this.exited = new Promise((resolve) => this.child.on("exit", (code) => resolve(code)));
-    this.child.on("exit", (code, signal) => {
-      this.exitReason = `sim engine exited (code ${code}, signal ${signal}); stderr: ${this.stderr.slice(-2000)}`;
-      for (const w of this.waiting.values())
-        w.reject(new SimEngineError("ERR_EXITED", this.exitReason));
-      this.waiting.clear();
-      this.emit("event", { event: "exit", code, signal });
-    });
+  }
+
+  get child(): ChildProcess {
+    return this.proc.child;
+  }
+
+  get stderr(): string {
+    return this.proc.stderr;
+  }
+
+  private get exitReason(): string | undefined {
+    return this.proc.exitReason;
   }
 
   /** Spawns an engine and waits (bounded) for its `ready` event; kills it if that fails. */
@@ -189,65 +189,13 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
     }
   }
 
-  private onLine(line: string): void {
-    let msg: {
-      id?: number;
-      result?: unknown;
-      error?: { code: string; message: string };
-      event?: string;
-    };
-    try {
-      msg = JSON.parse(line) as typeof msg;
-    } catch {
-      return;
-    }
-    if (typeof msg.event === "string") {
-      const ev = msg as SimEngineEvent;
-      this.events.push(ev);
-      if (this.events.length > MAX_EVENTS) this.events.shift();
-      this.emit("event", ev);
-      return;
-    }
-    if (typeof msg.id !== "number") return;
-    const w = this.waiting.get(msg.id);
-    if (w === undefined) return;
-    this.waiting.delete(msg.id);
-    if (msg.error !== undefined) w.reject(new SimEngineError(msg.error.code, msg.error.message));
-    else w.resolve(msg.result);
-  }
-
   /** One control request; rejects with SimEngineError (the engine's code, or ERR_TIMEOUT / ERR_EXITED). */
   call<T = Record<string, unknown>>(
     op: string,
     args: Record<string, unknown> = {},
     timeoutMs = 30_000,
   ): Promise<T> {
-    if (this.exitReason !== undefined) {
-      return Promise.reject(new SimEngineError("ERR_EXITED", this.exitReason));
-    }
-    const id = this.nextId++;
-    return new Promise<T>((resolve, reject) => {
-      const timer = setTimeout(() => {
-        this.waiting.delete(id);
-        reject(
-          new SimEngineError(
-            "ERR_TIMEOUT",
-            `sim engine call '${op}' timed out after ${timeoutMs} ms; stderr: ${this.stderr.slice(-2000)}`,
-          ),
-        );
-      }, timeoutMs);
-      this.waiting.set(id, {
-        resolve: (v) => {
-          clearTimeout(timer);
-          resolve(v as T);
-        },
-        reject: (e) => {
-          clearTimeout(timer);
-          reject(e);
-        },
-      });
-      this.child.stdin!.write(JSON.stringify({ ...args, id, op }) + "\n");
-    });
+    return this.proc.call<T>(op, args, timeoutMs);
   }
 
   prefill(transferId: string, tokens: number, computeMs = 0, timeoutMs = 30_000) {
@@ -326,18 +274,18 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
   }
 
   get running(): boolean {
-    return this.child.exitCode === null && this.child.signalCode === null;
+    return this.proc.running;
   }
 
   kill(signal: NodeJS.Signals = "SIGKILL"): void {
-    this.child.kill(signal);
+    this.proc.kill(signal);
   }
 
   /** Waits (bounded) for the process to exit; null on timeout. */
   async waitExit(timeoutMs: number): Promise<number | null> {
     let timer: NodeJS.Timeout | undefined;
     const r = await Promise.race([
-      this.exited.then((code) => ({ code })),
+      this.proc.exited.then((code) => ({ code })),
       new Promise<undefined>((resolve) => {
         timer = setTimeout(() => resolve(undefined), timeoutMs);
       }),
@@ -351,12 +299,7 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
    * and removes KV files a killed engine could not. Returns the exit code (null if killed).
    */
   async close(timeoutMs = 5000): Promise<number | null> {
-    if (this.running) {
-      this.child.stdin!.end();
-      const timer = setTimeout(() => this.child.kill("SIGKILL"), timeoutMs);
-      await this.exited;
-      clearTimeout(timer);
-    }
+    await this.proc.stop(timeoutMs);
     for (const p of (this.ready?.files ?? []).flat()) {
       try {
         unlinkSync(p);
