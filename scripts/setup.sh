@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kvxfer needs on a Debian machine that has only Node and npm:
 # UCX (libucx-dev, ucx-utils), the native toolchain (cmake, g++, pkg-config),
-# clang-format and iproute2 for the tests, the npm dependencies, and the build.
+# clang-format, iproute2 and openssl for the tests, the npm dependencies, and the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +14,7 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v make >/dev/null 2>&1 || need+=(make)
 command -v clang-format >/dev/null 2>&1 || need+=(clang-format)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "kvxfer setup: installing ${need[*]}"
