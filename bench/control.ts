@@ -30,7 +30,7 @@ import {
   processCpuSeconds,
   stats,
   table,
-  writeJsonResult,
+  runSuiteMain,
 } from "./report.js";
 
 export interface ControlBenchOptions {
@@ -316,22 +316,13 @@ export function parseControlArgs(argv: readonly string[]): ControlBenchOptions &
   return o;
 }
 
-export async function main(argv: string[] = process.argv.slice(2)): Promise<ControlBenchResult> {
-  const opts = parseControlArgs(argv);
-  if (!opts.json) opts.log = (l): void => console.log(l);
-  const result = await runControlBench(opts);
-  const path = writeJsonResult("control", result);
-  if (opts.json) console.log(JSON.stringify(result, null, 2));
-  else {
-    console.log(
-      `\nkvxfer control: one sidecar pair, small transfers; ${result.machine}, UCX ${result.ucx}`,
-    );
-    console.log(`  ${result.shape}`);
-    console.log(formatControl(result));
-    console.log(CONTROL_NOTES);
-    console.log(`  results: ${path}`);
-  }
-  return result;
+export function main(argv: string[] = process.argv.slice(2)): Promise<ControlBenchResult> {
+  return runSuiteMain("control", parseControlArgs(argv), runControlBench, (result) => [
+    `\nkvxfer control: one sidecar pair, small transfers; ${result.machine}, UCX ${result.ucx}`,
+    `  ${result.shape}`,
+    formatControl(result),
+    CONTROL_NOTES,
+  ]);
 }
 
 if (process.argv[1] && import.meta.url === pathToFileURL(process.argv[1]).href)

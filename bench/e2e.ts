@@ -45,7 +45,7 @@ import {
   markdownTable,
   stats,
   table,
-  writeJsonResult,
+  runSuiteMain,
 } from "./report.js";
 
 export type E2eMode = "push" | "pull";
@@ -503,22 +503,13 @@ export function parseE2eArgs(argv: readonly string[]): E2eBenchOptions & { json:
   return o;
 }
 
-export async function main(argv: string[] = process.argv.slice(2)): Promise<E2eBenchResult> {
-  const opts = parseE2eArgs(argv);
-  if (!opts.json) opts.log = (l): void => console.log(l);
-  const result = await runE2eBench(opts);
-  const path = writeJsonResult("e2e", result);
-  if (opts.json) console.log(JSON.stringify(result, null, 2));
-  else {
-    console.log(
-      `\nkvxfer e2e: full sidecars vs the native addon alone, same plans; ${result.machine}, UCX ${result.ucx}`,
-    );
-    console.log(`  ${result.shape}`);
-    console.log(formatE2eRows(result.rows));
-    console.log(E2E_NOTES);
-    console.log(`  results: ${path}`);
-  }
-  return result;
+export function main(argv: string[] = process.argv.slice(2)): Promise<E2eBenchResult> {
+  return runSuiteMain("e2e", parseE2eArgs(argv), runE2eBench, (result) => [
+    `\nkvxfer e2e: full sidecars vs the native addon alone, same plans; ${result.machine}, UCX ${result.ucx}`,
+    `  ${result.shape}`,
+    formatE2eRows(result.rows),
+    E2E_NOTES,
+  ]);
 }
 
 if (process.argv[1] && import.meta.url === pathToFileURL(process.argv[1]).href)

@@ -27,8 +27,8 @@ import {
   markdownTable,
   stats,
   table,
-  writeJsonResult,
   writeResult,
+  runSuiteMain,
 } from "./report.js";
 import { lineChart } from "./svg.js";
 
@@ -322,27 +322,23 @@ export function parseModesArgs(argv: readonly string[]): ModesBenchOptions & { j
   return o;
 }
 
-export async function main(argv: string[] = process.argv.slice(2)): Promise<ModesBenchResult> {
-  const opts = parseModesArgs(argv);
-  if (!opts.json) opts.log = (l): void => console.log(l);
-  const result = await runModesBench(opts);
-  const path = writeJsonResult("modes", result);
-  const svg = [
-    writeResult("modes-ttft.svg", modesChart(result, "ttftMs")),
-    writeResult("modes-kv-ready.svg", modesChart(result, "kvReadyMs")),
-  ];
-  if (opts.json) console.log(JSON.stringify(result, null, 2));
-  else {
-    console.log(`\nkvxfer modes: push vs pull vs auto; ${result.machine}`);
-    console.log(`  ${result.shape}`);
-    console.log(formatModesTables(result));
-    console.log(
+export function main(argv: string[] = process.argv.slice(2)): Promise<ModesBenchResult> {
+  return runSuiteMain(
+    "modes",
+    parseModesArgs(argv),
+    runModesBench,
+    (result) => [
+      `\nkvxfer modes: push vs pull vs auto; ${result.machine}`,
+      `  ${result.shape}`,
+      formatModesTables(result),
       "  x ref: p50 ratio to pull-seq at the same length (below 1: faster); pull has no concurrent dispatch (D needs P's block ids)",
-    );
-    for (const f of result.failures) console.log(`  failed (left out): ${f}`);
-    console.log(`  results: ${path}, ${svg.join(", ")}`);
-  }
-  return result;
+      ...result.failures.map((f) => `  failed (left out): ${f}`),
+    ],
+    (result) => [
+      writeResult("modes-ttft.svg", modesChart(result, "ttftMs")),
+      writeResult("modes-kv-ready.svg", modesChart(result, "kvReadyMs")),
+    ],
+  );
 }
 
 if (process.argv[1] && import.meta.url === pathToFileURL(process.argv[1]).href)

@@ -88,6 +88,30 @@ export function writeJsonResult(suite: string, value: unknown): string {
   return writeResult(`${suite}.json`, JSON.stringify(value, null, 2) + "\n");
 }
 
+/**
+ * The `main` of a suite: runs it (progress lines unless --json), writes
+ * `bench/results/<suite>.json` and any extra files, then prints the JSON or
+ * the suite's report followed by where the results went.
+ */
+export async function runSuiteMain<O extends { json: boolean; log?: (line: string) => void }, R>(
+  suite: string,
+  opts: O,
+  run: (opts: O) => Promise<R>,
+  report: (result: R) => string[],
+  extraFiles: (result: R) => string[] = () => [],
+): Promise<R> {
+  if (!opts.json) opts.log = (l): void => console.log(l);
+  const result = await run(opts);
+  const files = [writeJsonResult(suite, result), ...extraFiles(result)];
+  if (opts.json) {
+    console.log(JSON.stringify(result, null, 2));
+  } else {
+    for (const line of report(result)) console.log(line);
+    console.log(`  results: ${files.join(", ")}`);
+  }
+  return result;
+}
+
 /** `bench/results/<suite>.json` parsed, or undefined when there is none. */
 export function readJsonResult<T>(suite: string): T | undefined {
   const path = join(resultsDir(), `${suite}.json`);
