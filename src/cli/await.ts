@@ -6,7 +6,7 @@
  */
 import * as grpc from "@grpc/grpc-js";
 import { parseArgs } from "node:util";
-import { isServiceError } from "../api/client.js";
+import { isServiceError, type SidecarClient } from "../api/client.js";
 import {
   type CliIo,
   TLS_OPTIONS,
@@ -30,6 +30,7 @@ export async function runAwait(argv: string[], io: CliIo = {}): Promise<number> 
   let address: string | undefined;
   let transferId: string | undefined;
   let timeoutMs = 30_000;
+  let client: SidecarClient;
   try {
     const parsed = parseArgs({
       args: argv,
@@ -54,12 +55,6 @@ export async function runAwait(argv: string[], io: CliIo = {}): Promise<number> 
     }
     if (values.side !== undefined && values.side !== "prefill" && values.side !== "decode")
       throw new UsageError(`--side must be prefill or decode, got '${values.side}'`);
-  } catch (e) {
-    err(`${describeError(e)}\nusage: ${AWAIT_USAGE}`);
-    return 2;
-  }
-  let client;
-  try {
     client = clientFrom(address, values);
   } catch (e) {
     err(`${describeError(e)}\nusage: ${AWAIT_USAGE}`);

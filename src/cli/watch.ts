@@ -2,6 +2,7 @@
  * kvxfer watch <addr> [--from N] [--transfer ID]... [--kind K]... [--count N] [--json]:
  * one line per event, live; reconnects and resumes after its last seq.
  */
+import type { SidecarClient } from "../api/client.js";
 import { parseArgs } from "node:util";
 import { EVENT_KINDS } from "../sidecar/event-log.js";
 import type { EventKind } from "../sidecar/view.js";
@@ -31,6 +32,7 @@ export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> 
   let address: string | undefined;
   let from: number | undefined;
   let count = Infinity;
+  let client: SidecarClient;
   try {
     const parsed = parseArgs({
       args: argv,
@@ -61,12 +63,6 @@ export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> 
     for (const k of values.kind ?? [])
       if (!EVENT_KINDS.includes(k as EventKind))
         throw new UsageError(`unknown kind '${k}' (known: ${EVENT_KINDS.join(", ")})`);
-  } catch (e) {
-    err(`${describeError(e)}\nusage: ${WATCH_USAGE}`);
-    return 2;
-  }
-  let client;
-  try {
     client = clientFrom(address, values);
   } catch (e) {
     err(`${describeError(e)}\nusage: ${WATCH_USAGE}`);
