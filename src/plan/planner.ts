@@ -146,6 +146,8 @@ class DescriptorList {
     chunks: number,
   ): void {
     const nSlots = srcOff.length;
+    // The merge loop of `append`, inlined on purpose: calling `append` per (chunk, slot) made the
+    // 128k-token cross-layer plan about 40% slower (51 -> 70-84 ms in bench/plan).
     const merge = this.coalesce;
     let srcEnd = this.srcEnd;
     let dstEnd = this.dstEnd;
