@@ -406,7 +406,10 @@ export class Sidecar implements SidecarView {
   private onRegister(reg: RegisterKvCache): void {
     const fail = (error: string): void => {
       this.noteError(`register: ${error}`);
-      this.send({ case: "registered", value: { ok: false, error, sideChannel: this.sideChannel } });
+      this.send({
+        case: "registered",
+        value: { ok: false, error, sideChannel: this.sideChannel, epoch: this.epoch },
+      });
     };
     if (this.layout !== undefined)
       return fail("ERR_ALREADY_REGISTERED: the KV cache is already registered");
@@ -456,7 +459,7 @@ export class Sidecar implements SidecarView {
     this.log.info({ tp: layout.tpSize, regions: layout.regionBytes.length }, "KV cache registered");
     this.send({
       case: "registered",
-      value: { ok: true, error: "", sideChannel: this.sideChannel },
+      value: { ok: true, error: "", sideChannel: this.sideChannel, epoch: this.epoch },
     });
   }
 

@@ -1,0 +1,115 @@
+"""The connector's settings, from ``kv_transfer_config.kv_connector_extra_config``.
+
+Every key is optional; unknown keys are refused (a typo must not silently fall
+back to a default). The engine id comes from ``kv_transfer_config.engine_id``
+and must equal the sidecar's ``--engine-id``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+_ENGINE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+#: How the KV cache reaches the sidecar.
+#: - ``shared``: vLLM allocates its KV cache inside a shared-memory file that the
+#:   sidecar maps: zero copies (CPU engines).
+#: - ``host_buffer``: the KV cache stays where vLLM put it (GPU memory) and a
+#:   shared-memory mirror holds the blocks that move: P copies device -> host after
+#:   prefill, D copies host -> device once the KV has landed.
+PLACEMENTS = ("shared", "host_buffer")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    engine_id: str
+    #: ZeroMQ endpoint of the sidecar's engine link (the sidecar's --engine-socket).
+    engine_socket: str
+    #: Folder for the shared-memory KV files (the sidecar maps them from there).
+    shm_dir: str
+    placement: str
+    #: Bound on waiting for the sidecar's ``Registered`` at start-up.
+    register_timeout_s: float
+    #: After the sidecar connection drops, how long to wait for it to come back before
+    #: the engine fails every transfer in flight itself (recompute on D, free on P).
+    sidecar_lost_timeout_s: float
+    #: ``host:port`` to advertise as this engine's side channel in kv_transfer_params
+    #: (default: what the sidecar reports in ``Registered``).
+    advertise: str
+    #: Largest frame accepted from the sidecar.
+    max_frame_bytes: int
+
+
+_KEYS = {
+    "engine_socket",
+    "shm_dir",
+    "placement",
+    "register_timeout_s",
+    "sidecar_lost_timeout_s",
+    "advertise",
+    "max_frame_bytes",
+}
+
+
+def default_engine_socket(engine_id: str) -> str:
+    """The sidecar's default engine link endpoint (src/engine/link.ts ``defaultEngineEndpoint``)."""
+    return f"ipc:///tmp/kvxfer-{engine_id}.sock"
+
+
+def _number(extra: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.{key} must be a number, got {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.{key} must be within {lo}..{hi}, got {value}")
+    return float(value)
+
+
+def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type: str) -> ConnectorConfig:
+    """Checks and completes the settings. ``device_type`` is vLLM's platform ("cpu", "cuda", ...)."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - _KEYS)
+    if unknown:
+        raise ConfigError(
+            "ERR_CONFIG",
+            f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}",
+        )
+    if not engine_id or not _ENGINE_ID.match(engine_id):
+        raise ConfigError(
+            "ERR_CONFIG",
+            f"kv_transfer_config.engine_id must be 1..128 of [A-Za-z0-9._-] and equal the sidecar's "
+            f"--engine-id, got {engine_id!r}",
+        )
+    placement = extra.get("placement", "shared" if device_type == "cpu" else "host_buffer")
+    if placement not in PLACEMENTS:
+        raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.placement must be one of {PLACEMENTS}, got {placement!r}")
+    if placement == "shared" and device_type != "cpu":
+        raise ConfigError(
+            "ERR_CONFIG",
+            f"placement 'shared' needs the KV cache in host memory, but this engine's device is "
+            f"{device_type!r}: use placement 'host_buffer' (with kv_buffer_device 'cpu')",
+        )
+    socket = extra.get("engine_socket", default_engine_socket(engine_id))
+    if not isinstance(socket, str) or "://" not in socket:
+        raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.engine_socket must be a ZeroMQ endpoint, got {socket!r}")
+    shm_dir = extra.get("shm_dir", "/dev/shm")
+    if not isinstance(shm_dir, str) or not os.path.isdir(shm_dir):
+        raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.shm_dir {shm_dir!r} is not a folder")
+    advertise = extra.get("advertise", "")
+    if not isinstance(advertise, str) or (advertise and not re.match(r"^[^:\s]+:\d{1,5}$", advertise)):
+        raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.advertise must be 'host:port', got {advertise!r}")
+    return ConnectorConfig(
+        engine_id=engine_id,
+        engine_socket=socket,
+        shm_dir=shm_dir,
+        placement=placement,
+        register_timeout_s=_number(extra, "register_timeout_s", 60.0, 0.1, 3600.0),
+        sidecar_lost_timeout_s=_number(extra, "sidecar_lost_timeout_s", 10.0, 0.1, 3600.0),
+        advertise=advertise,
+        max_frame_bytes=int(_number(extra, "max_frame_bytes", 16 << 20, 64, 1 << 30)),
+    )

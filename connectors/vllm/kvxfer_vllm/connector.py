@@ -1,0 +1,300 @@
+"""The thin adapter: vLLM's V1 KV connector API, delegated by role.
+
+This is the only module that imports vLLM. Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvxferConnector",
+                           "kv_connector_module_path": "kvxfer_vllm.connector",
+                           "engine_id": "<the sidecar's --engine-id>",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute"}'
+
+vLLM builds one instance per role: the scheduler role (engine-core process)
+delegates to ``SchedulerLogic``; the worker role (each TP rank) places the KV
+cache in shared memory and, on rank 0, delegates to ``WorkerLogic``, which
+talks to the sidecar for every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.platforms import current_platform
+
+from ._gen.kvxfer.v1 import engine_pb2
+from .config import ConnectorConfig, load_config
+from .errors import ConfigError, LayoutError
+from .layout import TensorView, describe, expand_block_ids, packing_of
+from .messages import StepMessages
+from .scheduler import SchedulerLogic
+from .shm import HostBuffer, SharedKvFiles
+from .versions import check_vllm_version
+from .worker import WorkerLogic
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _log_like_vllm() -> None:
+    """kvxfer_vllm's loggers write where vLLM's do, at vLLM's level (VLLM_LOGGING_LEVEL)."""
+    ours, theirs = logging.getLogger("kvxfer_vllm"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
+_log_like_vllm()
+
+
+@dataclass
+class KvxferConnectorMetadata(KVConnectorMetadata):
+    step: StepMessages = field(default_factory=StepMessages)
+
+
+@dataclass
+class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at start-up: where D must dial this engine's sidecar."""
+
+    side_channel: str
+    epoch: int
+
+
+class KvxferConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        check_vllm_version(vllm.__version__)
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size > 1:
+            raise ConfigError("ERR_CONFIG", "kvxfer does not move KV between pipeline-parallel stages (pipeline_parallel_size > 1)")
+        if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
+            raise ConfigError("ERR_CONFIG", "kvxfer does not support context parallelism (decode/prefill_context_parallel_size > 1)")
+        self.cfg: ConnectorConfig = load_config(ktc.engine_id, ktc.kv_connector_extra_config, current_platform.device_type)
+        self.tp_size = pc.tensor_parallel_size
+        self.scheduler: SchedulerLogic | None = None
+        self.worker: WorkerLogic | None = None
+        self._files: SharedKvFiles | None = None
+        self._host: HostBuffer | None = None
+        self._rank = 0
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerLogic(engine_id=self.cfg.engine_id, tp_size=self.tp_size, advertise=self.cfg.advertise)
+
+    # ==== worker role ==========================================================================
+
+    def _tp_rank(self) -> int:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().rank_in_group
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        if self.cfg.placement != "shared":
+            return None
+        self._rank = self._tp_rank()
+        self._files = SharedKvFiles(self.cfg.shm_dir, self.cfg.engine_id, self._rank)
+        return self._files.placement()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._rank = self._tp_rank()
+        if self._files is None:
+            self._files = SharedKvFiles(self.cfg.shm_dir, self.cfg.engine_id, self._rank)
+        if self.cfg.placement == "host_buffer":
+            self._host = HostBuffer(self._files)
+            described_tensors = self._host.mirror(kv_caches)
+        else:
+            described_tensors = kv_caches
+        views = []
+        for name, t in described_tensors.items():
+            region, offset = self._files.locate(t)
+            views.append(
+                TensorView(
+                    name=name,
+                    shape=tuple(t.shape),
+                    stride=tuple(t.stride()),
+                    offset=offset,
+                    itemsize=t.element_size(),
+                    dtype=str(t.dtype).removeprefix("torch."),
+                    region=region,
+                )
+            )
+        mc = self._vllm_config.model_config
+        described = describe(
+            views,
+            packing=packing_of(self._backend_name(list(kv_caches))),
+            head_size=mc.get_head_size(),
+            total_kv_heads=1 if mc.use_mla else mc.get_total_num_kv_heads(),
+            tp_size=self.tp_size,
+            tp_rank=0,
+            block_size=self._vllm_config.cache_config.block_size,
+            region_bytes=[f.nbytes for f in self._files.files],
+        )
+        log.info(
+            "kvxfer: KV cache of %d layers, %s, block %d, head/token stride %d/%d, %d region(s) in %s",
+            described.layout.num_layers, described.layout.dtype, described.layout.block_size,
+            described.layout.head_stride, described.layout.token_stride, len(self._files.files), self.cfg.shm_dir,
+        )
+        mine = [engine_pb2.RegionFile(path=f.path, offset=0, length=f.nbytes) for f in self._files.files]
+        every_rank = self._gather(mine)
+        if self._rank != 0:
+            return
+        bpb = described.blocks_per_block
+        host = self._host
+        self.worker = WorkerLogic(
+            engine_id=self.cfg.engine_id,
+            engine_socket=self.cfg.engine_socket,
+            register_timeout_s=self.cfg.register_timeout_s,
+            sidecar_lost_timeout_s=self.cfg.sidecar_lost_timeout_s,
+            max_frame_bytes=self.cfg.max_frame_bytes,
+            expand_blocks=lambda ids: expand_block_ids(ids, bpb),
+            on_kv_ready=host.to_device if host is not None else None,
+            before_prefill_done=host.to_host if host is not None else None,
+        )
+        reg = engine_pb2.RegisterKvCache(
+            engine_id=self.cfg.engine_id,
+            layout=described.layout,
+            ranks=[engine_pb2.RankKvCache(rank=r, regions=files) for r, files in enumerate(every_rank)],
+        )
+        ans = self.worker.register(reg)
+        log.info("kvxfer: registered with the sidecar (side channel %s, epoch %d)", ans.side_channel, ans.epoch)
+
+    def _backend_name(self, layer_names: list[str]) -> str:
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        names = set()
+        for n in layer_names:
+            backend = getattr(ctx.get(n), "attn_backend", None)
+            if backend is None:
+                raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"layer {n} has no attention backend kvxfer can read")
+            names.add(backend.get_name())
+        if len(names) != 1:
+            raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"layers use several attention backends {sorted(names)}")
+        return names.pop()
+
+    def _gather(self, mine: list[engine_pb2.RegionFile]) -> list[list[engine_pb2.RegionFile]]:
+        """Every rank's region files, in rank order (rank 0 registers them all)."""
+        if self.tp_size == 1:
+            return [mine]
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+
+        plain = [(f.path, f.offset, f.length) for f in mine]
+        out: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(out, plain, group=get_tp_group().cpu_group)
+        return [[engine_pb2.RegionFile(path=p, offset=o, length=n) for p, o, n in files] for files in out]
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self.worker is None:
+            return None
+        return KvxferHandshakeMetadata(side_channel=self.worker.side_channel, epoch=self.worker.epoch)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        self.worker.on_step(meta.step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        r = self.worker.take_results()
+        return KVConnectorTransferResults(
+            finished_sending=r.finished_sending,
+            finished_recving=r.finished_recving,
+            failed_recving=r.failed_recving,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def get_finished_count(self) -> int | None:
+        # TP rank 0 reports for every rank: it registered all of them with the sidecar.
+        return 1
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self._files is not None:
+            self._files.close()
+
+    # ==== scheduler role =======================================================================
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        assert self.scheduler is not None
+        for m in metadata.values():
+            if isinstance(m, KvxferHandshakeMetadata) and m.side_channel:
+                self.scheduler.set_side_channel(m.side_channel)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.num_new_matched_tokens(
+            request.request_id, request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens
+        )
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        ids = blocks.get_block_ids()
+        self.scheduler.after_alloc(
+            request.request_id,
+            request.kv_transfer_params,
+            list(ids[0]) if ids else [],
+            num_external_tokens,
+            request.num_prompt_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return KvxferConnectorMetadata(step=self.scheduler.build_step())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_worker_output(connector_output.finished_sending, connector_output.finished_recving)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(
+            request.request_id,
+            request.kv_transfer_params,
+            finished_ok=request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED),
+            block_ids=list(block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_work()

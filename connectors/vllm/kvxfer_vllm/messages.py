@@ -1,0 +1,51 @@
+"""What the scheduler half hands the worker half each engine step.
+
+vLLM carries it from the scheduler process to the worker processes inside the
+connector metadata; only the worker that registered with the sidecar speaks on
+the engine link, so every message to the sidecar travels this way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PrefillDoneMsg:
+    """P: a request's prefill finished; its KV sits in ``block_ids`` until released."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ExpectMsg:
+    """D: KV for tokens ``[prefix_tokens, num_tokens)`` should land in ``block_ids``."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    prefix_tokens: int
+    source: str
+    source_block_ids: list[int] | None
+
+
+@dataclass(frozen=True)
+class AbortMsg:
+    """D: the request went away while its KV was still coming."""
+
+    request_id: str
+    transfer_id: str
+
+
+@dataclass
+class StepMessages:
+    prefill_done: list[PrefillDoneMsg] = field(default_factory=list)
+    expect: list[ExpectMsg] = field(default_factory=list)
+    abort: list[AbortMsg] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill_done or self.expect or self.abort)

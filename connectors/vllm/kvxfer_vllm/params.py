@@ -1,0 +1,140 @@
+"""``kv_transfer_params``: what a router sends each engine and what P returns for D.
+
+The field names follow vLLM's own P/D connectors (NixlConnector), so a router
+written for them relays kvxfer's unchanged:
+
+- to P: ``{"do_remote_decode": true}`` (optionally ``"transfer_id"``);
+- P answers (``request_finished``): ``do_remote_prefill: true``, ``remote_host``,
+  ``remote_port`` (P's sidecar side channel), ``remote_block_ids``,
+  ``remote_engine_id``, ``remote_request_id``, ``remote_num_tokens``, ``tp_size``,
+  ``transfer_mode: "pull"`` and kvxfer's ``transfer_id``;
+- to D: P's answer as is (pull: D reads P's blocks), or, for push, the same
+  without ``remote_block_ids``: ``do_remote_prefill``, ``remote_host``,
+  ``remote_port`` and ``transfer_id`` — D registers its blocks with P's sidecar
+  while P computes, and P writes them as soon as prefill is done.
+
+The transfer id both sidecars use is ``transfer_id`` when the router gives one,
+else the request id with vLLM's internal ``-<8 hex>`` suffix removed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+MAX_ID_BYTES = 256
+
+
+def strip_request_suffix(request_id: str) -> str:
+    """vLLM appends ``-<8 hex>`` to every request id it is given; the router knows the id without it."""
+    return _SUFFIX.sub("", request_id)
+
+
+def transfer_id_of(params: dict[str, Any] | None, request_id: str) -> str:
+    tid = (params or {}).get("transfer_id")
+    if isinstance(tid, str) and tid:
+        return tid
+    return strip_request_suffix(request_id)
+
+
+class BadParams(ValueError):
+    """kv_transfer_params that name a remote transfer but cannot be used; ``field`` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"kv_transfer_params.{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """D's view of where its KV comes from."""
+
+    transfer_id: str
+    #: P sidecar's side channel, ``host:port``.
+    source: str
+    #: P's block table (pull), or None (push: P writes into D's blocks).
+    source_block_ids: list[int] | None
+    #: Tokens P computed, when P said (``remote_num_tokens``).
+    num_tokens: int | None
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    return bool(params and params.get("do_remote_decode"))
+
+
+def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
+    return bool(params and params.get("do_remote_prefill"))
+
+
+def _flat_block_ids(value: Any) -> list[int]:
+    """``[1, 2]``, or vLLM's per-group form ``[[1, 2]]`` with one group."""
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], (list, tuple)):
+        value = value[0]
+    if not isinstance(value, (list, tuple)):
+        raise BadParams("remote_block_ids", f"must be a list of block ids, got {type(value).__name__}")
+    if value and isinstance(value[0], (list, tuple)):
+        raise BadParams("remote_block_ids", f"lists {len(value)} KV cache groups; kvxfer moves one")
+    out: list[int] = []
+    for i, b in enumerate(value):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0 or b >= 1 << 32:
+            raise BadParams("remote_block_ids", f"[{i}] = {b!r} is not a block id")
+        out.append(b)
+    return out
+
+
+def parse_remote_prefill(params: dict[str, Any], request_id: str) -> RemotePrefill:
+    """Reads D's params; raises BadParams naming the field at fault."""
+    host = params.get("remote_host")
+    port = params.get("remote_port")
+    if not isinstance(host, str) or not host:
+        raise BadParams("remote_host", f"must name P's sidecar host, got {host!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise BadParams("remote_port", f"must be P's sidecar side channel port, got {port!r}")
+    tid = transfer_id_of(params, request_id)
+    if len(tid.encode()) > MAX_ID_BYTES:
+        raise BadParams("transfer_id", f"is longer than {MAX_ID_BYTES} bytes")
+    blocks = params.get("remote_block_ids")
+    source_blocks = _flat_block_ids(blocks) if blocks not in (None, (), []) else None
+    n = params.get("remote_num_tokens")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise BadParams("remote_num_tokens", f"must be a token count, got {n!r}")
+    return RemotePrefill(
+        transfer_id=tid,
+        source=f"{host}:{port}",
+        source_block_ids=source_blocks,
+        num_tokens=n or None,
+    )
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def prefill_answer(
+    *,
+    transfer_id: str,
+    engine_id: str,
+    request_id: str,
+    side_channel: str,
+    block_ids: list[int],
+    num_tokens: int,
+    tp_size: int,
+) -> dict[str, Any]:
+    """What P returns for D (vLLM relays it in the response's ``kv_transfer_params``)."""
+    host, port = split_host_port(side_channel)
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_block_ids": list(block_ids),
+        "remote_num_tokens": num_tokens,
+        "tp_size": tp_size,
+        "transfer_mode": "pull",
+    }

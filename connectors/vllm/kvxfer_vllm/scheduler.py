@@ -1,0 +1,171 @@
+"""The scheduler half of the connector: decides, per request, what moves.
+
+Runs in vLLM's engine-core process. It never talks to the sidecar: it queues
+``StepMessages`` that ``build_step`` hands to the workers with each step, and
+learns completions from what the workers report (``on_worker_output``). Plain
+Python: the adapter (connector.py) passes request fields in, so this is tested
+without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from .messages import AbortMsg, ExpectMsg, PrefillDoneMsg, StepMessages
+from .params import (
+    BadParams,
+    parse_remote_prefill,
+    prefill_answer,
+    transfer_id_of,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiting:
+    transfer_id: str
+    sent: bool
+
+
+class SchedulerLogic:
+    def __init__(self, *, engine_id: str, tp_size: int, advertise: str = "") -> None:
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        #: P's side channel as D must dial it; set from the worker's handshake metadata.
+        self.side_channel = advertise
+        self._advertise = advertise
+        self._next = StepMessages()
+        #: P: requests whose blocks the sidecar holds, until the worker reports them sent.
+        self._holding: set[str] = set()
+        #: D: requests whose KV is coming, until the worker reports them received.
+        self._waiting: dict[str, _Waiting] = {}
+        #: D: requests that finished (aborted) while their KV was coming: blocks held until sent.
+        self._aborting: set[str] = set()
+        self._warned: set[str] = set()
+
+    def set_side_channel(self, address: str) -> None:
+        """The sidecar's side channel as reported at registration (an ``advertise`` setting wins)."""
+        if not self._advertise:
+            self.side_channel = address
+
+    # --- D --------------------------------------------------------------------------
+
+    def num_new_matched_tokens(
+        self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, num_computed: int
+    ) -> tuple[int, bool]:
+        if not wants_remote_prefill(params):
+            return 0, False
+        assert params is not None
+        try:
+            remote = parse_remote_prefill(params, request_id)
+        except BadParams as err:
+            if request_id not in self._warned:
+                self._warned.add(request_id)
+                log.warning("kvxfer: request %s computes its prompt locally: %s", request_id, err)
+            return 0, False
+        total = min(remote.num_tokens or num_prompt_tokens, num_prompt_tokens)
+        count = total - num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        block_ids: list[int],
+        num_external_tokens: int,
+        num_prompt_tokens: int,
+    ) -> None:
+        if not wants_remote_prefill(params):
+            return
+        assert params is not None
+        # Asked once per request: a later allocation for the same request must not re-expect.
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            return
+        try:
+            remote = parse_remote_prefill(params, request_id)
+        except BadParams:  # already reported by num_new_matched_tokens, which returned 0
+            return
+        total = min(remote.num_tokens or num_prompt_tokens, num_prompt_tokens)
+        prefix = total - num_external_tokens
+        if prefix < 0:
+            log.error("kvxfer: request %s expects %d tokens but %d are external", request_id, total, num_external_tokens)
+            return
+        self._next.expect.append(
+            ExpectMsg(
+                request_id=request_id,
+                transfer_id=remote.transfer_id,
+                block_ids=list(block_ids),
+                num_tokens=total,
+                prefix_tokens=prefix,
+                source=remote.source,
+                source_block_ids=remote.source_block_ids,
+            )
+        )
+        self._waiting[request_id] = _Waiting(remote.transfer_id, sent=False)
+
+    # --- both -----------------------------------------------------------------------
+
+    def request_finished(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        *,
+        finished_ok: bool,
+        block_ids: list[int],
+        num_computed_tokens: int,
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks, kv_transfer_params for the response)."""
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
+            # D: the request ended while its KV was still coming.
+            if not waiting.sent:
+                self._next.expect = [m for m in self._next.expect if m.request_id != request_id]
+                return False, None
+            # The sidecar may still write into these blocks: they stay held until it
+            # says none can land (the worker reports the request as sent).
+            self._next.abort.append(AbortMsg(request_id, waiting.transfer_id))
+            self._aborting.add(request_id)
+            return True, None
+        if not wants_remote_decode(params) or not finished_ok or not block_ids:
+            return False, None
+        if not self.side_channel:
+            log.error("kvxfer: request %s: no side channel known for this engine's sidecar; D will compute it", request_id)
+            return False, None
+        assert params is not None
+        tid = transfer_id_of(params, request_id)
+        self._next.prefill_done.append(PrefillDoneMsg(request_id, tid, list(block_ids), num_computed_tokens))
+        self._holding.add(request_id)
+        return True, prefill_answer(
+            transfer_id=tid,
+            engine_id=self.engine_id,
+            request_id=request_id,
+            side_channel=self.side_channel,
+            block_ids=block_ids,
+            num_tokens=num_computed_tokens,
+            tp_size=self.tp_size,
+        )
+
+    def build_step(self) -> StepMessages:
+        step, self._next = self._next, StepMessages()
+        for m in step.expect:
+            w = self._waiting.get(m.request_id)
+            if w is not None:
+                w.sent = True
+        return step
+
+    def on_worker_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
+        for r in finished_sending or ():
+            self._holding.discard(r)
+            self._aborting.discard(r)
+        for r in finished_recving or ():
+            self._waiting.pop(r, None)
+
+    def has_pending_work(self) -> bool:
+        """True while the engine must keep stepping so the workers can hear the sidecar."""
+        return bool(self._next or self._holding or self._waiting or self._aborting)

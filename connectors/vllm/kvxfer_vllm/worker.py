@@ -1,0 +1,328 @@
+"""The worker half of the connector: the one process that talks to the sidecar.
+
+Runs in the TP-rank-0 worker (it registers every rank's KV cache, so the sidecar
+answers it alone). It sends what the scheduler queued (``on_step``), turns the
+sidecar's replies into vLLM's completion sets (``take_results``), and keeps the
+promise the engine relies on: a block is reported free (sent) or failed
+(received, with a load error) only once no write into it can still arrive —
+``ReleaseBlocks`` from the sidecar, or the sidecar provably gone.
+
+Restarts: the link's monitor reports a lost connection; on reconnect the worker
+registers again. A sidecar with a new epoch (or one that answers
+``ERR_NOT_REGISTERED``) forgot every transfer, so they fail here at once (D
+recomputes, P frees). A sidecar that does not come back within
+``sidecar_lost_timeout_s`` gets the same treatment.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ._gen.kvxfer.v1 import engine_pb2
+from .errors import LinkError, RegistrationError
+from .link import EngineLink
+from .messages import StepMessages
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class _P:
+    request_id: str
+
+
+@dataclass
+class _D:
+    request_id: str
+    block_ids: list[int]
+    failing: bool = False
+    aborted: bool = False
+
+
+@dataclass
+class Results:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class RegionFile:
+    path: str
+    offset: int
+    length: int
+
+
+class WorkerLogic:
+    """``register`` once, then ``on_step`` / ``take_results`` every engine step."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        engine_socket: str,
+        register_timeout_s: float,
+        sidecar_lost_timeout_s: float,
+        max_frame_bytes: int,
+        expand_blocks: Callable[[list[int]], list[int]] = list,
+        on_kv_ready: Callable[[list[int]], None] | None = None,
+        before_prefill_done: Callable[[list[int]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine_id = engine_id
+        self.register_timeout_s = register_timeout_s
+        self.lost_timeout_s = sidecar_lost_timeout_s
+        self._expand = expand_blocks
+        self._on_kv_ready = on_kv_ready
+        self._before_prefill_done = before_prefill_done
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._p: dict[str, _P] = {}
+        self._d: dict[str, _D] = {}
+        self._results = Results()
+        self._registration: engine_pb2.EngineToSidecar | None = None
+        self._registered = threading.Event()
+        self._reg_answer: engine_pb2.Registered | None = None
+        self.epoch = 0
+        self.side_channel = ""
+        self._lost_since: float | None = None
+        self._ever_connected = False
+        self.restarts = 0
+        self.link = EngineLink(engine_socket, self._on_message, self._on_state, max_frame_bytes)
+
+    # --- registration -----------------------------------------------------------------
+
+    def register(self, reg: engine_pb2.RegisterKvCache) -> engine_pb2.Registered:
+        """Sends RegisterKvCache and waits (bounded) for the answer; RegistrationError otherwise."""
+        self._registration = engine_pb2.EngineToSidecar(register=reg)
+        self.link.start()
+        self._registered.clear()
+        self.link.send(self._registration)
+        if not self._registered.wait(self.register_timeout_s):
+            raise RegistrationError(
+                "ERR_REGISTER_TIMEOUT",
+                f"no kvxfer sidecar answered on {self.link.endpoint} within {self.register_timeout_s:g} s: "
+                f"start `kvxfer sidecar --engine-id {self.engine_id}` with that --engine-socket",
+            )
+        ans = self._reg_answer
+        assert ans is not None
+        if not ans.ok:
+            raise RegistrationError("ERR_REGISTER_REFUSED", f"the sidecar refused the KV cache: {ans.error}")
+        return ans
+
+    # --- engine steps -------------------------------------------------------------------
+
+    def on_step(self, step: StepMessages) -> None:
+        """Sends this step's messages. A message that cannot reach the sidecar fails its transfer here."""
+        if not step:
+            return
+        for a in step.abort:
+            self._abort(a.request_id, a.transfer_id)
+        for m in step.prefill_done:
+            if self._before_prefill_done is not None:
+                self._before_prefill_done(m.block_ids)
+            with self._lock:
+                if m.transfer_id in self._p or m.transfer_id in self._d:
+                    log.error("kvxfer: transfer id %s is already live here; request %s is not sent", m.transfer_id, m.request_id)
+                    self._results.finished_sending.add(m.request_id)
+                    continue
+                self._p[m.transfer_id] = _P(m.request_id)
+            log.debug("kvxfer: PrefillDone %s (%d blocks, %d tokens)", m.transfer_id, len(m.block_ids), m.num_tokens)
+            msg = engine_pb2.EngineToSidecar(
+                prefill_done=engine_pb2.PrefillDone(
+                    transfer_id=m.transfer_id, block_ids=self._expand(m.block_ids), num_tokens=m.num_tokens
+                )
+            )
+            if not self._send(msg):
+                self._end_p(m.transfer_id)
+        for e in step.expect:
+            with self._lock:
+                if e.transfer_id in self._d or e.transfer_id in self._p:
+                    log.error("kvxfer: transfer id %s is already live here; request %s computes locally", e.transfer_id, e.request_id)
+                    self._results.finished_recving.add(e.request_id)
+                    self._results.failed_recving.add(e.request_id)
+                    continue
+                self._d[e.transfer_id] = _D(e.request_id, list(e.block_ids))
+            expect = engine_pb2.ExpectKv(
+                transfer_id=e.transfer_id,
+                source=e.source,
+                block_ids=self._expand(e.block_ids),
+                num_tokens=e.num_tokens,
+                prefix_tokens=e.prefix_tokens,
+            )
+            if e.source_block_ids is not None:
+                expect.source_block_ids.extend(self._expand(e.source_block_ids))
+                expect.has_source_block_ids = True
+            log.debug("kvxfer: ExpectKv %s from %s (blocks %s, tokens %d..%d, %s)", e.transfer_id, e.source,
+                      e.block_ids, e.prefix_tokens, e.num_tokens, "pull" if e.source_block_ids is not None else "push")
+            if not self._send(engine_pb2.EngineToSidecar(expect_kv=expect)):
+                self._fail_d(e.transfer_id)
+
+    def take_results(self) -> Results:
+        """What finished since the last call (and the sidecar-lost bound, checked here)."""
+        with self._lock:
+            lost = self._lost_since
+        if lost is not None and self._clock() - lost > self.lost_timeout_s:
+            log.error("kvxfer: sidecar gone for %.1f s: failing every transfer in flight", self._clock() - lost)
+            self._fail_all_in_flight()
+            with self._lock:
+                self._lost_since = None
+        with self._lock:
+            out, self._results = self._results, Results()
+        return out
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._p) + len(self._d)
+
+    def close(self) -> None:
+        self.link.close()
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _send(self, msg: engine_pb2.EngineToSidecar) -> bool:
+        try:
+            self.link.send(msg)
+            return True
+        except LinkError as err:
+            log.error("kvxfer: cannot reach the sidecar: %s", err)
+            return False
+
+    def _abort(self, request_id: str, transfer_id: str) -> None:
+        with self._lock:
+            d = self._d.get(transfer_id)
+            if d is None:
+                # Already ended (or never reached the sidecar): the blocks are the engine's.
+                self._results.finished_sending.add(request_id)
+                return
+            d.aborted = True
+        self._send(engine_pb2.EngineToSidecar(abort=engine_pb2.Abort(transfer_id=transfer_id)))
+
+    def _end_p(self, tid: str) -> None:
+        with self._lock:
+            p = self._p.pop(tid, None)
+            if p is not None:
+                self._results.finished_sending.add(p.request_id)
+
+    def _fail_d(self, tid: str) -> None:
+        """D's blocks are safe (nothing can write them any more): report the load as failed."""
+        with self._lock:
+            d = self._d.pop(tid, None)
+            if d is None:
+                return
+            if d.aborted:
+                self._results.finished_sending.add(d.request_id)
+            else:
+                self._results.finished_recving.add(d.request_id)
+                self._results.failed_recving.add(d.request_id)
+
+    def _ready_d(self, tid: str) -> None:
+        with self._lock:
+            d = self._d.get(tid)
+        if d is None:
+            log.warning("kvxfer: KvReady for unknown transfer %s", tid)
+            return
+        if self._on_kv_ready is not None and not d.aborted:
+            # Host-buffer mode: the KV landed in shared memory; bring it to the engine's blocks.
+            self._on_kv_ready(d.block_ids)
+        with self._lock:
+            d = self._d.pop(tid, None)
+            if d is None:
+                return
+            if d.aborted:
+                self._results.finished_sending.add(d.request_id)
+            else:
+                self._results.finished_recving.add(d.request_id)
+
+    def _fail_all_in_flight(self) -> None:
+        with self._lock:
+            p_ids = list(self._p)
+            d_ids = list(self._d)
+        for tid in p_ids:
+            self._end_p(tid)
+        for tid in d_ids:
+            self._fail_d(tid)
+
+    def _on_state(self, state: str) -> None:
+        if state == "disconnected":
+            with self._lock:
+                if self._lost_since is None:
+                    self._lost_since = self._clock()
+            log.warning("kvxfer: lost the sidecar connection on %s", self.link.endpoint)
+        elif state == "connected":
+            first = not self._ever_connected
+            self._ever_connected = True
+            if not first and self._registration is not None:
+                log.info("kvxfer: sidecar connection back; registering again")
+                self._send(self._registration)
+
+    def _on_message(self, msg: engine_pb2.SidecarToEngine) -> None:
+        kind = msg.WhichOneof("msg")
+        log.debug("kvxfer: sidecar says %s", kind)
+        if kind == "registered":
+            self._on_registered(msg.registered)
+        elif kind == "kv_ready":
+            self._ready_d(msg.kv_ready.transfer_id)
+        elif kind == "kv_failed":
+            with self._lock:
+                d = self._d.get(msg.kv_failed.transfer_id)
+                if d is not None:
+                    d.failing = True
+            log.info("kvxfer: transfer %s failed (%s): %s; waiting for its blocks",
+                     msg.kv_failed.transfer_id, engine_pb2.FailureReason.Name(msg.kv_failed.reason), msg.kv_failed.message)
+        elif kind == "release_blocks":
+            tid = msg.release_blocks.transfer_id
+            with self._lock:
+                is_p, is_d = tid in self._p, tid in self._d
+            if is_p:
+                self._end_p(tid)
+            elif is_d:
+                self._fail_d(tid)
+        elif kind == "refused":
+            self._on_refused(msg.refused)
+
+    def _on_registered(self, ans: engine_pb2.Registered) -> None:
+        first = not self._registered.is_set()
+        if first:
+            self._reg_answer = ans
+            if ans.ok:
+                self.epoch = ans.epoch
+                self.side_channel = ans.side_channel
+            self._registered.set()
+            return
+        # A re-registration after a reconnect.
+        with self._lock:
+            self._lost_since = None
+        if ans.ok and ans.epoch != self.epoch:
+            log.warning("kvxfer: the sidecar restarted (epoch %d -> %d): failing the transfers it forgot", self.epoch, ans.epoch)
+            self.epoch = ans.epoch
+            self.restarts += 1
+            self._fail_all_in_flight()
+        elif not ans.ok and ans.epoch == self.epoch:
+            pass  # the same sidecar still holds this registration (ERR_ALREADY_REGISTERED)
+        elif not ans.ok:
+            log.error("kvxfer: the sidecar refused the re-registration: %s", ans.error)
+
+    def _on_refused(self, r: engine_pb2.Refused) -> None:
+        tid = r.transfer_id
+        if r.code == "ERR_NOT_REGISTERED":
+            # The sidecar does not know this engine: it restarted without us seeing the
+            # connection drop. Everything it had is gone; register again.
+            log.warning("kvxfer: the sidecar does not know this engine (restarted?); registering again")
+            self.restarts += 1
+            self._fail_all_in_flight()
+            if self._registration is not None:
+                self._send(self._registration)
+            return
+        with self._lock:
+            is_p, is_d = tid in self._p, tid in self._d
+        log.warning("kvxfer: sidecar refused %s for transfer %r: %s", r.code, tid, r.message)
+        # The refused message never started a transfer on the sidecar: nothing of it can
+        # write (D) or read (P) these blocks.
+        if is_p:
+            self._end_p(tid)
+        elif is_d:
+            self._fail_d(tid)
