@@ -10,11 +10,12 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvxfer/v1/layout.proto.
  */
 export const file_kvxfer_v1_layout: GenFile = /*@__PURE__*/
-  fileDesc("ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiLwoNS3ZTbG90QWRkcmVzcxIOCgZyZWdpb24YASABKA0SDgoGb2Zmc2V0GAIgASgEIsACCghLdkxheW91dBISCgpudW1fbGF5ZXJzGAEgASgNEgsKA21sYRgCIAEoCBIWCg50b3RhbF9rdl9oZWFkcxgDIAEoDRIQCghoZWFkX2RpbRgEIAEoDRINCgVkdHlwZRgFIAEoCRITCgtkdHlwZV9ieXRlcxgGIAEoDRISCgpibG9ja19zaXplGAcgASgNEhIKCm51bV9ibG9ja3MYCCABKA0SJgoFb3JkZXIYCSABKA4yFy5rdnhmZXIudjEuS3ZCbG9ja09yZGVyEg8KB3RwX3NpemUYCiABKA0SDwoHdHBfcmFuaxgLIAEoDRIUCgxibG9ja19zdHJpZGUYDCABKAQSJwoFc2xvdHMYDSADKAsyGC5rdnhmZXIudjEuS3ZTbG90QWRkcmVzcxIUCgxyZWdpb25fYnl0ZXMYDiADKAQqXgoMS3ZCbG9ja09yZGVyEh4KGktWX0JMT0NLX09SREVSX1VOU1BFQ0lGSUVEEAASFgoSS1ZfQkxPQ0tfT1JERVJfSE5EEAESFgoSS1ZfQkxPQ0tfT1JERVJfTkhEEAJiBnByb3RvMw");
+  fileDesc("ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiLwoNS3ZTbG90QWRkcmVzcxIOCgZyZWdpb24YASABKA0SDgoGb2Zmc2V0GAIgASgEIusCCghLdkxheW91dBISCgpudW1fbGF5ZXJzGAEgASgNEgsKA21sYRgCIAEoCBIWCg50b3RhbF9rdl9oZWFkcxgDIAEoDRIQCghoZWFkX2RpbRgEIAEoDRINCgVkdHlwZRgFIAEoCRITCgtkdHlwZV9ieXRlcxgGIAEoDRISCgpibG9ja19zaXplGAcgASgNEhIKCm51bV9ibG9ja3MYCCABKA0SJgoFb3JkZXIYCSABKA4yFy5rdnhmZXIudjEuS3ZCbG9ja09yZGVyEg8KB3RwX3NpemUYCiABKA0SDwoHdHBfcmFuaxgLIAEoDRIUCgxibG9ja19zdHJpZGUYDCABKAQSJwoFc2xvdHMYDSADKAsyGC5rdnhmZXIudjEuS3ZTbG90QWRkcmVzcxIUCgxyZWdpb25fYnl0ZXMYDiADKAQSEwoLaGVhZF9zdHJpZGUYDyABKAQSFAoMdG9rZW5fc3RyaWRlGBAgASgEKl4KDEt2QmxvY2tPcmRlchIeChpLVl9CTE9DS19PUkRFUl9VTlNQRUNJRklFRBAAEhYKEktWX0JMT0NLX09SREVSX0hORBABEhYKEktWX0JMT0NLX09SREVSX05IRBACYgZwcm90bzM");
 
 /**
  * Where one (layer, K|V) slot lives: block b of the slot starts at
- * `offset + b * KvLayout.block_stride` bytes into region `region`.
+ * `offset + b * KvLayout.block_stride` bytes into region `region`; inside it, head h and
+ * token t start `h * head_stride + t * token_stride` bytes further.
  *
  * @generated from message kvxfer.v1.KvSlotAddress
  */
@@ -129,6 +130,20 @@ export type KvLayout = Message<"kvxfer.v1.KvLayout"> & {
    * @generated from field: repeated uint64 region_bytes = 14;
    */
   regionBytes: bigint[];
+
+  /**
+   * Bytes between head h and h + 1 of one slot inside a block; 0: implied by `order` (dense).
+   *
+   * @generated from field: uint64 head_stride = 15;
+   */
+  headStride: bigint;
+
+  /**
+   * Bytes between token t and t + 1 of one head inside a block; 0: implied by `order` (dense).
+   *
+   * @generated from field: uint64 token_stride = 16;
+   */
+  tokenStride: bigint;
 };
 
 /**
