@@ -447,9 +447,15 @@ describe("strided layout validation", () => {
   });
 
   const cases: [string, KvLayout, string][] = [
-    ["a head stride below a row", { ...cpu, headStride: row - 1 }, "headStride"],
-    ["a token stride below a row", { ...cpu, tokenStride: row - 2 }, "tokenStride"],
-    ["a fractional head stride", { ...cpu, headStride: 1.5 * row }, "headStride"],
+    // Below a row as the inner stride, where no other check would notice: rows of one slot meet.
+    ["a head stride below a row (NHD)", withStrides("NHD", row - 1, 4 * row), "headStride"],
+    ["a token stride below a row (HND)", withStrides("HND", 16 * row, row - 2), "tokenStride"],
+    ["a head stride below a row (CPU)", { ...cpu, headStride: row - 1 }, "headStride"],
+    [
+      "a fractional head stride",
+      { ...withStrides("NHD", 2 * row, 7 * row), headStride: row + 0.5 },
+      "headStride",
+    ],
     ["a negative token stride", { ...fused, tokenStride: -row }, "tokenStride"],
     // HND: a head's 16 tokens a row apart span 16 rows; the next head may not start earlier.
     ["overlapping heads (HND)", withStrides("HND", 16 * row - 1, row), "headStride"],
