@@ -520,8 +520,32 @@ describe("coalescing with K and V interleaved inside a block", () => {
     const ids = Array.from({ length: 32 }, (_, i) => i + 3);
     const req = { numTokens: 1024, srcBlockIds: ids, dstBlockIds: ids };
     const whole = planTransfer(fused(1), fused(1), req);
-    expect(whole.rawDescriptorCount).toBe(1024 * 8 * 64);
+    // K and V rows side by side on both sides: one slot of double rows per layer, whole blocks.
+    expect(whole.rawDescriptorCount).toBe(32 * 32);
     expect(whole.descriptorCount).toBe(32);
+    checkByteExact(
+      fixedCase(
+        layout(
+          { ...llama8b, numLayers: 2, headDim: 4 },
+          2,
+          8,
+          20,
+          "NHD",
+          "region-per-layer-kv-in-cell",
+        ),
+        layout(
+          { ...llama8b, numLayers: 2, headDim: 4 },
+          4,
+          16,
+          10,
+          "NHD",
+          "region-per-layer-kv-in-cell",
+        ),
+        130,
+        11,
+        3,
+      ),
+    );
     // D TP 2: a D rank's 4 heads of a token are one run on D but half a token on P.
     const split = planTransfer(fused(1), fused(2), req);
     expect(split.pairs.map((p) => p.descriptorCount)).toEqual([1024 * 32, 1024 * 32]);

@@ -57,7 +57,7 @@ export interface RankPairPlan {
   readonly bytes: number;
   /** Descriptors after coalescing, over all region pairs. */
   readonly descriptorCount: number;
-  /** Copies before coalescing. */
+  /** Copies before coalescing (a row of K and its row of V side by side on both sides count once). */
   readonly rawDescriptorCount: number;
   /** In order of first use by slot (layer, K|V). */
   readonly regionPairs: readonly RegionPairDescriptors[];
@@ -414,14 +414,14 @@ function relativePieces(
   sources: readonly HeadSource[],
   coalesce: boolean,
   acrossChunks: boolean,
+  row: number,
 ): RelativePieces {
-  const row = kvRowBytes(src);
   const sHs = headStride(src);
   const sTs = tokenStride(src);
   const dHs = headStride(dst);
   const dTs = tokenStride(dst);
-  // Row by row, walk P's memory order (tokens outer for NHD): K and V rows interleaved per row
-  // (fused cells) then follow each other on both sides when D is the same.
+  // Row by row, walk P's memory order (tokens outer for NHD), so rows of K and V interleaved per
+  // row follow each other on both sides when D is laid out the same.
   const tokensOuter = src.order === "NHD";
   const out = new RelativePieces(chunks.n * sources.length, chunks.n);
   for (let c = 0; c < chunks.n; c++) {
@@ -499,6 +499,23 @@ function slotsInterleaved(layout: KvLayout): boolean {
 }
 
 /**
+ * Whether each layer's V row directly follows its K row (V at K's offset + one row in the same
+ * region): fused cells. When both sides are like that, a layer's K and V are planned as one slot
+ * of rows twice as wide, so a fused block is one piece instead of one per (head, token, K|V).
+ */
+function kvRowsAdjacent(layout: KvLayout): boolean {
+  if (layout.mla) return false;
+  const row = kvRowBytes(layout);
+  const slots = layout.slots;
+  for (let s = 0; s + 1 < slots.length; s += 2) {
+    const k = slots[s]!;
+    const v = slots[s + 1]!;
+    if (k.region !== v.region || v.offset !== k.offset + row) return false;
+  }
+  return true;
+}
+
+/**
  * Whether each layer's K and V share a region and their rows interleave inside a block (V starts
  * within K's block footprint: vLLM's CPU layout, fused cells). When both sides are like that, K
  * and V are issued piece by piece together (`appendPaired`).
@@ -568,9 +585,14 @@ export function planTransfer(
   const chunks = buildChunks(src, dst, request, prefix);
   const wantSrc = options.srcRanks ? new Set(options.srcRanks) : undefined;
   const wantDst = options.dstRanks ? new Set(options.dstRanks) : undefined;
-  const interleaved = slotsInterleaved(src) && slotsInterleaved(dst);
-  const kvPaired = !interleaved && kvRowsInterleaved(src) && kvRowsInterleaved(dst);
-  const nSlots = src.numLayers * kvPerLayer(src);
+  // Planned slots: every (layer, K|V) slot, or with fused K|V rows on both sides one slot per
+  // layer (the K slot, rows `2 * row` wide covering K's row and V's).
+  const wide = kvRowsAdjacent(src) && kvRowsAdjacent(dst);
+  const slotStep = wide ? 2 : 1;
+  const row = kvRowBytes(src) * slotStep;
+  const interleaved = !wide && slotsInterleaved(src) && slotsInterleaved(dst);
+  const kvPaired = !wide && !interleaved && kvRowsInterleaved(src) && kvRowsInterleaved(dst);
+  const nSlots = (src.numLayers * kvPerLayer(src)) / slotStep;
 
   // Region pairs are fixed by slot, the same for every rank pair.
   const dstRegions = dst.regionBytes.length;
@@ -579,7 +601,7 @@ export function planTransfer(
   const slotsPerPair: number[] = [];
   const keyIndex = new Map<number, number>();
   for (let s = 0; s < nSlots; s++) {
-    const key = src.slots[s]!.region * dstRegions + dst.slots[s]!.region;
+    const key = src.slots[s * slotStep]!.region * dstRegions + dst.slots[s * slotStep]!.region;
     let idx = keyIndex.get(key);
     if (idx === undefined) {
       idx = pairKeys.length;
@@ -593,8 +615,8 @@ export function planTransfer(
   const srcOff = new Float64Array(nSlots);
   const dstOff = new Float64Array(nSlots);
   for (let s = 0; s < nSlots; s++) {
-    srcOff[s] = src.slots[s]!.offset;
-    dstOff[s] = dst.slots[s]!.offset;
+    srcOff[s] = src.slots[s * slotStep]!.offset;
+    dstOff[s] = dst.slots[s * slotStep]!.offset;
   }
 
   const pairs: RankPairPlan[] = [];
@@ -611,7 +633,8 @@ export function planTransfer(
       else bySrc.set(s.srcRank, [s]);
     }
     for (const srcRank of [...bySrc.keys()].sort((x, y) => x - y)) {
-      const pieces = relativePieces(src, dst, chunks, bySrc.get(srcRank)!, coalesce, !interleaved);
+      const sources = bySrc.get(srcRank)!;
+      const pieces = relativePieces(src, dst, chunks, sources, coalesce, !interleaved, row);
       // Slot by slot, pieces.n per slot bounds a list exactly; interleaved layouts mostly merge
       // whole blocks across slots, so their lists start small and grow.
       const lists = pairKeys.map((key, i) => {
