@@ -234,16 +234,16 @@ export function kvLayout(
       const strides = hnd
         ? { headStride: outerStride, tokenStride: innerStride }
         : { headStride: innerStride, tokenStride: outerStride };
+      // kv-in-cell: one region per layer; kv-in-block: one region, layers one after another.
       const layerBytes = shape.numBlocks * blockStride;
-      const perLayer = inCell;
-      regionBytes = perLayer
+      regionBytes = inCell
         ? new Array<number>(shape.numLayers).fill(layerBytes)
         : [shape.numLayers * layerBytes];
       for (let s = 0; s < nSlots; s++) {
         const layer = Math.floor(s / nKv);
         slots.push({
-          region: perLayer ? layer : 0,
-          offset: (perLayer ? 0 : layer * layerBytes) + (s % nKv) * kvStep,
+          region: inCell ? layer : 0,
+          offset: (inCell ? 0 : layer * layerBytes) + (s % nKv) * kvStep,
         });
       }
       return { ...shape, blockStride, slots, regionBytes, ...strides };
