@@ -5,6 +5,7 @@
 // touching fresh memory, which dominates at millions of descriptors).
 import { pathToFileURL } from "node:url";
 import {
+  type KvBlockOrder,
   type KvLayout,
   type KvRegionScheme,
   type TransferPlan,
@@ -65,6 +66,7 @@ function layout(
   blockSize: number,
   numBlocks: number,
   scheme: KvRegionScheme,
+  order: KvBlockOrder = "HND",
 ): KvLayout {
   return kvLayout(
     {
@@ -73,7 +75,7 @@ function layout(
       dtypeBytes: 2,
       blockSize,
       numBlocks,
-      order: "HND",
+      order,
       tpSize,
       tpRank: 0,
     },
@@ -102,6 +104,7 @@ function blockIds(count: number, numBlocks: number, shuffled: boolean, seed: num
 // count is what matters.
 const glmMla: Model = { numLayers: 78, mla: true, totalKvHeads: 1, headDim: 576 };
 const llama70b: Model = { numLayers: 80, mla: false, totalKvHeads: 8, headDim: 128 };
+const llama8b: Model = { numLayers: 32, mla: false, totalKvHeads: 8, headDim: 128 };
 
 function buildCases(): BenchCase[] {
   const cases: BenchCase[] = [];
@@ -138,6 +141,27 @@ function buildCases(): BenchCase[] {
         dstBlockIds: blockIds(blocks, 2 * blocks, shuffled, 4),
       });
     }
+  }
+  // vLLM's CPU backend: one buffer [layer][block][head][K rows][V rows] (head stride = 2 blocks of
+  // rows), and the fused cells of its GPU backends ([block][token][head][K dims, V dims] per
+  // layer); Llama-3-8B, block 32, 8192 tokens.
+  const cpuTokens = 8192;
+  const cpuBlocks = cpuTokens / 32;
+  for (const [tag, scheme, order, shuffled] of [
+    ["vllm-cpu", "one-region-kv-in-block", "HND", false],
+    ["vllm-cpu", "one-region-kv-in-block", "HND", true],
+    ["fused-cells", "region-per-layer-kv-in-cell", "NHD", false],
+  ] as const) {
+    const ids = shuffled ? "shuffled" : "contiguous";
+    cases.push({
+      name: `${tag}-llama8b-8k-${ids}`,
+      description: `Llama-3-8B 32 layers, 8 KV heads, block 32, ${cpuTokens} tokens, ${order} ${scheme}, TP 1 -> 1, ${ids} ids`,
+      src: layout(llama8b, 1, 32, 2 * cpuBlocks, scheme, order),
+      dst: layout(llama8b, 1, 32, 2 * cpuBlocks, scheme, order),
+      numTokens: cpuTokens,
+      srcBlockIds: blockIds(cpuBlocks, 2 * cpuBlocks, shuffled, 5),
+      dstBlockIds: blockIds(cpuBlocks, 2 * cpuBlocks, shuffled, 6),
+    });
   }
   return cases;
 }

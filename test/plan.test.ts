@@ -16,7 +16,9 @@ import {
   makeLayout,
   planCaseArb,
   shape,
+  stridedLayout,
 } from "./plan/cases.js";
+import { addressOf } from "./plan/reference.js";
 
 const llama8b: Model = {
   numLayers: 32,
@@ -349,5 +351,219 @@ describe("descriptorsForSide", () => {
     const d = new Float64Array([1, 2, 3, 10, 20, 30]);
     expect(descriptorsForSide(d, "src")).toBe(d);
     expect([...descriptorsForSide(d, "dst")]).toEqual([2, 1, 3, 20, 10, 30]);
+  });
+});
+
+describe("strided layouts: vLLM's CPU layout and fused cells", () => {
+  const small: Model = { ...llama8b, numLayers: 3, headDim: 4 };
+
+  it("is byte-exact over random pairs of strided layouts, with and without coalescing", () => {
+    const strided = planCaseArb.filter(
+      (c) => c.src.headStride !== undefined || c.dst.tokenStride !== undefined,
+    );
+    fc.assert(
+      fc.property(
+        fc.tuple(planCaseArb, fc.integer({ min: 1, max: 1 << 30 }), fc.boolean()),
+        ([c, seed, coalesce]) => {
+          const side = (l: KvLayout, s: number): KvLayout =>
+            stridedLayout(
+              {
+                numLayers: l.numLayers,
+                mla: l.mla,
+                totalKvHeads: l.totalKvHeads,
+                headDim: l.headDim,
+                dtype: l.dtype,
+                dtypeBytes: l.dtypeBytes,
+                blockSize: l.blockSize,
+                numBlocks: l.numBlocks,
+                order: l.order,
+                tpSize: l.tpSize,
+                tpRank: 0,
+              },
+              s,
+            );
+          checkByteExact(
+            { ...c, src: side(c.src, seed), dst: side(c.dst, seed + 1) },
+            { coalesce },
+          );
+        },
+      ),
+      { numRuns: 500 },
+    );
+    // The mixed arbitrary draws strided layouts too (explicit strides on at least one side).
+    fc.assert(
+      fc.property(strided, (c) => void checkByteExact(c)),
+      { numRuns: 100 },
+    );
+  });
+
+  it("kvLayout one-region-kv-in-block (HND) is vLLM's CPU LBHNC layout", () => {
+    // [layer][block][head][token][K dims + V dims] viewed as [2N][D] per (block, head): byte of
+    // (l, kv, b, h, t) = ((((l * nb + b) * H + h) * 2 + kv) * N + t) * row.
+    const N = 4;
+    const nb = 5;
+    const l = layout(small, 2, N, nb, "HND", "one-region-kv-in-block");
+    const H = 4;
+    const row = 8;
+    expect(l.regionBytes).toEqual([3 * nb * H * 2 * N * row]);
+    expect([l.blockStride, l.headStride, l.tokenStride]).toEqual([
+      2 * H * N * row,
+      2 * N * row,
+      row,
+    ]);
+    expect(l.slots[2 * 2 + 1]).toEqual({ region: 0, offset: 2 * nb * 2 * H * N * row + N * row });
+    const ids = [0, 1, 2, 3, 4];
+    for (let layer = 0; layer < 3; layer++)
+      for (let kv = 0; kv < 2; kv++)
+        for (let t = 0; t < nb * N; t++)
+          for (let h = 0; h < H; h++) {
+            const b = Math.floor(t / N);
+            const want = ((((layer * nb + b) * H + h) * 2 + kv) * N + (t % N)) * row + 3;
+            expect(addressOf(l, ids, layer, kv, t, h, 3, H)).toEqual({ region: 0, offset: want });
+          }
+  });
+
+  it("kvLayout region-per-layer-kv-in-cell (NHD) is the fused-cell layout", () => {
+    // Per layer [block][token][head][K dims, V dims]: byte of (kv, b, h, t) =
+    // (((b * N + t) * H + h) * 2 + kv) * row in the layer's region.
+    const N = 4;
+    const nb = 3;
+    const l = layout(small, 2, N, nb, "NHD", "region-per-layer-kv-in-cell");
+    const H = 4;
+    const row = 8;
+    expect([l.blockStride, l.headStride, l.tokenStride]).toEqual([
+      2 * H * N * row,
+      2 * row,
+      2 * H * row,
+    ]);
+    const ids = [2, 0, 1];
+    for (let layer = 0; layer < 3; layer++)
+      for (let kv = 0; kv < 2; kv++)
+        for (let t = 0; t < nb * N; t++)
+          for (let h = 0; h < H; h++) {
+            const b = ids[Math.floor(t / N)]!;
+            const want = (((b * N + (t % N)) * H + h) * 2 + kv) * row + 5;
+            expect(addressOf(l, ids, layer, kv, t, h, 5, H)).toEqual({
+              region: layer,
+              offset: want,
+            });
+          }
+  });
+
+  it("moves KV byte-exact between the CPU layout, fused cells and dense layouts, TP and block size both ways", () => {
+    const cpu = (tp: number, block: number, nb: number) =>
+      layout(small, tp, block, nb, "HND", "one-region-kv-in-block");
+    const fused = (tp: number, block: number, nb: number) =>
+      layout(small, tp, block, nb, "NHD", "region-per-layer-kv-in-cell");
+    const flash = (tp: number, block: number, nb: number) => layout(small, tp, block, nb, "HND");
+    const nhd = (tp: number, block: number, nb: number) => layout(small, tp, block, nb, "NHD");
+    const numTokens = 150;
+    for (const [p, d] of [
+      [cpu, cpu],
+      [fused, fused],
+      [cpu, fused],
+      [fused, cpu],
+      [cpu, flash],
+      [flash, cpu],
+      [fused, nhd],
+      [nhd, fused],
+    ] as const) {
+      for (const [bp, bd] of [
+        [16, 16],
+        [16, 32],
+        [32, 16],
+        [8, 24],
+      ] as const) {
+        for (const [tpP, tpD, prefix] of [
+          [1, 1, 0],
+          [1, 4, 37],
+          [8, 2, 0],
+        ] as const) {
+          const src = p(tpP, bp, Math.ceil(numTokens / bp) + 2);
+          const dst = d(tpD, bd, Math.ceil(numTokens / bd) + 2);
+          checkByteExact(fixedCase(src, dst, numTokens, prefix, bp + bd + tpP));
+        }
+      }
+    }
+  });
+});
+
+describe("coalescing with K and V interleaved inside a block", () => {
+  // vLLM's CPU backend on Llama-3-8B: 32 layers, 8 KV heads x 128, bf16, block 32, one buffer
+  // [layer][block][head][K rows][V rows]; 8192 tokens = 256 blocks, 300 blocks per layer.
+  const cpu = (tp: number) => layout(llama8b, tp, 32, 300, "HND", "one-region-kv-in-block");
+  const contiguous = Array.from({ length: 256 }, (_, i) => i);
+  const shuffled = blockIds(256, 300, 99);
+  const plan = (src: KvLayout, dst: KvLayout, s: number[], d: number[]) =>
+    planTransfer(src, dst, { numTokens: 8192, srcBlockIds: s, dstBlockIds: d });
+
+  it("CPU layout, equal blocks: one copy per layer for a run of blocks, one per (layer, block) otherwise", () => {
+    const run = plan(cpu(1), cpu(1), contiguous, contiguous);
+    expect(run.rawDescriptorCount).toBe(256 * 8 * 64);
+    // K and V of a layer's blocks 0..255 are one byte range on both sides.
+    expect(run.descriptorCount).toBe(32);
+    expect(run.bytes).toBe(8192 * 32 * 2 * 8 * 256);
+    const scattered = plan(cpu(1), cpu(1), shuffled, blockIds(256, 300, 7));
+    expect(scattered.descriptorCount).toBe(256 * 32);
+    // Same ids both sides but shuffled: still one per (layer, block), not 2 x heads per block.
+    expect(plan(cpu(1), cpu(1), shuffled, shuffled).descriptorCount).toBe(256 * 32);
+  });
+
+  it("CPU layout with a head split (P TP 1 -> D TP 2): one copy per (layer, block) per D rank", () => {
+    const split = plan(cpu(1), cpu(2), contiguous, contiguous);
+    expect(split.pairs.map((p) => p.descriptorCount)).toEqual([256 * 32, 256 * 32]);
+    expect(split.pairs.map((p) => p.rawDescriptorCount)).toEqual([256 * 4 * 64, 256 * 4 * 64]);
+  });
+
+  it("fused cells, equal blocks: one copy per layer for a run of blocks", () => {
+    const fused = (tp: number) => layout(llama8b, tp, 32, 40, "NHD", "region-per-layer-kv-in-cell");
+    const ids = Array.from({ length: 32 }, (_, i) => i + 3);
+    const req = { numTokens: 1024, srcBlockIds: ids, dstBlockIds: ids };
+    const whole = planTransfer(fused(1), fused(1), req);
+    // K and V rows side by side on both sides: one slot of double rows per layer, whole blocks.
+    expect(whole.rawDescriptorCount).toBe(32 * 32);
+    expect(whole.descriptorCount).toBe(32);
+    checkByteExact(
+      fixedCase(
+        layout(
+          { ...llama8b, numLayers: 2, headDim: 4 },
+          2,
+          8,
+          20,
+          "NHD",
+          "region-per-layer-kv-in-cell",
+        ),
+        layout(
+          { ...llama8b, numLayers: 2, headDim: 4 },
+          4,
+          16,
+          10,
+          "NHD",
+          "region-per-layer-kv-in-cell",
+        ),
+        130,
+        11,
+        3,
+      ),
+    );
+    // D TP 2: a D rank's 4 heads of a token are one run on D but half a token on P.
+    const split = planTransfer(fused(1), fused(2), req);
+    expect(split.pairs.map((p) => p.descriptorCount)).toEqual([1024 * 32, 1024 * 32]);
+  });
+
+  it("K and V apart on one side: byte-exact, one copy per head per block per slot", () => {
+    const flash = layout(llama8b, 1, 32, 300, "HND");
+    const p = plan(cpu(1), flash, contiguous, contiguous);
+    expect(p.descriptorCount).toBe(256 * 8 * 64);
+    const model = { ...llama8b, numLayers: 2, headDim: 4 };
+    checkByteExact(
+      fixedCase(
+        layout(model, 1, 32, 10, "HND", "one-region-kv-in-block"),
+        layout(model, 1, 32, 10, "HND"),
+        250,
+        10,
+        5,
+      ),
+    );
   });
 });

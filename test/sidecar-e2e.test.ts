@@ -65,6 +65,18 @@ describe("transfers across processes over shared memory, byte-verified", () => {
     await demo({ model: "deepseek-mla", layers: 2, pTp: 2, dTp: 4, mode: "push" });
   });
 
+  it("strided layouts: vLLM's CPU layout on P, K and V fused per row on D, TP 2 -> 4", async () => {
+    await demo({
+      pTp: 2,
+      dTp: 4,
+      pBlock: 16,
+      dBlock: 32,
+      pScheme: "one-region-kv-in-block",
+      dScheme: "region-per-layer-kv-in-cell",
+      prefixTokens: 21,
+    });
+  });
+
   it("a cached prefix on D (not block-aligned), NHD with a head split, pull", async () => {
     await demo({
       layout: "nhd",

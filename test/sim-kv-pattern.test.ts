@@ -9,9 +9,10 @@ import {
   type KvRegionScheme,
   kvLayout,
   planTransfer,
+  validateKvLayout,
 } from "../src/plan/index.js";
 import { fillKv, kvPatternByte, transferSeed, verifyKv } from "../src/sim/kv-pattern.js";
-import { scatteredLayout } from "./plan/cases.js";
+import { scatteredLayout, stridedLayout } from "./plan/cases.js";
 import { addressOf, applyPlan, headsOf, rng } from "./plan/reference.js";
 
 interface Model {
@@ -72,8 +73,14 @@ interface Case {
   prefix: number;
 }
 
-function layoutFor(shape: KvLayoutShape, scheme: KvRegionScheme | "scattered", seed = 1): KvLayout {
-  return scheme === "scattered" ? scatteredLayout(shape, seed) : kvLayout(shape, scheme);
+function layoutFor(
+  shape: KvLayoutShape,
+  scheme: KvRegionScheme | "scattered" | "strided",
+  seed = 1,
+): KvLayout {
+  if (scheme === "scattered") return scatteredLayout(shape, seed);
+  if (scheme === "strided") return stridedLayout(shape, seed);
+  return kvLayout(shape, scheme);
 }
 
 const cases: Case[] = [
@@ -111,6 +118,20 @@ const cases: Case[] = [
     dst: layoutFor(shapeOf(odd, 4, 8, 12, "NHD"), "scattered", 7),
     tokens: 60,
     prefix: 5,
+  },
+  {
+    name: "vLLM CPU layout (K|V per head) TP 2 -> fused cells TP 4, block 16 -> 32, prefix 9",
+    src: layoutFor(shapeOf(small, 2, 16, 10, "HND"), "one-region-kv-in-block"),
+    dst: layoutFor(shapeOf(small, 4, 32, 6, "NHD"), "region-per-layer-kv-in-cell"),
+    tokens: 100,
+    prefix: 9,
+  },
+  {
+    name: "explicit padded strides both sides, TP 4 -> 2, block 8 -> 4",
+    src: layoutFor(shapeOf(small, 4, 8, 12, "NHD"), "strided", 3),
+    dst: layoutFor(shapeOf(small, 2, 4, 24, "HND"), "strided", 4),
+    tokens: 75,
+    prefix: 0,
   },
 ];
 
@@ -168,7 +189,12 @@ describe("kv pattern through the planner", () => {
       kvLayout(shapeOf(odd, 2, 4, 6, "NHD"), "region-per-layer"),
       kvLayout(shapeOf(small, 2, 4, 6, "HND"), "one-region-blocks-first"),
       scatteredLayout(shapeOf(mla, 1, 4, 6, "HND"), 3),
+      kvLayout(shapeOf(small, 2, 4, 6, "HND"), "one-region-kv-in-block"),
+      kvLayout(shapeOf(odd, 1, 4, 6, "NHD"), "region-per-layer-kv-in-cell"),
+      stridedLayout(shapeOf(small, 1, 4, 6, "NHD"), 5, "in-block"),
+      stridedLayout(shapeOf(small, 2, 4, 6, "HND"), 6, "in-cell"),
     ]) {
+      expect(() => validateKvLayout(layout)).not.toThrow();
       const ids = [4, 1, 5];
       for (let r = 0; r < layout.tpSize; r++) {
         const mem = layout.regionBytes.map((n) => new Uint8Array(n));

@@ -7,11 +7,17 @@ export {
   type KvLayoutShape,
   type KvRegionScheme,
   type KvSlotAddress,
+  KV_REGION_SCHEMES,
+  MAX_KV_LAYERS,
   firstKvHeadOfRank,
+  headStride,
   kvBlockBytes,
+  kvBlockFootprint,
   kvHeadsPerRank,
   kvLayout,
   kvPerLayer,
+  kvRowBytes,
+  tokenStride,
   validateKvLayout,
 } from "./layout.js";
 export { assertCompatible, findIncompatibility } from "./compat.js";

@@ -27,6 +27,9 @@ export function kvLayoutToProto(layout: KvLayout): KvLayoutPb {
       create(KvSlotAddressSchema, { region: s.region, offset: BigInt(s.offset) }),
     ),
     regionBytes: layout.regionBytes.map((n) => BigInt(n)),
+    // Absent (dense) travels as 0, which the wire defines as dense too.
+    headStride: BigInt(layout.headStride ?? 0),
+    tokenStride: BigInt(layout.tokenStride ?? 0),
   });
 }
 
@@ -61,6 +64,9 @@ export function kvLayoutFromProto(msg: KvLayoutPb): KvLayout {
     blockStride: toNumber(msg.blockStride, "blockStride"),
     slots: msg.slots.map((s) => ({ region: s.region, offset: toNumber(s.offset, "slots") })),
     regionBytes: msg.regionBytes.map((n) => toNumber(n, "regionBytes")),
+    // 0 on the wire is dense; the field is left out then, as `kvLayout` leaves it out.
+    ...(msg.headStride !== 0n ? { headStride: toNumber(msg.headStride, "headStride") } : {}),
+    ...(msg.tokenStride !== 0n ? { tokenStride: toNumber(msg.tokenStride, "tokenStride") } : {}),
   };
   validateKvLayout(layout);
   return layout;

@@ -1,8 +1,9 @@
 import { PlanError } from "./errors.js";
 
 /**
- * Order of tokens and heads inside one block of one (layer, K|V) slot:
- * `HND` is `[head][token][dim]`, `NHD` is `[token][head][dim]`.
+ * Order of tokens and heads inside one block of one (layer, K|V) slot: `HND` is
+ * `[head][token][dim]` (heads outer), `NHD` is `[token][head][dim]` (tokens outer). With explicit
+ * `headStride`/`tokenStride` the order still says which of the two is outer.
  */
 export type KvBlockOrder = "HND" | "NHD";
 
@@ -46,25 +47,57 @@ export interface KvLayout {
   readonly slots: readonly KvSlotAddress[];
   /** Size in bytes of each region of this rank; a slot's `region` indexes this list. */
   readonly regionBytes: readonly number[];
+  /**
+   * Bytes between rank-local head `h` and `h + 1` of one slot inside a block. Absent or 0: dense,
+   * as `order` implies (`blockSize * row` for HND, `row` for NHD, `row = headDim * dtypeBytes`).
+   * Read it through `headStride(layout)`.
+   */
+  readonly headStride?: number;
+  /**
+   * Bytes between token `t` and `t + 1` of one head inside a block. Absent or 0: dense (`row` for
+   * HND, `kvHeadsPerRank * row` for NHD). Read it through `tokenStride(layout)`.
+   */
+  readonly tokenStride?: number;
 }
 
 /** The shape of a layout without its addressing, as `kvLayout` takes it. */
-export type KvLayoutShape = Omit<KvLayout, "blockStride" | "slots" | "regionBytes">;
+export type KvLayoutShape = Omit<
+  KvLayout,
+  "blockStride" | "slots" | "regionBytes" | "headStride" | "tokenStride"
+>;
 
 /**
- * Common ways engines place a rank's KV cache in memory:
+ * Common ways engines place a rank's KV cache in memory. `outer` and `inner` are heads and tokens
+ * in the layout's `order` (HND: heads outer); the first five keep each slot's block dense.
  * - `region-per-layer`: one region per layer holding `[K|V][block]` (vLLM FlashAttention).
  * - `region-per-layer-kv`: one region per slot holding `[block]`.
  * - `region-per-layer-blocks-first`: one region per layer holding `[block][K|V]` (FlashInfer).
  * - `one-region-blocks-first`: one region holding `[block][layer][K|V]` (cross-layer layout).
  * - `one-region-layers-first`: one region holding `[layer][K|V][block]`.
+ * - `one-region-kv-in-block`: one region holding `[layer][block][outer][K|V][inner]`; with HND,
+ *   vLLM's CPU backend (`[layer][block][head][K|V][token]`: a head's K rows, then its V rows).
+ * - `region-per-layer-kv-in-cell`: one region per layer holding `[block][outer][inner][K|V]`;
+ *   with NHD, the fused cells of vLLM's GPU backends (per token and head, K's dims then V's).
  */
 export type KvRegionScheme =
   | "region-per-layer"
   | "region-per-layer-kv"
   | "region-per-layer-blocks-first"
   | "one-region-blocks-first"
-  | "one-region-layers-first";
+  | "one-region-layers-first"
+  | "one-region-kv-in-block"
+  | "region-per-layer-kv-in-cell";
+
+/** Every `KvRegionScheme`, in the order above. */
+export const KV_REGION_SCHEMES: readonly KvRegionScheme[] = [
+  "region-per-layer",
+  "region-per-layer-kv",
+  "region-per-layer-blocks-first",
+  "one-region-blocks-first",
+  "one-region-layers-first",
+  "one-region-kv-in-block",
+  "region-per-layer-kv-in-cell",
+];
 
 /** 2 for K and V, 1 for an MLA latent. */
 export function kvPerLayer(layout: Pick<KvLayout, "mla">): number {
@@ -100,6 +133,49 @@ export function kvBlockBytes(
   >,
 ): number {
   return layout.blockSize * kvHeadsPerRank(layout) * layout.headDim * layout.dtypeBytes;
+}
+
+/** Bytes of one head of one token: `headDim * dtypeBytes`. */
+export function kvRowBytes(layout: Pick<KvLayout, "headDim" | "dtypeBytes">): number {
+  return layout.headDim * layout.dtypeBytes;
+}
+
+type StrideFields =
+  | "mla"
+  | "totalKvHeads"
+  | "tpSize"
+  | "blockSize"
+  | "headDim"
+  | "dtypeBytes"
+  | "order"
+  | "headStride"
+  | "tokenStride";
+
+/** Bytes between head `h` and `h + 1` of one slot in a block: the field, or its dense default. */
+export function headStride(layout: Pick<KvLayout, StrideFields>): number {
+  const s = layout.headStride;
+  if (s !== undefined && s !== 0) return s;
+  return layout.order === "HND" ? layout.blockSize * kvRowBytes(layout) : kvRowBytes(layout);
+}
+
+/** Bytes between token `t` and `t + 1` of one head in a block: the field, or its dense default. */
+export function tokenStride(layout: Pick<KvLayout, StrideFields>): number {
+  const s = layout.tokenStride;
+  if (s !== undefined && s !== 0) return s;
+  return layout.order === "HND" ? kvRowBytes(layout) : kvHeadsPerRank(layout) * kvRowBytes(layout);
+}
+
+/**
+ * Bytes from the start of a slot's block to the end of its last row:
+ * `(heads - 1) * headStride + (blockSize - 1) * tokenStride + row`. Equals `kvBlockBytes` for a
+ * dense block; blocks `blockStride` apart must not be closer than this.
+ */
+export function kvBlockFootprint(layout: Pick<KvLayout, StrideFields>): number {
+  return (
+    (kvHeadsPerRank(layout) - 1) * headStride(layout) +
+    (layout.blockSize - 1) * tokenStride(layout) +
+    kvRowBytes(layout)
+  );
 }
 
 /** Builds a layout with one of the common addressing schemes (tightly packed, no padding). */
@@ -144,9 +220,44 @@ export function kvLayout(
       regionBytes = [nSlots * slabBytes];
       for (let s = 0; s < nSlots; s++) slots.push({ region: 0, offset: s * slabBytes });
       break;
+    case "one-region-kv-in-block":
+    case "region-per-layer-kv-in-cell": {
+      // K and V share every block: [outer][K|V][inner] or [outer][inner][K|V].
+      const row = kvRowBytes(shape);
+      const hnd = shape.order === "HND";
+      const nInner = hnd ? shape.blockSize : kvHeadsPerRank(shape);
+      const inCell = scheme === "region-per-layer-kv-in-cell";
+      const innerStride = inCell ? nKv * row : row;
+      const outerStride = nKv * nInner * row;
+      const kvStep = inCell ? row : nInner * row;
+      blockStride = nKv * bb;
+      const strides = hnd
+        ? { headStride: outerStride, tokenStride: innerStride }
+        : { headStride: innerStride, tokenStride: outerStride };
+      // kv-in-cell: one region per layer; kv-in-block: one region, layers one after another.
+      const layerBytes = shape.numBlocks * blockStride;
+      regionBytes = inCell
+        ? new Array<number>(shape.numLayers).fill(layerBytes)
+        : [shape.numLayers * layerBytes];
+      for (let s = 0; s < nSlots; s++) {
+        const layer = Math.floor(s / nKv);
+        slots.push({
+          region: inCell ? layer : 0,
+          offset: (inCell ? 0 : layer * layerBytes) + (s % nKv) * kvStep,
+        });
+      }
+      return { ...shape, blockStride, slots, regionBytes, ...strides };
+    }
   }
   return { ...shape, blockStride, slots, regionBytes };
 }
+
+/**
+ * Most layers a layout may have. Slots that share a region are checked against each other in
+ * pairs, so a layout from the network with a million slots would stall the process; no model
+ * comes near this (Llama-3-405B has 126 layers).
+ */
+export const MAX_KV_LAYERS = 1024;
 
 function invalid(field: string, message: string): PlanError {
   return new PlanError("ERR_LAYOUT_INVALID", field, message);
@@ -159,10 +270,23 @@ function checkCount(layout: KvLayout, field: keyof KvLayout, min: number): void 
   }
 }
 
+/** An explicit stride: absent or 0 (dense), or a byte count of at least one row. */
+function checkStride(layout: KvLayout, field: "headStride" | "tokenStride", row: number): void {
+  const v = layout[field];
+  if (v === undefined || v === 0) return;
+  if (typeof v !== "number" || !Number.isSafeInteger(v) || v < row) {
+    throw invalid(
+      field,
+      `${field} must be 0 (dense) or a byte count >= one row (${row} bytes), got ${String(v)}`,
+    );
+  }
+}
+
 /**
- * Checks a layout on its own: positive sizes, heads that split over `tpSize`, one address per
- * slot, every block of every slot inside its region, and no two blocks overlapping. A layout from
- * the network passes this before it is planned with. Throws `PlanError` `ERR_LAYOUT_INVALID`.
+ * Checks a layout on its own: positive sizes, heads that split over `tpSize`, strides that keep
+ * the rows of one block apart, one address per slot, every block of every slot inside its region,
+ * and no two rows of two slots overlapping. A layout from the network passes this before it is
+ * planned with. Throws `PlanError` `ERR_LAYOUT_INVALID`.
  */
 export function validateKvLayout(layout: KvLayout): void {
   for (const f of [
@@ -178,6 +302,9 @@ export function validateKvLayout(layout: KvLayout): void {
   }
   checkCount(layout, "tpRank", 0);
   checkCount(layout, "blockStride", 0);
+  if (layout.numLayers > MAX_KV_LAYERS) {
+    throw invalid("numLayers", `numLayers ${layout.numLayers} is above ${MAX_KV_LAYERS}`);
+  }
   if (typeof layout.mla !== "boolean") throw invalid("mla", "mla must be a boolean");
   if (typeof layout.dtype !== "string" || layout.dtype === "") {
     throw invalid("dtype", "dtype must be a non-empty name");
@@ -202,8 +329,38 @@ export function validateKvLayout(layout: KvLayout): void {
   if (!Number.isSafeInteger(bb * layout.numBlocks)) {
     throw invalid("numBlocks", `block bytes ${bb} x numBlocks ${layout.numBlocks} is too large`);
   }
-  if (layout.numBlocks > 1 && layout.blockStride < bb) {
-    throw invalid("blockStride", `blockStride ${layout.blockStride} is below block bytes ${bb}`);
+  const row = kvRowBytes(layout);
+  checkStride(layout, "headStride", row);
+  checkStride(layout, "tokenStride", row);
+  const hs = headStride(layout);
+  const ts = tokenStride(layout);
+  const hpr = kvHeadsPerRank(layout);
+  const footprint = kvBlockFootprint(layout);
+  if (!Number.isSafeInteger(footprint)) {
+    throw invalid(
+      layout.order === "HND" ? "headStride" : "tokenStride",
+      "one block spans too many bytes",
+    );
+  }
+  // The outer of heads and tokens must step over all of the inner: rows never overlap, and
+  // `order` says which is outer. Exact: the last inner row must end by the next outer start.
+  if (layout.order === "HND" && hpr > 1 && hs < (layout.blockSize - 1) * ts + row) {
+    throw invalid(
+      "headStride",
+      `headStride ${hs} makes heads overlap: a head's ${layout.blockSize} tokens ${ts} bytes apart span ${(layout.blockSize - 1) * ts + row} bytes`,
+    );
+  }
+  if (layout.order === "NHD" && layout.blockSize > 1 && ts < (hpr - 1) * hs + row) {
+    throw invalid(
+      "tokenStride",
+      `tokenStride ${ts} makes tokens overlap: a token's ${hpr} heads ${hs} bytes apart span ${(hpr - 1) * hs + row} bytes`,
+    );
+  }
+  if (layout.numBlocks > 1 && layout.blockStride < footprint) {
+    throw invalid(
+      "blockStride",
+      `blockStride ${layout.blockStride} is below the ${footprint} bytes one block of a slot spans`,
+    );
   }
   if (!Array.isArray(layout.regionBytes) || layout.regionBytes.length === 0) {
     throw invalid("regionBytes", "regionBytes must list at least one region");
@@ -220,7 +377,7 @@ export function validateKvLayout(layout: KvLayout): void {
       `slots must have numLayers x ${kvPerLayer(layout)} = ${nSlots} entries, got ${String(layout.slots?.length)}`,
     );
   }
-  const span = (layout.numBlocks - 1) * layout.blockStride + bb;
+  const span = (layout.numBlocks - 1) * layout.blockStride + footprint;
   if (!Number.isSafeInteger(span)) throw invalid("blockStride", "blocks span too many bytes");
   layout.slots.forEach((slot, s) => {
     const r = slot?.region;
@@ -235,17 +392,55 @@ export function validateKvLayout(layout: KvLayout): void {
       );
     }
   });
-  checkSlotsDisjoint(layout, bb);
+  const hnd = layout.order === "HND";
+  const lattice = new Float64Array([
+    layout.blockStride,
+    layout.numBlocks,
+    footprint,
+    hnd ? hs : ts,
+    hnd ? hpr : layout.blockSize,
+    hnd ? (layout.blockSize - 1) * ts + row : (hpr - 1) * hs + row,
+    hnd ? ts : hs,
+    hnd ? layout.blockSize : hpr,
+    row,
+  ]);
+  checkSlotsDisjoint(layout, lattice, span);
 }
 
 /**
- * Two slots in one region overlap when some block of one meets some block of the other:
- * offsets `o1 + i * S` and `o2 + j * S` closer than a block. With `d = o2 - o1` that is
- * `|d + k * S| < bb` for some `k = j - i` in `[-(n - 1), n - 1]`; the `k` nearest `-d / S` decides.
+ * Whether a slot's rows meet the same rows shifted by `e` bytes. A slot is a three-level lattice
+ * (`lattice` holds `stride, count, span of one element` for blocks, the outer and the inner of
+ * heads and tokens; the innermost element is one row). Level `i` meets its shift when some
+ * `e + k * stride`, `|k| < count`, is closer than one element's span and the level below meets
+ * that shift. Validation makes every stride at least the span below it, so only the two `k`
+ * around `-e / stride` can be that close: at most 2^3 leaf tests per pair of slots.
  */
-function checkSlotsDisjoint(layout: KvLayout, bb: number): void {
-  const n = layout.numBlocks;
-  const stride = layout.blockStride;
+function latticeMeets(lattice: Float64Array, level: number, e: number): boolean {
+  const stride = lattice[3 * level]!;
+  const count = lattice[3 * level + 1]!;
+  const span = lattice[3 * level + 2]!;
+  const last = level === 2;
+  if (count === 1) return last ? Math.abs(e) < span : latticeMeets(lattice, level + 1, e);
+  // f(k) = e + k * stride grows with k; k0 is the last k with f(k) <= 0.
+  let k0 = Math.floor(-e / stride);
+  while (e + k0 * stride > 0) k0--;
+  while (e + (k0 + 1) * stride <= 0) k0++;
+  for (let k = k0; k <= k0 + 1; k++) {
+    const kc = Math.min(count - 1, Math.max(1 - count, k));
+    const f = e + kc * stride;
+    if (Math.abs(f) < span && (last || latticeMeets(lattice, level + 1, f))) return true;
+  }
+  return false;
+}
+
+/**
+ * Two slots of one region overlap when a row of one meets a row of the other. Every slot has the
+ * same lattice, so that depends only on the difference of their offsets (`latticeMeets`). Slots
+ * sorted by offset are compared only with those starting less than a slot's span further on, so
+ * slots laid out one after another cost a comparison each, and K and V interleaved per head or
+ * per row (vLLM's CPU and fused-cell layouts) are accepted while any real overlap is refused.
+ */
+function checkSlotsDisjoint(layout: KvLayout, lattice: Float64Array, span: number): void {
   const byRegion = new Map<number, number[]>();
   layout.slots.forEach((slot, s) => {
     const list = byRegion.get(slot.region);
@@ -253,21 +448,13 @@ function checkSlotsDisjoint(layout: KvLayout, bb: number): void {
     else byRegion.set(slot.region, [s]);
   });
   for (const list of byRegion.values()) {
+    list.sort((a, b) => layout.slots[a]!.offset - layout.slots[b]!.offset);
     const offsets = Float64Array.from(list, (s) => layout.slots[s]!.offset);
     for (let x = 0; x < list.length; x++) {
-      for (let y = x + 1; y < list.length; y++) {
-        const d = offsets[y]! - offsets[x]!;
-        let overlap = Math.abs(d) < bb;
-        if (!overlap && n > 1 && stride > 0) {
-          // f(k) = d + k * S grows with k: the k nearest its zero, clamped to the range, decides.
-          const k0 = Math.floor(-d / stride);
-          const lo = Math.min(n - 1, Math.max(1 - n, k0));
-          const hi = Math.min(n - 1, Math.max(1 - n, k0 + 1));
-          overlap = Math.abs(d + lo * stride) < bb || Math.abs(d + hi * stride) < bb;
-        }
-        if (overlap) {
-          const a = list[x]!;
-          const b = list[y]!;
+      for (let y = x + 1; y < list.length && offsets[y]! - offsets[x]! < span; y++) {
+        if (latticeMeets(lattice, 0, offsets[y]! - offsets[x]!)) {
+          const a = Math.min(list[x]!, list[y]!);
+          const b = Math.max(list[x]!, list[y]!);
           throw invalid(
             "slots",
             `slots[${a}] and slots[${b}] overlap in region ${layout.slots[a]!.region}`,

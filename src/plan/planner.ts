@@ -1,6 +1,14 @@
 import { assertCompatible } from "./compat.js";
 import { PlanError } from "./errors.js";
-import { type KvLayout, kvBlockBytes, kvHeadsPerRank, kvPerLayer } from "./layout.js";
+import {
+  type KvLayout,
+  headStride,
+  kvBlockFootprint,
+  kvHeadsPerRank,
+  kvPerLayer,
+  kvRowBytes,
+  tokenStride,
+} from "./layout.js";
 import { type HeadSource, mapRanks } from "./ranks.js";
 
 /** One request: which tokens move and where they live on each side. */
@@ -49,7 +57,7 @@ export interface RankPairPlan {
   readonly bytes: number;
   /** Descriptors after coalescing, over all region pairs. */
   readonly descriptorCount: number;
-  /** Copies before coalescing. */
+  /** Copies before coalescing (a row of K and its row of V side by side on both sides count once). */
   readonly rawDescriptorCount: number;
   /** In order of first use by slot (layer, K|V). */
   readonly regionPairs: readonly RegionPairDescriptors[];
@@ -125,6 +133,53 @@ class DescriptorList {
       }
       srcEnd = src + len;
       dstEnd = dst + len;
+    }
+    this.count = j / 3;
+    this.srcEnd = srcEnd;
+    this.dstEnd = dstEnd;
+    this.bytes += bytes;
+  }
+
+  /**
+   * Appends pieces `0 .. n - 1` for two slots at once, piece by piece: `a`'s piece `i`, then
+   * `b`'s, then `a`'s piece `i + 1`. For K and V whose rows interleave inside a block (vLLM's CPU
+   * layout: a head's K rows, then its V rows; fused cells: a row of K, then its row of V), that
+   * is address order, so a whole block of both becomes one copy instead of one per head or row.
+   */
+  appendPaired(
+    aSrc: number,
+    aDst: number,
+    bSrc: number,
+    bDst: number,
+    ps: Float64Array,
+    pd: Float64Array,
+    pl: Float64Array,
+    n: number,
+  ): void {
+    this.reserve(2 * n);
+    const d = this.data;
+    const merge = this.coalesce;
+    let j = 3 * this.count;
+    let srcEnd = this.srcEnd;
+    let dstEnd = this.dstEnd;
+    let bytes = 0;
+    for (let i = 0; i < n; i++) {
+      const len = pl[i]!;
+      bytes += 2 * len;
+      for (let k = 0; k < 2; k++) {
+        const src = (k === 0 ? aSrc : bSrc) + ps[i]!;
+        const dst = (k === 0 ? aDst : bDst) + pd[i]!;
+        if (merge && src === srcEnd && dst === dstEnd) {
+          d[j - 1]! += len;
+        } else {
+          d[j] = src;
+          d[j + 1] = dst;
+          d[j + 2] = len;
+          j += 3;
+        }
+        srcEnd = src + len;
+        dstEnd = dst + len;
+      }
     }
     this.count = j / 3;
     this.srcEnd = srcEnd;
@@ -283,9 +338,22 @@ function buildChunks(src: KvLayout, dst: KvLayout, req: PlanRequest, first: numb
   return { ...c, n };
 }
 
-/** Whether heads `[h, h + hn)` × tokens `[p, p + tn)` of one block form one contiguous range. */
-function contiguous(order: "HND" | "NHD", hn: number, tn: number, block: number, hpr: number) {
-  return order === "HND" ? hn === 1 || tn === block : tn === 1 || hn === hpr;
+/** `walks` bits: the box is one byte range walked heads outer / tokens outer. */
+const HEADS_OUTER = 1;
+const TOKENS_OUTER = 2;
+
+/**
+ * How `hn` heads × `tn` tokens of one block, rows `hs` and `ts` bytes apart, form one contiguous
+ * byte range: `HEADS_OUTER`, `TOKENS_OUTER`, both (one head or one token: one walk only), or 0
+ * (not contiguous). A copy may cover a box only when both sides have a walk in common: the same
+ * bytes in the same order.
+ */
+function walks(hs: number, ts: number, row: number, hn: number, tn: number): number {
+  if (hn === 1) return tn === 1 || ts === row ? HEADS_OUTER | TOKENS_OUTER : 0;
+  if (tn === 1) return hs === row ? HEADS_OUTER | TOKENS_OUTER : 0;
+  if (ts === row && hs === tn * row) return HEADS_OUTER;
+  if (hs === row && ts === hn * row) return TOKENS_OUTER;
+  return 0;
 }
 
 /**
@@ -346,14 +414,15 @@ function relativePieces(
   sources: readonly HeadSource[],
   coalesce: boolean,
   acrossChunks: boolean,
+  row: number,
 ): RelativePieces {
-  const row = src.headDim * src.dtypeBytes;
-  const bp = src.blockSize;
-  const bd = dst.blockSize;
-  const hp = kvHeadsPerRank(src);
-  const hd = kvHeadsPerRank(dst);
-  const sHnd = src.order === "HND";
-  const dHnd = dst.order === "HND";
+  const sHs = headStride(src);
+  const sTs = tokenStride(src);
+  const dHs = headStride(dst);
+  const dTs = tokenStride(dst);
+  // Row by row, walk P's memory order (tokens outer for NHD), so rows of K and V interleaved per
+  // row follow each other on both sides when D is laid out the same.
+  const tokensOuter = src.order === "NHD";
   const out = new RelativePieces(chunks.n * sources.length, chunks.n);
   for (let c = 0; c < chunks.n; c++) {
     out.chunkStart[c] = out.n;
@@ -369,15 +438,14 @@ function relativePieces(
       const b = s.dstHeadOffset;
       let hn: number;
       let tn: number;
-      // A copy must also walk heads and tokens in the same order on both sides: HND goes
-      // head-major, NHD token-major, so they agree on a box only when it is one head or one token.
-      const sameWalk = src.order === dst.order || n === 1 || L === 1;
-      if (sameWalk && contiguous(src.order, n, L, bp, hp) && contiguous(dst.order, n, L, bd, hd)) {
+      // The whole box, else one head or one token at a time, else row by row: each piece must be
+      // one byte range on both sides, walked in the same order.
+      if ((walks(sHs, sTs, row, n, L) & walks(dHs, dTs, row, n, L)) !== 0) {
         hn = n;
         tn = L;
       } else {
-        const byHead = contiguous(src.order, 1, L, bp, hp) && contiguous(dst.order, 1, L, bd, hd);
-        const byToken = contiguous(src.order, n, 1, bp, hp) && contiguous(dst.order, n, 1, bd, hd);
+        const byHead = L === 1 || (sTs === row && dTs === row);
+        const byToken = n === 1 || (sHs === row && dHs === row);
         if (byHead && (!byToken || n <= L)) {
           hn = 1;
           tn = L;
@@ -390,12 +458,22 @@ function relativePieces(
         }
       }
       const len = hn * tn * row;
-      for (let h = 0; h < n; h += hn) {
-        for (let t = 0; t < L; t += tn) {
-          const so = sHnd ? ((a + h) * bp + p0 + t) * row : ((p0 + t) * hp + a + h) * row;
-          const dOff = dHnd ? ((b + h) * bd + d0 + t) * row : ((d0 + t) * hd + b + h) * row;
-          const merge = coalesce && (acrossChunks || out.n > out.chunkStart[c]!);
-          out.add(sBase + so, dBase + dOff, len, merge);
+      const sStart = sBase + a * sHs + p0 * sTs;
+      const dStart = dBase + b * dHs + d0 * dTs;
+      const start = out.chunkStart[c]!;
+      if (tokensOuter && hn < n && tn < L) {
+        for (let t = 0; t < L; t++) {
+          for (let h = 0; h < n; h++) {
+            const merge = coalesce && (acrossChunks || out.n > start);
+            out.add(sStart + h * sHs + t * sTs, dStart + h * dHs + t * dTs, len, merge);
+          }
+        }
+      } else {
+        for (let h = 0; h < n; h += hn) {
+          for (let t = 0; t < L; t += tn) {
+            const merge = coalesce && (acrossChunks || out.n > start);
+            out.add(sStart + h * sHs + t * sTs, dStart + h * dHs + t * dTs, len, merge);
+          }
         }
       }
     }
@@ -410,12 +488,46 @@ function relativePieces(
  * by block across slots, so a whole block (and a run of blocks) becomes one descriptor.
  */
 function slotsInterleaved(layout: KvLayout): boolean {
-  const bb = kvBlockBytes(layout);
+  const bb = kvBlockFootprint(layout);
   const slots = layout.slots;
   if (layout.blockStride !== slots.length * bb && layout.numBlocks > 1) return false;
   for (let s = 1; s < slots.length; s++) {
     if (slots[s]!.region !== slots[0]!.region) return false;
     if (slots[s]!.offset !== slots[s - 1]!.offset + bb) return false;
+  }
+  return true;
+}
+
+/**
+ * Whether each layer's V row directly follows its K row (V at K's offset + one row in the same
+ * region): fused cells. When both sides are like that, a layer's K and V are planned as one slot
+ * of rows twice as wide, so a fused block is one piece instead of one per (head, token, K|V).
+ */
+function kvRowsAdjacent(layout: KvLayout): boolean {
+  if (layout.mla) return false;
+  const row = kvRowBytes(layout);
+  const slots = layout.slots;
+  for (let s = 0; s + 1 < slots.length; s += 2) {
+    const k = slots[s]!;
+    const v = slots[s + 1]!;
+    if (k.region !== v.region || v.offset !== k.offset + row) return false;
+  }
+  return true;
+}
+
+/**
+ * Whether each layer's K and V share a region and their rows interleave inside a block (V starts
+ * within K's block footprint: vLLM's CPU layout, fused cells). When both sides are like that, K
+ * and V are issued piece by piece together (`appendPaired`).
+ */
+function kvRowsInterleaved(layout: KvLayout): boolean {
+  if (layout.mla) return false;
+  const fp = kvBlockFootprint(layout);
+  const slots = layout.slots;
+  for (let s = 0; s + 1 < slots.length; s += 2) {
+    const k = slots[s]!;
+    const v = slots[s + 1]!;
+    if (k.region !== v.region || Math.abs(v.offset - k.offset) >= fp) return false;
   }
   return true;
 }
@@ -473,8 +585,14 @@ export function planTransfer(
   const chunks = buildChunks(src, dst, request, prefix);
   const wantSrc = options.srcRanks ? new Set(options.srcRanks) : undefined;
   const wantDst = options.dstRanks ? new Set(options.dstRanks) : undefined;
-  const interleaved = slotsInterleaved(src) && slotsInterleaved(dst);
-  const nSlots = src.numLayers * kvPerLayer(src);
+  // Planned slots: every (layer, K|V) slot, or with fused K|V rows on both sides one slot per
+  // layer (the K slot, rows `2 * row` wide covering K's row and V's).
+  const wide = kvRowsAdjacent(src) && kvRowsAdjacent(dst);
+  const slotStep = wide ? 2 : 1;
+  const row = kvRowBytes(src) * slotStep;
+  const interleaved = !wide && slotsInterleaved(src) && slotsInterleaved(dst);
+  const kvPaired = !wide && !interleaved && kvRowsInterleaved(src) && kvRowsInterleaved(dst);
+  const nSlots = (src.numLayers * kvPerLayer(src)) / slotStep;
 
   // Region pairs are fixed by slot, the same for every rank pair.
   const dstRegions = dst.regionBytes.length;
@@ -483,7 +601,7 @@ export function planTransfer(
   const slotsPerPair: number[] = [];
   const keyIndex = new Map<number, number>();
   for (let s = 0; s < nSlots; s++) {
-    const key = src.slots[s]!.region * dstRegions + dst.slots[s]!.region;
+    const key = src.slots[s * slotStep]!.region * dstRegions + dst.slots[s * slotStep]!.region;
     let idx = keyIndex.get(key);
     if (idx === undefined) {
       idx = pairKeys.length;
@@ -497,8 +615,8 @@ export function planTransfer(
   const srcOff = new Float64Array(nSlots);
   const dstOff = new Float64Array(nSlots);
   for (let s = 0; s < nSlots; s++) {
-    srcOff[s] = src.slots[s]!.offset;
-    dstOff[s] = dst.slots[s]!.offset;
+    srcOff[s] = src.slots[s * slotStep]!.offset;
+    dstOff[s] = dst.slots[s * slotStep]!.offset;
   }
 
   const pairs: RankPairPlan[] = [];
@@ -515,24 +633,41 @@ export function planTransfer(
       else bySrc.set(s.srcRank, [s]);
     }
     for (const srcRank of [...bySrc.keys()].sort((x, y) => x - y)) {
-      const pieces = relativePieces(src, dst, chunks, bySrc.get(srcRank)!, coalesce, !interleaved);
+      const sources = bySrc.get(srcRank)!;
+      const pieces = relativePieces(src, dst, chunks, sources, coalesce, !interleaved, row);
       // Slot by slot, pieces.n per slot bounds a list exactly; interleaved layouts mostly merge
-      // whole blocks across slots, so their one list starts small and grows.
-      const lists = pairKeys.map(
-        (key, i) =>
-          new DescriptorList(
-            Math.floor(key / dstRegions),
-            key % dstRegions,
-            interleaved ? Math.min(pieces.n * slotsPerPair[i]!, 4096) : pieces.n * slotsPerPair[i]!,
-            coalesce,
-          ),
-      );
+      // whole blocks across slots, so their lists start small and grow.
+      const lists = pairKeys.map((key, i) => {
+        const bound = pieces.n * slotsPerPair[i]!;
+        return new DescriptorList(
+          Math.floor(key / dstRegions),
+          key % dstRegions,
+          interleaved || kvPaired ? Math.min(bound, 4096) : bound,
+          coalesce,
+        );
+      });
       const ps = pieces.src;
       const pd = pieces.dst;
       const pl = pieces.len;
       if (interleaved) {
         // Interleaved layouts keep every slot in one region on each side: one list.
         lists[0]!.appendInterleaved(srcOff, dstOff, ps, pd, pl, pieces.chunkStart, chunks.n);
+      } else if (kvPaired) {
+        // K and V of a layer share a region on each side, so one list; the slot that comes first
+        // in P's memory goes first.
+        for (let s = 0; s < nSlots; s += 2) {
+          const [a, b] = srcOff[s]! <= srcOff[s + 1]! ? [s, s + 1] : [s + 1, s];
+          lists[slotPair[s]!]!.appendPaired(
+            srcOff[a]!,
+            dstOff[a]!,
+            srcOff[b]!,
+            dstOff[b]!,
+            ps,
+            pd,
+            pl,
+            pieces.n,
+          );
+        }
       } else {
         for (let s = 0; s < nSlots; s++) {
           lists[slotPair[s]!]!.append(srcOff[s]!, dstOff[s]!, ps, pd, pl, 0, pieces.n);

@@ -7,7 +7,13 @@ import { performance } from "node:perf_hooks";
 import { parseArgs } from "node:util";
 
 import { SidecarClient, type ResumableWatch } from "../api/client.js";
-import { kvHeadsPerRank, kvPerLayer, type KvLayout } from "../plan/index.js";
+import {
+  KV_REGION_SCHEMES,
+  kvHeadsPerRank,
+  kvPerLayer,
+  type KvLayout,
+  type KvRegionScheme,
+} from "../plan/index.js";
 import type { SidecarEvent, TransferMode } from "../sidecar/view.js";
 import { SimEngineProcess, type SimEngineOptions } from "./engine-client.js";
 import { SIM_MODELS, type SimModel } from "./engine.js";
@@ -28,6 +34,9 @@ export interface DemoOptions {
   pBlock: number;
   dBlock: number;
   layout: "hnd" | "nhd";
+  /** Where each side's engine places its KV (`KvRegionScheme`; default `region-per-layer`). */
+  pScheme?: KvRegionScheme;
+  dScheme?: KvRegionScheme;
   model: SimModel;
   layers?: number;
   kvHeads?: number;
@@ -176,6 +185,8 @@ export type NodeShape = Pick<
   | "pBlock"
   | "dBlock"
   | "layout"
+  | "pScheme"
+  | "dScheme"
   | "model"
   | "layers"
   | "kvHeads"
@@ -242,6 +253,9 @@ export async function startNode(
     block: role === "prefill" ? o.pBlock : o.dBlock,
     blocks: track.blocks,
     layout: o.layout,
+    ...((role === "prefill" ? o.pScheme : o.dScheme) !== undefined
+      ? { scheme: role === "prefill" ? o.pScheme : o.dScheme }
+      : {}),
     ...(o.layers !== undefined ? { layers: o.layers } : {}),
     ...(o.kvHeads !== undefined ? { kvHeads: o.kvHeads } : {}),
     ...(o.headDim !== undefined ? { headDim: o.headDim } : {}),
@@ -524,7 +538,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
 }
 
 export const DEMO_USAGE = `usage: kvxfer demo [--prefill N] [--decode N] [--p-tp N] [--d-tp N] [--p-block N] [--d-block N]
-  [--layout hnd|nhd] [--model ${Object.keys(SIM_MODELS).join("|")}] [--layers N] [--kv-heads N] [--head-dim N]
+  [--layout hnd|nhd] [--p-scheme NAME] [--d-scheme NAME] [--model ${Object.keys(SIM_MODELS).join("|")}] [--layers N] [--kv-heads N] [--head-dim N]
   [--mode push|pull|auto] [--dispatch sequential|concurrent] [--requests N] [--prompt-tokens N[,N...]]
   [--prefix-tokens N] [--compute-ms N] [--concurrency N] [--blocks N] [--transport shm|tcp] [--json]`;
 
@@ -560,6 +574,8 @@ export function parseDemoArgs(argv: string[]): { options: DemoOptions; json: boo
       "p-block": s,
       "d-block": s,
       layout: s,
+      "p-scheme": s,
+      "d-scheme": s,
       model: s,
       layers: s,
       "kv-heads": s,
@@ -587,6 +603,8 @@ export function parseDemoArgs(argv: string[]): { options: DemoOptions; json: boo
   set("pBlock", int("p-block", values["p-block"]));
   set("dBlock", int("d-block", values["d-block"]));
   set("layout", choice("layout", values.layout, ["hnd", "nhd"] as const));
+  set("pScheme", choice("p-scheme", values["p-scheme"], KV_REGION_SCHEMES));
+  set("dScheme", choice("d-scheme", values["d-scheme"], KV_REGION_SCHEMES));
   const model = choice("model", values.model, Object.keys(SIM_MODELS) as SimModel[]);
   if (model !== undefined) {
     o.model = model;

@@ -34,7 +34,13 @@ import {
   type SidecarToEngine,
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { Agent, type Region } from "../native/index.js";
-import { type KvLayout, type KvRegionScheme, kvLayout, validateKvLayout } from "../plan/index.js";
+import {
+  type KvLayout,
+  type KvRegionScheme,
+  KV_REGION_SCHEMES,
+  kvLayout,
+  validateKvLayout,
+} from "../plan/index.js";
 import { kvLayoutToProto } from "../plan/layout-proto.js";
 import { fillKv, verifyKv } from "./kv-pattern.js";
 import { prng } from "./prng.js";
@@ -52,13 +58,7 @@ export const SIM_MODELS: Readonly<
   "deepseek-mla": { numLayers: 61, mla: true, totalKvHeads: 1, headDim: 576 },
 };
 
-const SCHEMES: readonly KvRegionScheme[] = [
-  "region-per-layer",
-  "region-per-layer-kv",
-  "region-per-layer-blocks-first",
-  "one-region-blocks-first",
-  "one-region-layers-first",
-];
+const SCHEMES = KV_REGION_SCHEMES;
 
 export interface SimEngineConfig {
   readonly engineId: string;

@@ -10,7 +10,15 @@
  */
 import { endianness } from "node:os";
 
-import { type KvLayout, firstKvHeadOfRank, kvHeadsPerRank, kvPerLayer } from "../plan/index.js";
+import {
+  type KvLayout,
+  firstKvHeadOfRank,
+  headStride,
+  kvHeadsPerRank,
+  kvPerLayer,
+  kvRowBytes,
+  tokenStride,
+} from "../plan/index.js";
 
 export interface KvCheck {
   /** Bytes compared. */
@@ -135,8 +143,8 @@ function forEachRow(
   const nKv = kvPerLayer(layout);
   const heads = kvHeadsPerRank(layout);
   const firstHead = firstKvHeadOfRank(layout, rank);
-  const rowBytes = layout.headDim * layout.dtypeBytes;
-  const hnd = layout.order === "HND";
+  const hs = headStride(layout);
+  const ts = tokenStride(layout);
   const row: Row = {
     region: regions[0]!,
     regionIndex: 0,
@@ -155,12 +163,11 @@ function forEachRow(
       row.layer = layer;
       row.kv = kv;
       for (let t = fromToken; t < toToken; t++) {
-        const blockBase = slot.offset + blockIds[Math.floor(t / bs)]! * layout.blockStride;
-        const pos = t % bs;
+        const tokenBase =
+          slot.offset + blockIds[Math.floor(t / bs)]! * layout.blockStride + (t % bs) * ts;
         row.token = t;
         for (let h = 0; h < heads; h++) {
-          const inBlockRow = hnd ? h * bs + pos : pos * heads + h;
-          row.offset = blockBase + inBlockRow * rowBytes;
+          row.offset = tokenBase + h * hs;
           row.head = firstHead + h;
           row.seed = rowSeed(seed, layer, kv, t, row.head);
           if (visit(row) === false) return;
@@ -198,7 +205,7 @@ export function fillKv(
   fromToken: number,
   toToken: number,
 ): void {
-  const rowBytes = layout.headDim * layout.dtypeBytes;
+  const rowBytes = kvRowBytes(layout);
   const nWords = rowBytes / 4;
   const views = wordViews(regions);
   forEachRow(layout, rank, regions, transferId, blockIds, fromToken, toToken, (row) => {
@@ -228,7 +235,7 @@ export function verifyKv(
   fromToken: number,
   toToken: number,
 ): KvCheck {
-  const rowBytes = layout.headDim * layout.dtypeBytes;
+  const rowBytes = kvRowBytes(layout);
   const out: KvCheck = { checkedBytes: 0, mismatches: 0 };
   const mismatchAt = (row: Row, j: number, got: number, want: number): void => {
     out.mismatches++;

@@ -8,6 +8,7 @@ import {
   type KvRegionScheme,
   type PlanOptions,
   type TransferPlan,
+  KV_REGION_SCHEMES,
   kvLayout,
   planTransfer,
 } from "../../src/plan/index.js";
@@ -20,16 +21,13 @@ import {
   rng,
 } from "./reference.js";
 
-export const SCHEMES: readonly KvRegionScheme[] = [
-  "region-per-layer",
-  "region-per-layer-kv",
-  "region-per-layer-blocks-first",
-  "one-region-blocks-first",
-  "one-region-layers-first",
-];
+export const SCHEMES: readonly KvRegionScheme[] = KV_REGION_SCHEMES;
 
-/** A scheme name, or `scattered`: random regions, padded block stride, gaps, shuffled slots. */
-export type Addressing = KvRegionScheme | "scattered";
+/**
+ * A scheme name; `scattered`: random regions, padded block stride, gaps, shuffled slots;
+ * `strided`: explicit head and token strides with padding, K and V apart or interleaved.
+ */
+export type Addressing = KvRegionScheme | "scattered" | "strided";
 
 /**
  * Slots spread over 1-3 regions in a shuffled order, with a block stride above the block size
@@ -58,8 +56,104 @@ export function scatteredLayout(shape: KvLayoutShape, seed: number): KvLayout {
   };
 }
 
+/** How K and V of a layer sit in a `stridedLayout`. */
+export type KvPlacement = "apart" | "in-block" | "in-cell";
+
+/**
+ * A layout with explicit strides, written from the definition (byte of (slot, block, head, token)
+ * = `offset + block * blockStride + head * headStride + token * tokenStride`), not from
+ * `kvLayout`: rows `inner` stride apart (tokens for HND, heads for NHD), groups of them `outer`
+ * stride apart, with random padding at every level. K and V of a layer are `apart` (each its own
+ * block), interleaved `in-block` (`[outer][K|V][inner]`, vLLM's CPU layout for HND) or `in-cell`
+ * (`[outer][inner][K|V]`, fused cells for NHD), sometimes V first. The units (a slot, or a layer's
+ * K and V) go one after another over 1-3 regions in a shuffled order with gaps, or side by side
+ * in every block. A stride equal to its dense default is sometimes left out.
+ */
+export function stridedLayout(
+  shape: KvLayoutShape,
+  seed: number,
+  placement?: KvPlacement,
+): KvLayout {
+  const next = rng(seed);
+  const pad = () => (next() < 0.5 ? 0 : 1 + Math.floor(next() * 6));
+  const row = shape.headDim * shape.dtypeBytes;
+  const hpr = shape.mla ? 1 : Math.max(1, shape.totalKvHeads / shape.tpSize);
+  const nKv = shape.mla ? 1 : 2;
+  const hnd = shape.order === "HND";
+  const nOuter = hnd ? hpr : shape.blockSize;
+  const nInner = hnd ? shape.blockSize : hpr;
+  const kvPlace: KvPlacement =
+    nKv === 1
+      ? "apart"
+      : (placement ?? (["apart", "in-block", "in-cell"] as const)[(next() * 3) | 0]!);
+  let innerStride: number;
+  let outerStride: number;
+  let kvStep = 0;
+  if (kvPlace === "in-cell") {
+    kvStep = row + pad();
+    innerStride = kvStep + row + pad();
+    outerStride = (nInner - 1) * innerStride + kvStep + row + pad();
+  } else {
+    innerStride = row + pad();
+    const innerSpan = (nInner - 1) * innerStride + row;
+    if (kvPlace === "in-block") {
+      kvStep = innerSpan + pad();
+      outerStride = kvStep + innerSpan + pad();
+    } else {
+      outerStride = innerSpan + pad();
+    }
+  }
+  // One slot's block spans `footprint`; a unit (a slot, or K and V together) `unitBlock`.
+  const footprint = (nOuter - 1) * outerStride + (nInner - 1) * innerStride + row;
+  const unitBlock = footprint + kvStep;
+  const perUnit = kvPlace === "apart" ? 1 : 2;
+  const nUnits = (shape.numLayers * nKv) / perUnit;
+  const vFirst = next() < 0.3;
+  const unitSlots = (u: number): number[] =>
+    perUnit === 1 ? [u] : vFirst ? [2 * u + 1, 2 * u] : [2 * u, 2 * u + 1];
+  const slots = new Array<{ region: number; offset: number }>(shape.numLayers * nKv);
+  let blockStride: number;
+  let regionBytes: number[];
+  if (next() < 0.3) {
+    // Side by side in every block, in one region.
+    let cursor = pad();
+    for (let u = 0; u < nUnits; u++) {
+      unitSlots(u).forEach((s, i) => (slots[s] = { region: 0, offset: cursor + i * kvStep }));
+      cursor += unitBlock + pad();
+    }
+    blockStride = cursor;
+    regionBytes = [(shape.numBlocks - 1) * blockStride + cursor + pad()];
+  } else {
+    blockStride = unitBlock + pad();
+    const unitSpan = (shape.numBlocks - 1) * blockStride + unitBlock;
+    const nRegions = 1 + Math.floor(next() * 3);
+    const cursor = Array.from({ length: nRegions }, () => pad());
+    const order = Array.from({ length: nUnits }, (_, u) => u).sort(() => next() - 0.5);
+    for (const u of order) {
+      const region = Math.floor(next() * nRegions);
+      unitSlots(u).forEach((s, i) => (slots[s] = { region, offset: cursor[region]! + i * kvStep }));
+      cursor[region]! += unitSpan + pad();
+    }
+    regionBytes = cursor.map((c) => c + pad());
+  }
+  const headStride = hnd ? outerStride : innerStride;
+  const tokenStride = hnd ? innerStride : outerStride;
+  const denseHead = hnd ? shape.blockSize * row : row;
+  const denseToken = hnd ? row : hpr * row;
+  return {
+    ...shape,
+    blockStride,
+    slots,
+    regionBytes,
+    ...(headStride !== denseHead || next() < 0.5 ? { headStride } : {}),
+    ...(tokenStride !== denseToken || next() < 0.5 ? { tokenStride } : {}),
+  };
+}
+
 export function makeLayout(shape: KvLayoutShape, addressing: Addressing, seed = 1): KvLayout {
-  return addressing === "scattered" ? scatteredLayout(shape, seed) : kvLayout(shape, addressing);
+  if (addressing === "scattered") return scatteredLayout(shape, seed);
+  if (addressing === "strided") return stridedLayout(shape, seed);
+  return kvLayout(shape, addressing);
 }
 
 export interface Model {
@@ -130,6 +224,12 @@ function maskPrefix(ids: number[], blockSize: number, prefix: number, extra: boo
   return out;
 }
 
+/** Any addressing; explicit strides a third of the time. */
+export const addressingArb: fc.Arbitrary<Addressing> = fc.oneof(
+  { arbitrary: fc.constantFrom<Addressing>(...SCHEMES, "scattered"), weight: 2 },
+  { arbitrary: fc.constant<Addressing>("strided"), weight: 1 },
+);
+
 /** Random compatible pairs of layouts and a request, kept small so a run takes milliseconds. */
 export const planCaseArb: fc.Arbitrary<PlanCase> = fc
   .record({
@@ -146,10 +246,7 @@ export const planCaseArb: fc.Arbitrary<PlanCase> = fc
       fc.constantFrom<KvBlockOrder>("HND", "NHD"),
       fc.constantFrom<KvBlockOrder>("HND", "NHD"),
     ),
-    addressing: fc.tuple(
-      fc.constantFrom<Addressing>(...SCHEMES, "scattered"),
-      fc.constantFrom<Addressing>(...SCHEMES, "scattered"),
-    ),
+    addressing: fc.tuple(addressingArb, addressingArb),
     numTokens: fc.oneof(fc.integer({ min: 0, max: 40 }), fc.integer({ min: 0, max: 300 })),
     prefixFrac: fc.oneof(fc.constant(0), fc.double({ min: 0, max: 1, noNaN: true })),
     spareBlocks: fc.tuple(fc.integer({ min: 0, max: 6 }), fc.integer({ min: 0, max: 6 })),

@@ -37,11 +37,14 @@ export function addressOf(
   const pos = token % layout.blockSize;
   const block = blockIds[blockIndex]!;
   const rowBytes = layout.headDim * layout.dtypeBytes;
-  const inBlockRow =
-    layout.order === "HND" ? localHead * layout.blockSize + pos : pos * headsHere + localHead;
+  // Absent or 0 strides are dense in the layout's order: HND [head][token], NHD [token][head].
+  const hnd = layout.order === "HND";
+  const headStride = layout.headStride || (hnd ? layout.blockSize * rowBytes : rowBytes);
+  const tokenStride = layout.tokenStride || (hnd ? rowBytes : headsHere * rowBytes);
   return {
     region: slot.region,
-    offset: slot.offset + block * layout.blockStride + inBlockRow * rowBytes + byte,
+    offset:
+      slot.offset + block * layout.blockStride + localHead * headStride + pos * tokenStride + byte,
   };
 }
 

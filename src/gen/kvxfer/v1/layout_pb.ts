@@ -14,7 +14,8 @@ export const file_kvxfer_v1_layout: GenFile = /*@__PURE__*/
 
 /**
  * Where one (layer, K|V) slot lives: block b of the slot starts at
- * `offset + b * KvLayout.block_stride` bytes into region `region`.
+ * `offset + b * KvLayout.block_stride` bytes into region `region`; inside it, head h and
+ * token t start `h * head_stride + t * token_stride` bytes further.
  *
  * @generated from message kvxfer.v1.KvSlotAddress
  */
