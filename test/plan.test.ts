@@ -567,3 +567,119 @@ describe("coalescing with K and V interleaved inside a block", () => {
     );
   });
 });
+
+describe("opaque blocks (vLLM CPU: K column-major inside a (block, head))", () => {
+  // 2 layers, 4 KV heads x 32, bf16, block 32: small enough to check every byte.
+  const tiny: Model = { ...llama8b, numLayers: 2, totalKvHeads: 4, headDim: 32 };
+  const cpu = (tp: number, blockSize = 32): KvLayout => ({
+    ...layout(tiny, tp, blockSize, 12, "HND", "one-region-kv-in-block"),
+    opaqueBlocks: true,
+  });
+  const row = 32 * 2;
+
+  /** Random source bytes, the plan applied with memcpy, and the expected whole-run copies. */
+  function moveAndCheck(src: KvLayout, dst: KvLayout, numTokens: number, prefixTokens: number) {
+    const n = Math.ceil(numTokens / src.blockSize);
+    const srcIds = blockIds(n, src.numBlocks, 5);
+    const dstIds = blockIds(n, dst.numBlocks, 6);
+    const plan = planTransfer(src, dst, {
+      numTokens,
+      prefixTokens,
+      srcBlockIds: srcIds,
+      dstBlockIds: dstIds,
+    });
+    const srcMem = Array.from({ length: src.tpSize }, (_, r) =>
+      src.regionBytes.map((b) =>
+        Uint8Array.from({ length: b }, (_, i) => (i * 31 + r * 7 + 1) & 0xff),
+      ),
+    );
+    const dstMem = Array.from({ length: dst.tpSize }, () =>
+      dst.regionBytes.map((b) => new Uint8Array(b)),
+    );
+    for (const pair of plan.pairs) {
+      for (const rp of pair.regionPairs) {
+        const d = rp.descriptors;
+        for (let i = 0; i < d.length; i += 3) {
+          const from = srcMem[pair.srcRank]![rp.srcRegion]!;
+          dstMem[pair.dstRank]![rp.dstRegion]!.set(
+            from.subarray(d[i]!, d[i]! + d[i + 2]!),
+            d[i + 1]!,
+          );
+        }
+      }
+    }
+    // Every (layer, K|V, block past the prefix, head) run arrives whole; nothing else is written.
+    const expected = Array.from({ length: dst.tpSize }, () =>
+      dst.regionBytes.map((b) => new Uint8Array(b)),
+    );
+    const hd = 4 / dst.tpSize;
+    const hs = 4 / src.tpSize;
+    for (let dr = 0; dr < dst.tpSize; dr++) {
+      for (let s = 0; s < src.slots.length; s++) {
+        for (let b = prefixTokens / src.blockSize; b < n; b++) {
+          for (let h = 0; h < hd; h++) {
+            const g = dr * hd + h;
+            const sr = Math.floor(g / hs);
+            const so =
+              src.slots[s]!.offset +
+              srcIds[b]! * src.blockStride +
+              (g - sr * hs) * (src.headStride ?? 0);
+            const dOff =
+              dst.slots[s]!.offset + dstIds[b]! * dst.blockStride + h * (dst.headStride ?? 0);
+            expected[dr]![0]!.set(srcMem[sr]![0]!.subarray(so, so + src.blockSize * row), dOff);
+          }
+        }
+      }
+    }
+    for (let dr = 0; dr < dst.tpSize; dr++) {
+      expect(Buffer.from(dstMem[dr]![0]!).equals(Buffer.from(expected[dr]![0]!))).toBe(true);
+    }
+    return plan;
+  }
+
+  it("moves whole (block, head) runs, the last block's tail included, TP 1 -> 1 and 2 -> 4", () => {
+    const p = moveAndCheck(cpu(1), cpu(1), 70, 0);
+    // 3 blocks x 2 layers x (K and V): every byte of the 3 blocks, not just 70 tokens.
+    expect(p.bytes).toBe(3 * 2 * 2 * 4 * 32 * row);
+    moveAndCheck(cpu(2), cpu(4), 70, 32);
+    moveAndCheck(cpu(4), cpu(1), 96, 64);
+  });
+
+  it("refuses an unaligned prefix, and moves nothing when the prefix is every token", () => {
+    const ids = [0, 1, 2];
+    expect(() =>
+      planTransfer(cpu(1), cpu(1), {
+        numTokens: 70,
+        prefixTokens: 20,
+        srcBlockIds: ids,
+        dstBlockIds: ids,
+      }),
+    ).toThrow(expect.objectContaining({ code: "ERR_PLAN_INVALID", field: "prefixTokens" }));
+    const none = planTransfer(cpu(1), cpu(1), {
+      numTokens: 70,
+      prefixTokens: 70,
+      srcBlockIds: ids,
+      dstBlockIds: ids,
+    });
+    expect(none.bytes).toBe(0);
+  });
+
+  it("needs both sides opaque, one block size, HND with dense rows", () => {
+    const ids = [0, 1, 2];
+    const req = { numTokens: 64, srcBlockIds: ids, dstBlockIds: ids };
+    const dense = layout(tiny, 1, 32, 12, "HND", "one-region-kv-in-block");
+    expect(() => planTransfer(cpu(1), dense, req)).toThrow(
+      expect.objectContaining({ code: "ERR_LAYOUT_INCOMPATIBLE", field: "opaqueBlocks" }),
+    );
+    expect(() => planTransfer(cpu(1, 32), cpu(1, 64), req)).toThrow(
+      expect.objectContaining({ code: "ERR_LAYOUT_INCOMPATIBLE", field: "blockSize" }),
+    );
+    const nhd = {
+      ...layout(tiny, 1, 32, 12, "NHD", "region-per-layer-kv-in-cell"),
+      opaqueBlocks: true,
+    };
+    expect(() => planTransfer(nhd, nhd, req)).toThrow(
+      expect.objectContaining({ code: "ERR_LAYOUT_INVALID", field: "src.opaqueBlocks" }),
+    );
+  });
+});

@@ -9,7 +9,8 @@ const SAME_FIELDS = ["mla", "numLayers", "totalKvHeads", "headDim", "dtype", "dt
  * Each layout must be valid on its own (`ERR_LAYOUT_INVALID`, field prefixed `src.` or `dst.`);
  * then the model shape must match and one TP size must divide the other
  * (`ERR_LAYOUT_INCOMPATIBLE`). The message names the field and both values. Block sizes, block
- * counts, HND/NHD order and addressing may differ freely.
+ * counts, HND/NHD order and addressing may differ freely, except that opaque blocks
+ * (`opaqueBlocks`) need both sides opaque with one block size.
  */
 export function findIncompatibility(src: KvLayout, dst: KvLayout): PlanError | undefined {
   for (const [side, layout] of [
@@ -31,6 +32,22 @@ export function findIncompatibility(src: KvLayout, dst: KvLayout): PlanError | u
         `${field} differs: P has ${String(src[field])}, D has ${String(dst[field])}`,
       );
     }
+  }
+  const srcOpaque = src.opaqueBlocks === true;
+  const dstOpaque = dst.opaqueBlocks === true;
+  if (srcOpaque !== dstOpaque) {
+    return new PlanError(
+      "ERR_LAYOUT_INCOMPATIBLE",
+      "opaqueBlocks",
+      `opaqueBlocks differs: P has ${srcOpaque}, D has ${dstOpaque} (a token order private to one engine cannot be mapped to another's)`,
+    );
+  }
+  if (srcOpaque && src.blockSize !== dst.blockSize) {
+    return new PlanError(
+      "ERR_LAYOUT_INCOMPATIBLE",
+      "blockSize",
+      `blockSize differs: P has ${src.blockSize}, D has ${dst.blockSize}; opaque blocks move whole, so both sides need one block size`,
+    );
   }
   if (src.tpSize % dst.tpSize !== 0 && dst.tpSize % src.tpSize !== 0) {
     return new PlanError(

@@ -30,6 +30,7 @@ export function kvLayoutToProto(layout: KvLayout): KvLayoutPb {
     // Absent (dense) travels as 0, which the wire defines as dense too.
     headStride: BigInt(layout.headStride ?? 0),
     tokenStride: BigInt(layout.tokenStride ?? 0),
+    opaqueBlocks: layout.opaqueBlocks === true,
   });
 }
 
@@ -67,6 +68,7 @@ export function kvLayoutFromProto(msg: KvLayoutPb): KvLayout {
     // 0 on the wire is dense; the field is left out then, as `kvLayout` leaves it out.
     ...(msg.headStride !== 0n ? { headStride: toNumber(msg.headStride, "headStride") } : {}),
     ...(msg.tokenStride !== 0n ? { tokenStride: toNumber(msg.tokenStride, "tokenStride") } : {}),
+    ...(msg.opaqueBlocks ? { opaqueBlocks: true } : {}),
   };
   validateKvLayout(layout);
   return layout;

@@ -58,12 +58,21 @@ export interface KvLayout {
    * HND, `kvHeadsPerRank * row` for NHD). Read it through `tokenStride(layout)`.
    */
   readonly tokenStride?: number;
+  /**
+   * The `blockSize` rows of one head in one block (`blockSize * row` bytes from the head's start)
+   * hold its tokens in an order private to the engine: vLLM's CPU attention keeps K column-major
+   * (`[dim][token]`) and V row-major. Only whole (block, head) runs can move, so P and D must both
+   * be opaque with one block size, the prefix must be block-aligned, and the request's last block
+   * moves whole (its tail past the last token is the engine's scratch on both sides). Needs HND
+   * with dense rows inside a head. Absent: false.
+   */
+  readonly opaqueBlocks?: boolean;
 }
 
 /** The shape of a layout without its addressing, as `kvLayout` takes it. */
 export type KvLayoutShape = Omit<
   KvLayout,
-  "blockStride" | "slots" | "regionBytes" | "headStride" | "tokenStride"
+  "blockStride" | "slots" | "regionBytes" | "headStride" | "tokenStride" | "opaqueBlocks"
 >;
 
 /**
@@ -354,6 +363,15 @@ export function validateKvLayout(layout: KvLayout): void {
     throw invalid(
       "tokenStride",
       `tokenStride ${ts} makes tokens overlap: a token's ${hpr} heads ${hs} bytes apart span ${(hpr - 1) * hs + row} bytes`,
+    );
+  }
+  if (layout.opaqueBlocks !== undefined && typeof layout.opaqueBlocks !== "boolean") {
+    throw invalid("opaqueBlocks", "opaqueBlocks must be a boolean");
+  }
+  if (layout.opaqueBlocks === true && (layout.order !== "HND" || ts !== row)) {
+    throw invalid(
+      "opaqueBlocks",
+      `opaque blocks need HND order with a head's rows dense (tokenStride ${row}), got ${layout.order} with tokenStride ${ts}`,
     );
   }
   if (layout.numBlocks > 1 && layout.blockStride < footprint) {

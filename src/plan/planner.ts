@@ -287,7 +287,11 @@ function readBlockId(ids: ArrayLike<number>, i: number, layout: KvLayout, field:
 }
 
 function buildChunks(src: KvLayout, dst: KvLayout, req: PlanRequest, first: number): Chunks {
-  const last = req.numTokens;
+  // Opaque blocks move whole: the last block's tail past the last token goes with it.
+  const last =
+    src.opaqueBlocks === true && first < req.numTokens
+      ? Math.ceil(req.numTokens / src.blockSize) * src.blockSize
+      : req.numTokens;
   const bp = src.blockSize;
   const bd = dst.blockSize;
   // A chunk ends at a P or D block boundary or the last token, so there are at most this many.
@@ -540,6 +544,12 @@ function checkRequest(src: KvLayout, dst: KvLayout, req: PlanRequest): number {
   const k = req.prefixTokens ?? 0;
   if (!Number.isSafeInteger(k) || k < 0 || k > n) {
     throw requestError("prefixTokens", `prefixTokens ${String(k)} is not within 0..${n}`);
+  }
+  if (src.opaqueBlocks === true && k % src.blockSize !== 0 && k !== n) {
+    throw requestError(
+      "prefixTokens",
+      `prefixTokens ${k} is not a multiple of the block size ${src.blockSize}: opaque blocks move whole`,
+    );
   }
   for (const [field, ids, layout] of [
     ["srcBlockIds", req.srcBlockIds, src],

@@ -9,11 +9,17 @@ kvxfer slots (one per layer and K|V) with explicit head and token strides:
 ================  ==========================================  ====================
 packing           backend (examples)                          where K and V live
 ================  ==========================================  ====================
-``kv_in_tokens``  CPU_ATTN                                    per (block, head): N rows of K, then N of V
+``kv_in_tokens``  CPU_ATTN                                    per (block, head): K's N tokens, then V's
 ``kv_in_cell``    FLASH_ATTN, TRITON_ATTN                     per (block, head, token): K dims, then V dims
 ``kv_in_heads``   FLASHINFER                                  heads 0..H-1 are K, H..2H-1 are V
 ``latent``        MLA backends                                one latent per (block, token)
 ================  ==========================================  ====================
+
+``kv_in_tokens`` blocks are *opaque*: the CPU kernels keep K column-major
+(``[dim][token]``) inside a (block, head) and V row-major, so a token's K is not
+one row. The layout says so (``opaque_blocks``): whole (block, head) runs move,
+P and D need one block size, and a prefix must be block-aligned (vLLM's prefix
+cache only hits whole blocks anyway).
 
 A backend missing from ``BACKEND_PACKING`` is refused at start-up by name
 (``LayoutError ERR_LAYOUT_UNSUPPORTED``): guessing a packing would move the
@@ -186,6 +192,7 @@ def describe(
         region_bytes=region_bytes,
         head_stride=head_stride,
         token_stride=token_stride,
+        opaque_blocks=packing == "kv_in_tokens",
     )
     return DescribedLayout(layout=layout, layers=[v.name for v in unique], blocks_per_block=block_size // tokens)
 

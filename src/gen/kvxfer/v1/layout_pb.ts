@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvxfer/v1/layout.proto.
  */
 export const file_kvxfer_v1_layout: GenFile = /*@__PURE__*/
-  fileDesc("ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiLwoNS3ZTbG90QWRkcmVzcxIOCgZyZWdpb24YASABKA0SDgoGb2Zmc2V0GAIgASgEIusCCghLdkxheW91dBISCgpudW1fbGF5ZXJzGAEgASgNEgsKA21sYRgCIAEoCBIWCg50b3RhbF9rdl9oZWFkcxgDIAEoDRIQCghoZWFkX2RpbRgEIAEoDRINCgVkdHlwZRgFIAEoCRITCgtkdHlwZV9ieXRlcxgGIAEoDRISCgpibG9ja19zaXplGAcgASgNEhIKCm51bV9ibG9ja3MYCCABKA0SJgoFb3JkZXIYCSABKA4yFy5rdnhmZXIudjEuS3ZCbG9ja09yZGVyEg8KB3RwX3NpemUYCiABKA0SDwoHdHBfcmFuaxgLIAEoDRIUCgxibG9ja19zdHJpZGUYDCABKAQSJwoFc2xvdHMYDSADKAsyGC5rdnhmZXIudjEuS3ZTbG90QWRkcmVzcxIUCgxyZWdpb25fYnl0ZXMYDiADKAQSEwoLaGVhZF9zdHJpZGUYDyABKAQSFAoMdG9rZW5fc3RyaWRlGBAgASgEKl4KDEt2QmxvY2tPcmRlchIeChpLVl9CTE9DS19PUkRFUl9VTlNQRUNJRklFRBAAEhYKEktWX0JMT0NLX09SREVSX0hORBABEhYKEktWX0JMT0NLX09SREVSX05IRBACYgZwcm90bzM");
+  fileDesc("ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiLwoNS3ZTbG90QWRkcmVzcxIOCgZyZWdpb24YASABKA0SDgoGb2Zmc2V0GAIgASgEIoIDCghLdkxheW91dBISCgpudW1fbGF5ZXJzGAEgASgNEgsKA21sYRgCIAEoCBIWCg50b3RhbF9rdl9oZWFkcxgDIAEoDRIQCghoZWFkX2RpbRgEIAEoDRINCgVkdHlwZRgFIAEoCRITCgtkdHlwZV9ieXRlcxgGIAEoDRISCgpibG9ja19zaXplGAcgASgNEhIKCm51bV9ibG9ja3MYCCABKA0SJgoFb3JkZXIYCSABKA4yFy5rdnhmZXIudjEuS3ZCbG9ja09yZGVyEg8KB3RwX3NpemUYCiABKA0SDwoHdHBfcmFuaxgLIAEoDRIUCgxibG9ja19zdHJpZGUYDCABKAQSJwoFc2xvdHMYDSADKAsyGC5rdnhmZXIudjEuS3ZTbG90QWRkcmVzcxIUCgxyZWdpb25fYnl0ZXMYDiADKAQSEwoLaGVhZF9zdHJpZGUYDyABKAQSFAoMdG9rZW5fc3RyaWRlGBAgASgEEhUKDW9wYXF1ZV9ibG9ja3MYESABKAgqXgoMS3ZCbG9ja09yZGVyEh4KGktWX0JMT0NLX09SREVSX1VOU1BFQ0lGSUVEEAASFgoSS1ZfQkxPQ0tfT1JERVJfSE5EEAESFgoSS1ZfQkxPQ0tfT1JERVJfTkhEEAJiBnByb3RvMw");
 
 /**
  * Where one (layer, K|V) slot lives: block b of the slot starts at
@@ -144,6 +144,16 @@ export type KvLayout = Message<"kvxfer.v1.KvLayout"> & {
    * @generated from field: uint64 token_stride = 16;
    */
   tokenStride: bigint;
+
+  /**
+   * Tokens inside one (block, head) run are in an order private to the engine (vLLM's CPU
+   * backend keeps K column-major, [dim][token]): only whole runs of block_size tokens move, so
+   * P and D must use one block size and a block-aligned prefix, and the last block moves whole.
+   * Needs HND with rows dense inside a head (token_stride one row).
+   *
+   * @generated from field: bool opaque_blocks = 17;
+   */
+  opaqueBlocks: boolean;
 };
 
 /**

@@ -25,7 +25,7 @@ class KvSlotAddress(_message.Message):
     def __init__(self, region: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "mla", "total_kv_heads", "head_dim", "dtype", "dtype_bytes", "block_size", "num_blocks", "order", "tp_size", "tp_rank", "block_stride", "slots", "region_bytes", "head_stride", "token_stride")
+    __slots__ = ("num_layers", "mla", "total_kv_heads", "head_dim", "dtype", "dtype_bytes", "block_size", "num_blocks", "order", "tp_size", "tp_rank", "block_stride", "slots", "region_bytes", "head_stride", "token_stride", "opaque_blocks")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MLA_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class KvLayout(_message.Message):
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEAD_STRIDE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    OPAQUE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     mla: bool
     total_kv_heads: int
@@ -58,4 +59,5 @@ class KvLayout(_message.Message):
     region_bytes: _containers.RepeatedScalarFieldContainer[int]
     head_stride: int
     token_stride: int
-    def __init__(self, num_layers: _Optional[int] = ..., mla: _Optional[bool] = ..., total_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., order: _Optional[_Union[KvBlockOrder, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., block_stride: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[KvSlotAddress, _Mapping]]] = ..., region_bytes: _Optional[_Iterable[int]] = ..., head_stride: _Optional[int] = ..., token_stride: _Optional[int] = ...) -> None: ...
+    opaque_blocks: bool
+    def __init__(self, num_layers: _Optional[int] = ..., mla: _Optional[bool] = ..., total_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., order: _Optional[_Union[KvBlockOrder, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., block_stride: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[KvSlotAddress, _Mapping]]] = ..., region_bytes: _Optional[_Iterable[int]] = ..., head_stride: _Optional[int] = ..., token_stride: _Optional[int] = ..., opaque_blocks: _Optional[bool] = ...) -> None: ...
