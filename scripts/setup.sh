@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what kvxfer needs on a Debian machine that has only Node and npm:
 # UCX (libucx-dev, ucx-utils), the native toolchain (cmake, g++, pkg-config),
-# clang-format, iproute2 and openssl for the tests, the npm dependencies, and the build.
+# clang-format, iproute2 and openssl for the tests, the npm dependencies, the build,
+# and the Python side (scripts/setup-python.sh: .venv with vLLM and the connector).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,3 +38,6 @@ fi
 # registry serves (e.g. no darwin or win32 builds of buf), which npm ci refuses.
 npm install --no-fund --no-audit
 npm run build
+
+# The vLLM connector, the vLLM engine the tests run, and the Python test tools.
+bash scripts/setup-python.sh

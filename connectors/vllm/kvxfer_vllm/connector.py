@@ -32,11 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
-from ._gen.kvxfer.v1 import engine_pb2
 from .config import ConnectorConfig, load_config
 from .errors import ConfigError, LayoutError
-from .layout import TensorView, describe, expand_block_ids, packing_of
+from .layout import describe, expand_block_ids, packing_of
 from .messages import StepMessages
+from .registration import region_files, registration, tensor_views
 from .scheduler import SchedulerLogic
 from .shm import HostBuffer, SharedKvFiles
 from .versions import check_vllm_version
@@ -128,20 +128,7 @@ class KvxferConnector(KVConnectorBase_V1):
             described_tensors = self._host.mirror(kv_caches)
         else:
             described_tensors = kv_caches
-        views = []
-        for name, t in described_tensors.items():
-            region, offset = self._files.locate(t)
-            views.append(
-                TensorView(
-                    name=name,
-                    shape=tuple(t.shape),
-                    stride=tuple(t.stride()),
-                    offset=offset,
-                    itemsize=t.element_size(),
-                    dtype=str(t.dtype).removeprefix("torch."),
-                    region=region,
-                )
-            )
+        views = tensor_views(described_tensors, self._files)
         mc = self._vllm_config.model_config
         described = describe(
             views,
@@ -158,8 +145,7 @@ class KvxferConnector(KVConnectorBase_V1):
             described.layout.num_layers, described.layout.dtype, described.layout.block_size,
             described.layout.head_stride, described.layout.token_stride, len(self._files.files), self.cfg.shm_dir,
         )
-        mine = [engine_pb2.RegionFile(path=f.path, offset=0, length=f.nbytes) for f in self._files.files]
-        every_rank = self._gather(mine)
+        every_rank = self._gather(region_files(self._files))
         if self._rank != 0:
             return
         bpb = described.blocks_per_block
@@ -174,12 +160,7 @@ class KvxferConnector(KVConnectorBase_V1):
             on_kv_ready=host.to_device if host is not None else None,
             before_prefill_done=host.to_host if host is not None else None,
         )
-        reg = engine_pb2.RegisterKvCache(
-            engine_id=self.cfg.engine_id,
-            layout=described.layout,
-            ranks=[engine_pb2.RankKvCache(rank=r, regions=files) for r, files in enumerate(every_rank)],
-        )
-        ans = self.worker.register(reg)
+        ans = self.worker.register(registration(self.cfg.engine_id, described, every_rank))
         log.info("kvxfer: registered with the sidecar (side channel %s, epoch %d)", ans.side_channel, ans.epoch)
 
     def _backend_name(self, layer_names: list[str]) -> str:
@@ -194,17 +175,16 @@ class KvxferConnector(KVConnectorBase_V1):
             raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"layers use several attention backends {sorted(names)}")
         return names.pop()
 
-    def _gather(self, mine: list[engine_pb2.RegionFile]) -> list[list[engine_pb2.RegionFile]]:
+    def _gather(self, mine: list[tuple[str, int, int]]) -> list[list[tuple[str, int, int]]]:
         """Every rank's region files, in rank order (rank 0 registers them all)."""
         if self.tp_size == 1:
             return [mine]
         import torch.distributed as dist
         from vllm.distributed.parallel_state import get_tp_group
 
-        plain = [(f.path, f.offset, f.length) for f in mine]
         out: list[Any] = [None] * self.tp_size
-        dist.all_gather_object(out, plain, group=get_tp_group().cpu_group)
-        return [[engine_pb2.RegionFile(path=p, offset=o, length=n) for p, o, n in files] for files in out]
+        dist.all_gather_object(out, mine, group=get_tp_group().cpu_group)
+        return [list(map(tuple, files)) for files in out]
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.worker is None:

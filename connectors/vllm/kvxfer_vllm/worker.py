@@ -16,6 +16,7 @@ recomputes, P frees). A sidecar that does not come back within
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -91,6 +92,8 @@ class WorkerLogic:
         self._lost_since: float | None = None
         self._ever_connected = False
         self.restarts = 0
+        #: The latest failures the sidecar reported, (transfer id, reason, message), newest last.
+        self.failures: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=64)
         self.link = EngineLink(engine_socket, self._on_message, self._on_state, max_frame_bytes)
 
     # --- registration -----------------------------------------------------------------
@@ -267,10 +270,12 @@ class WorkerLogic:
         elif kind == "kv_ready":
             self._ready_d(msg.kv_ready.transfer_id)
         elif kind == "kv_failed":
+            f = msg.kv_failed
             with self._lock:
-                d = self._d.get(msg.kv_failed.transfer_id)
+                d = self._d.get(f.transfer_id)
                 if d is not None:
                     d.failing = True
+                self.failures.append((f.transfer_id, engine_pb2.FailureReason.Name(f.reason), f.message))
             log.info("kvxfer: transfer %s failed (%s): %s; waiting for its blocks",
                      msg.kv_failed.transfer_id, engine_pb2.FailureReason.Name(msg.kv_failed.reason), msg.kv_failed.message)
         elif kind == "release_blocks":

@@ -1,0 +1,52 @@
+"""From an engine rank's KV tensors to the ``RegisterKvCache`` the sidecar takes.
+
+Shared by the adapter (``register_kv_caches``) and the tests, which build their
+tensors with vLLM's own allocation functions; torch only, no vLLM import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._gen.kvxfer.v1 import engine_pb2
+from .layout import DescribedLayout, TensorView
+from .shm import SharedKvFiles
+
+
+def tensor_views(kv_caches: dict[str, torch.Tensor], files: SharedKvFiles) -> list[TensorView]:
+    """Each tensor as numbers, placed in the shared-memory file that holds it (LayoutError if none)."""
+    views = []
+    for name, t in kv_caches.items():
+        region, offset = files.locate(t)
+        views.append(
+            TensorView(
+                name=name,
+                shape=tuple(t.shape),
+                stride=tuple(t.stride()),
+                offset=offset,
+                itemsize=t.element_size(),
+                dtype=str(t.dtype).removeprefix("torch."),
+                region=region,
+            )
+        )
+    return views
+
+
+def region_files(files: SharedKvFiles) -> list[tuple[str, int, int]]:
+    """This rank's regions as (path, offset, length), in region order (what rank 0 gathers)."""
+    return [(f.path, 0, f.nbytes) for f in files.files]
+
+
+def registration(
+    engine_id: str, described: DescribedLayout, every_rank: list[list[tuple[str, int, int]]]
+) -> engine_pb2.RegisterKvCache:
+    layout = engine_pb2.RegisterKvCache(engine_id=engine_id)
+    layout.layout.CopyFrom(described.layout)
+    layout.layout.tp_rank = 0
+    for rank, files in enumerate(every_rank):
+        layout.ranks.append(
+            engine_pb2.RankKvCache(
+                rank=rank, regions=[engine_pb2.RegionFile(path=p, offset=o, length=n) for p, o, n in files]
+            )
+        )
+    return layout

@@ -1,0 +1,100 @@
+"""An engine's KV cache as vLLM 0.32 lays it out, without an engine: the tests allocate it with
+vLLM's own ``create_kv_cache_views`` inside the connector's shared-memory placement, describe it
+with the connector's code, and register it with a real sidecar through ``WorkerLogic``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheLayout,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    create_kv_cache_views,
+)
+
+from kvxfer_vllm.layout import describe
+from kvxfer_vllm.registration import region_files, registration, tensor_views
+from kvxfer_vllm.shm import SharedKvFiles
+from kvxfer_vllm.worker import WorkerLogic
+
+#: backend name -> (packing, vLLM layout its kernels read)
+BACKENDS = {
+    "CPU_ATTN": ("kv_in_tokens", KVCacheLayout.LBHNC),
+    "FLASH_ATTN": ("kv_in_cell", KVCacheLayout.LBNHC),
+    "FLASHMLA": ("latent", KVCacheLayout.LBHNC),
+}
+
+
+@dataclass
+class Model:
+    layers: int = 2
+    total_kv_heads: int = 2
+    head_size: int = 32
+    dtype: torch.dtype = torch.bfloat16
+
+
+class KvEngine:
+    """All TP ranks of one engine: per rank, one shared file holding every layer's KV."""
+
+    def __init__(self, shm_dir: str, engine_id: str, *, backend: str, tp: int, block_size: int,
+                 num_blocks: int, model: Model = Model()) -> None:
+        self.engine_id = engine_id
+        self.packing, layout = BACKENDS[backend]
+        mla = self.packing == "latent"
+        heads = 1 if mla else max(1, model.total_kv_heads // tp)
+        if mla:
+            spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=model.head_size, dtype=model.dtype)
+        else:
+            spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=model.head_size, dtype=model.dtype)
+        page = spec.page_size_bytes
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(model.layers)]
+        size = page * num_blocks * model.layers
+        self.files: list[SharedKvFiles] = []
+        self.ranks: list[dict[str, torch.Tensor]] = []
+        for rank in range(tp):
+            files = SharedKvFiles(shm_dir, engine_id, rank)
+            with files.placement():
+                raw = torch.zeros(size, dtype=torch.int8)
+            t = KVCacheTensor(size=size, layers=names, layer_stride=page * num_blocks, block_stride=page)
+            self.files.append(files)
+            self.ranks.append(dict(zip(names, create_kv_cache_views(raw, spec, num_blocks, layout, t))))
+        self.described = describe(
+            tensor_views(self.ranks[0], self.files[0]),
+            packing=self.packing,
+            head_size=model.head_size,
+            total_kv_heads=1 if mla else model.total_kv_heads,
+            tp_size=tp,
+            tp_rank=0,
+            block_size=block_size,
+            region_bytes=[f.nbytes for f in self.files[0].files],
+        )
+        self.worker: WorkerLogic | None = None
+
+    def connect(self, socket: str, *, lost_timeout_s: float = 10.0) -> WorkerLogic:
+        self.worker = WorkerLogic(
+            engine_id=self.engine_id,
+            engine_socket=socket,
+            register_timeout_s=20.0,
+            sidecar_lost_timeout_s=lost_timeout_s,
+            max_frame_bytes=16 << 20,
+        )
+        self.worker.register(self.registration())
+        return self.worker
+
+    def registration(self):
+        return registration(self.engine_id, self.described, [region_files(f) for f in self.files])
+
+    def fill_random(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for files in self.files:
+            for f in files.files:
+                f.tensor.copy_(torch.randint(-128, 128, f.tensor.shape, dtype=torch.int8, generator=g))
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        for f in self.files:
+            f.close()

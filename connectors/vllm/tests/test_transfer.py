@@ -1,0 +1,192 @@
+"""Real bytes through real sidecars: KV laid out by vLLM's own allocation code, described by the
+connector, registered through the engine link, moved over UCX, and compared byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import unique, wait_for
+from kvengine import KvEngine
+
+from kvxfer_vllm.messages import ExpectMsg, PrefillDoneMsg, StepMessages
+from kvxfer_vllm.worker import Results
+
+
+class Collector:
+    """Accumulates a worker's results across polls."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.r = Results()
+
+    def poll(self) -> Results:
+        got = self.worker.take_results()
+        self.r.finished_sending |= got.finished_sending
+        self.r.finished_recving |= got.finished_recving
+        self.r.failed_recving |= got.failed_recving
+        return self.r
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (random bytes make NaNs, which never compare equal as floats)."""
+    return torch.equal(a.contiguous().view(torch.int8), b.contiguous().view(torch.int8))
+
+
+def heads_of(tp: int, total: int, rank: int) -> list[int]:
+    per = max(1, total // tp)
+    return [rank * per + i for i in range(per)] if tp <= total else [rank * total // tp]
+
+
+def locate(engine: KvEngine, head: int) -> tuple[int, int]:
+    """(rank, local head index) holding global KV head ``head`` (first rank that has it)."""
+    tp = len(engine.ranks)
+    for r in range(tp):
+        hs = heads_of(tp, 2, r) if engine.packing != "latent" else [0]
+        if head in hs:
+            return r, hs.index(head)
+    raise AssertionError(head)
+
+
+def run_transfer(sidecars, shm_dir, *, backend, p_tp, d_tp, p_block, d_block, tokens, prefix, mode,
+                 p_flags=(), d_flags=()):
+    p_sc = sidecars("prefill", *p_flags)
+    d_sc = sidecars("decode", *d_flags)
+    p = KvEngine(str(shm_dir), p_sc.engine_id, backend=backend, tp=p_tp, block_size=p_block, num_blocks=16)
+    d = KvEngine(str(shm_dir), d_sc.engine_id, backend=backend, tp=d_tp, block_size=d_block, num_blocks=16)
+    try:
+        pw, dw = p.connect(p_sc.socket), d.connect(d_sc.socket)
+        p.fill_random(1)
+        # D's "cached" prefix blocks hold a sentinel that must survive the transfer.
+        for rank in d.ranks:
+            for t in rank.values():
+                t.view(torch.int8).zero_()
+        p_blocks = [5, 9, 2, 11, 3][: -(-tokens // p_block)]
+        d_blocks = [7, 1, 12, 4, 8][: -(-tokens // d_block)]
+        for rank in d.ranks:
+            for t in rank.values():
+                for b in d_blocks[: prefix // d_block]:
+                    t[b].view(torch.int8).fill_(7)
+        tid = unique("t")
+        step_d = StepMessages(expect=[ExpectMsg("rd", tid, d_blocks, tokens, prefix, pw.side_channel,
+                                                p_blocks if mode == "pull" else None)])
+        step_p = StepMessages(prefill_done=[PrefillDoneMsg("rp", tid, p_blocks, tokens)])
+        if mode == "push":
+            dw.on_step(step_d)
+            pw.on_step(step_p)
+        else:
+            pw.on_step(step_p)
+            dw.on_step(step_d)
+        pc, dc = Collector(pw), Collector(dw)
+        wait_for(lambda: "rd" in dc.poll().finished_recving, 20, "D's KV")
+        wait_for(lambda: "rp" in pc.poll().finished_sending, 20, "P's blocks back")
+        return p, d, p_blocks, d_blocks, dc.r
+    except BaseException:
+        p.close()
+        d.close()
+        raise
+
+
+def check_cpu_blocks(p, d, p_blocks, d_blocks, tokens, prefix, block):
+    """Opaque blocks: every moved (layer, block, head) run equal; prefix and other blocks untouched."""
+    moved = range(prefix // block, -(-tokens // block))
+    for dr, rank in enumerate(d.ranks):
+        for name, dt in rank.items():
+            for lh, head in enumerate(heads_of(len(d.ranks), 2, dr)):
+                pr, ph = locate(p, head)
+                pt = p.ranks[pr][name]
+                for i in moved:
+                    assert same(dt[d_blocks[i], lh], pt[p_blocks[i], ph]), (name, i, head)
+            for i in range(prefix // block):
+                assert bool((dt[d_blocks[i]].view(torch.int8) == 7).all()), "prefix block overwritten"
+            others = [b for b in range(dt.shape[0]) if b not in d_blocks]
+            assert not bool(dt[others].view(torch.int8).any()), "bytes landed outside the request's blocks"
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_cpu_layout_whole_blocks_tp1(sidecars, shm_dir, mode):
+    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=1, p_block=32,
+                                   d_block=32, tokens=70, prefix=0, mode=mode)
+    try:
+        assert p.described.layout.opaque_blocks and p.described.layout.head_stride == 2 * 32 * 64
+        assert not r.failed_recving
+        check_cpu_blocks(p, d, pb, db, 70, 0, 32)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_cpu_layout_head_split_and_prefix(sidecars, shm_dir):
+    """P TP 1 -> D TP 2 (each D rank one of the two KV heads), D holds the first block already."""
+    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=2, p_block=32,
+                                   d_block=32, tokens=100, prefix=32, mode="push")
+    try:
+        assert not r.failed_recving
+        check_cpu_blocks(p, d, pb, db, 100, 32, 32)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_fused_cells_token_exact_with_block_sizes_and_unaligned_prefix(sidecars, shm_dir):
+    """FLASH_ATTN's layout (K|V per cell, tokens outer): P TP 2 block 16 -> D TP 1 block 32, tokens
+    20..49 move; every cell of a moved token equal, every other cell untouched."""
+    tokens, prefix = 50, 20
+    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="FLASH_ATTN", p_tp=2, d_tp=1, p_block=16,
+                                   d_block=32, tokens=tokens, prefix=prefix, mode="pull")
+    try:
+        assert not r.failed_recving and not p.described.layout.opaque_blocks
+        for name, dt in d.ranks[0].items():
+            for t in range(tokens):
+                dcell = dt[db[t // 32], :, t % 32]
+                for head in range(2):
+                    pr, ph = locate(p, head)
+                    pcell = p.ranks[pr][name][pb[t // 16], ph, t % 16]
+                    if t >= prefix:
+                        assert same(dcell[head], pcell), (name, t, head)
+                    else:  # D's own prefix tokens: untouched (block 0 is only partly prefix: zeros)
+                        assert not bool(dcell[head].view(torch.int8).any()), (name, t, head)
+            # Token slots past the last token in D's last block stay as they were (zero).
+            assert not bool(dt[db[1], :, tokens - 32 :].view(torch.int8).any())
+    finally:
+        p.close()
+        d.close()
+
+
+def test_mla_latent_replicated(sidecars, shm_dir):
+    """MLA: one latent per layer, every D rank takes a full copy."""
+    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="FLASHMLA", p_tp=1, d_tp=2, p_block=32,
+                                   d_block=32, tokens=40, prefix=0, mode="push")
+    try:
+        assert p.described.layout.mla and not r.failed_recving
+        for rank in d.ranks:
+            for name, dt in rank.items():
+                pt = p.ranks[0][name]
+                for i in range(2):
+                    n = 32 if i == 0 else 40 - 32
+                    assert same(dt[db[i], :, :n], pt[pb[i], :, :n])
+    finally:
+        p.close()
+        d.close()
+
+
+def test_cpu_block_sizes_differ_is_refused_and_nothing_stays_held(sidecars, shm_dir):
+    """vLLM CPU blocks are opaque: P block 32 -> D block 64 cannot map. D fails the load (vLLM
+    recomputes); P's lease runs out and its blocks come back."""
+    p_sc = sidecars("prefill", "--lease-ms", "1000")
+    d_sc = sidecars("decode")
+    p = KvEngine(str(shm_dir), p_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
+    d = KvEngine(str(shm_dir), d_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=64, num_blocks=8)
+    try:
+        pw, dw = p.connect(p_sc.socket), d.connect(d_sc.socket)
+        pw.on_step(StepMessages(prefill_done=[PrefillDoneMsg("rp", "t-bs", [1, 2], 64)]))
+        dw.on_step(StepMessages(expect=[ExpectMsg("rd", "t-bs", [3], 64, 0, pw.side_channel, [1, 2])]))
+        pc, dc = Collector(pw), Collector(dw)
+        wait_for(lambda: "rd" in dc.poll().failed_recving, 20, "D's load failure")
+        assert "rd" in dc.r.finished_recving
+        wait_for(lambda: "rp" in pc.poll().finished_sending, 20, "P's lease expiry")
+        tid, reason, message = dw.failures[-1]
+        assert (tid, reason) == ("t-bs", "FAILURE_REASON_INCOMPATIBLE") and "blockSize" in message, message
+        assert not bool(d.ranks[0]["model.layers.0.self_attn.attn"].view(torch.int8).any()), "D was written"
+    finally:
+        p.close()
+        d.close()
