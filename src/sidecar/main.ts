@@ -265,7 +265,7 @@ export async function startSidecar(
   const link = new EngineLinkServer({
     endpoint:
       s["engine-socket"] !== "" ? s["engine-socket"] : defaultEngineEndpoint(s["engine-id"]),
-    onMessage: (msg) => sidecar.onEngineMessage(msg),
+    onMessage: (msg, from) => sidecar.onEngineMessage(msg, (m) => void link.send(from, m)),
     onRefused: (code, message) => sidecar.noteError(`engine frame refused: ${code}: ${message}`),
     logger,
   });

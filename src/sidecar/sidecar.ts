@@ -219,6 +219,8 @@ export class Sidecar implements SidecarView {
   };
   private readonly log: Logger;
   private engineSend: EngineSender = () => {};
+  /** The sender of the engine message being handled, while it is handled. */
+  private replyTo: EngineSender | undefined;
   private events: EventSink = { append: () => undefined };
   private metrics: SidecarMetrics | undefined;
 
@@ -335,8 +337,13 @@ export class Sidecar implements SidecarView {
 
   // --- the engine link ---------------------------------------------------------
 
-  /** Handles one message from the engine; never throws. */
-  onEngineMessage(msg: EngineToSidecar): void {
+  /**
+   * Handles one message from the engine; never throws. `reply` reaches the connection that sent
+   * it: refusals and the answer to a registration go there (an engine that is not, or no longer,
+   * registered still hears why its message was refused), everything else to the registered engine.
+   */
+  onEngineMessage(msg: EngineToSidecar, reply?: EngineSender): void {
+    this.replyTo = reply;
     try {
       if (msg.msg.case === "register") {
         this.onRegister(msg.msg.value);
@@ -384,6 +391,8 @@ export class Sidecar implements SidecarView {
       const e = KvxferError.from(err);
       this.noteError(`engine message: ${e.code} ${e.message}`);
       this.log.error({ err }, "engine message failed");
+    } finally {
+      this.replyTo = undefined;
     }
   }
 
@@ -394,7 +403,12 @@ export class Sidecar implements SidecarView {
   private refuse(transferId: string, code: string, message: string): void {
     this.noteError(`${code}: ${message}`);
     this.log.warn({ transferId, code }, message);
-    this.send({ case: "refused", value: { transferId, code, message } });
+    this.answer({ case: "refused", value: { transferId, code, message } });
+  }
+
+  /** To the sender of the engine message being handled (else the registered engine). */
+  private answer(msg: NonNullable<MessageInitShape<typeof SidecarToEngineSchema>["msg"]>): void {
+    (this.replyTo ?? this.engineSend)(create(SidecarToEngineSchema, { msg }));
   }
 
   /** Keeps the last errors for GetStatus (bounded). */
@@ -406,7 +420,7 @@ export class Sidecar implements SidecarView {
   private onRegister(reg: RegisterKvCache): void {
     const fail = (error: string): void => {
       this.noteError(`register: ${error}`);
-      this.send({
+      this.answer({
         case: "registered",
         value: { ok: false, error, sideChannel: this.sideChannel, epoch: this.epoch },
       });
@@ -457,7 +471,7 @@ export class Sidecar implements SidecarView {
     this.agents = agents;
     this.regions = regions;
     this.log.info({ tp: layout.tpSize, regions: layout.regionBytes.length }, "KV cache registered");
-    this.send({
+    this.answer({
       case: "registered",
       value: { ok: true, error: "", sideChannel: this.sideChannel, epoch: this.epoch },
     });
