@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import CLI, REPO, unique, wait_for
+from conftest import REPO, wait_for
 from google.protobuf.json_format import MessageToDict
 from kvengine import KvEngine
 from test_transfer import Collector
@@ -167,7 +167,7 @@ def test_every_refusal_code(sidecars, shm_dir):
         assert refused(raw.ask(e(transfer_id="live1"))) == "ERR_DUPLICATE"
         assert refused(raw.ask(e(transfer_id="live3"))) == "ERR_OVERLOADED"
         # Draining (SIGTERM): new transfers are refused while live ones finish.
-        d_sc.proc.send_signal(signal.SIGTERM)
+        d_sc.p.send_signal(signal.SIGTERM)
         reply = wait_for(lambda: _drain_reply(raw, e(transfer_id="late")), 10, "ERR_DRAINING")
         assert refused(reply) == "ERR_DRAINING"
     finally:

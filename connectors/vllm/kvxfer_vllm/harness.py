@@ -1,0 +1,271 @@
+"""Real P/D deployments on one machine, for the tests and ``kvxfer bench vllm``: kvxfer sidecars
+(the built ``kvxfer`` CLI), vLLM OpenAI servers with this connector, and a router client that does
+what vLLM's own P/D proxy does. Every process runs in its own session and is stopped with its
+children; every wait has a bound. Addresses are loopback only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def cli_path() -> Path:
+    """The built kvxfer CLI: $KVXFER_CLI, else this checkout's dist/src/cli/main.js."""
+    p = Path(os.environ.get("KVXFER_CLI", REPO / "dist" / "src" / "cli" / "main.js"))
+    if not p.exists():
+        raise FileNotFoundError(f"{p} is missing: run `npm run build` (or set KVXFER_CLI)")
+    return p
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child in its own session: ``stop`` ends it and everything it started."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None, stdout: Any = None) -> None:
+        self.args = args
+        self.log_path = log
+        self._log = open(log, "w")
+        self.p = subprocess.Popen(
+            args, stdout=stdout if stdout is not None else self._log, stderr=self._log, env=env,
+            start_new_session=True, text=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group: a crash, as peers see it."""
+        self._signal_group(signal.SIGKILL)
+        self.p.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.p.wait(10)
+        # Children may outlive the leader by a moment: give the group a bound, then SIGKILL it.
+        deadline = time.monotonic() + timeout
+        while _group_alive(self.p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._signal_group(signal.SIGKILL)
+        self._log.close()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text()[-n:]
+        except OSError:
+            return ""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class SidecarProc(Proc):
+    """``kvxfer sidecar``; ``ready`` holds its ready line (side channel, gRPC address, epoch)."""
+
+    def __init__(self, engine_id: str, role: str, socket_ep: str, log_dir: Path, *flags: str,
+                 ready_timeout: float = 20.0) -> None:
+        self.engine_id = engine_id
+        self.socket = socket_ep
+        args = ["node", str(cli_path()), "sidecar", "--engine-id", engine_id, "--role", role,
+                "--engine-socket", socket_ep, "--listen", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
+                "--log-level", "info", *flags]
+        super().__init__(args, log_dir / f"sidecar-{engine_id}-{time.monotonic_ns()}.log", stdout=subprocess.PIPE)
+        self.ready = self._read_ready(ready_timeout)
+        self.side_channel: str = self.ready["sideChannel"]
+        self.grpc: str = self.ready["grpc"]
+
+    def _read_ready(self, timeout: float) -> dict[str, Any]:
+        out = self.p.stdout
+        assert out is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if select.select([out], [], [], 0.2)[0]:
+                line = out.readline()
+                if line.startswith("{") and json.loads(line).get("event") == "ready":
+                    return json.loads(line)
+            if not self.alive():
+                break
+        self.stop()
+        raise RuntimeError(f"sidecar {self.engine_id} not ready within {timeout} s:\n{self.tail()}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        super().stop(timeout)
+        if self.p.stdout:
+            self.p.stdout.close()
+        path = self.socket.removeprefix("ipc://")
+        if self.socket.startswith("ipc://") and os.path.exists(path):
+            os.unlink(path)  # a SIGKILLed sidecar cannot remove its own socket file
+
+    def status(self) -> dict[str, Any]:
+        out = subprocess.run(["node", str(cli_path()), "status", self.grpc, "--json"],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise RuntimeError(f"kvxfer status {self.grpc}: {out.stderr.strip()}")
+        return json.loads(out.stdout)
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    engine_id: str
+    socket: str
+    shm_dir: str
+    port: int = field(default_factory=free_port)
+    block_size: int = 32
+    kv_cache_bytes: int = 32 << 20
+    max_model_len: int = 1024
+    dtype: str = "bfloat16"
+    #: CPU cores for the engine's OpenMP threads ("0", "1", "0-1" or "nobind").
+    cores: str = "nobind"
+    #: More kv_connector_extra_config.
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: Without the connector: a plain single engine (the reference).
+    connector: bool = True
+
+
+class VllmServer(Proc):
+    """One vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``)."""
+
+    def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.url = f"http://127.0.0.1:{spec.port}"
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
+                "--host", "127.0.0.1", "--port", str(spec.port), "--enforce-eager",
+                "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
+                "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--max-num-seqs", "16",
+                "--dtype", spec.dtype, "--disable-log-stats"]
+        if spec.connector:
+            cfg = {
+                "kv_connector": "KvxferConnector",
+                "kv_connector_module_path": "kvxfer_vllm.connector",
+                "engine_id": spec.engine_id,
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"engine_socket": spec.socket, "shm_dir": spec.shm_dir, **spec.extra},
+            }
+            args += ["--kv-transfer-config", json.dumps(cfg)]
+        env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND=spec.cores,
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+        super().__init__(args, log_dir / f"vllm-{spec.engine_id}-{spec.port}.log", env=env)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"vLLM {self.spec.engine_id} exited while starting:\n{self.tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM {self.spec.engine_id} not ready within {timeout} s:\n{self.tail()}")
+
+    def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
+                 timeout: float = 120.0) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.spec.model, "prompt": prompt, "max_tokens": max_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        r = requests.post(f"{self.url}/v1/completions", json=body, timeout=timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.url}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus metric's samples on /metrics (0 when absent)."""
+        text = requests.get(f"{self.url}/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and (line[len(name)] in " {"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def output_ids(resp: dict[str, Any]) -> list[int]:
+    choice = resp["choices"][0]
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise RuntimeError("the server returned no token_ids (return_token_ids unsupported?)")
+    return list(ids)
+
+
+class PdRouter:
+    """What a P/D router does (vLLM's toy proxy): prefill on P with ``max_tokens=1`` and
+    ``do_remote_decode``, then decode on D with what P answered (pull), or — push — ask D first
+    with P's sidecar address and a transfer id, while P computes."""
+
+    def __init__(self, p: VllmServer, d: VllmServer, p_side_channel: str) -> None:
+        self.p, self.d = p, d
+        self.p_host, port = p_side_channel.rsplit(":", 1)
+        self.p_port = int(port)
+
+    def pull(self, prompt: list[int], max_tokens: int, transfer_id: str) -> tuple[list[int], dict[str, Any]]:
+        pr = self.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id})
+        params = pr.get("kv_transfer_params")
+        if not params:
+            raise RuntimeError(f"P answered no kv_transfer_params: {pr}")
+        return output_ids(self.d.complete(prompt, max_tokens, params)), params
+
+    def push(self, prompt: list[int], max_tokens: int, transfer_id: str) -> list[int]:
+        out: dict[str, Any] = {}
+
+        def decode() -> None:
+            try:
+                out["d"] = self.d.complete(prompt, max_tokens, {
+                    "do_remote_prefill": True, "remote_host": self.p_host, "remote_port": self.p_port,
+                    "transfer_id": transfer_id})
+            except BaseException as err:  # noqa: BLE001 - reported below
+                out["err"] = err
+
+        t = threading.Thread(target=decode, daemon=True)
+        t.start()
+        self.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id})
+        t.join(180)
+        if "err" in out:
+            raise out["err"]
+        if "d" not in out:
+            raise RuntimeError("D did not answer within 180 s")
+        return output_ids(out["d"])

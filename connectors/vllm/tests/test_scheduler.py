@@ -1,0 +1,134 @@
+"""The scheduler half, in-process: what each hook decides and what it queues for the worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxfer_vllm.params import BadParams, parse_remote_prefill, strip_request_suffix, transfer_id_of
+from kvxfer_vllm.scheduler import SchedulerLogic
+
+
+def sched() -> SchedulerLogic:
+    s = SchedulerLogic(engine_id="p0", tp_size=2)
+    s.set_side_channel("10.1.2.3:4567")
+    return s
+
+
+def test_transfer_id_is_the_routers_or_the_request_id_without_vllms_suffix():
+    assert strip_request_suffix("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
+    assert strip_request_suffix("cmpl-abc-0") == "cmpl-abc-0"
+    assert transfer_id_of({"transfer_id": "router-7"}, "cmpl-x-0-1a2b3c4d") == "router-7"
+    assert transfer_id_of({}, "cmpl-x-0-1a2b3c4d") == "cmpl-x-0"
+
+
+def test_prefill_finished_holds_blocks_and_answers_what_d_needs():
+    s = sched()
+    delay, params = s.request_finished(
+        "cmpl-r-0-deadbeef", {"do_remote_decode": True}, finished_ok=True, block_ids=[4, 7, 1], num_computed_tokens=70
+    )
+    assert delay is True
+    assert params == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": "cmpl-r-0",
+        "remote_engine_id": "p0",
+        "remote_request_id": "cmpl-r-0-deadbeef",
+        "remote_host": "10.1.2.3",
+        "remote_port": 4567,
+        "remote_block_ids": [4, 7, 1],
+        "remote_num_tokens": 70,
+        "tp_size": 2,
+        "transfer_mode": "pull",
+    }
+    assert s.has_pending_work()
+    step = s.build_step()
+    assert [(m.transfer_id, m.block_ids, m.num_tokens) for m in step.prefill_done] == [("cmpl-r-0", [4, 7, 1], 70)]
+    assert not s.build_step()
+    assert s.has_pending_work()  # blocks held until the worker reports them sent
+    s.on_worker_output({"cmpl-r-0-deadbeef"}, None)
+    assert not s.has_pending_work()
+
+
+@pytest.mark.parametrize(
+    "params, ok, blocks",
+    [({"do_remote_decode": True}, False, [1]), ({"do_remote_decode": True}, True, []), (None, True, [1]), ({}, True, [1])],
+)
+def test_prefill_that_moves_nothing_frees_at_once(params, ok, blocks):
+    s = sched()
+    assert s.request_finished("r", params, finished_ok=ok, block_ids=blocks, num_computed_tokens=10) == (False, None)
+    assert not s.has_pending_work()
+
+
+def test_prefill_without_a_known_side_channel_frees_at_once():
+    s = SchedulerLogic(engine_id="p0", tp_size=1)
+    assert s.request_finished("r", {"do_remote_decode": True}, finished_ok=True, block_ids=[1], num_computed_tokens=5) == (False, None)
+
+
+def test_decode_pull_expects_every_prompt_token_after_the_local_prefix():
+    s = sched()
+    params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 9, "remote_block_ids": [5, 6, 8],
+              "remote_num_tokens": 70, "transfer_id": "t1"}
+    assert s.num_new_matched_tokens("d1", params, 70, 32) == (38, True)
+    assert s.num_new_matched_tokens("d1", params, 70, 0) == (70, True)  # side-effect free
+    s.after_alloc("d1", params, [3, 4, 9], 38, 70)
+    assert params["do_remote_prefill"] is False
+    s.after_alloc("d1", params, [3, 4, 9], 38, 70)  # a second allocation does not expect again
+    (m,) = s.build_step().expect
+    assert (m.transfer_id, m.block_ids, m.num_tokens, m.prefix_tokens, m.source, m.source_block_ids) == (
+        "t1", [3, 4, 9], 70, 32, "h:9", [5, 6, 8])
+    assert s.has_pending_work()
+    s.on_worker_output(None, {"d1"})
+    assert not s.has_pending_work()
+
+
+def test_decode_push_has_no_source_blocks():
+    s = sched()
+    params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 9, "transfer_id": "t2"}
+    assert s.num_new_matched_tokens("d2", params, 20, 0) == (20, True)
+    s.after_alloc("d2", params, [1], 20, 20)
+    (m,) = s.build_step().expect
+    assert m.source_block_ids is None and m.prefix_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"remote_port": 9}, "remote_host"),
+        ({"remote_host": "h", "remote_port": "9"}, "remote_port"),
+        ({"remote_host": "h", "remote_port": 70000}, "remote_port"),
+        ({"remote_host": "h", "remote_port": 9, "remote_block_ids": [[1], [2]]}, "remote_block_ids"),
+        ({"remote_host": "h", "remote_port": 9, "remote_block_ids": [1, -2]}, "remote_block_ids"),
+        ({"remote_host": "h", "remote_port": 9, "remote_num_tokens": -1}, "remote_num_tokens"),
+        ({"remote_host": "h", "remote_port": 9, "transfer_id": "x" * 300}, "transfer_id"),
+    ],
+)
+def test_unusable_params_name_the_field_and_the_prompt_is_computed_locally(bad, field):
+    with pytest.raises(BadParams) as e:
+        parse_remote_prefill({"do_remote_prefill": True, **bad}, "r")
+    assert e.value.field == field
+    assert sched().num_new_matched_tokens("r", {"do_remote_prefill": True, **bad}, 10, 0) == (0, False)
+
+
+def test_vllm_group_form_of_block_ids_is_accepted():
+    p = parse_remote_prefill({"remote_host": "h", "remote_port": 1, "remote_block_ids": [[4, 5]]}, "r")
+    assert p.source_block_ids == [4, 5]
+
+
+def test_decode_request_that_ends_while_kv_is_coming():
+    s = sched()
+    params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 9, "transfer_id": "t3"}
+    s.num_new_matched_tokens("d3", params, 20, 0)
+    s.after_alloc("d3", params, [1], 20, 20)
+    # Not yet handed to the worker: nothing can write the blocks, they go back at once.
+    assert s.request_finished("d3", params, finished_ok=False, block_ids=[1], num_computed_tokens=0) == (False, None)
+    assert not s.build_step()
+    # Handed to the worker: the sidecar may still write, so the blocks wait for its word.
+    params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 9, "transfer_id": "t4"}
+    s.after_alloc("d4", params, [2], 20, 20)
+    s.build_step()
+    assert s.request_finished("d4", params, finished_ok=False, block_ids=[2], num_computed_tokens=0) == (True, None)
+    (a,) = s.build_step().abort
+    assert (a.request_id, a.transfer_id) == ("d4", "t4")
+    assert s.has_pending_work()
+    s.on_worker_output({"d4"}, None)
+    assert not s.has_pending_work()
