@@ -174,7 +174,7 @@ class VllmServer(Proc):
                 "--host", "127.0.0.1", "--port", str(spec.port), "--enforce-eager",
                 "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
                 "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--max-num-seqs", "16",
-                "--dtype", spec.dtype, "--disable-log-stats"]
+                "--dtype", spec.dtype]
         if spec.connector:
             cfg = {
                 "kv_connector": "KvxferConnector",
