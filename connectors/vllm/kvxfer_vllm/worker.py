@@ -126,7 +126,8 @@ class WorkerLogic:
             self._abort(a.request_id, a.transfer_id)
         for m in step.prefill_done:
             if self._before_prefill_done is not None:
-                self._before_prefill_done(m.block_ids)
+                # Host-buffer mode: the blocks reach shared memory before the sidecar may read them.
+                self._before_prefill_done(self._expand(m.block_ids))
             with self._lock:
                 if m.transfer_id in self._p or m.transfer_id in self._d:
                     log.error("kvxfer: transfer id %s is already live here; request %s is not sent", m.transfer_id, m.request_id)
@@ -148,7 +149,7 @@ class WorkerLogic:
                     self._results.finished_recving.add(e.request_id)
                     self._results.failed_recving.add(e.request_id)
                     continue
-                self._d[e.transfer_id] = _D(e.request_id, list(e.block_ids))
+                self._d[e.transfer_id] = _D(e.request_id, self._expand(e.block_ids))
             expect = engine_pb2.ExpectKv(
                 transfer_id=e.transfer_id,
                 source=e.source,

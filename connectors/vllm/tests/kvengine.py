@@ -17,7 +17,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvxfer_vllm.layout import describe
 from kvxfer_vllm.registration import region_files, registration, tensor_views
-from kvxfer_vllm.shm import SharedKvFiles
+from kvxfer_vllm.shm import HostBuffer, SharedKvFiles
 from kvxfer_vllm.worker import WorkerLogic
 
 #: backend name -> (packing, vLLM layout its kernels read)
@@ -40,7 +40,7 @@ class KvEngine:
     """All TP ranks of one engine: per rank, one shared file holding every layer's KV."""
 
     def __init__(self, shm_dir: str, engine_id: str, *, backend: str, tp: int, block_size: int,
-                 num_blocks: int, model: Model = Model()) -> None:
+                 num_blocks: int, model: Model = Model(), host_buffer: bool = False) -> None:
         self.engine_id = engine_id
         self.packing, layout = BACKENDS[backend]
         mla = self.packing == "latent"
@@ -53,16 +53,26 @@ class KvEngine:
         names = [f"model.layers.{i}.self_attn.attn" for i in range(model.layers)]
         size = page * num_blocks * model.layers
         self.files: list[SharedKvFiles] = []
+        #: The engine's own KV per rank (device memory in host-buffer mode; here plain memory).
         self.ranks: list[dict[str, torch.Tensor]] = []
+        #: host_buffer placement: the shared mirror per rank, copied to and from ``ranks``.
+        self.hosts: list[HostBuffer] = []
         for rank in range(tp):
             files = SharedKvFiles(shm_dir, engine_id, rank)
-            with files.placement():
+            if host_buffer:
                 raw = torch.zeros(size, dtype=torch.int8)
+            else:
+                with files.placement():
+                    raw = torch.zeros(size, dtype=torch.int8)
             t = KVCacheTensor(size=size, layers=names, layer_stride=page * num_blocks, block_stride=page)
             self.files.append(files)
             self.ranks.append(dict(zip(names, create_kv_cache_views(raw, spec, num_blocks, layout, t))))
+            if host_buffer:
+                self.hosts.append(HostBuffer(files))
+                self.hosts[-1].mirror(self.ranks[-1])
+        shared0 = self.hosts[0].host if host_buffer else self.ranks[0]
         self.described = describe(
-            tensor_views(self.ranks[0], self.files[0]),
+            tensor_views(shared0, self.files[0]),
             packing=self.packing,
             head_size=model.head_size,
             total_kv_heads=1 if mla else model.total_kv_heads,
@@ -74,12 +84,19 @@ class KvEngine:
         self.worker: WorkerLogic | None = None
 
     def connect(self, socket: str, *, lost_timeout_s: float = 10.0) -> WorkerLogic:
+        hosts = self.hosts
+
+        def each(fn_name: str):
+            return (lambda ids: [getattr(h, fn_name)(ids) for h in hosts]) if hosts else None
+
         self.worker = WorkerLogic(
             engine_id=self.engine_id,
             engine_socket=socket,
             register_timeout_s=20.0,
             sidecar_lost_timeout_s=lost_timeout_s,
             max_frame_bytes=16 << 20,
+            on_kv_ready=each("to_device"),
+            before_prefill_done=each("to_host"),
         )
         self.worker.register(self.registration())
         return self.worker
@@ -88,10 +105,12 @@ class KvEngine:
         return registration(self.engine_id, self.described, [region_files(f) for f in self.files])
 
     def fill_random(self, seed: int) -> None:
+        """Random bytes in the engine's own KV (the shared files, or device memory with a host buffer)."""
         g = torch.Generator().manual_seed(seed)
-        for files in self.files:
-            for f in files.files:
-                f.tensor.copy_(torch.randint(-128, 128, f.tensor.shape, dtype=torch.int8, generator=g))
+        for rank in self.ranks:
+            base = next(iter(rank.values()))
+            raw = torch.as_strided(base.view(torch.int8), (base.untyped_storage().nbytes(),), (1,), 0)
+            raw.copy_(torch.randint(-128, 128, raw.shape, dtype=torch.int8, generator=g))
 
     def close(self) -> None:
         if self.worker is not None:

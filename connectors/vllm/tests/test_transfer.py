@@ -48,11 +48,13 @@ def locate(engine: KvEngine, head: int) -> tuple[int, int]:
 
 
 def run_transfer(sidecars, shm_dir, *, backend, p_tp, d_tp, p_block, d_block, tokens, prefix, mode,
-                 p_flags=(), d_flags=()):
+                 p_flags=(), d_flags=(), host_buffer=False):
     p_sc = sidecars("prefill", *p_flags)
     d_sc = sidecars("decode", *d_flags)
-    p = KvEngine(str(shm_dir), p_sc.engine_id, backend=backend, tp=p_tp, block_size=p_block, num_blocks=16)
-    d = KvEngine(str(shm_dir), d_sc.engine_id, backend=backend, tp=d_tp, block_size=d_block, num_blocks=16)
+    p = KvEngine(str(shm_dir), p_sc.engine_id, backend=backend, tp=p_tp, block_size=p_block, num_blocks=16,
+                 host_buffer=host_buffer)
+    d = KvEngine(str(shm_dir), d_sc.engine_id, backend=backend, tp=d_tp, block_size=d_block, num_blocks=16,
+                 host_buffer=host_buffer)
     try:
         pw, dw = p.connect(p_sc.socket), d.connect(d_sc.socket)
         p.fill_random(1)
@@ -187,6 +189,22 @@ def test_cpu_block_sizes_differ_is_refused_and_nothing_stays_held(sidecars, shm_
         tid, reason, message = dw.failures[-1]
         assert (tid, reason) == ("t-bs", "FAILURE_REASON_INCOMPATIBLE") and "blockSize" in message, message
         assert not bool(d.ranks[0]["model.layers.0.self_attn.attn"].view(torch.int8).any()), "D was written"
+    finally:
+        p.close()
+        d.close()
+
+
+def test_host_buffer_placement_copies_through_shared_memory(sidecars, shm_dir):
+    """host_buffer placement (GPU engines): the engine's KV stays in its own memory; P copies the
+    request's blocks into the shared mirror before PrefillDone, D copies them out on KvReady."""
+    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=2, p_block=32,
+                                   d_block=32, tokens=70, prefix=0, mode="push", host_buffer=True)
+    try:
+        assert not r.failed_recving
+        # The engine's own memory is not shared: the sidecars only ever saw the mirrors.
+        assert all(f.tensor.data_ptr() != next(iter(rank.values())).data_ptr() for f, rank in
+                   ((fs.files[0], rk) for fs, rk in zip(d.files, d.ranks)))
+        check_cpu_blocks(p, d, pb, db, 70, 0, 32)
     finally:
         p.close()
         d.close()

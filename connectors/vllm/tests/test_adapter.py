@@ -1,0 +1,97 @@
+"""The adapter against the installed vLLM's own classes: a real VllmConfig, Request, KVCacheBlocks
+and KVConnectorOutput through every scheduler-side hook, and the start-up refusals."""
+
+from __future__ import annotations
+
+import pytest
+import vllm
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+
+from kvxfer_vllm.connector import KvxferConnector, KvxferConnectorMetadata, KvxferHandshakeMetadata
+from kvxfer_vllm.errors import ConfigError
+from kvxfer_vllm.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("adapter") / "model"))
+
+
+def vllm_config(model: str, extra: dict | None = None, engine_id: str = "p0"):
+    ktc = KVTransferConfig(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer_vllm.connector",
+                           engine_id=engine_id, kv_role="kv_both", kv_connector_extra_config=extra or {})
+    return EngineArgs(model=model, enforce_eager=True, max_model_len=512, block_size=32,
+                      kv_transfer_config=ktc).create_engine_config()
+
+
+def connector(model: str, **kw) -> KvxferConnector:
+    return KvxferConnector(vllm_config(model, **kw), KVConnectorRole.SCHEDULER,
+                           KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[]))
+
+
+def request(rid: str, n: int, params: dict) -> Request:
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
+    return Request(rid, list(range(3, 3 + n)), sp, None)
+
+
+def test_the_connector_is_a_complete_v1_connector(model):
+    c = connector(model)
+    assert isinstance(c, KVConnectorBase_V1)
+    assert not KvxferConnector.__abstractmethods__
+
+
+def test_prefill_side_hooks(model):
+    c = connector(model)
+    c.set_xfer_handshake_metadata({0: KvxferHandshakeMetadata(side_channel="127.0.0.1:4000", epoch=9)})
+    r = request("cmpl-a-0-0badcafe", 70, {"do_remote_decode": True})
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    r.num_computed_tokens = 70
+    delay, params = c.request_finished(r, [5, 6, 7])
+    assert delay and params["transfer_id"] == "cmpl-a-0" and params["remote_port"] == 4000
+    assert params["remote_block_ids"] == [5, 6, 7] and params["remote_num_tokens"] == 70
+    assert c.has_pending_push_work()
+    meta = c.build_connector_meta(None)  # type: ignore[arg-type]
+    assert isinstance(meta, KvxferConnectorMetadata) and meta.step.prefill_done[0].block_ids == [5, 6, 7]
+    c.update_connector_output(KVConnectorOutput(finished_sending={"cmpl-a-0-0badcafe"}))
+    assert not c.has_pending_push_work()
+    aborted = request("cmpl-b-0-0badcafe", 10, {"do_remote_decode": True})
+    aborted.status = RequestStatus.FINISHED_ABORTED
+    assert c.request_finished(aborted, [1]) == (False, None)
+
+
+def test_decode_side_hooks(model):
+    c = connector(model)
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 4000,
+              "remote_block_ids": [5, 6, 7], "remote_num_tokens": 70, "transfer_id": "t9"}
+    r = request("cmpl-d-0-0badcafe", 70, params)
+    assert c.get_num_new_matched_tokens(r, 32) == (38, True)
+    blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in (11, 12, 13)],))
+    c.update_state_after_alloc(r, blocks, 38)
+    (m,) = c.build_connector_meta(None).step.expect  # type: ignore[arg-type]
+    assert (m.block_ids, m.num_tokens, m.prefix_tokens, m.source, m.source_block_ids) == (
+        [11, 12, 13], 70, 32, "127.0.0.1:4000", [5, 6, 7])
+    c.update_connector_output(KVConnectorOutput(finished_recving={"cmpl-d-0-0badcafe"}))
+    assert not c.has_pending_push_work()
+
+
+def test_configuration_errors_stop_the_engine_at_start_up(model):
+    with pytest.raises(ConfigError, match="shm_dri"):
+        connector(model, extra={"shm_dri": "/dev/shm"})
+    with pytest.raises(ConfigError, match="engine_id"):
+        connector(model, engine_id="no spaces please")
+
+
+def test_other_vllm_versions_are_refused_at_start_up(model, monkeypatch):
+    cfg = vllm_config(model)
+    monkeypatch.setattr(vllm, "__version__", "0.29.1")
+    with pytest.raises(ConfigError) as e:
+        KvxferConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    assert e.value.code == "ERR_VLLM_VERSION" and "0.29.1" in e.value.message
