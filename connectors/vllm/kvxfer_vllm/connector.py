@@ -80,6 +80,8 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
 
     side_channel: str
     epoch: int
+    #: kvxfer blocks per vLLM block (the attention backend's split), for P's answers.
+    blocks_per_block: int = 1
 
 
 class KvxferConnector(KVConnectorBase_V1):
@@ -102,6 +104,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._files: SharedKvFiles | None = None
         self._host: HostBuffer | None = None
         self._rank = 0
+        self._blocks_per_block = 1
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerLogic(engine_id=self.cfg.engine_id, tp_size=self.tp_size, advertise=self.cfg.advertise)
 
@@ -148,7 +151,7 @@ class KvxferConnector(KVConnectorBase_V1):
         every_rank = self._gather(region_files(self._files))
         if self._rank != 0:
             return
-        bpb = described.blocks_per_block
+        bpb = self._blocks_per_block = described.blocks_per_block
         host = self._host
         self.worker = WorkerLogic(
             engine_id=self.cfg.engine_id,
@@ -189,7 +192,9 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.worker is None:
             return None
-        return KvxferHandshakeMetadata(side_channel=self.worker.side_channel, epoch=self.worker.epoch)
+        return KvxferHandshakeMetadata(
+            side_channel=self.worker.side_channel, epoch=self.worker.epoch, blocks_per_block=self._blocks_per_block
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.worker is None or not self.has_connector_metadata():
@@ -237,7 +242,7 @@ class KvxferConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         for m in metadata.values():
             if isinstance(m, KvxferHandshakeMetadata) and m.side_channel:
-                self.scheduler.set_side_channel(m.side_channel)
+                self.scheduler.set_side_channel(m.side_channel, m.blocks_per_block)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None

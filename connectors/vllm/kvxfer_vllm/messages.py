@@ -30,6 +30,7 @@ class ExpectMsg:
     num_tokens: int
     prefix_tokens: int
     source: str
+    #: P's blocks (pull) in P's kvxfer blocks; D's ``block_ids`` are vLLM ids (the worker splits them).
     source_block_ids: list[int] | None
 
 

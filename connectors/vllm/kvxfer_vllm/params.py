@@ -54,7 +54,8 @@ class RemotePrefill:
     transfer_id: str
     #: P sidecar's side channel, ``host:port``.
     source: str
-    #: P's block table (pull), or None (push: P writes into D's blocks).
+    #: P's block table (pull) in kvxfer blocks (P's vLLM block ids split as P's backend splits
+    #: them, ``kvxfer_blocks_per_block``), or None (push: P writes into D's blocks).
     source_block_ids: list[int] | None
     #: Tokens P computed, when P said (``remote_num_tokens``).
     num_tokens: int | None
@@ -97,6 +98,11 @@ def parse_remote_prefill(params: dict[str, Any], request_id: str) -> RemotePrefi
         raise BadParams("transfer_id", f"is longer than {MAX_ID_BYTES} bytes")
     blocks = params.get("remote_block_ids")
     source_blocks = _flat_block_ids(blocks) if blocks not in (None, (), []) else None
+    split = params.get("kvxfer_blocks_per_block", 1)
+    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= 1024:
+        raise BadParams("kvxfer_blocks_per_block", f"must be an integer 1..1024, got {split!r}")
+    if source_blocks is not None and split > 1:
+        source_blocks = [b * split + j for b in source_blocks for j in range(split)]
     n = params.get("remote_num_tokens")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise BadParams("remote_num_tokens", f"must be a token count, got {n!r}")
@@ -122,6 +128,7 @@ def prefill_answer(
     block_ids: list[int],
     num_tokens: int,
     tp_size: int,
+    blocks_per_block: int = 1,
 ) -> dict[str, Any]:
     """What P returns for D (vLLM relays it in the response's ``kv_transfer_params``)."""
     host, port = split_host_port(side_channel)
@@ -137,4 +144,6 @@ def prefill_answer(
         "remote_num_tokens": num_tokens,
         "tp_size": tp_size,
         "transfer_mode": "pull",
+        # kvxfer blocks per vLLM block on P (> 1 when P's attention backend splits blocks).
+        "kvxfer_blocks_per_block": blocks_per_block,
     }

@@ -47,11 +47,15 @@ class SchedulerLogic:
         #: D: requests that finished (aborted) while their KV was coming: blocks held until sent.
         self._aborting: set[str] = set()
         self._warned: set[str] = set()
+        #: kvxfer blocks per vLLM block on this engine (from the worker's handshake metadata).
+        self.blocks_per_block = 1
 
-    def set_side_channel(self, address: str) -> None:
-        """The sidecar's side channel as reported at registration (an ``advertise`` setting wins)."""
+    def set_side_channel(self, address: str, blocks_per_block: int = 1) -> None:
+        """What the worker learned at registration: the sidecar's side channel (an ``advertise``
+        setting wins) and how this engine's backend splits blocks."""
         if not self._advertise:
             self.side_channel = address
+        self.blocks_per_block = blocks_per_block
 
     # --- D --------------------------------------------------------------------------
 
@@ -149,6 +153,7 @@ class SchedulerLogic:
             block_ids=block_ids,
             num_tokens=num_computed_tokens,
             tp_size=self.tp_size,
+            blocks_per_block=self.blocks_per_block,
         )
 
     def build_step(self) -> StepMessages:

@@ -158,7 +158,8 @@ class WorkerLogic:
                 prefix_tokens=e.prefix_tokens,
             )
             if e.source_block_ids is not None:
-                expect.source_block_ids.extend(self._expand(e.source_block_ids))
+                # Already in P's kvxfer blocks (the scheduler split them as P's answer said).
+                expect.source_block_ids.extend(e.source_block_ids)
                 expect.has_source_block_ids = True
             log.debug("kvxfer: ExpectKv %s from %s (blocks %s, tokens %d..%d, %s)", e.transfer_id, e.source,
                       e.block_ids, e.prefix_tokens, e.num_tokens, "pull" if e.source_block_ids is not None else "push")

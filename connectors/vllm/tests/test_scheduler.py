@@ -39,6 +39,7 @@ def test_prefill_finished_holds_blocks_and_answers_what_d_needs():
         "remote_num_tokens": 70,
         "tp_size": 2,
         "transfer_mode": "pull",
+        "kvxfer_blocks_per_block": 1,
     }
     assert s.has_pending_work()
     step = s.build_step()
@@ -107,6 +108,15 @@ def test_unusable_params_name_the_field_and_the_prompt_is_computed_locally(bad, 
         parse_remote_prefill({"do_remote_prefill": True, **bad}, "r")
     assert e.value.field == field
     assert sched().num_new_matched_tokens("r", {"do_remote_prefill": True, **bad}, 10, 0) == (0, False)
+
+
+def test_source_blocks_are_split_as_ps_backend_splits_them():
+    p = parse_remote_prefill({"remote_host": "h", "remote_port": 1, "remote_block_ids": [3, 0],
+                              "kvxfer_blocks_per_block": 2}, "r")
+    assert p.source_block_ids == [6, 7, 0, 1]
+    with pytest.raises(BadParams) as e:
+        parse_remote_prefill({"remote_host": "h", "remote_port": 1, "kvxfer_blocks_per_block": 0}, "r")
+    assert e.value.field == "kvxfer_blocks_per_block"
 
 
 def test_vllm_group_form_of_block_ids_is_accepted():
