@@ -138,6 +138,7 @@ class ProgressEngine {
   void PushEvent(Event ev);
   void CloseEndpointNow(const std::shared_ptr<EndpointCore>& ep);
   bool ShutdownDone();
+  void DrainWorker();
 
   static void OnFlush(void* request, ucs_status_t status, void* user_data);
   static void OnNotifySent(void* request, ucs_status_t status, void* user_data);

@@ -24,6 +24,8 @@ from kvxfer_vllm.worker import WorkerLogic
 BACKENDS = {
     "CPU_ATTN": ("kv_in_tokens", KVCacheLayout.LBHNC),
     "FLASH_ATTN": ("kv_in_cell", KVCacheLayout.LBNHC),
+    # Cross-layer ("block outermost"): one block holds every layer's page.
+    "FLASH_ATTN/cross-layer": ("kv_in_cell", KVCacheLayout.BLNHC),
     "FLASHMLA": ("latent", KVCacheLayout.LBHNC),
 }
 
@@ -64,7 +66,10 @@ class KvEngine:
             else:
                 with files.placement():
                     raw = torch.zeros(size, dtype=torch.int8)
-            t = KVCacheTensor(size=size, layers=names, layer_stride=page * num_blocks, block_stride=page)
+            if layout.is_block_outermost:
+                t = KVCacheTensor(size=size, layers=names, layer_stride=page, block_stride=page * model.layers)
+            else:
+                t = KVCacheTensor(size=size, layers=names, layer_stride=page * num_blocks, block_stride=page)
             self.files.append(files)
             self.ranks.append(dict(zip(names, create_kv_cache_views(raw, spec, num_blocks, layout, t))))
             if host_buffer:

@@ -48,13 +48,13 @@ def locate(engine: KvEngine, head: int) -> tuple[int, int]:
 
 
 def run_transfer(sidecars, shm_dir, *, backend, p_tp, d_tp, p_block, d_block, tokens, prefix, mode,
-                 p_flags=(), d_flags=(), host_buffer=False):
+                 p_flags=(), d_flags=(), host_buffer=False, d_backend=None):
     p_sc = sidecars("prefill", *p_flags)
     d_sc = sidecars("decode", *d_flags)
     p = KvEngine(str(shm_dir), p_sc.engine_id, backend=backend, tp=p_tp, block_size=p_block, num_blocks=16,
                  host_buffer=host_buffer)
-    d = KvEngine(str(shm_dir), d_sc.engine_id, backend=backend, tp=d_tp, block_size=d_block, num_blocks=16,
-                 host_buffer=host_buffer)
+    d = KvEngine(str(shm_dir), d_sc.engine_id, backend=d_backend or backend, tp=d_tp, block_size=d_block,
+                 num_blocks=16, host_buffer=host_buffer)
     try:
         pw, dw = p.connect(p_sc.socket), d.connect(d_sc.socket)
         p.fill_random(1)
@@ -129,12 +129,14 @@ def test_cpu_layout_head_split_and_prefix(sidecars, shm_dir):
         d.close()
 
 
-def test_fused_cells_token_exact_with_block_sizes_and_unaligned_prefix(sidecars, shm_dir):
-    """FLASH_ATTN's layout (K|V per cell, tokens outer): P TP 2 block 16 -> D TP 1 block 32, tokens
-    20..49 move; every cell of a moved token equal, every other cell untouched."""
+@pytest.mark.parametrize("p_backend", ["FLASH_ATTN", "FLASH_ATTN/cross-layer"])
+def test_fused_cells_token_exact_with_block_sizes_and_unaligned_prefix(sidecars, shm_dir, p_backend):
+    """FLASH_ATTN's layout (K|V per cell, tokens outer), P also cross-layer (every layer's page in
+    one block): P TP 2 block 16 -> D TP 1 block 32, tokens 20..49 move; every cell of a moved token
+    equal, every other cell untouched."""
     tokens, prefix = 50, 20
-    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="FLASH_ATTN", p_tp=2, d_tp=1, p_block=16,
-                                   d_block=32, tokens=tokens, prefix=prefix, mode="pull")
+    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend=p_backend, p_tp=2, d_tp=1, p_block=16,
+                                   d_block=32, tokens=tokens, prefix=prefix, mode="pull", d_backend="FLASH_ATTN")
     try:
         assert not r.failed_recving and not p.described.layout.opaque_blocks
         for name, dt in d.ranks[0].items():
