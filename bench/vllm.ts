@@ -67,8 +67,14 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
       for (const line of b.toString().split("\n"))
         if (/^\s*(starting|\S+ \d+ tokens)/.test(line)) log?.(line);
     });
+    // The measurement owns engines and sidecars: a stopped parent stops it (it cleans up on SIGTERM).
+    const stop = (): void => void child.kill("SIGTERM");
+    process.once("SIGTERM", stop);
+    process.once("SIGINT", stop);
     child.on("error", reject);
     child.on("exit", (code) => {
+      process.off("SIGTERM", stop);
+      process.off("SIGINT", stop);
       if (code !== 0)
         return reject(new Error(`kvxfer_vllm.bench exited ${code}:\n${err.slice(-3000)}`));
       try {

@@ -268,6 +268,32 @@ describe("bad handles and addresses", () => {
     expect(a.inflight).toBe(0);
   });
 
+  it("abandon() settles every transfer on an endpoint now and fails the endpoint", async () => {
+    const big = a.registerMemory(new Uint8Array(8 << 20));
+    const bigDst = b.registerMemory(new Uint8Array(8 << 20));
+    const r = ep.importRemote(bigDst.remoteKey());
+    const descs = new Float64Array(3 * 20000);
+    for (let i = 0; i < 20000; i++) descs.set([i * 256, i * 256, 256], 3 * i);
+    const pending = Array.from({ length: 20 }, () => a.write(ep, big, r, descs));
+    ep.abandon();
+    const results = await Promise.all(
+      pending.map((p) =>
+        p.then(
+          () => "done",
+          (e: unknown) => (e as KvxferError).code,
+        ),
+      ),
+    );
+    for (const x of results) expect(["done", "UCS_ERR_CONNECTION_RESET"]).toContain(x);
+    expect(results).toContain("UCS_ERR_CONNECTION_RESET");
+    expect(ep.state).toBe("failed");
+    await expectCode(
+      () => a.write(ep, big, r, new Float64Array([0, 0, 8])),
+      "UCS_ERR_CONNECTION_RESET",
+    );
+    expect(a.inflight).toBe(0);
+  });
+
   it("names a bad transport list", async () => {
     await expectCode(() => new Agent({ transports: "no-such-transport" }), "UCS_ERR_NO_DEVICE");
   });

@@ -257,6 +257,7 @@ class EndpointWrap : public Napi::ObjectWrap<EndpointWrap>, public Child {
   Napi::Value State(const Napi::CallbackInfo& info);
   Napi::Value ImportRemote(const Napi::CallbackInfo& info);
   Napi::Value Close(const Napi::CallbackInfo& info);
+  Napi::Value Abandon(const Napi::CallbackInfo& info);
   void Release();
 };
 
@@ -1089,6 +1090,7 @@ Napi::Function EndpointWrap::Define(Napi::Env env) {
                          InstanceAccessor<&EndpointWrap::State>("state"),
                          InstanceMethod<&EndpointWrap::ImportRemote>("importRemote"),
                          InstanceMethod<&EndpointWrap::Close>("close"),
+                         InstanceMethod<&EndpointWrap::Abandon>("abandon"),
                      });
 }
 
@@ -1124,6 +1126,15 @@ void EndpointWrap::Release() {
     agent_->Forget(this);
   }
   agent_ = nullptr;
+}
+
+// abandon(): fails every transfer on this endpoint now (UCS_ERR_CONNECTION_RESET) and marks it
+// failed; for a peer known dead whose operations UCX would never complete. Idempotent.
+Napi::Value EndpointWrap::Abandon(const Napi::CallbackInfo& info) {
+  if (state_ != HandleState::kClosed && agent_ && agent_->engine() && agent_->open() && core_) {
+    agent_->engine()->AbandonEndpoint(core_, UCS_ERR_CONNECTION_RESET);
+  }
+  return info.Env().Undefined();
 }
 
 // importRemote(remoteKeyBlob): a peer's region, usable on this endpoint.

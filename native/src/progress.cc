@@ -160,17 +160,15 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
 
 ProgressEngine::~ProgressEngine() {
   Shutdown();
-  if (!abandoned_.empty() || closing_endpoints_ > 0) {
+  if (!abandoned_.empty() || closing_endpoints_ > 0 || abandoned_endpoints_ > 0) {
     // Requests still outstanding at the deadline (a peer that never answers a flush): Debian's
     // UCX aborts the process when a worker is destroyed under an unreleased request. The worker,
     // its context and the abandoned operations (which its requests still point at) are leaked
     // instead; nothing progresses them any more, and the process lives on.
     std::fprintf(stderr,
-                 "kvxfer: agent '%s' closed with %zu operation(s) and %d endpoint close(s) "
-                 "outstanding after %lld s; its UCX worker is left undestroyed\n",
-                 opts_.name.c_str(), abandoned_.size(), closing_endpoints_,
-                 static_cast<long long>(
-                     std::chrono::duration_cast<std::chrono::seconds>(kShutdownDeadline).count()));
+                 "kvxfer: agent '%s' closed with %zu operation(s), %d endpoint close(s) and %d "
+                 "abandoned endpoint(s) outstanding; its UCX worker is left undestroyed\n",
+                 opts_.name.c_str(), abandoned_.size(), closing_endpoints_, abandoned_endpoints_);
     for (auto& op : abandoned_) op.release();
     abandoned_.clear();
     worker_ = nullptr;
@@ -301,6 +299,13 @@ ucs_status_t ProgressEngine::CreateEndpoint(const std::vector<uint8_t>& address,
 
 void ProgressEngine::CloseEndpointNow(const std::shared_ptr<EndpointCore>& ep) {
   if (!ep->ep) return;
+  if (ep->abandoned) {
+    // A flush close would wait for the operations UCX never completes: leave it to the worker.
+    ep->ep = nullptr;
+    endpoints_.erase(ep->id);
+    ++abandoned_endpoints_;
+    return;
+  }
   ucp_request_param_t param;
   std::memset(&param, 0, sizeof(param));
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -319,6 +324,37 @@ void ProgressEngine::CloseEndpointNow(const std::shared_ptr<EndpointCore>& ep) {
 
 void ProgressEngine::CloseEndpoint(std::shared_ptr<EndpointCore> ep) {
   RunAsync([this, ep] { CloseEndpointNow(ep); });
+}
+
+void ProgressEngine::AbandonEndpoint(std::shared_ptr<EndpointCore> ep, ucs_status_t status) {
+  RunAsync([this, ep, status] {
+    if (!ep->failed.load()) {
+      ep->fail_status = status;
+      ep->failed.store(true);
+    }
+    ep->abandoned = true;
+    posting_.erase(std::remove_if(posting_.begin(), posting_.end(),
+                                  [&](TransferOp* op) { return op->ep == ep; }),
+                   posting_.end());
+    for (auto it = ops_.begin(); it != ops_.end();) {
+      if (it->second->ep != ep) {
+        ++it;
+        continue;
+      }
+      Event ev;
+      ev.kind = Event::Kind::kCompletion;
+      ev.id = it->first;
+      ev.status = status;
+      PushEvent(std::move(ev));
+      // Still posting: no UCX request points at it (its puts/gets were freed unwatched), so it
+      // can go now. Flushing or notifying: UCX will call back into it, so it stays.
+      if (it->second->phase != TransferOp::Phase::kPosting) {
+        it->second->abandoned = true;
+        abandoned_.push_back(std::move(it->second));
+      }
+      it = ops_.erase(it);
+    }
+  });
 }
 
 ucs_status_t ProgressEngine::UnpackRkey(const std::shared_ptr<EndpointCore>& ep,
@@ -524,6 +560,10 @@ void ProgressEngine::OnFlush(void* request, ucs_status_t status, void* user_data
 }
 
 void ProgressEngine::AfterFlush(TransferOp* op, ucs_status_t status) {
+  if (op->abandoned) {
+    Complete(op, status);  // no notification for a transfer JavaScript saw fail
+    return;
+  }
   if (op->status == UCS_OK && status != UCS_OK) op->status = status;
   if (op->status == UCS_OK && op->has_notification && !stopping_) {
     StartNotify(op);
@@ -563,6 +603,14 @@ void ProgressEngine::OnNotifySent(void* request, ucs_status_t status, void* user
 }
 
 void ProgressEngine::Complete(TransferOp* op, ucs_status_t status) {
+  if (op->abandoned) {
+    // UCX finished an operation JavaScript already saw fail: just let it go now.
+    abandoned_.erase(
+        std::remove_if(abandoned_.begin(), abandoned_.end(),
+                       [op](const std::unique_ptr<TransferOp>& p) { return p.get() == op; }),
+        abandoned_.end());
+    return;
+  }
   Event ev;
   ev.kind = Event::Kind::kCompletion;
   ev.id = op->id;

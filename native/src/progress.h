@@ -34,6 +34,8 @@ struct EndpointCore {
   bool peer_error_mode = false;
   std::atomic<bool> failed{false};
   ucs_status_t fail_status = UCS_OK;
+  // Given up on (AbandonEndpoint): never closed through UCX, whose close would wait on it forever.
+  bool abandoned = false;
   class ProgressEngine* engine = nullptr;
 };
 
@@ -41,6 +43,9 @@ struct EndpointCore {
 // JavaScript already, bounds already checked.
 struct TransferOp {
   uint64_t id = 0;
+  // Settled for JavaScript by AbandonEndpoint while UCX may still call back into it: kept in
+  // ProgressEngine::abandoned_ until UCX does (or for good).
+  bool abandoned = false;
   OpKind kind = OpKind::kWrite;
   std::shared_ptr<EndpointCore> ep;
   uint8_t* local_base = nullptr;
@@ -114,6 +119,9 @@ class ProgressEngine {
                                             std::shared_ptr<EndpointCore>* out);
   // Closes an endpoint in the background; FORCE in peer mode, flush otherwise.
   void CloseEndpoint(std::shared_ptr<EndpointCore> ep);
+  // Fails every operation on `ep` now with `status` (settled for JavaScript) and marks the
+  // endpoint failed: for a peer known dead whose operations UCX never completes.
+  void AbandonEndpoint(std::shared_ptr<EndpointCore> ep, ucs_status_t status);
   // Unpacks a peer's packed remote key for `ep` (progress thread). The engine
   // owns the result until DestroyRkey(), or until it is destroyed itself.
   [[nodiscard]] ucs_status_t UnpackRkey(const std::shared_ptr<EndpointCore>& ep,
@@ -178,6 +186,8 @@ class ProgressEngine {
   std::chrono::steady_clock::time_point deadline_;
   std::unordered_set<ucp_rkey_h> rkeys_;
   std::vector<std::unique_ptr<TransferOp>> abandoned_;
+  // Endpoints given up on and never closed through UCX (the worker cannot be destroyed safely).
+  int abandoned_endpoints_ = 0;
 };
 
 }  // namespace kvxfer

@@ -38,6 +38,7 @@ interface NativeEndpoint {
   readonly state: EndpointState;
   importRemote(key: Uint8Array): NativeRemoteRegion;
   close(): void;
+  abandon(): void;
 }
 
 type NativeEvent =
@@ -281,6 +282,15 @@ export class Endpoint {
   close(): void {
     this.native.close();
     this.agent.forget(this);
+  }
+  /**
+   * Gives up on the peer: every transfer on this endpoint rejects now with
+   * `UCS_ERR_CONNECTION_RESET` and the endpoint is `failed`. For a peer known to be dead whose
+   * operations UCX (error mode none) would never complete; UCX's own requests are left to run
+   * out, and the worker is not destroyed at close while any remain.
+   */
+  abandon(): void {
+    this.native.abandon();
   }
 }
 

@@ -72,6 +72,11 @@ export class PeerState {
     return false;
   }
 
+  /** Its endpoints now (they stay usable for `abandon` after `close`). */
+  endpointList(): Endpoint[] {
+    return [...this.endpoints.values()];
+  }
+
   close(): void {
     for (const r of this.remotes.values()) r.close();
     for (const e of this.endpoints.values()) e.close();

@@ -1337,8 +1337,26 @@ export class Sidecar implements SidecarView {
       this.endP(p, "FAILED", "ERR_PEER_DOWN", ReleaseReason.FAILED);
     }
     if (this.peers.get(peer.engineId) === peer) this.peers.delete(peer.engineId);
+    const endpoints = peer.endpointList();
     // Endpoints close once their operations settle; the native layer defers the close.
     peer.close();
+    // Reads from a dead peer may never settle (UCX without peer error mode, measured here over
+    // shared memory: a READ from a SIGKILLed sidecar hung forever and D's blocks stayed held).
+    // A grace later, whatever is still in flight to it is given up: the reads reject, the pull
+    // ends FAILED and its blocks go back to the engine.
+    const stuck = [...this.dTransfers.values()].some(
+      (d) => d.peer === peer && d.mode === "pull" && d.readsInFlight > 0,
+    );
+    if (stuck) {
+      setTimeout(() => {
+        if (this.closed) return;
+        this.log.warn(
+          { peer: peer.engineId, graceMs: this.opts.abortGraceMs },
+          "abandoning reads from a dead peer",
+        );
+        for (const ep of endpoints) ep.abandon();
+      }, this.opts.abortGraceMs).unref();
+    }
   }
 
   private onEndpointFailed(ep: Endpoint, code: string): void {

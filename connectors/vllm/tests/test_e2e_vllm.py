@@ -52,22 +52,26 @@ def pd(tmp_path_factory):
     extra = {"sidecar_lost_timeout_s": 2.0, "register_timeout_s": 300.0}
     p = VllmServer(EngineSpec(model, p_sc.engine_id, p_sc.socket, str(shm), block_size=BLOCK, cores="0", extra=extra), work)
     d = VllmServer(EngineSpec(model, d_sc.engine_id, d_sc.socket, str(shm), block_size=BLOCK, cores="1", extra=extra), work)
-    procs = [p, d, p_sc, d_sc]
+    dep = None
     try:
         p.wait_ready()
         d.wait_ready()
-        yield Deployment(p, d, p_sc, d_sc, PdRouter(p, d, p_sc.side_channel), work, shm)
+        dep = Deployment(p, d, p_sc, d_sc, PdRouter(p, d, p_sc.side_channel), work, shm)
+        yield dep
     finally:
+        # Tests may replace a sidecar (a restart): stop the current ones and the originals.
+        sidecars = {id(s): s for s in (p_sc, d_sc, *((dep.p_sc, dep.d_sc) if dep else ()))}.values()
+        procs = [p, d, *sidecars]
         for proc in (p, d):
             proc.stop(60)
-        for sc in (p_sc, d_sc):
+        for sc in sidecars:
             sc.stop()
         left_files = sorted(os.listdir(shm))
         os.rmdir(shm) if not left_files else None
         for proc in procs:
             assert not _group_alive(proc.pid), f"{proc.args[:4]} left processes behind"
         assert not left_files, f"shared-memory files left behind: {left_files}"
-        for sc in (p_sc, d_sc):
+        for sc in sidecars:
             assert not os.path.exists(sc.socket.removeprefix("ipc://")), f"{sc.socket} left behind"
 
 

@@ -269,3 +269,28 @@ def test_unknown_engine_answer_reregisters(sidecars, shm_dir):
         assert dw.restarts == 1
     finally:
         d.close()
+
+
+def test_p_sidecar_killed_with_a_cached_peer_fails_the_pull_and_frees_d(sidecars, shm_dir):
+    """D pulled from P before (its sidecar caches P's endpoint); P's sidecar is then SIGKILLed and
+    D pulls again: the reads can never complete, yet D's load fails and its blocks come back
+    within the peer timeout plus a grace, so vLLM can recompute."""
+    p_sc = sidecars("prefill")
+    d_sc = sidecars("decode", "--peer-timeout-ms", "1000", "--heartbeat-ms", "200")
+    p = KvEngine(str(shm_dir), p_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
+    d = KvEngine(str(shm_dir), d_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
+    try:
+        pw, dw = p.connect(p_sc.socket), d.connect(d_sc.socket)
+        pc, dc = Collector(pw), Collector(dw)
+        pw.on_step(StepMessages(prefill_done=[PrefillDoneMsg("p1", "t1", [1, 2], 40)]))
+        dw.on_step(StepMessages(expect=[ExpectMsg("d1", "t1", [3, 4], 40, 0, pw.side_channel, [1, 2])]))
+        wait_for(lambda: "d1" in dc.poll().finished_recving, 15, "a first pull")
+        assert "d1" not in dc.r.failed_recving
+        side = pw.side_channel
+        p_sc.kill()
+        dw.on_step(StepMessages(expect=[ExpectMsg("d2", "t2", [5, 6], 40, 0, side, [1, 2])]))
+        wait_for(lambda: "d2" in dc.poll().failed_recving, 15, "D's pull from a dead P to fail and free its blocks")
+        assert "d2" in dc.r.finished_recving
+    finally:
+        p.close()
+        d.close()

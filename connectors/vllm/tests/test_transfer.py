@@ -3,6 +3,8 @@ connector, registered through the engine link, moved over UCX, and compared byte
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import unique, wait_for
@@ -45,6 +47,17 @@ def locate(engine: KvEngine, head: int) -> tuple[int, int]:
         if head in hs:
             return r, hs.index(head)
     raise AssertionError(head)
+
+
+@contextlib.contextmanager
+def transfer(sidecars, shm_dir, **kw):
+    """``run_transfer``, with both engines closed afterwards."""
+    p, d, pb, db, r = run_transfer(sidecars, shm_dir, **kw)
+    try:
+        yield p, d, pb, db, r
+    finally:
+        p.close()
+        d.close()
 
 
 def run_transfer(sidecars, shm_dir, *, backend, p_tp, d_tp, p_block, d_block, tokens, prefix, mode,
@@ -106,27 +119,19 @@ def check_cpu_blocks(p, d, p_blocks, d_blocks, tokens, prefix, block):
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_cpu_layout_whole_blocks_tp1(sidecars, shm_dir, mode):
-    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=1, p_block=32,
-                                   d_block=32, tokens=70, prefix=0, mode=mode)
-    try:
+    with transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=1, p_block=32,
+                                   d_block=32, tokens=70, prefix=0, mode=mode) as (p, d, pb, db, r):
         assert p.described.layout.opaque_blocks and p.described.layout.head_stride == 2 * 32 * 64
         assert not r.failed_recving
         check_cpu_blocks(p, d, pb, db, 70, 0, 32)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_cpu_layout_head_split_and_prefix(sidecars, shm_dir):
     """P TP 1 -> D TP 2 (each D rank one of the two KV heads), D holds the first block already."""
-    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=2, p_block=32,
-                                   d_block=32, tokens=100, prefix=32, mode="push")
-    try:
+    with transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=2, p_block=32,
+                                   d_block=32, tokens=100, prefix=32, mode="push") as (p, d, pb, db, r):
         assert not r.failed_recving
         check_cpu_blocks(p, d, pb, db, 100, 32, 32)
-    finally:
-        p.close()
-        d.close()
 
 
 @pytest.mark.parametrize("p_backend", ["FLASH_ATTN", "FLASH_ATTN/cross-layer"])
@@ -135,9 +140,8 @@ def test_fused_cells_token_exact_with_block_sizes_and_unaligned_prefix(sidecars,
     one block): P TP 2 block 16 -> D TP 1 block 32, tokens 20..49 move; every cell of a moved token
     equal, every other cell untouched."""
     tokens, prefix = 50, 20
-    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend=p_backend, p_tp=2, d_tp=1, p_block=16,
-                                   d_block=32, tokens=tokens, prefix=prefix, mode="pull", d_backend="FLASH_ATTN")
-    try:
+    with transfer(sidecars, shm_dir, backend=p_backend, p_tp=2, d_tp=1, p_block=16,
+                                   d_block=32, tokens=tokens, prefix=prefix, mode="pull", d_backend="FLASH_ATTN") as (p, d, pb, db, r):
         assert not r.failed_recving and not p.described.layout.opaque_blocks
         for name, dt in d.ranks[0].items():
             for t in range(tokens):
@@ -151,16 +155,12 @@ def test_fused_cells_token_exact_with_block_sizes_and_unaligned_prefix(sidecars,
                         assert not bool(dcell[head].view(torch.int8).any()), (name, t, head)
             # Token slots past the last token in D's last block stay as they were (zero).
             assert not bool(dt[db[1], :, tokens - 32 :].view(torch.int8).any())
-    finally:
-        p.close()
-        d.close()
 
 
 def test_mla_latent_replicated(sidecars, shm_dir):
     """MLA: one latent per layer, every D rank takes a full copy."""
-    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="FLASHMLA", p_tp=1, d_tp=2, p_block=32,
-                                   d_block=32, tokens=40, prefix=0, mode="push")
-    try:
+    with transfer(sidecars, shm_dir, backend="FLASHMLA", p_tp=1, d_tp=2, p_block=32,
+                                   d_block=32, tokens=40, prefix=0, mode="push") as (p, d, pb, db, r):
         assert p.described.layout.mla and not r.failed_recving
         for rank in d.ranks:
             for name, dt in rank.items():
@@ -168,9 +168,6 @@ def test_mla_latent_replicated(sidecars, shm_dir):
                 for i in range(2):
                     n = 32 if i == 0 else 40 - 32
                     assert same(dt[db[i], :, :n], pt[pb[i], :, :n])
-    finally:
-        p.close()
-        d.close()
 
 
 def test_cpu_block_sizes_differ_is_refused_and_nothing_stays_held(sidecars, shm_dir):
@@ -199,14 +196,10 @@ def test_cpu_block_sizes_differ_is_refused_and_nothing_stays_held(sidecars, shm_
 def test_host_buffer_placement_copies_through_shared_memory(sidecars, shm_dir):
     """host_buffer placement (GPU engines): the engine's KV stays in its own memory; P copies the
     request's blocks into the shared mirror before PrefillDone, D copies them out on KvReady."""
-    p, d, pb, db, r = run_transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=2, p_block=32,
-                                   d_block=32, tokens=70, prefix=0, mode="push", host_buffer=True)
-    try:
+    with transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=2, p_block=32,
+                                   d_block=32, tokens=70, prefix=0, mode="push", host_buffer=True) as (p, d, pb, db, r):
         assert not r.failed_recving
         # The engine's own memory is not shared: the sidecars only ever saw the mirrors.
         assert all(f.tensor.data_ptr() != next(iter(rank.values())).data_ptr() for f, rank in
                    ((fs.files[0], rk) for fs, rk in zip(d.files, d.ranks)))
         check_cpu_blocks(p, d, pb, db, 70, 0, 32)
-    finally:
-        p.close()
-        d.close()
