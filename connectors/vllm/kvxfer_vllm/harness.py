@@ -63,17 +63,21 @@ class Proc:
         self.p.wait(10)
 
     def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the leader (it shuts its own children down, as vLLM does), the whole group
+        a bound later, SIGKILL at the end; returns once nothing of the group is left."""
         if self.alive():
-            self._signal_group(signal.SIGTERM)
+            self.p.send_signal(signal.SIGTERM)
             try:
                 self.p.wait(timeout)
             except subprocess.TimeoutExpired:
                 self._signal_group(signal.SIGKILL)
                 self.p.wait(10)
-        # Children may outlive the leader by a moment: give the group a bound, then SIGKILL it.
         deadline = time.monotonic() + timeout
         while _group_alive(self.p.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
+        if _group_alive(self.p.pid):
+            self._signal_group(signal.SIGTERM)
+            time.sleep(1)
         self._signal_group(signal.SIGKILL)
         self._log.close()
 
