@@ -222,6 +222,7 @@ class NixlSide(Side):
         posted = [False] * window
         started = done = 0
         deadline = now() + int(float(req.get("timeoutMs", 120_000)) * 1e6)
+        c0 = time.process_time_ns()
         t0 = now()
         while done < iters:
             for i, h in enumerate(handles):
@@ -245,11 +246,12 @@ class NixlSide(Side):
             if now() > deadline:
                 raise BenchError("ERR_TIMEOUT", f"bw: {done}/{iters} done before the deadline")
         seconds = (now() - t0) / 1e9
+        cpu_ms = (time.process_time_ns() - c0) / 1e6
         for h in handles:
             self.agent.release_xfer_handle(h)
         self.agent.release_dlist_handle(local)
         self.agent.release_dlist_handle(remote)
-        return {"seconds": seconds, "n": iters, "gbps": iters * size / seconds / 1e9, "msgRate": iters / seconds}
+        return {"seconds": seconds, "n": iters, "gbps": iters * size / seconds / 1e9, "msgRate": iters / seconds, "cpuMs": cpu_ms}
 
     def kv(self, req: dict[str, Any]) -> dict[str, Any]:
         """One KV-shaped WRITE: the planner's descriptors as one transfer with one notification."""
@@ -418,6 +420,7 @@ class MooncakeSide(Side):
         inflight: list[int | None] = [None] * window
         started = done = 0
         deadline = now() + int(float(req.get("timeoutMs", 120_000)) * 1e6)
+        c0 = time.process_time_ns()
         t0 = now()
         while done < iters:
             for i in range(window):
@@ -437,7 +440,8 @@ class MooncakeSide(Side):
             if now() > deadline:
                 raise BenchError("ERR_TIMEOUT", f"bw: {done}/{iters} done before the deadline")
         seconds = (now() - t0) / 1e9
-        return {"seconds": seconds, "n": iters, "gbps": iters * size / seconds / 1e9, "msgRate": iters / seconds}
+        cpu_ms = (time.process_time_ns() - c0) / 1e6
+        return {"seconds": seconds, "n": iters, "gbps": iters * size / seconds / 1e9, "msgRate": iters / seconds, "cpuMs": cpu_ms}
 
     def kv(self, req: dict[str, Any]) -> dict[str, Any]:
         buf = self.need_buf()

@@ -88,6 +88,7 @@ async function bandwidth(
   );
   let started = 0;
   let done = 0;
+  const c0 = process.cpuUsage();
   const t0 = now();
   await new Promise<void>((resolve, reject) => {
     const timer = setTimeout(
@@ -108,7 +109,15 @@ async function bandwidth(
     for (let i = 0; i < Math.min(window, iters); i++) launch(i);
   });
   const seconds = (now() - t0) / 1e9;
-  return { seconds, n: iters, gbps: (iters * size) / seconds / 1e9, msgRate: iters / seconds };
+  const cpu = process.cpuUsage(c0);
+  return {
+    seconds,
+    n: iters,
+    gbps: (iters * size) / seconds / 1e9,
+    msgRate: iters / seconds,
+    // The initiator's CPU (every thread), a figure other load on the machine barely moves.
+    cpuMs: (cpu.user + cpu.system) / 1e3,
+  };
 }
 
 async function handle(req: Request): Promise<unknown> {
@@ -122,6 +131,7 @@ async function handle(req: Request): Promise<unknown> {
         busyPoll: req.busyPoll === true,
       };
       if (typeof req.netDevice === "string") opts.netDevices = req.netDevice;
+      if (typeof req.spinUs === "number") opts.spinUs = req.spinUs;
       agent = new Agent(opts);
       agent.on("notifications", onNotifications);
       return {
@@ -129,6 +139,7 @@ async function handle(req: Request): Promise<unknown> {
         version: `kvxfer ${process.env.npm_package_version ?? "0.1.0"} (native addon)`,
         ucx: `${ucxVersion} (Debian libucx)`,
         busyPoll: opts.busyPoll,
+        spinUs: opts.spinUs ?? 0,
       };
     }
     case "alloc": {
