@@ -15,8 +15,8 @@
 //   [--transports shm,tcp] [--sizes 4k,...] [--tokens 128,2048,8192] [--descs 1000,18880,...]`.
 import { execFileSync, spawnSync } from "node:child_process";
 import { existsSync } from "node:fs";
-import { dirname, join } from "node:path";
-import { fileURLToPath, pathToFileURL } from "node:url";
+import { join } from "node:path";
+import { pathToFileURL } from "node:url";
 
 import { kvLayout, planTransfer, type KvLayout } from "../src/plan/index.js";
 import { prng } from "../src/sim/prng.js";
@@ -46,6 +46,8 @@ export interface Variant {
   label: string;
   system: PeerSystem;
   busyPoll?: boolean;
+  /** kvxfer: another build of the addon (KVXFER_ADDON), e.g. against the libucx-cu12 wheel's UCX. */
+  addon?: string;
   /** NIXL's UCX error-handling mode; default "none" (as kvxfer); "peer" is NIXL's own default. */
   errorMode?: "none" | "peer";
   /** Only on these transports (default: all). */
@@ -170,10 +172,6 @@ const PING_BYTES = 32;
 
 // --- the peer processes ---------------------------------------------------------------------
 
-function here(): string {
-  return dirname(fileURLToPath(import.meta.url));
-}
-
 /** The project venv's python, else python3 on the PATH. */
 export function defaultPython(): string {
   const venv = join(packageRoot(), ".venv", "bin", "python");
@@ -257,7 +255,7 @@ function placement(
   if (v.system === "kvxfer") {
     const init: Record<string, unknown> = { name, transport, busyPoll: v.busyPoll === true };
     if (ns !== undefined) init.netDevice = ns.devices[i];
-    return { prefix, env: {}, init };
+    return { prefix, env: v.addon !== undefined ? { KVXFER_ADDON: v.addon } : {}, init };
   }
   if (v.system === "nixl") {
     // Error-handling mode "none", as kvxfer uses: NIXL's default ("peer") cannot use UCX's
@@ -275,16 +273,35 @@ function placement(
     env: {
       MC_TCP_BIND_ADDRESS: address,
       // Its default per-peer queue refuses one batch of 18,880 slices ("TCP lane queue-full").
-      MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER: String(2_000_000),
+      MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER: "65535",
     },
     init: { name, bindAddress: address },
   };
 }
 
+/** The compiled kvxfer peer (dist/), whether this module runs compiled or from source (vitest). */
+function kvxferPeerScript(): string {
+  const path = join(packageRoot(), "dist", "bench", "peers", "kvxfer-peer.js");
+  if (!existsSync(path)) throw new Error(`${path} not found: run 'npm run build' first`);
+  return path;
+}
+
+/** Why `python` cannot run the harness at all (missing interpreter), or undefined. */
+export function pythonProblem(python: string): string | undefined {
+  const r = spawnSync(python, ["-c", "import sys; print(sys.version_info[0])"], {
+    encoding: "utf8",
+    timeout: 30_000,
+  });
+  if (r.error !== undefined) return `no Python at '${python}' (${r.error.message})`;
+  if (r.status !== 0)
+    return `'${python}' does not run (exit ${String(r.status)}): ${r.stderr.slice(-300)}`;
+  return undefined;
+}
+
 function spawnSide(v: Variant, p: Placement, python: string, i: number): Side {
   const argv =
     v.system === "kvxfer"
-      ? [...p.prefix, process.execPath, join(here(), "peers", "kvxfer-peer.js")]
+      ? [...p.prefix, process.execPath, kvxferPeerScript()]
       : [...p.prefix, python, join(packageRoot(), "bench", "peers", "harness.py"), v.system];
   return new Side(argv, p.env, `${v.label} side ${i}`);
 }
@@ -373,6 +390,15 @@ async function runVariant(
 ): Promise<void> {
   const status: SystemStatus = { label: v.label, system: v.system, transport, status: "ok" };
   result.systems.push(status);
+  if (v.system !== "kvxfer") {
+    const problem = pythonProblem(o.python);
+    if (problem !== undefined) {
+      status.status = "not installed";
+      status.error = `${problem}; run: kvxfer bench peers --install`;
+      log(`  ${v.label} over ${transport}: ${status.status}: ${status.error}`);
+      return;
+    }
+  }
   const p0 = placement(v, transport, ns, 0);
   const p1 = placement(v, transport, ns, 1);
   const a = spawnSide(v, p0, o.python, 0);
@@ -445,11 +471,11 @@ async function runVariant(
           const post: number[] = [];
           for (let r = 0; r <= o.kvRounds; r++) {
             const tag = `kv-${tokens}-${r}`;
-            const arrived = b.call<{ arrivals: Record<string, number> }>("wait_notes", {
-              tags: [tag],
-            });
-            const sent = await a.call<KvReply>("kv", { descs, tag });
-            const got = await arrived;
+            // Both at once, so that a failure of either is handled (the other is bounded).
+            const [got, sent] = await Promise.all([
+              b.call<{ arrivals: Record<string, number> }>("wait_notes", { tags: [tag] }, 20_000),
+              a.call<KvReply>("kv", { descs, tag }, 20_000),
+            ]);
             if (r === 0) continue; // warm-up
             lat.push((got.arrivals[tag]! - sent.tPostNs) / 1e6);
             post.push((sent.tReturnNs - sent.tPostNs) / 1e6);
@@ -465,6 +491,26 @@ async function runVariant(
       }
     }
 
+    // Descriptor posting last: it is the part most likely to leave a peer unusable.
+    if (v.work.includes("ping")) {
+      let value: Cell<PingFigure> = { error: "not run" };
+      try {
+        // Warm-up, then the measured run; the target answers each notification with one.
+        for (const reps of [Math.min(200, o.pingReps), o.pingReps]) {
+          const [, got] = await Promise.all([
+            b.call("pong", { reps }, 60_000),
+            a.call<PingFigure>("ping", { reps, bytes: PING_BYTES }, 60_000),
+          ]);
+          value = { rate: got.rate };
+        }
+      } catch (err) {
+        value = { error: errText(err) };
+      }
+      cell(result.ping, () => true, value);
+      log(
+        `    notification round trips: ${"error" in value ? value.error : `${fmt(value.rate, 0)}/s`}`,
+      );
+    }
     if (v.work.includes("desc"))
       for (const count of o.descCounts) {
         let value: Cell<DescFigure>;
@@ -476,7 +522,7 @@ async function runVariant(
               await a.call<DescFigure>(
                 "descpost",
                 { count, size: DESC_SIZE, stride: DESC_STRIDE },
-                Math.max(120_000, count * 0.5),
+                Math.max(60_000, count * 0.1),
               ),
             );
           const med = (f: (d: DescFigure) => number): number => stats(runs.map(f)).p50;
@@ -495,31 +541,17 @@ async function runVariant(
           `    ${count} descriptors: ${"error" in value ? value.error : `post ${fmt(value.postMs)} ms, complete ${fmt(value.completeMs)} ms`}`,
         );
       }
-
-    if (v.work.includes("ping")) {
-      let value: Cell<PingFigure> = { error: "not run" };
-      try {
-        // Warm-up, then the measured run; the target answers each notification with one.
-        for (const reps of [Math.min(200, o.pingReps), o.pingReps]) {
-          const answered = b.call("pong", { reps }, 120_000);
-          const got = await a.call<PingFigure>("ping", { reps, bytes: PING_BYTES }, 120_000);
-          await answered;
-          value = { rate: got.rate };
-        }
-      } catch (err) {
-        value = { error: errText(err) };
-      }
-      cell(result.ping, () => true, value);
-      log(
-        `    notification round trips: ${"error" in value ? value.error : `${fmt(value.rate, 0)}/s`}`,
-      );
-    }
   } finally {
     await Promise.all([a.close(), b.close()]);
   }
 }
 
 // --- the run --------------------------------------------------------------------------------
+
+/** kvxfer's addon built against the libucx-cu12 wheel's UCX (npm run build:native:wheel-ucx). */
+export function wheelUcxAddon(): string {
+  return join(packageRoot(), "build", "native-wheel-ucx", "Release", "kvxfer.node");
+}
 
 export function variantsFor(systems: readonly PeerSystem[]): Variant[] {
   const all: Variant[] = [];
@@ -533,6 +565,14 @@ export function variantsFor(systems: readonly PeerSystem[]): Variant[] {
       work: ["kv", "ping"],
     });
   }
+  const wheelAddon = wheelUcxAddon();
+  if (systems.includes("kvxfer") && existsSync(wheelAddon))
+    all.push({
+      label: "kvxfer-wheel-ucx",
+      system: "kvxfer",
+      addon: wheelAddon,
+      work: ["bw", "kv", "desc", "ping"],
+    });
   if (systems.includes("nixl")) {
     all.push({ label: "nixl", system: "nixl", work: ["bw", "kv", "desc", "ping"] });
     // NIXL as it comes: its default error-handling mode, on shared memory. Set-up only.
@@ -634,7 +674,7 @@ export async function runPeersBench(opts: PeersBenchOptions): Promise<PeersBench
           });
         continue;
       }
-      ns = createNetnsPair("peers");
+      ns = createNetnsPair("peers", ["198.18.77.1", "198.18.77.2"]);
       const destroy = ns.destroy;
       cleanups.add(destroy);
     }
@@ -697,6 +737,7 @@ const NAMES: Record<string, string> = {
   kvxfer: "kvxfer",
   "kvxfer-busy": "kvxfer busy-poll",
   "kvxfer-sidecars": "kvxfer sidecars",
+  "kvxfer-wheel-ucx": "kvxfer (wheel UCX)",
   nixl: "NIXL",
   "nixl-default": "NIXL (its default error mode, peer)",
   mooncake: "Mooncake",
@@ -750,7 +791,8 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
   const out: PeersTables[] = [];
   const transports = [...new Set(r.bw.map((b) => b.transport))];
   for (const t of transports) {
-    const ours = ["kvxfer"];
+    const wheel = r.systems.some((x) => x.label === "kvxfer-wheel-ucx" && x.status === "ok");
+    const ours = wheel ? ["kvxfer", "kvxfer-wheel-ucx"] : ["kvxfer"];
     for (const kind of ["write", "read"] as const) {
       const rows = r.bw.filter((b) => b.transport === t && b.kind === kind);
       out.push({
@@ -776,8 +818,12 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
         ]),
       });
     }
-    const kvOurs =
-      t === "shm" ? ["kvxfer", "kvxfer-busy", "kvxfer-sidecars"] : ["kvxfer", "kvxfer-busy"];
+    const kvOurs = [
+      "kvxfer",
+      "kvxfer-busy",
+      ...(wheel ? ["kvxfer-wheel-ucx"] : []),
+      ...(t === "shm" ? ["kvxfer-sidecars"] : []),
+    ];
     for (const q of ["p50", "p99"] as const)
       out.push({
         title: `${t}: KV-shaped WRITE, post -> receiver has the notification, ${q} ms (ratio = kvxfer / peer; below 1: kvxfer faster)`,
@@ -847,12 +893,20 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
     });
     out.push({
       title: `${t}: notification round trips per second, ${PING_BYTES}-byte payload, one in flight (ratio = kvxfer / peer)`,
-      head: ["", ...compareHead(["kvxfer", "kvxfer-busy"], "/s")],
+      head: [
+        "",
+        ...compareHead(["kvxfer", "kvxfer-busy", ...(wheel ? ["kvxfer-wheel-ucx"] : [])], "/s"),
+      ],
       rows: r.ping
         .filter((p) => p.transport === t)
         .map((p) => [
           "round trips",
-          ...compare(p.values, ["kvxfer", "kvxfer-busy"], (v) => v.rate, 0),
+          ...compare(
+            p.values,
+            ["kvxfer", "kvxfer-busy", ...(wheel ? ["kvxfer-wheel-ucx"] : [])],
+            (v) => v.rate,
+            0,
+          ),
         ]),
     });
   }

@@ -46,6 +46,8 @@ ${sidecarHelp}
       push vs pull vs auto, sequential and concurrent dispatch: TTFT and KV-ready p50/p99
   kvxfer bench control [--quick] [--json] [--requests N] [--concurrency N]
       transfers/s and CPU per transfer of one sidecar pair vs native round trips
+  kvxfer bench peers [--quick] [--json] [--install] [--systems kvxfer,nixl,mooncake] [--transports shm,tcp]
+      kvxfer vs NIXL and Mooncake (from PyPI, in .venv): bandwidth, KV-shaped requests, descriptor posting, notifications
   kvxfer bench all [--quick]
       every suite in sequence, JSON and SVG plots in bench/results/
   kvxfer bench plot
@@ -113,6 +115,11 @@ async function main(argv: string[]): Promise<number> {
       }
       if (suite === "control") {
         const mod = await import("../../bench/control.js");
+        await mod.main(args);
+        return 0;
+      }
+      if (suite === "peers") {
+        const mod = await import("../../bench/peers.js");
         await mod.main(args);
         return 0;
       }
