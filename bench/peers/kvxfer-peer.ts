@@ -137,7 +137,10 @@ async function handle(req: Request): Promise<unknown> {
       return {
         system: "kvxfer",
         version: `kvxfer ${process.env.npm_package_version ?? "0.1.0"} (native addon)`,
-        ucx: `${ucxVersion} (Debian libucx)`,
+        ucx:
+          process.env.KVXFER_ADDON !== undefined
+            ? `${ucxVersion} (addon ${process.env.KVXFER_ADDON})`
+            : `${ucxVersion} (system libucx)`,
         busyPoll: opts.busyPoll,
         spinUs: opts.spinUs ?? 0,
       };
