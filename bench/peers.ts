@@ -264,13 +264,14 @@ function placement(
       transport === "shm"
         ? { UCX_TLS: "shm,self" }
         : { UCX_TLS: "tcp", UCX_NET_DEVICES: ns!.devices[i] };
-    // No progress thread on shm (faster there; CMA writes and reads need nothing from the target).
-    // Over TCP the target's UCX must progress for a put or get to complete, and the target's
-    // harness is idle between calls: there NIXL runs as it comes, with its progress thread.
+    // No progress thread (faster here: on 2 cores it competes with the polling Python thread).
+    // Over TCP a put or get completes only when the target's UCX progresses too, so there each
+    // harness also progresses its agent between requests (get_new_notifs in a loop, as an engine
+    // polling for notifications would).
     return {
       prefix,
       env,
-      init: { name, errorMode: v.errorMode ?? "none", progressThread: transport === "tcp" },
+      init: { name, errorMode: v.errorMode ?? "none", idleProgress: transport === "tcp" },
     };
   }
   // Mooncake: its RPC listener and TCP transport bound to this side's namespace address.
@@ -457,11 +458,16 @@ async function runVariant(
             continue;
           }
           try {
+            // Each point also stops after 10 s (2 s warm-up): the slowest peer sets the run time.
             const args = { kind, size, window: o.window };
-            await a.call("bw", { ...args, iters: Math.max(8, Math.floor(iters / 10)) }, 60_000);
+            await a.call(
+              "bw",
+              { ...args, iters: Math.max(8, Math.floor(iters / 10)), maxMs: 2000 },
+              60_000,
+            );
             const got = await a.call<{ gbps: number; msgRate: number; cpuMs: number; n: number }>(
               "bw",
-              { ...args, iters },
+              { ...args, iters, maxMs: 10_000 },
               120_000,
             );
             value = {
@@ -652,7 +658,7 @@ export async function runPeersBench(opts: PeersBenchOptions): Promise<PeersBench
     python,
     settings:
       `registered host memory, ${BUFFER_BYTES >> 20} MiB per side; bandwidth: one descriptor per request, ` +
-      `${o.window} requests in flight, ${shortBytes(o.targetBytes)} per point after a 10% warm-up; ` +
+      `${o.window} requests in flight, ${shortBytes(o.targetBytes)} or 10 s per point after a 10% (at most 2 s) warm-up; ` +
       `KV: llama3-8b shape with 4 layers (8 KV heads x 128, bfloat16, HND, block 16, shuffled block ids), ` +
       `one WRITE + one notification, ${o.kvRounds} rounds after 1 warm-up; descriptors: ${DESC_SIZE} B, ` +
       `${DESC_STRIDE} B apart, one WRITE, median of ${o.descReps}; ping: ${PING_BYTES} B notifications, one in flight, ${o.pingReps} round trips`,
@@ -988,7 +994,8 @@ export function writePeersCharts(r: PeersBenchResult): string[] {
 
 export const PEERS_NOTES = [
   "  kvxfer: the native addon (Debian UCX), shm = UCX_TLS shm,self, tcp = tcp on the namespace's veth; kvxfer busy-poll: the same with busyPoll",
-  "  NIXL: nixl_agent with its UCX backend (the UCX its wheel bundles), error-handling mode none, same UCX_TLS and device; progress thread on tcp only;",
+  "  NIXL: nixl_agent with its UCX backend (the UCX its wheel bundles), error-handling mode none, same UCX_TLS and device, no progress thread;",
+  "    over tcp each NIXL process polls its agent between requests (a target's UCX must progress for a put or get to complete)",
   "    bandwidth reposts prepared handles (make_prepped_xfer); KV and descriptor lists go through get_xfer_descs + initialize_xfer + transfer",
   "  Mooncake: TransferEngine, P2P handshake, tcp bound to the namespace address; KV = batch_transfer_sync with a TransferNotify",
   "  kvxfer sidecars: bench e2e push (P's engine says prefill done -> the router hears KV_READY over gRPC), the same KV shapes",

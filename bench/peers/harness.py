@@ -25,6 +25,7 @@ import importlib.metadata
 import json
 import mmap
 import os
+import select
 import sys
 import time
 from dataclasses import dataclass
@@ -102,6 +103,11 @@ class Side:
     """What every system's side implements; the driver calls these by op name."""
 
     buf: Buffer | None = None
+    # Progress between requests (see request_lines).
+    idle_progress = False
+
+    def idle(self) -> None:
+        pass
 
     def need_buf(self) -> Buffer:
         if self.buf is None:
@@ -155,6 +161,7 @@ class NixlSide(Side):
         )
         self.agent = self.nixl.nixl_agent(str(req["name"]), conf)
         self.agent.create_backend("UCX", params)
+        self.idle_progress = bool(req.get("idleProgress", False))
         return {
             "system": "nixl",
             "version": package_version("nixl-cu12", "nixl"),
@@ -224,7 +231,10 @@ class NixlSide(Side):
         deadline = now() + int(float(req.get("timeoutMs", 120_000)) * 1e6)
         c0 = time.process_time_ns()
         t0 = now()
+        stop_at = t0 + int(float(req.get("maxMs", 1e9)) * 1e6)
         while done < iters:
+            if started < iters and now() > stop_at:
+                iters = started  # time is up: finish what is in flight, count what was done
             for i, h in enumerate(handles):
                 if posted[i]:
                     s = self.agent.check_xfer_state(h)
@@ -312,6 +322,15 @@ class NixlSide(Side):
             for m in msgs:
                 self.notes.append((peer, m, t))
 
+    def idle(self) -> None:
+        # get_new_notifs progresses the UCX worker; what it finds is kept for the next request.
+        self._poll_notes()
+
+    def _take_notes(self) -> list[tuple[str, bytes, int]]:
+        self._poll_notes()
+        got, self.notes = self.notes, []
+        return got
+
     def wait_notes(self, req: dict[str, Any]) -> dict[str, Any]:
         tags = {str(t).encode() for t in req["tags"]}
         seen: dict[str, int] = {}
@@ -339,8 +358,7 @@ class NixlSide(Side):
         for _ in range(reps):
             self.agent.send_notif(self.remote, payload)
             while True:
-                got = self.agent.get_new_notifs()
-                if any(len(v) for v in got.values()):
+                if self._take_notes():
                     break
                 if now() > deadline:
                     raise BenchError("ERR_TIMEOUT", "ping: no answer")
@@ -352,10 +370,9 @@ class NixlSide(Side):
         deadline = now() + int(float(req.get("timeoutMs", 60_000)) * 1e6)
         answered = 0
         while answered < reps:
-            for peer, msgs in self.agent.get_new_notifs().items():
-                for m in msgs:
-                    self.agent.send_notif(peer, m)
-                    answered += 1
+            for peer, m, _ in self._take_notes():
+                self.agent.send_notif(peer, m)
+                answered += 1
             if now() > deadline:
                 raise BenchError("ERR_TIMEOUT", f"pong: {answered}/{reps}")
         return {"n": answered}
@@ -422,7 +439,10 @@ class MooncakeSide(Side):
         deadline = now() + int(float(req.get("timeoutMs", 120_000)) * 1e6)
         c0 = time.process_time_ns()
         t0 = now()
+        stop_at = t0 + int(float(req.get("maxMs", 1e9)) * 1e6)
         while done < iters:
+            if started < iters and now() > stop_at:
+                iters = started  # time is up: finish what is in flight, count what was done
             for i in range(window):
                 bid = inflight[i]
                 if bid is not None:
@@ -548,10 +568,31 @@ class MooncakeSide(Side):
 # --- the loop ----------------------------------------------------------------
 
 
+def request_lines(side_ref: list[Side | None]) -> Any:
+    """Lines from stdin. While the side asks for it (NIXL over TCP), it is progressed between
+    requests instead of blocking: its peer's puts and gets need this side's UCX to progress."""
+    buf = b""
+    while True:
+        side = side_ref[0]
+        while side is not None and side.idle_progress:
+            ready, _, _ = select.select([0], [], [], 0)
+            if ready:
+                break
+            side.idle()
+        chunk = os.read(0, 1 << 20)
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line
+
+
 def main() -> None:
     system = sys.argv[1] if len(sys.argv) > 1 else ""
     side: Side | None = None
-    for line in sys.stdin:
+    side_ref: list[Side | None] = [None]
+    for line in request_lines(side_ref):
         try:
             req = json.loads(line)
         except json.JSONDecodeError:
@@ -574,6 +615,7 @@ def main() -> None:
             fn = getattr(side, op, None)
             if fn is None or op.startswith("_"):
                 raise BenchError("ERR_ARGUMENT", f"unknown op '{op}'")
+            side_ref[0] = side
             result = fn(req)
             _REPLY.write(json.dumps({"id": rid, "result": result}) + "\n")
         except ImportError as e:

@@ -76,6 +76,7 @@ async function bandwidth(
   iters: number,
   window: number,
   timeoutMs: number,
+  maxMs: number,
 ): Promise<unknown> {
   const a = need(agent, "agent");
   const r = need(region, "region");
@@ -100,6 +101,8 @@ async function bandwidth(
       started++;
       (kind === "write" ? a.write(e, r, rem, d) : a.read(e, r, rem, d)).then(() => {
         done++;
+        // Time is up: post nothing more, count what was done.
+        if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
         if (done === iters) {
           clearTimeout(timer);
           resolve();
@@ -170,6 +173,7 @@ async function handle(req: Request): Promise<unknown> {
         Number(req.iters),
         Number(req.window),
         Number(req.timeoutMs ?? 120_000),
+        Number(req.maxMs ?? 1e9),
       );
     case "kv": {
       const a = need(agent, "agent");
