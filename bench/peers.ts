@@ -954,12 +954,17 @@ export function formatPeers(r: PeersBenchResult, markdown = false): string {
     .join("\n\n");
 }
 
-const COLORS: Record<string, string> = { kvxfer: "#1f77b4", nixl: "#2ca02c", mooncake: "#ff7f0e" };
+const COLORS: Record<string, string> = {
+  kvxfer: "#1f77b4",
+  "kvxfer-wheel-ucx": "#9467bd",
+  nixl: "#2ca02c",
+  mooncake: "#ff7f0e",
+};
 
 /** Bandwidth by request size for all three systems on one transport: WRITE solid, READ dashed. */
 export function peersChart(r: PeersBenchResult, transport: PeerTransport): string {
   const series: ChartSeries[] = [];
-  for (const label of ["kvxfer", "nixl", "mooncake"])
+  for (const label of ["kvxfer", "kvxfer-wheel-ucx", "nixl", "mooncake"])
     for (const kind of ["write", "read"] as const) {
       const points = r.bw
         .filter((b) => b.transport === transport && b.kind === kind)
