@@ -1,10 +1,11 @@
-// `kvxfer bench all`: every suite in sequence (native, plan, events, e2e, modes, control), each
+// `kvxfer bench all`: every suite in sequence (native, plan, events, e2e, modes, control, peers), each
 // printing its table with its reference, each writing bench/results/<suite>.json; then the plots.
 // `kvxfer bench plot`: the plots alone, from the JSON files already there:
 //   bench/results/native-bandwidth.svg  kvxfer WRITE/READ vs ucx_perftest put/get by message size
 //                                       (memory allocated by UCX: ucx_perftest's default);
 //   bench/results/modes-ttft.svg        simulated TTFT p50 vs prompt length by mode and dispatch;
-//   bench/results/modes-kv-ready.svg    KV ready after prefill p50, the same way.
+//   bench/results/modes-kv-ready.svg    KV ready after prefill p50, the same way;
+//   bench/results/peers-bandwidth-<transport>.svg  kvxfer, NIXL and Mooncake bandwidth by request size.
 // `kvxfer bench native --json > bench/results/native.json` feeds the bandwidth plot too.
 import { pathToFileURL } from "node:url";
 
@@ -19,6 +20,15 @@ import { formatEventsBench, runEventsBench } from "./events.js";
 import { type ModesBenchResult, formatModesTables, modesChart, runModesBench } from "./modes.js";
 import { formatNativeTable, runNativeBench, type NativeBenchRow } from "./native.js";
 import { formatPlanBench, runPlanBench } from "./plan.js";
+import {
+  type PeersBenchResult,
+  PEERS_NOTES,
+  formatPeers,
+  parsePeersArgs,
+  runPeersBench,
+  statusLines,
+  writePeersCharts,
+} from "./peers.js";
 import { machineLine, readJsonResult, writeJsonResult, writeResult } from "./report.js";
 import { lineChart, shortBytes } from "./svg.js";
 
@@ -71,6 +81,9 @@ export function runPlots(log: (line: string) => void = console.log): string[] {
     out.push(writeResult("modes-ttft.svg", modesChart(modes, "ttftMs")));
     out.push(writeResult("modes-kv-ready.svg", modesChart(modes, "kvReadyMs")));
   } else log("no bench/results/modes.json: run `kvxfer bench modes` first");
+  const peers = readJsonResult<PeersBenchResult>("peers");
+  if (peers !== undefined) out.push(...writePeersCharts(peers));
+  else log("no bench/results/peers.json: run `kvxfer bench peers` first");
   return out;
 }
 
@@ -128,6 +141,17 @@ export async function main(argv: string[] = process.argv.slice(2)): Promise<void
   console.log(formatControl(control));
   console.log(CONTROL_NOTES);
   writeJsonResult("control", control);
+
+  section("peers: kvxfer vs NIXL vs Mooncake (missing peers are reported, not skipped)");
+  const peers = await runPeersBench({
+    json: false,
+    log,
+    ...(quick ? parsePeersArgs(["--quick"]) : {}),
+  });
+  for (const line of statusLines(peers)) console.log(line);
+  console.log(formatPeers(peers));
+  console.log(PEERS_NOTES);
+  writeJsonResult("peers", peers);
 
   section("plots");
   for (const f of runPlots(log)) console.log(`  ${f}`);

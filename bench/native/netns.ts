@@ -28,12 +28,19 @@ export function canCreateNetns(): boolean {
   }
 }
 
-export function createNetnsPair(tag: string): NetnsPair {
+/**
+ * `addresses`: the two ends' IPv4 addresses (a /24). The default is link-local; UCX 1.22 and
+ * later ignore an interface whose only address is link-local, so a bench that runs those (NIXL's
+ * bundled UCX) passes addresses from 198.18.0.0/15, the range RFC 2544 sets aside for benchmarks.
+ */
+export function createNetnsPair(
+  tag: string,
+  addresses: [string, string] = ["169.254.77.1", "169.254.77.2"],
+): NetnsPair {
   const id = `${tag}${process.pid % 10000}`;
   const names: [string, string] = [`kvx-${id}-a`, `kvx-${id}-b`];
   const devices: [string, string] = [`kva${process.pid % 100000}`, `kvb${process.pid % 100000}`];
-  // Link-local addresses inside namespaces this process made: traffic never leaves them.
-  const addresses: [string, string] = ["169.254.77.1", "169.254.77.2"];
+  // Addresses inside namespaces this process made: traffic never leaves them.
   const destroy = (): void => {
     for (const n of names) {
       try {

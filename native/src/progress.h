@@ -169,7 +169,12 @@ class ProgressEngine {
   std::atomic<bool> stopped_{false};  // set once the thread has been joined
 
   std::mutex cmd_mu_;
-  std::deque<std::function<void()>> commands_;
+  std::vector<std::function<void()>> commands_;
+  // Set by the progress thread while it sleeps (or is about to) in
+  // epoll_wait: only then does a new command need the eventfd written.
+  std::atomic<bool> sleeping_{false};
+  // Progress-thread only: the commands being run, kept to reuse its storage.
+  std::vector<std::function<void()>> running_;
 
   std::mutex ev_mu_;
   std::vector<Event> events_;

@@ -48,6 +48,8 @@ ${sidecarHelp}
       transfers/s and CPU per transfer of one sidecar pair vs native round trips
   kvxfer bench vllm [--quick] [--json] [--lengths 32,256,1024] [--requests N] [--modes pull,push]
       a real vLLM P/D pair (CPU build) through kvxfer vs one engine: TTFT, E2E, KV bytes per request
+  kvxfer bench peers [--quick] [--json] [--install] [--systems kvxfer,nixl,mooncake] [--transports shm,tcp]
+      kvxfer vs NIXL and Mooncake (from PyPI, in .venv): bandwidth, KV-shaped requests, descriptor posting, notifications
   kvxfer bench all [--quick]
       every suite in sequence, JSON and SVG plots in bench/results/
   kvxfer bench plot
@@ -120,6 +122,11 @@ async function main(argv: string[]): Promise<number> {
       }
       if (suite === "vllm") {
         const mod = await import("../../bench/vllm.js");
+        await mod.main(args);
+        return 0;
+      }
+      if (suite === "peers") {
+        const mod = await import("../../bench/peers.js");
         await mod.main(args);
         return 0;
       }

@@ -1,0 +1,311 @@
+/**
+ * kvxfer's side of the peer benchmark: the same JSON-lines protocol as
+ * bench/peers/harness.py (NIXL and Mooncake), over the native addon, so that
+ * bench/peers.ts runs the same work against all three systems.
+ *
+ * Times are CLOCK_MONOTONIC nanoseconds (`process.hrtime.bigint()`), the clock
+ * Python's `time.monotonic_ns()` reads too.
+ */
+import { createInterface } from "node:readline";
+
+import {
+  Agent,
+  KvxferError,
+  type Endpoint,
+  type Notification,
+  type Region,
+  type RemoteRegion,
+  ucxVersion,
+} from "../../src/native/index.js";
+
+interface Request {
+  id: number;
+  op: string;
+  [key: string]: unknown;
+}
+
+const now = (): number => Number(process.hrtime.bigint());
+
+let agent: Agent | undefined;
+let region: Region | undefined;
+let ep: Endpoint | undefined;
+let remote: RemoteRegion | undefined;
+/** Notifications not yet claimed, with their arrival times. */
+let notes: { data: string; t: number }[] = [];
+let onNote: (() => void) | undefined;
+
+function need<T>(v: T | undefined, what: string): T {
+  if (v === undefined) throw new KvxferError("ERR_INVALID_ARGUMENT", `peer: ${what} not set up`);
+  return v;
+}
+
+function onNotifications(batch: Notification[]): void {
+  const t = now();
+  for (const n of batch) notes.push({ data: n.data.toString(), t });
+  onNote?.();
+}
+
+/** Resolves once `done()` holds after a notification batch, or rejects at the deadline. */
+function waitFor(done: () => boolean, timeoutMs: number, what: string): Promise<void> {
+  if (done()) return Promise.resolve();
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => {
+      onNote = undefined;
+      reject(new KvxferError("ERR_TIMEOUT", `${what}: not done within ${timeoutMs} ms`));
+    }, timeoutMs);
+    onNote = () => {
+      if (!done()) return;
+      clearTimeout(timer);
+      onNote = undefined;
+      resolve();
+    };
+  });
+}
+
+function descsFrom(s: unknown): Float64Array {
+  const raw = Buffer.from(String(s), "base64");
+  const copy = new Uint8Array(raw.length);
+  copy.set(raw);
+  return new Float64Array(copy.buffer, 0, Math.floor(copy.length / 8));
+}
+
+/** `iters` requests of one descriptor of `size` bytes, `window` in flight. */
+async function bandwidth(
+  kind: "write" | "read",
+  size: number,
+  iters: number,
+  window: number,
+  timeoutMs: number,
+  maxMs: number,
+): Promise<unknown> {
+  const a = need(agent, "agent");
+  const r = need(region, "region");
+  const e = need(ep, "endpoint");
+  const rem = need(remote, "remote region");
+  const slots = Math.max(1, Math.min(window, Math.floor(Math.min(r.length, rem.length) / size)));
+  const lists = Array.from(
+    { length: slots },
+    (_, i) => new Float64Array([i * size, i * size, size]),
+  );
+  let started = 0;
+  let done = 0;
+  const c0 = process.cpuUsage();
+  const t0 = now();
+  await new Promise<void>((resolve, reject) => {
+    const timer = setTimeout(
+      () => reject(new KvxferError("ERR_TIMEOUT", `bw: ${done}/${iters} within ${timeoutMs} ms`)),
+      timeoutMs,
+    );
+    const launch = (slot: number): void => {
+      const d = lists[slot % slots]!;
+      started++;
+      (kind === "write" ? a.write(e, r, rem, d) : a.read(e, r, rem, d)).then(() => {
+        done++;
+        // Time is up: post nothing more, count what was done.
+        if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
+        if (done === iters) {
+          clearTimeout(timer);
+          resolve();
+        } else if (started < iters) launch(slot);
+      }, reject);
+    };
+    for (let i = 0; i < Math.min(window, iters); i++) launch(i);
+  });
+  const seconds = (now() - t0) / 1e9;
+  const cpu = process.cpuUsage(c0);
+  return {
+    seconds,
+    n: iters,
+    gbps: (iters * size) / seconds / 1e9,
+    msgRate: iters / seconds,
+    // The initiator's CPU (every thread), a figure other load on the machine barely moves.
+    cpuMs: (cpu.user + cpu.system) / 1e3,
+  };
+}
+
+async function handle(req: Request): Promise<unknown> {
+  const timeoutMs = Number(req.timeoutMs ?? 30_000);
+  switch (req.op) {
+    case "init": {
+      const transport = String(req.transport ?? "shm");
+      const opts: ConstructorParameters<typeof Agent>[0] = {
+        name: String(req.name ?? `peer-${process.pid}`),
+        transports: transport === "tcp" ? "tcp" : "shm,self",
+        busyPoll: req.busyPoll === true,
+      };
+      if (typeof req.netDevice === "string") opts.netDevices = req.netDevice;
+      if (typeof req.spinUs === "number") opts.spinUs = req.spinUs;
+      agent = new Agent(opts);
+      agent.on("notifications", onNotifications);
+      return {
+        system: "kvxfer",
+        version: `kvxfer ${process.env.npm_package_version ?? "0.1.0"} (native addon)`,
+        ucx:
+          process.env.KVXFER_ADDON !== undefined
+            ? `${ucxVersion} (addon ${process.env.KVXFER_ADDON})`
+            : `${ucxVersion} (system libucx)`,
+        busyPoll: opts.busyPoll,
+        spinUs: opts.spinUs ?? 0,
+      };
+    }
+    case "alloc": {
+      const a = need(agent, "agent");
+      // Registered host memory: a Buffer the application owns (zero-filled, so every page is touched).
+      region = a.registerMemory(Buffer.alloc(Number(req.size)));
+      return {
+        peerInfo: {
+          address: a.address.toString("base64"),
+          key: region.remoteKey().toString("base64"),
+          size: region.length,
+        },
+      };
+    }
+    case "connect": {
+      const info = req.peerInfo as { address: string; key: string };
+      ep = need(agent, "agent").connect(Buffer.from(info.address, "base64"));
+      remote = ep.importRemote(Buffer.from(info.key, "base64"));
+      return { remote: ep.id };
+    }
+    case "bw":
+      return bandwidth(
+        req.kind === "read" ? "read" : "write",
+        Number(req.size),
+        Number(req.iters),
+        Number(req.window),
+        Number(req.timeoutMs ?? 120_000),
+        Number(req.maxMs ?? 1e9),
+      );
+    case "kv": {
+      const a = need(agent, "agent");
+      const d = descsFrom(req.descs);
+      const tPost = now();
+      const p = a.write(
+        need(ep, "endpoint"),
+        need(region, "region"),
+        need(remote, "remote region"),
+        d,
+        Buffer.from(String(req.tag)),
+      );
+      const tReturn = now();
+      await p;
+      return { tPostNs: tPost, tReturnNs: tReturn, tDoneNs: now() };
+    }
+    case "descpost": {
+      const a = need(agent, "agent");
+      const r = need(region, "region");
+      const rem = need(remote, "remote region");
+      const count = Number(req.count);
+      const size = Number(req.size);
+      const stride = Number(req.stride);
+      const slots = Math.floor(Math.min(r.length, rem.length) / stride);
+      const t0 = now();
+      const d = new Float64Array(count * 3);
+      for (let i = 0; i < count; i++) {
+        const off = (i % slots) * stride;
+        d[3 * i] = off;
+        d[3 * i + 1] = off;
+        d[3 * i + 2] = size;
+      }
+      const t1 = now();
+      const p = a.write(need(ep, "endpoint"), r, rem, d);
+      const t2 = now();
+      await p;
+      const t3 = now();
+      return {
+        buildMs: (t1 - t0) / 1e6,
+        prepMs: 0,
+        transferCallMs: (t2 - t1) / 1e6,
+        postMs: (t2 - t1) / 1e6,
+        completeMs: (t3 - t1) / 1e6,
+      };
+    }
+    case "wait_notes": {
+      const tags = new Set((req.tags as unknown[]).map(String));
+      const seen: Record<string, number> = {};
+      await waitFor(
+        () => {
+          notes = notes.filter((n) => {
+            if (!tags.has(n.data)) return true;
+            seen[n.data] = n.t;
+            return false;
+          });
+          return Object.keys(seen).length === tags.size;
+        },
+        timeoutMs,
+        "notifications",
+      );
+      return { arrivals: seen };
+    }
+    case "ping": {
+      // Round trips of a small notification, one in flight.
+      const a = need(agent, "agent");
+      const e = need(ep, "endpoint");
+      const reps = Number(req.reps);
+      const payload = Buffer.alloc(Number(req.bytes), "p");
+      const t0 = now();
+      for (let i = 0; i < reps; i++) {
+        const answered = waitFor(
+          () => {
+            if (notes.length === 0) return false;
+            notes.shift();
+            return true;
+          },
+          timeoutMs,
+          "ping",
+        );
+        await a.notify(e, payload);
+        await answered;
+      }
+      const seconds = (now() - t0) / 1e9;
+      return { seconds, n: reps, rate: reps / seconds };
+    }
+    case "pong": {
+      const a = need(agent, "agent");
+      const e = need(ep, "endpoint");
+      const reps = Number(req.reps);
+      let answered = 0;
+      await waitFor(
+        () => {
+          for (const n of notes.splice(0)) {
+            void a.notify(e, Buffer.from(n.data));
+            answered++;
+          }
+          return answered >= reps;
+        },
+        timeoutMs,
+        "pong",
+      );
+      return { n: answered };
+    }
+    case "exit":
+      agent?.close();
+      setImmediate(() => process.exit(0));
+      return {};
+    default:
+      throw new KvxferError("ERR_INVALID_ARGUMENT", `peer: unknown op '${req.op}'`);
+  }
+}
+
+const rl = createInterface({ input: process.stdin });
+rl.on("line", (line) => {
+  let req: Request;
+  try {
+    req = JSON.parse(line) as Request;
+  } catch {
+    return;
+  }
+  handle(req).then(
+    (result) => process.stdout.write(JSON.stringify({ id: req.id, result }) + "\n"),
+    (err: unknown) => {
+      const e = KvxferError.from(err);
+      process.stdout.write(
+        JSON.stringify({ id: req.id, error: { code: e.code, message: e.message } }) + "\n",
+      );
+    },
+  );
+});
+// The driver going away ends the peer.
+rl.on("close", () => {
+  agent?.close();
+  process.exit(0);
+});
