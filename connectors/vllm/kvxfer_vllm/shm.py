@@ -5,8 +5,10 @@ allocation inside (``get_mem_pool_context``): it catches the one flat
 ``torch.zeros`` allocation of the KV cache and returns a tensor backed by a new
 shared-memory file instead, so the engine computes straight into memory the
 sidecar reads and writes — no copies. Files are created owner-only and removed
-when the engine exits (``close``, and an ``atexit`` hook); the mapping stays
-valid for the tensors that still use it.
+when the engine exits: by ``close`` (the connector's shutdown, and an ``atexit``
+hook), and, because vLLM force-kills its workers at shutdown (and an OOM kill
+runs no Python at all), by a small watcher process that removes the file once
+the process that made it is gone.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import subprocess
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +67,7 @@ class SharedKvFiles:
             os.unlink(path)
             raise
         self.files.append(SharedKvFile(path, nbytes, tensor.data_ptr(), tensor))
+        _remove_when_gone(os.getpid(), path)
         log.info("kvxfer: KV cache region %s (%d bytes) in shared memory", path, nbytes)
         return tensor
 
@@ -94,6 +98,23 @@ class SharedKvFiles:
             except FileNotFoundError:
                 pass
         atexit.unregister(self.close)
+
+
+#: Polls the owner every half second; exits as soon as it has removed the file. Started in the
+#: background by a shell that exits at once, so the watcher is nobody's descendant: vLLM kills
+#: its workers' descendants at shutdown, and a kill of the engine's process group spares it too.
+_WATCHER = '(while kill -0 "$0" 2>/dev/null; do sleep 0.5; done; rm -f -- "$1") </dev/null >/dev/null 2>&1 &'
+
+
+def _remove_when_gone(pid: int, path: str) -> None:
+    """A detached watcher that removes ``path`` once ``pid`` has exited, however it exited."""
+    try:
+        starter = subprocess.Popen(["sh", "-c", _WATCHER, str(pid), path], start_new_session=True,
+                                   close_fds=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        starter.wait(10)
+    except (OSError, subprocess.TimeoutExpired) as err:  # no sh: the file goes only with a clean exit
+        log.warning("kvxfer: no watcher for %s (%s); a killed engine leaves it behind", path, err)
 
 
 class _PlaceInSharedMemory(TorchFunctionMode):

@@ -66,6 +66,11 @@ def pd(tmp_path_factory):
             proc.stop(60)
         for sc in sidecars:
             sc.stop()
+        # vLLM force-kills its workers at shutdown; the connector's watchers remove their files
+        # within half a second of the worker's death.
+        deadline = time.monotonic() + 10
+        while os.listdir(shm) and time.monotonic() < deadline:
+            time.sleep(0.2)
         left_files = sorted(os.listdir(shm))
         os.rmdir(shm) if not left_files else None
         for proc in procs:
