@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,7 @@ def pd(tmp_path_factory):
         while os.listdir(shm) and time.monotonic() < deadline:
             time.sleep(0.2)
         left_files = sorted(os.listdir(shm))
-        os.rmdir(shm) if not left_files else None
+        shutil.rmtree(shm, ignore_errors=True)
         for proc in procs:
             assert not _group_alive(proc.pid), f"{proc.args[:4]} left processes behind"
         assert not left_files, f"shared-memory files left behind: {left_files}"
