@@ -72,6 +72,12 @@ _log_like_vllm()
 @dataclass
 class KvxferConnectorMetadata(KVConnectorMetadata):
     step: StepMessages = field(default_factory=StepMessages)
+    #: The step runs no model (nothing scheduled): the worker may wait a little for the sidecar.
+    idle: bool = False
+
+
+#: How long an idle engine step waits for the sidecar (see WorkerLogic.take_results).
+IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -221,7 +227,9 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.worker is None:
             return KVConnectorTransferResults()
-        r = self.worker.take_results()
+        meta = self._connector_metadata
+        idle = isinstance(meta, KvxferConnectorMetadata) and meta.idle
+        r = self.worker.take_results(IDLE_WAIT_S if idle else 0.0)
         return KVConnectorTransferResults(
             finished_sending=r.finished_sending,
             finished_recving=r.finished_recving,
@@ -269,7 +277,8 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return KvxferConnectorMetadata(step=self.scheduler.build_step())
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        return KvxferConnectorMetadata(step=self.scheduler.build_step(), idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
