@@ -3,6 +3,7 @@
  * processes, runs a workload through a simulated router, and summarises it.
  * Tests and benchmarks drive the same code (`runDemo`).
  */
+import { randomBytes } from "node:crypto";
 import { performance } from "node:perf_hooks";
 import { parseArgs } from "node:util";
 
@@ -376,6 +377,8 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       const p = ps[r % ps.length]!;
       const d = ds[r % ds.length]!;
       const transferId = `req-${r}-${tag}`;
+      // The router binds the transfer to the D it picks: only a sidecar presenting this token gets it.
+      const token = randomBytes(16).toString("hex");
       const tokens = o.promptTokens[r % o.promptTokens.length]!;
       const prefix = Math.min(o.prefixTokens, tokens - 1);
       const computeMs = o.computeMs + Math.round((o.computeMsPerToken ?? 0) * tokens);
@@ -399,6 +402,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
             tokens,
             computeMs,
             o.requestTimeoutMs,
+            token,
           );
           prefilledAt = Date.now();
           rec.prefilledMs = performance.now();
@@ -410,20 +414,21 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
               prefixTokens: prefix,
               source: p.ready.sideChannel,
               sourceBlockIds: blockIds,
+              token,
             },
             o.requestTimeoutMs,
           );
           rec.dstBlockIds = [...expected.blockIds];
         } else {
           const pre = p.engine
-            .prefill(transferId, tokens, computeMs, o.requestTimeoutMs)
+            .prefill(transferId, tokens, computeMs, o.requestTimeoutMs, token)
             .then(({ blockIds }) => {
               prefilledAt = Date.now();
               rec.prefilledMs = performance.now();
               rec.srcBlockIds = [...blockIds];
             });
           const expected = await d.engine.expect(
-            { transferId, tokens, prefixTokens: prefix, source: p.ready.sideChannel },
+            { transferId, tokens, prefixTokens: prefix, source: p.ready.sideChannel, token },
             o.requestTimeoutMs,
           );
           rec.dstBlockIds = [...expected.blockIds];
