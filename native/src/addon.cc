@@ -937,6 +937,8 @@ void AgentWrap::CloseAll(Napi::Env env, bool deliver) {
     engine_->TakeEvents(&dropped);
   }
   pending_.clear();
+  // The worker goes before the regions: purging its pending requests may touch their handles.
+  engine_->DestroyWorker();
   std::vector<Child*> children(children_.begin(), children_.end());
   for (Child* c : children) c->CloseFromParent(deliver);
   children_.clear();

@@ -132,6 +132,12 @@ class ProgressEngine {
   // and joins the thread. Idempotent. Completions for failed transfers are
   // left in the event queue for the caller to deliver.
   void Shutdown();
+  // Stops the thread and destroys the worker (which purges its pending requests): call it before
+  // the regions' memory is unmapped, since a pending request may still point at a region's
+  // memory handle (UCX 1.13 re-registers it while purging; measured: a segfault in
+  // ucp_mem_rereg_mds when the regions went first). Leaks worker and context when requests are
+  // still outstanding. Idempotent; the destructor calls it.
+  void DestroyWorker();
 
  private:
   ProgressEngine() = default;
@@ -158,6 +164,10 @@ class ProgressEngine {
   EngineOptions opts_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
+  // The worker was leaked (requests outstanding): its context must outlive it.
+  bool context_leaked_ = false;
+  // The worker's flush did not complete at shutdown (sends pending to a peer that never drains).
+  bool unflushed_ = false;
   int worker_fd_ = -1;
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
