@@ -29,6 +29,7 @@ import {
 } from "../src/gen/kvxfer/v1/engine_pb.js";
 import { type KvLayout, kvLayout } from "../src/plan/index.js";
 import { kvLayoutToProto } from "../src/plan/layout-proto.js";
+import { byteSize, kvDirectory } from "../src/sidecar/main.js";
 import type { SimEngineEvent } from "../src/sim/engine-client.js";
 import { SidecarProcess } from "../src/sim/sidecar-process.js";
 import { KvNode, goodTransfer, rssKiB, sleep, uniqueId, until } from "./sidecar-fixtures.js";
@@ -489,4 +490,22 @@ describe("a malformed --tls-ca", () => {
       expect(sc.stderrTail).toContain(why);
     }, 30_000);
   }
+});
+
+describe("region settings", () => {
+  it("byte counts take binary suffixes; empty means the default; anything else is ERR_CONFIG", () => {
+    expect(byteSize("max-kv-bytes", "64G", 1)).toBe(64 * 2 ** 30);
+    expect(byteSize("max-kv-bytes", "512MiB", 1)).toBe(512 * MiB);
+    expect(byteSize("max-kv-bytes", "4096", 1)).toBe(4096);
+    expect(byteSize("max-kv-bytes", "", 7)).toBe(7);
+    for (const bad of ["0", "-1", "1.5G", "lots", "1P"])
+      expect(() => byteSize("max-kv-bytes", bad, 1), bad).toThrow(/--max-kv-bytes/);
+  });
+
+  it("--kv-dir must be an existing directory", () => {
+    expect(kvDirectory("/dev/shm/")).toBe("/dev/shm");
+    expect(() => kvDirectory("/etc/passwd")).toThrow(/--kv-dir '\/etc\/passwd' is not a directory/);
+    expect(() => kvDirectory("/no/such/kv/dir")).toThrow(/--kv-dir/);
+    expect(() => kvDirectory("")).toThrow(/--kv-dir/);
+  });
 });
