@@ -243,7 +243,10 @@ export class Sidecar implements SidecarView {
   private regions: Region[][] = [];
   /** The KV directory with symbolic links resolved (the operator's setting may name a link). */
   private readonly kvDirResolved: string;
-  /** Bytes of KV files mapped now (checked against maxKvBytes). */
+  /**
+   * Bytes of KV files mapped now (checked against maxKvBytes). A sidecar holds one registration
+   * today; code that drops or replaces one (re-registration) must subtract its bytes.
+   */
   private mappedBytes = 0;
   /**
    * Blocks claimed by live transfers, block id -> transfer id, so that two live transfers never
