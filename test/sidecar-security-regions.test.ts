@@ -430,6 +430,38 @@ describe("overlapping block claims of live transfers", () => {
   }, 60_000);
 });
 
+describe("P's blocks may be shared by default (--exclusive-prefill-blocks false)", () => {
+  let p: KvNode | undefined;
+  afterAll(async () => {
+    await p?.close();
+  }, 30_000);
+
+  it("a PrefillDone listing a live transfer's blocks is accepted: vLLM's prefix cache shares read-only blocks", async () => {
+    p = await KvNode.start({ role: "prefill", mode: "auto" });
+    const { blockIds } = await p.engine.prefill("shared-first", 32, 0);
+    const n = p.engine.events.length;
+    // Another request whose cached prefix is the same first block (as vLLM would list it).
+    await p.engine.call("send", {
+      message: {
+        prefillDone: { transferId: "shared-second", blockIds: [blockIds[0]], numTokens: 16 },
+      },
+    });
+    await until(
+      async () => (await p!.client.listTransfers({ states: ["HELD"] })).total === 2,
+      WAIT,
+      "both transfers held on P",
+    );
+    expect(p.engine.events.slice(n).filter((e) => e.event === "refused")).toEqual([]);
+    // Both end on their own (aborted by the engine); each releases its own blocks once.
+    await p.engine.call("abort", { transferId: "shared-first" });
+    await p.engine.call("send", { message: { abort: { transferId: "shared-second" } } });
+    await p.waitEvent((e) => e.transferId === "shared-first" && e.kind === "ABORTED", WAIT);
+    await p.waitEvent((e) => e.transferId === "shared-second" && e.kind === "ABORTED", WAIT);
+    expect((await p.engineEvent("shared-first", "released", WAIT)).reason).toBe("ABORTED");
+    await p.allBlocksFree();
+  }, 60_000);
+});
+
 describe("a malformed --tls-ca", () => {
   let dir = "";
   beforeAll(() => {
