@@ -93,6 +93,8 @@ export interface NodeOptions {
   /** Simulated engine shape; merged over SMALL_ENGINE. */
   engine?: Partial<SimEngineOptions>;
   logLevel?: string;
+  /** Runs once the sidecar is ready, before the engine starts (e.g. registrations of its own). */
+  beforeEngine?: (socket: string, ready: SidecarReady) => Promise<void>;
 }
 
 /** One engine with its sidecar, a gRPC client, and every event of the sidecar (WatchEvents from seq 0). */
@@ -141,6 +143,7 @@ export class KvNode {
     }
     let engine: SimEngineProcess;
     try {
+      await o.beforeEngine?.(socket, ready);
       engine = await SimEngineProcess.start({
         ...SMALL_ENGINE,
         ...o.engine,

@@ -15,6 +15,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "progress.h"
@@ -467,17 +468,186 @@ Napi::Value AgentWrap::RegisterMemory(const Napi::CallbackInfo& info) {
   return obj;
 }
 
-// mapFile(path, offset, length): maps a shared-memory file and registers it.
+// A file descriptor closed when it goes out of scope (errors below are thrown).
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f = -1) : fd(f) {}
+  ~Fd() {
+    if (fd >= 0) close(fd);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int release() {
+    int f = fd;
+    fd = -1;
+    return f;
+  }
+};
+
+std::vector<std::string> PathComponents(const std::string& path) {
+  std::vector<std::string> out;
+  size_t i = 0;
+  while (i <= path.size()) {
+    size_t j = path.find('/', i);
+    if (j == std::string::npos) j = path.size();
+    std::string c = path.substr(i, j - i);
+    if (!c.empty() && c != ".") out.push_back(c);
+    i = j + 1;
+  }
+  return out;
+}
+
+const char* FileKind(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISLNK(m)) return "a symbolic link";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  return "not a regular file";
+}
+
+// Opens `path` read-write for mapping, confined to the directory `dir` (absolute): the path must
+// be absolute, have no ".." component, lie under `dir`, and be reached from `dir` without a
+// symbolic link at any step (each component opened with O_NOFOLLOW relative to its parent's
+// descriptor, so nothing can be swapped in between a check and the open). Every directory below
+// `dir` and the file must be owned by this process's effective uid; the file must be a regular
+// file with one link. The checks are made with fstat on the descriptors actually opened; the
+// one returned is the one mapped. `dir` itself is the operator's setting and is opened as given.
+int OpenConfined(Napi::Env env, const std::string& path, const std::string& dir) {
+  auto refuse = [&](const std::string& code, const std::string& why) {
+    return MakeError(env, code, "'" + path + "' " + why);
+  };
+  if (path.empty() || path[0] != '/') throw refuse("ERR_REGION_OUTSIDE", "is not an absolute path");
+  std::vector<std::string> comps = PathComponents(path);
+  for (const std::string& c : comps) {
+    if (c == "..") throw refuse("ERR_REGION_OUTSIDE", "has a '..' component");
+  }
+  std::vector<std::string> base = PathComponents(dir);
+  bool under = comps.size() > base.size();
+  for (size_t i = 0; under && i < base.size(); ++i) under = comps[i] == base[i];
+  if (!under) throw refuse("ERR_REGION_OUTSIDE", "is not under the KV directory '" + dir + "'");
+  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd.fd < 0) {
+    int e = errno;
+    throw MakeError(env, "ERR_FILE",
+                    "cannot open the KV directory '" + dir + "': " + std::strerror(e));
+  }
+  uid_t uid = geteuid();
+  std::string walked = dir;
+  // Explains why openat(O_NOFOLLOW) of `name` under `parent` failed with `e`.
+  auto why_not = [&](int parent, const std::string& name, const std::string& at, int e) {
+    struct stat ls;
+    if (fstatat(parent, name.c_str(), &ls, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(ls.st_mode)) {
+      return refuse("ERR_REGION_SYMLINK",
+                    "is reached through a symbolic link ('" + at + "'); links are not followed");
+    }
+    if (e == ENOENT) {
+      return MakeError(env, "ERR_NO_SUCH_FILE",
+                       "mapFile: cannot open '" + path + "': " + std::strerror(e));
+    }
+    if (e == ENOTDIR) return refuse("ERR_REGION_NOT_REGULAR", "'" + at + "' is not a directory");
+    return MakeError(env, "ERR_FILE",
+                     "mapFile: cannot open '" + at + "' of '" + path + "': " + std::strerror(e));
+  };
+  Fd cur(dfd.release());
+  for (size_t i = base.size(); i + 1 < comps.size(); ++i) {
+    walked += "/" + comps[i];
+    Fd next(openat(cur.fd, comps[i].c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (next.fd < 0) throw why_not(cur.fd, comps[i], walked, errno);
+    struct stat st;
+    if (fstat(next.fd, &st) != 0) {
+      int e = errno;
+      throw MakeError(env, "ERR_FILE",
+                      "mapFile: cannot stat '" + walked + "': " + std::strerror(e));
+    }
+    if (st.st_uid != uid) {
+      throw refuse("ERR_REGION_OWNER", "is under the directory '" + walked + "', owned by uid " +
+                                           std::to_string(st.st_uid) + ", not this uid " +
+                                           std::to_string(uid));
+    }
+    std::swap(cur.fd, next.fd);
+  }
+  const std::string& name = comps.back();
+  // O_PATH first: nothing is opened for I/O (no FIFO, device or terminal side effect) before
+  // the type and owner are known.
+  Fd probe(openat(cur.fd, name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
+  if (probe.fd < 0) throw why_not(cur.fd, name, path, errno);
+  struct stat ps;
+  if (fstat(probe.fd, &ps) != 0) {
+    int e = errno;
+    throw MakeError(env, "ERR_FILE", "mapFile: cannot stat '" + path + "': " + std::strerror(e));
+  }
+  auto check = [&](const struct stat& st) {
+    if (S_ISLNK(st.st_mode)) {
+      throw refuse("ERR_REGION_SYMLINK", "is a symbolic link; links are not followed");
+    }
+    if (!S_ISREG(st.st_mode)) {
+      throw refuse("ERR_REGION_NOT_REGULAR",
+                   std::string("is ") + FileKind(st.st_mode) + ", not a regular file");
+    }
+    if (st.st_uid != uid) {
+      throw refuse("ERR_REGION_OWNER", "is owned by uid " + std::to_string(st.st_uid) +
+                                           ", not this uid " + std::to_string(uid));
+    }
+    if (st.st_nlink != 1) {
+      throw refuse("ERR_REGION_NOT_REGULAR",
+                   "has " + std::to_string(st.st_nlink) + " hard links (one expected)");
+    }
+  };
+  check(ps);
+  Fd fd(openat(cur.fd, name.c_str(), O_RDWR | O_NOFOLLOW | O_NOCTTY | O_NONBLOCK | O_CLOEXEC));
+  if (fd.fd < 0) throw why_not(cur.fd, name, path, errno);
+  struct stat st;
+  if (fstat(fd.fd, &st) != 0) {
+    int e = errno;
+    throw MakeError(env, "ERR_FILE", "mapFile: cannot stat '" + path + "': " + std::strerror(e));
+  }
+  if (st.st_dev != ps.st_dev || st.st_ino != ps.st_ino) {
+    throw refuse("ERR_REGION_CHANGED", "was replaced while being opened");
+  }
+  check(st);
+  return fd.release();
+}
+
+// mapFile(path, offset, length, options?): maps a shared-memory file and registers it.
+// options.confineDir (string, non-empty): open the file as OpenConfined does.
+// options.populate (boolean): pre-fault the whole mapping (MAP_POPULATE).
 Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   CheckOpen(env, "mapFile");
-  if (info.Length() < 3 || !info[0].IsString() || !info[1].IsNumber() || !info[2].IsNumber()) {
+  if (info.Length() < 3 || !info[0].IsString() || !info[1].IsNumber() || !info[2].IsNumber() ||
+      (info.Length() >= 4 && !info[3].IsUndefined() && !info[3].IsObject())) {
     throw MakeError(env, "ERR_INVALID_ARGUMENT",
-                    "mapFile(path, offset, length) expects a string and two numbers");
+                    "mapFile(path, offset, length, options?) expects a string, two numbers and "
+                    "an optional object");
   }
   std::string path = info[0].As<Napi::String>().Utf8Value();
   double off_d = info[1].As<Napi::Number>().DoubleValue();
   double len_d = info[2].As<Napi::Number>().DoubleValue();
+  std::string confine_dir;
+  bool populate = false;
+  if (info.Length() >= 4 && info[3].IsObject()) {
+    Napi::Object o = info[3].As<Napi::Object>();
+    Napi::Value dir = o.Get("confineDir");
+    if (!dir.IsUndefined()) {
+      if (!dir.IsString()) {
+        throw MakeError(env, "ERR_INVALID_ARGUMENT", "mapFile: confineDir must be a string");
+      }
+      confine_dir = dir.As<Napi::String>().Utf8Value();
+      if (confine_dir.empty() || confine_dir[0] != '/') {
+        throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                        "mapFile: confineDir must be an absolute path");
+      }
+    }
+    Napi::Value pop = o.Get("populate");
+    if (!pop.IsUndefined()) {
+      if (!pop.IsBoolean()) {
+        throw MakeError(env, "ERR_INVALID_ARGUMENT", "mapFile: populate must be a boolean");
+      }
+      populate = pop.As<Napi::Boolean>().Value();
+    }
+  }
   if (!(off_d >= 0) || std::floor(off_d) != off_d || off_d > 9007199254740992.0) {
     throw MakeError(env, "ERR_INVALID_OFFSET", "mapFile: offset must be a non-negative integer",
                     UCS_OK, true);
@@ -487,11 +657,16 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
                     true);
   }
   uint64_t offset = static_cast<uint64_t>(off_d), length = static_cast<uint64_t>(len_d);
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    int e = errno;
-    throw MakeError(env, e == ENOENT ? "ERR_NO_SUCH_FILE" : "ERR_FILE",
-                    "mapFile: cannot open '" + path + "': " + std::strerror(e));
+  int fd;
+  if (!confine_dir.empty()) {
+    fd = OpenConfined(env, path, confine_dir);
+  } else {
+    fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+      int e = errno;
+      throw MakeError(env, e == ENOENT ? "ERR_NO_SUCH_FILE" : "ERR_FILE",
+                      "mapFile: cannot open '" + path + "': " + std::strerror(e));
+    }
   }
   struct stat st;
   if (fstat(fd, &st) != 0) {
@@ -511,10 +686,11 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
   uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   uint64_t map_off = offset - offset % page;
   size_t map_len = static_cast<size_t>(length + (offset - map_off));
-  // Populated at once: otherwise the first WRITE or READ into each page of this
-  // mapping pays a page fault inside the transfer (a 128 MiB push took 2x longer).
-  void* map = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
-                   static_cast<off_t>(map_off));
+  // Populated at once only when asked: it spares the first WRITE or READ into each page of
+  // this mapping a page fault inside the transfer (a 128 MiB push took 2x longer), but makes
+  // the whole region resident at once, however much of it is ever used.
+  void* map = mmap(nullptr, map_len, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, static_cast<off_t>(map_off));
   int e = errno;
   close(fd);
   if (map == MAP_FAILED) {

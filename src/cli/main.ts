@@ -4,6 +4,7 @@
  */
 import { parseArgs } from "node:util";
 
+import { KvxferError } from "../native/errors.js";
 import { runNativeDemo } from "./native-demo.js";
 import { DEMO_USAGE, runDemoCommand } from "../sim/demo.js";
 import { runSidecar, SIDECAR_SETTINGS } from "../sidecar/main.js";
@@ -161,7 +162,9 @@ main(process.argv.slice(2)).then(
     process.exit(code);
   },
   (err: unknown) => {
-    console.error(`kvxfer: ${err instanceof Error ? err.message : String(err)}`);
+    // A KvxferError shows its code: ERR_CONFIG and the like are what an operator searches for.
+    const code = err instanceof KvxferError ? `${err.code}: ` : "";
+    console.error(`kvxfer: ${code}${err instanceof Error ? err.message : String(err)}`);
     process.exit(1);
   },
 );

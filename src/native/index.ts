@@ -51,7 +51,12 @@ interface NativeAgent {
   readonly name: string;
   readonly inflight: number;
   registerMemory(memory: ArrayBufferLike | ArrayBufferView): NativeRegion;
-  mapFile(path: string, offset: number, length: number): NativeRegion;
+  mapFile(
+    path: string,
+    offset: number,
+    length: number,
+    options?: { confineDir?: string; populate?: boolean },
+  ): NativeRegion;
   allocate(length: number): NativeRegion;
   connect(address: Uint8Array, errorMode: ErrorMode): NativeEndpoint;
   transfer(
@@ -362,8 +367,19 @@ export class Agent extends EventEmitter<AgentEvents> {
     );
   }
 
-  /** Maps `length` bytes at `offset` of a (shared-memory) file and registers them. */
-  mapFile(path: string, options: { offset?: number; length: number }): Region {
+  /**
+   * Maps `length` bytes at `offset` of a (shared-memory) file and registers them.
+   *
+   * `confineDir` (absolute): the file must be a regular file with one link, owned by this
+   * process's effective uid, under that directory, reached without a symbolic link at any step
+   * and without `..`; checked on the descriptor that is mapped (`ERR_REGION_OUTSIDE`,
+   * `ERR_REGION_SYMLINK`, `ERR_REGION_NOT_REGULAR`, `ERR_REGION_OWNER`, `ERR_REGION_CHANGED`).
+   * `populate`: pre-fault the whole mapping (default false: pages fault in on first use).
+   */
+  mapFile(
+    path: string,
+    options: { offset?: number; length: number; confineDir?: string; populate?: boolean },
+  ): Region {
     check(
       typeof path === "string" && path.length > 0,
       "ERR_INVALID_ARGUMENT",
@@ -372,7 +388,12 @@ export class Agent extends EventEmitter<AgentEvents> {
     const offset = options.offset ?? 0;
     return new Region(
       this,
-      call(() => this.native.mapFile(path, offset, options.length)),
+      call(() =>
+        this.native.mapFile(path, offset, options.length, {
+          ...(options.confineDir !== undefined ? { confineDir: options.confineDir } : {}),
+          populate: options.populate ?? false,
+        }),
+      ),
     );
   }
 

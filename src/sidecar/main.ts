@@ -5,7 +5,10 @@
  * one `{"event":"ready",...}` line once the sidecar is listening, for
  * whatever started it.
  */
-import { readFileSync } from "node:fs";
+import { X509Certificate } from "node:crypto";
+import { readFileSync, statSync } from "node:fs";
+import { totalmem } from "node:os";
+import { resolve } from "node:path";
 import { parseArgs } from "node:util";
 import { pino, type Logger } from "pino";
 
@@ -102,6 +105,31 @@ export const SIDECAR_SETTINGS = {
     help: "extra wait past P's registration lease before D reuses blocks of an unacknowledged abort",
   },
   "max-transfers": { type: "string", default: "65536", help: "live transfers per side at most" },
+  "kv-dir": {
+    type: "string",
+    default: "/dev/shm",
+    help: "the engine's KV files must be regular files owned by this uid under this directory, reached without symbolic links",
+  },
+  "max-registration-bytes": {
+    type: "string",
+    default: "",
+    help: "most bytes one RegisterKvCache may map (all ranks); suffixes K, M, G, T (binary); empty: this machine's memory",
+  },
+  "max-kv-bytes": {
+    type: "string",
+    default: "",
+    help: "most bytes of KV files mapped by this sidecar at once; suffixes as above; empty: this machine's memory",
+  },
+  prefault: {
+    type: "string",
+    default: "false",
+    help: "true: map KV files with every page faulted in at registration (resident at once; first transfers faster)",
+  },
+  "exclusive-prefill-blocks": {
+    type: "string",
+    default: "false",
+    help: "true: refuse a PrefillDone listing a block a live transfer holds (engines that never share blocks); false: allowed (vLLM's prefix cache shares read-only blocks)",
+  },
   "tombstone-ms": {
     type: "string",
     default: "60000",
@@ -218,6 +246,43 @@ function positiveInt(name: string, value: string): number {
   return n;
 }
 
+const SIZE_UNITS: Record<string, number> = {
+  "": 1,
+  k: 2 ** 10,
+  m: 2 ** 20,
+  g: 2 ** 30,
+  t: 2 ** 40,
+};
+
+/** A byte count: digits with an optional binary suffix (K, M, G, T; "Gi", "GiB", "GB" alike); empty: `empty`. */
+export function byteSize(name: string, value: string, empty: number): number {
+  if (value.trim() === "") return empty;
+  const m = /^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$/i.exec(value);
+  const n = m === null ? NaN : Number(m[1]) * SIZE_UNITS[m[2]!.toLowerCase()]!;
+  if (!Number.isSafeInteger(n) || n <= 0) {
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--${name} must be a positive byte count (e.g. 68719476736 or 64G), got '${value}'`,
+    );
+  }
+  return n;
+}
+
+/** The KV directory, absolute; it must exist and be a directory. */
+export function kvDirectory(value: string): string {
+  if (value === "") throw new KvxferError("ERR_CONFIG", "--kv-dir must not be empty");
+  const dir = resolve(value);
+  let st;
+  try {
+    st = statSync(dir);
+  } catch (err) {
+    throw new KvxferError("ERR_CONFIG", `--kv-dir '${dir}': ${(err as Error).message}`);
+  }
+  if (!st.isDirectory())
+    throw new KvxferError("ERR_CONFIG", `--kv-dir '${dir}' is not a directory`);
+  return dir;
+}
+
 export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): SidecarOptions {
   if (s["engine-id"] === "") throw new KvxferError("ERR_CONFIG", "--engine-id is required");
   return {
@@ -238,6 +303,19 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     abortGraceMs: positiveInt("abort-grace-ms", s["abort-grace-ms"]),
     maxTransfers: positiveInt("max-transfers", s["max-transfers"]),
     tombstoneMs: positiveInt("tombstone-ms", s["tombstone-ms"]),
+    kvDir: kvDirectory(s["kv-dir"]),
+    maxRegistrationBytes: byteSize(
+      "max-registration-bytes",
+      s["max-registration-bytes"],
+      totalmem(),
+    ),
+    maxKvBytes: byteSize("max-kv-bytes", s["max-kv-bytes"], totalmem()),
+    prefault: oneOf("prefault", s.prefault, ["true", "false"] as const) === "true",
+    exclusivePrefillBlocks:
+      oneOf("exclusive-prefill-blocks", s["exclusive-prefill-blocks"], [
+        "true",
+        "false",
+      ] as const) === "true",
     ...peerCredentials(s),
     insecurePeers:
       oneOf("insecure-peers", s["insecure-peers"], ["true", "false"] as const) === "true",
@@ -285,6 +363,34 @@ export function readPem(flag: string, path: string): Buffer {
   }
 }
 
+/**
+ * Reads a CA file and checks it holds at least one certificate, each PEM certificate block
+ * parsing as X.509: gRPC would otherwise start with it and refuse every client.
+ */
+export function readCa(flag: string, path: string): Buffer {
+  const pem = readPem(flag, path);
+  const blocks =
+    pem.toString("latin1").match(/-----BEGIN CERTIFICATE-----[\s\S]*?-----END CERTIFICATE-----/g) ??
+    [];
+  if (blocks.length === 0) {
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--${flag} '${path}' holds no PEM certificate (-----BEGIN CERTIFICATE-----)`,
+    );
+  }
+  for (const [i, block] of blocks.entries()) {
+    try {
+      new X509Certificate(block);
+    } catch (err) {
+      throw new KvxferError(
+        "ERR_CONFIG",
+        `--${flag} '${path}': certificate ${i + 1} of ${blocks.length} does not parse: ${(err as Error).message}`,
+      );
+    }
+  }
+  return pem;
+}
+
 /** Starts a sidecar from settings; returns once it listens on every channel. */
 export async function startSidecar(
   s: Record<SettingName, string>,
@@ -300,6 +406,17 @@ export async function startSidecar(
     throw new KvxferError("ERR_CONFIG", "--tls-cert and --tls-key go together");
   if (s["tls-ca"] !== "" && s["tls-cert"] === "")
     throw new KvxferError("ERR_CONFIG", "--tls-ca needs --tls-cert and --tls-key");
+  // Read (and the CA checked) before anything listens: a TLS mistake stops the start.
+  const tls =
+    s["tls-cert"] !== ""
+      ? {
+          cert: readPem("tls-cert", s["tls-cert"]),
+          key: readPem("tls-key", s["tls-key"]),
+          ...(s["tls-ca"] !== ""
+            ? { ca: readCa("tls-ca", s["tls-ca"]), requireClientCert: true }
+            : {}),
+        }
+      : undefined;
   const link = new EngineLinkServer({
     endpoint:
       s["engine-socket"] !== "" ? s["engine-socket"] : defaultEngineEndpoint(s["engine-id"]),
@@ -317,17 +434,7 @@ export async function startSidecar(
       events,
       address: s.grpc,
       logger,
-      ...(s["tls-cert"] !== ""
-        ? {
-            tls: {
-              cert: readPem("tls-cert", s["tls-cert"]),
-              key: readPem("tls-key", s["tls-key"]),
-              ...(s["tls-ca"] !== ""
-                ? { ca: readPem("tls-ca", s["tls-ca"]), requireClientCert: true }
-                : {}),
-            },
-          }
-        : {}),
+      ...(tls !== undefined ? { tls } : {}),
     });
     if (s.metrics !== "")
       metricsServer = await startMetricsServer({ registry: metrics.registry, address: s.metrics });

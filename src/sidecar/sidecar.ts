@@ -6,6 +6,7 @@
  */
 import { create, type MessageInitShape } from "@bufbuild/protobuf";
 import { randomBytes } from "node:crypto";
+import { realpathSync } from "node:fs";
 import type { Logger } from "pino";
 
 import {
@@ -118,6 +119,19 @@ export interface SidecarOptions {
   tombstoneMs?: number;
   /** Live transfers per side at most. */
   maxTransfers?: number;
+  /**
+   * The engine's KV files must be regular files with one link, owned by this process's uid,
+   * under this absolute directory, reached without a symbolic link or `..` (default /dev/shm).
+   */
+  kvDir?: string;
+  /** Most bytes one registration may map, all ranks and regions together. */
+  maxRegistrationBytes?: number;
+  /** Most bytes of KV files mapped at once by this sidecar. */
+  maxKvBytes?: number;
+  /** Map KV files with every page faulted in (MAP_POPULATE); default false. */
+  prefault?: boolean;
+  /** Refuse a PrefillDone listing a block a live transfer holds (default false: P may share). */
+  exclusivePrefillBlocks?: boolean;
   sweepMs?: number;
   /**
    * Certificate (subject CN = engine id), key and cluster CA for the side channel:
@@ -257,6 +271,27 @@ export class Sidecar implements SidecarView {
   private layout: KvLayout | undefined;
   private agents: Agent[] = [];
   private regions: Region[][] = [];
+  /** The KV directory with symbolic links resolved (the operator's setting may name a link). */
+  private readonly kvDirResolved: string;
+  /**
+   * Bytes of KV files mapped now (checked against maxKvBytes). A sidecar holds one registration
+   * today; code that drops or replaces one (re-registration) must subtract its bytes.
+   */
+  private mappedBytes = 0;
+  /**
+   * Blocks claimed by live transfers, block id -> transfer id, so that two live transfers never
+   * claim one block (a refused message names the holder). On D a transfer claims the blocks it
+   * writes: `block_ids` entries floor(prefix_tokens / block) .. ceil(num_tokens / block) - 1 (the
+   * prefix blocks before them are only read by the engine, and vLLM's prefix cache legitimately
+   * shares them between requests; ids past the tokens are not written). Claimed from ExpectKv
+   * until the transfer's terminal state (KV_READY, or the ReleaseBlocks after a failure: a
+   * failing transfer still holds them, as a write may still land). On P (only with
+   * exclusivePrefillBlocks) a transfer claims its whole `block_ids` from PrefillDone until
+   * endP; by default P's blocks are not claimed, since P only reads them and vLLM's prefix
+   * cache shares a prompt's cached blocks between requests, each released per request.
+   */
+  private readonly dClaims = new Map<number, string>();
+  private readonly pClaims = new Map<number, string>();
   private readonly side: SideChannelServer;
   private sideChannel = "";
 
@@ -308,10 +343,20 @@ export class Sidecar implements SidecarView {
       handshakeTimeoutMs: options.handshakeTimeoutMs ?? 5000,
       tombstoneMs: options.tombstoneMs ?? 60_000,
       maxTransfers: options.maxTransfers ?? 65_536,
+      kvDir: options.kvDir ?? "/dev/shm",
+      maxRegistrationBytes: options.maxRegistrationBytes ?? Number.MAX_SAFE_INTEGER,
+      maxKvBytes: options.maxKvBytes ?? Number.MAX_SAFE_INTEGER,
+      prefault: options.prefault ?? false,
+      exclusivePrefillBlocks: options.exclusivePrefillBlocks ?? false,
       sweepMs: options.sweepMs ?? 100,
       peerCredentials: options.peerCredentials,
       insecurePeers: options.insecurePeers ?? false,
     };
+    try {
+      this.kvDirResolved = realpathSync(this.opts.kvDir);
+    } catch {
+      this.kvDirResolved = this.opts.kvDir;
+    }
     if (options.peerCredentials !== undefined)
       checkCredentials(options.peerCredentials, options.engineId);
     this.side = new SideChannelServer(
@@ -485,6 +530,21 @@ export class Sidecar implements SidecarView {
         `ERR_BAD_ENGINE_ID: engine id '${checked.cache.engineId}' is not this sidecar's '${this.engineId}'`,
       );
     }
+    // What this registration maps: every region of every rank (the engine's files are
+    // checked, and mapped, only if the total fits both caps).
+    const bytes = layout.tpSize * layout.regionBytes.reduce((a, b) => a + b, 0);
+    if (bytes > this.opts.maxRegistrationBytes) {
+      return fail(
+        `ERR_REGION_TOO_LARGE: the registration maps ${bytes} bytes (${ranks.length} ranks x ` +
+          `${layout.regionBytes.length} regions), more than --max-registration-bytes ${this.opts.maxRegistrationBytes}`,
+      );
+    }
+    if (this.mappedBytes + bytes > this.opts.maxKvBytes) {
+      return fail(
+        `ERR_REGION_TOO_LARGE: the registration maps ${bytes} bytes; with the ${this.mappedBytes} ` +
+          `already mapped that is more than --max-kv-bytes ${this.opts.maxKvBytes}`,
+      );
+    }
     const agents: Agent[] = [];
     const regions: Region[][] = [];
     try {
@@ -500,9 +560,24 @@ export class Sidecar implements SidecarView {
         });
         agents.push(agent);
         regions.push(
-          rk.regions.map((f, i) =>
-            agent.mapFile(f.path, { offset: f.offset, length: layout.regionBytes[i]! }),
-          ),
+          rk.regions.map((f, i) => {
+            try {
+              return agent.mapFile(f.path, {
+                offset: f.offset,
+                length: layout.regionBytes[i]!,
+                // The directory as configured, or as resolved when the engine names it so
+                // (e.g. /dev/shm a link to /run/shm): below it nothing is followed.
+                confineDir: f.path.startsWith(this.kvDirResolved + "/")
+                  ? this.kvDirResolved
+                  : this.opts.kvDir,
+                populate: this.opts.prefault,
+              });
+            } catch (err) {
+              const e = KvxferError.from(err);
+              const hint = e.code.startsWith("ERR_REGION_") ? ` (--kv-dir ${this.opts.kvDir})` : "";
+              throw new KvxferError(e.code, `rank ${rk.rank} region ${i}: ${e.message}${hint}`);
+            }
+          }),
         );
         agent.on("notifications", (batch) => this.onNotifications(rk.rank, batch));
         agent.on("endpointFailed", (ep, code) => this.onEndpointFailed(ep, code));
@@ -520,6 +595,7 @@ export class Sidecar implements SidecarView {
     this.layout = layout;
     this.agents = agents;
     this.regions = regions;
+    this.mappedBytes += bytes;
     this.log.info({ tp: layout.tpSize, regions: layout.regionBytes.length }, "KV cache registered");
     this.answer({
       case: "registered",
@@ -532,6 +608,11 @@ export class Sidecar implements SidecarView {
   private onPrefillDone(m: PrefillDone): void {
     if (this.role === "decode")
       return this.refuse(m.transferId, "ERR_WRONG_ROLE", "PrefillDone sent to a decode sidecar");
+    if (this.opts.exclusivePrefillBlocks) {
+      // Refused without a ReleaseBlocks: another live transfer holds these blocks.
+      const clash = this.claimClash(this.pClaims, m.blockIds, 0, m.transferId);
+      if (clash !== undefined) return this.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
+    }
     const now = Date.now();
     const existing = this.pTransfers.get(m.transferId);
     if (existing !== undefined && isTerminal(existing.state) && existing.blocks === undefined) {
@@ -596,6 +677,7 @@ export class Sidecar implements SidecarView {
       t: timings(),
     };
     t.blocks = [...m.blockIds];
+    if (this.opts.exclusivePrefillBlocks) this.claim(this.pClaims, t.blocks, t.id);
     t.numTokens = m.numTokens;
     t.token = m.token;
     t.t.prefillDoneMs = now;
@@ -857,6 +939,7 @@ export class Sidecar implements SidecarView {
     t.t.endedMs = now;
     t.deadline = now + this.opts.tombstoneMs;
     if (t.blocks !== undefined) {
+      if (this.opts.exclusivePrefillBlocks) this.unclaim(this.pClaims, t.blocks, t.id);
       this.send({
         case: "releaseBlocks",
         value: { transferId: t.id, blockIds: t.blocks, reason: release },
@@ -943,6 +1026,12 @@ export class Sidecar implements SidecarView {
         `${this.opts.maxTransfers} transfers live`,
       );
     }
+    // The blocks this transfer writes (see dClaims); the engine's checks guarantee the count.
+    const bs = this.layout!.blockSize;
+    const firstWritten = Math.floor(m.prefixTokens / bs);
+    const written = m.blockIds.slice(firstWritten, Math.ceil(m.numTokens / bs));
+    const clash = this.claimClash(this.dClaims, written, firstWritten, m.transferId);
+    if (clash !== undefined) return this.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
     const hasSrc = m.hasSourceBlockIds;
     let mode: "push" | "pull";
     if (this.mode === "pull" || (this.mode === "auto" && hasSrc)) {
@@ -982,6 +1071,7 @@ export class Sidecar implements SidecarView {
     };
     t.t.registeredMs = now;
     this.dTransfers.set(t.id, t);
+    this.claim(this.dClaims, written, t.id);
     void this.startD(t);
   }
 
@@ -1196,6 +1286,7 @@ export class Sidecar implements SidecarView {
   private readyD(t: DTransfer): void {
     const now = Date.now();
     t.state = "KV_READY";
+    this.unclaim(this.dClaims, t.dstBlocks, t.id);
     t.t.readyMs = now;
     t.t.endedMs = now;
     t.deadline = now + this.opts.tombstoneMs;
@@ -1260,6 +1351,7 @@ export class Sidecar implements SidecarView {
     if (f === undefined || isTerminal(t.state)) return;
     const now = Date.now();
     t.state = f.kind;
+    this.unclaim(this.dClaims, t.dstBlocks, t.id);
     t.t.endedMs = now;
     t.deadline = now + this.opts.tombstoneMs;
     this.send({
@@ -1767,6 +1859,34 @@ export class Sidecar implements SidecarView {
         peer.close();
       }
     }
+  }
+
+  /** Why `ids` may not be claimed by `transferId` (the first block another transfer holds). */
+  private claimClash(
+    claims: Map<number, string>,
+    ids: readonly number[],
+    firstIndex: number,
+    transferId: string,
+  ): string | undefined {
+    for (const [i, id] of ids.entries()) {
+      const holder = claims.get(id);
+      if (holder !== undefined && holder !== transferId) {
+        return (
+          `block_ids[${firstIndex + i}] = ${id} is held by live transfer '${holder}' ` +
+          `(two live transfers may not claim one block; retry once it ends)`
+        );
+      }
+    }
+    return undefined;
+  }
+
+  private claim(claims: Map<number, string>, ids: readonly number[], transferId: string): void {
+    for (const id of ids) claims.set(id, transferId);
+  }
+
+  /** Drops `transferId`'s claims among `ids` (unclaiming ids it never claimed is harmless). */
+  private unclaim(claims: Map<number, string>, ids: readonly number[], transferId: string): void {
+    for (const id of ids) if (claims.get(id) === transferId) claims.delete(id);
   }
 
   private hasLiveTransfersWith(peer: PeerState): boolean {

@@ -167,9 +167,11 @@ def test_every_refusal_code(sidecars, shm_dir):
         assert refused(raw.ask(e(source=""))) == "ERR_BAD_SOURCE"
         assert refused(raw.ask(e(source_block_ids=[], has_source_block_ids=False))) == "ERR_NO_SOURCE_BLOCKS"
         assert refused(raw.ask(msg(prefill_done=engine_pb2.PrefillDone(transfer_id="p", block_ids=[1], num_tokens=1)))) == "ERR_WRONG_ROLE"
-        # Two live transfers fill this sidecar (--max-transfers 2); a duplicate and a third are refused.
-        for tid in ("live1", "live2"):
-            raw.link.send(e(transfer_id=tid))
+        # Two live transfers fill this sidecar (--max-transfers 2); one writing into a live one's
+        # block, a duplicate and a third are refused.
+        raw.link.send(e(transfer_id="live1", block_ids=[1]))
+        assert refused(raw.ask(e(transfer_id="clash", block_ids=[1]))) == "ERR_BLOCKS_IN_USE"
+        raw.link.send(e(transfer_id="live2", block_ids=[2]))
         assert refused(raw.ask(e(transfer_id="live1"))) == "ERR_DUPLICATE"
         assert refused(raw.ask(e(transfer_id="live3"))) == "ERR_OVERLOADED"
         # Draining (SIGTERM): new transfers are refused while live ones finish.
