@@ -147,6 +147,9 @@ describe("engine link", () => {
     got.forEach((g, i) => expect(equals(EngineToSidecarSchema, g.msg, sent[i]!)).toBe(true));
     const from = got[0]!.from;
     expect(got.every((g) => g.from.id === from.id)).toBe(true);
+    // Only the handler's acceptance (adopt) binds the link to a connection.
+    expect(server!.registeredEngine).toBeUndefined();
+    server!.adopt(from);
     expect(server!.registeredEngine?.id).toBe(from.id);
 
     const replies: SidecarToEngine[] = [
