@@ -224,7 +224,7 @@ export class EngineLinkServer {
         const st = lstatSync(bound);
         if (!st.isSocket())
           throw new Error(`${bound} is not a socket after bind (mode ${st.mode.toString(8)})`);
-        if ((st.mode & 0o077) !== 0) chmodSync(bound, 0o600);
+        if ((st.mode & 0o777) !== 0o600) chmodSync(bound, 0o600);
       }
     } catch (err) {
       this.state = "closed";
