@@ -1414,17 +1414,21 @@ export class Sidecar implements SidecarView {
     peer.close();
     // Reads from a dead peer may never settle (UCX without peer error mode, measured here over
     // shared memory: a READ from a SIGKILLed sidecar hung forever and D's blocks stayed held).
-    // A grace later, whatever is still in flight to it is given up: the reads reject, the pull
-    // ends FAILED and its blocks go back to the engine.
-    const stuck = [...this.dTransfers.values()].some(
-      (d) => d.peer === peer && d.mode === "pull" && d.readsInFlight > 0,
-    );
+    // Writes to one neither (measured: P's pushes to a SIGKILLed D stayed MOVING, and P's engine
+    // kept their blocks for good). A grace later, whatever is still in flight to it is given up:
+    // the reads and writes reject, the transfer ends and its blocks go back to the engine. (D's
+    // blocks do not depend on this: D waits for P's registration lease, and P posts no write
+    // after it.)
+    const stuck =
+      [...this.dTransfers.values()].some(
+        (d) => d.peer === peer && d.mode === "pull" && d.readsInFlight > 0,
+      ) || [...this.pTransfers.values()].some((p) => p.reg?.peer === peer && p.state === "MOVING");
     if (stuck) {
       setTimeout(() => {
         if (this.closed) return;
         this.log.warn(
           { peer: peer.engineId, graceMs: this.opts.abortGraceMs },
-          "abandoning reads from a dead peer",
+          "abandoning reads and writes to a dead peer",
         );
         for (const ep of endpoints) ep.abandon();
       }, this.opts.abortGraceMs).unref();
