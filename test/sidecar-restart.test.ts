@@ -135,6 +135,14 @@ describe("sidecar kill -9 and restart, engine stays up (multi-process)", () => {
       const stats = await node.engine.stats();
       expect(stats.epoch).toBe(node.ready.epoch);
       expect(stats.restarts).toBeGreaterThanOrEqual(1);
+      // The restarted sidecar refuses a transfer id it never saw, by name (not silence, not a
+      // crash).
+      await node.engine.call("abort", { transferId: ids[0]! });
+      const stale = await node.engine.waitEvent(
+        (e) => e.event === "refused" && e.transferId === ids[0],
+        10_000,
+      );
+      expect(stale.code).toBe("ERR_UNKNOWN_TRANSFER");
       // Every engine call settled (a refusal is an outcome too, not a hang).
       const settled = await Promise.allSettled([...ops, ...lateOps]);
 

@@ -293,6 +293,9 @@ function intList(req: ControlRequest, key: string): number[] | undefined {
   return v as number[];
 }
 
+/** How often a re-registration refused by the same sidecar (old connection not yet gone) is retried. */
+const MAX_ALREADY_RETRIES = 25;
+
 /** One running simulated engine. */
 class SimEngine {
   private readonly layout: KvLayout;
@@ -312,6 +315,8 @@ class SimEngine {
   /** Bumped by every RegisterKvCache sent; a transfer remembers the value it was sent under. */
   private regGen = 0;
   private everConnected = false;
+  /** Re-registrations refused as ERR_ALREADY_REGISTERED by the same sidecar, in a row. */
+  private alreadyRetries = 0;
   private lostTimer: NodeJS.Timeout | undefined;
   private stopping: Promise<void> | undefined;
   private readonly counters = {
@@ -519,9 +524,21 @@ class SimEngine {
     const restarted = ok && this.epoch !== undefined && epoch !== this.epoch;
     this.out({ event: "registered", ok, error, epoch: String(epoch), restarted });
     if (!ok) {
+      if (
+        epoch === this.epoch &&
+        error.startsWith("ERR_ALREADY_REGISTERED") &&
+        this.alreadyRetries < MAX_ALREADY_RETRIES
+      ) {
+        // The same sidecar has not yet seen our old connection end (it hands the link to a new
+        // connection of the same engine only then): ask again shortly.
+        this.alreadyRetries++;
+        setTimeout(() => this.reRegister("the sidecar still sees our old connection"), 200);
+        return;
+      }
       this.log.error({ error }, "the sidecar refused the re-registration");
       return;
     }
+    this.alreadyRetries = 0;
     if (restarted) {
       // A new sidecar: whatever was sent to the old one before this registration is lost.
       this.counters.restarts++;
