@@ -319,6 +319,32 @@ describe("engine link ownership (multi-process)", () => {
     expect(b.kinds().filter((k) => k !== "registered" && k !== "refused")).toEqual([]);
   }, 60_000);
 
+  it("a simulated engine whose connection drops (sidecar alive) reconnects, takes its link back at the same epoch, and gets the KvReady sent meanwhile", async () => {
+    // A 64 KiB cap: a 300 KiB frame from the engine makes ZeroMQ drop its connection.
+    const pair = await startPair({
+      mode: "push",
+      sidecarArgs: ["--engine-max-frame-bytes", String(64 << 10)],
+    });
+    cleanup.push(() => pair.close());
+    const { p, d } = pair;
+    await goodTransfer(p, d, "before-drop");
+    const epoch = d.ready.epoch;
+    const id = "across-the-drop";
+    const pre = p.engine.prefill(id, 40, 1500, WAIT);
+    await d.engine.expect({ transferId: id, tokens: 40, source: p.sideChannel }, WAIT);
+    await d.engine.call("send-raw", { hex: Buffer.alloc(300 << 10, 1).toString("hex") });
+    await d.engine.waitEvent((e) => e.event === "link" && e.state === "disconnected", WAIT);
+    const back = await d.engine.waitEvent((e) => e.event === "registered" && e.ok === true, WAIT);
+    expect(back).toMatchObject({ restarted: false, epoch });
+    await pre;
+    expect((await d.engineEvent(id, "verified", WAIT)).ok).toBe(true);
+    expect((await p.engineEvent(id, "released", WAIT)).reason).toBe("TRANSFERRED");
+    const s = await d.allBlocksFree(WAIT);
+    expect(s).toMatchObject({ restarts: 0, recovered: 0, epoch, badReleases: 0 });
+    await goodTransfer(p, d, "after-drop");
+    expect(d.engine.events.filter((e) => e.event === "unexpected")).toEqual([]);
+  }, 60_000);
+
   it("the ipc socket file is created owner-only (0600), even under umask 000", async () => {
     const dir = shmDir();
     cleanup.push(() => rmSync(dir, { recursive: true, force: true }));
