@@ -43,6 +43,8 @@ export interface ControlBenchOptions {
   combos?: readonly ModesCombo[];
   /** Native round trips measured; default 20 000. */
   refReps?: number;
+  /** Peers authenticate (mutual TLS, sealed notifications); default true. */
+  peerAuth?: boolean;
   log?: (line: string) => void;
 }
 
@@ -185,6 +187,7 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
       computeMs: 0,
       concurrency,
       recordRequests: true,
+      peerAuth: opts.peerAuth ?? true,
       onStarted: (s) => {
         start = mark(s);
       },
@@ -230,7 +233,8 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
     ucx: ucxVersion,
     shape:
       `1 prefill + 1 decode sidecar, TP 1, llama3-8b shape cut to 1 layer, 1 KV head x 64, ${tokens} tokens ` +
-      `per request, no compute, ${concurrency} in flight, ${requests} requests, shm`,
+      `per request, no compute, ${concurrency} in flight, ${requests} requests, shm, ` +
+      `peers ${opts.peerAuth === false ? "NOT authenticated" : "authenticated (mutual TLS)"}`,
     reference,
     rows: rows.map((r) => ({
       ...r,
@@ -295,7 +299,7 @@ export const CONTROL_NOTES = [
 ].join("\n");
 
 const USAGE =
-  "usage: kvxfer bench control [--json] [--quick] [--requests N] [--concurrency N] [--tokens N] [--reps N]";
+  "usage: kvxfer bench control [--json] [--quick] [--requests N] [--concurrency N] [--tokens N] [--reps N] [--peer-auth on|off]";
 
 export function parseControlArgs(argv: readonly string[]): ControlBenchOptions & { json: boolean } {
   const a = new BenchArgs(argv, USAGE);
@@ -312,6 +316,12 @@ export function parseControlArgs(argv: readonly string[]): ControlBenchOptions &
   if (tokens !== undefined) o.tokens = tokens;
   const reps = a.number("--reps", 1);
   if (reps !== undefined) o.refReps = reps;
+  const auth = a.string("--peer-auth");
+  if (auth !== undefined) {
+    if (auth !== "on" && auth !== "off")
+      throw new Error(`--peer-auth takes on or off, got '${auth}'`);
+    o.peerAuth = auth === "on";
+  }
   a.done();
   return o;
 }

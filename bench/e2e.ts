@@ -55,6 +55,8 @@ export interface E2eBenchOptions {
   promptTokens?: number[];
   /** Layers of the llama3-8b-shaped model (8 KV heads x 128, bfloat16); default 4. */
   layers?: number;
+  /** Peers authenticate (mutual TLS, sealed notifications); default true. */
+  peerAuth?: boolean;
   /** Measured requests per prompt length; default 8. */
   rounds?: number;
   /** Requests per prompt length first, not measured (handshake, first touch); default 1. */
@@ -305,6 +307,7 @@ async function runMode(
     computeMs: 20,
     concurrency: 1,
     recordRequests: true,
+    peerAuth: o.peerAuth ?? true,
     beforeStop: async (sidecars) => {
       await readTimings(
         sidecars.flatMap((s) => (s.grpc !== undefined ? [s.grpc] : [])),
@@ -396,6 +399,7 @@ export async function runE2eBench(opts: E2eBenchOptions = {}): Promise<E2eBenchR
     refReps: opts.refReps ?? 3,
     pTp: opts.pTp ?? 1,
     dTp: opts.dTp ?? 1,
+    peerAuth: opts.peerAuth ?? true,
     pBlock: opts.pBlock ?? 16,
     dBlock: opts.dBlock ?? 16,
   };
@@ -413,7 +417,8 @@ export async function runE2eBench(opts: E2eBenchOptions = {}): Promise<E2eBenchR
     shape:
       `llama3-8b shape with ${o.layers} layers (8 KV heads x 128, bfloat16, HND, a region per layer), ` +
       `P TP ${o.pTp} block ${o.pBlock} -> D TP ${o.dTp} block ${o.dBlock}, shm; ` +
-      `${o.rounds} measured requests per size after ${o.warmupRounds} warm-up, one in flight; reference x${o.refReps}`,
+      `${o.rounds} measured requests per size after ${o.warmupRounds} warm-up, one in flight; reference x${o.refReps}; ` +
+      `peers ${o.peerAuth ? "authenticated (mutual TLS)" : "NOT authenticated"}`,
     rows,
   };
 }
@@ -473,7 +478,7 @@ export const E2E_NOTES = [
 ].join("\n");
 
 const USAGE =
-  "usage: kvxfer bench e2e [--json] [--quick] [--modes push,pull] [--tokens 128,512,2048,8192] [--layers N] [--rounds N] [--reps N]";
+  "usage: kvxfer bench e2e [--json] [--quick] [--modes push,pull] [--tokens 128,512,2048,8192] [--layers N] [--rounds N] [--reps N] [--peer-auth on|off]";
 
 export function parseE2eArgs(argv: readonly string[]): E2eBenchOptions & { json: boolean } {
   const a = new BenchArgs(argv, USAGE);
@@ -499,6 +504,12 @@ export function parseE2eArgs(argv: readonly string[]): E2eBenchOptions & { json:
   if (rounds !== undefined) o.rounds = rounds;
   const reps = a.number("--reps", 1);
   if (reps !== undefined) o.refReps = reps;
+  const auth = a.string("--peer-auth");
+  if (auth !== undefined) {
+    if (auth !== "on" && auth !== "off")
+      throw new Error(`--peer-auth takes on or off, got '${auth}'`);
+    o.peerAuth = auth === "on";
+  }
   a.done();
   return o;
 }

@@ -320,16 +320,18 @@ export async function goodTransfer(
 ): Promise<SimEngineEvent> {
   const tokens = o.tokens ?? 40;
   const timeoutMs = o.timeoutMs ?? 15_000;
+  // Bound to D as a router would: only a sidecar presenting the token gets the transfer.
+  const token = `tok-${transferId}`;
   if (o.pull === true) {
-    const { blockIds } = await p.engine.prefill(transferId, tokens, 0, timeoutMs);
+    const { blockIds } = await p.engine.prefill(transferId, tokens, 0, timeoutMs, token);
     await d.engine.expect(
-      { transferId, tokens, source: p.sideChannel, sourceBlockIds: blockIds },
+      { transferId, tokens, source: p.sideChannel, sourceBlockIds: blockIds, token },
       timeoutMs,
     );
   } else {
     await Promise.all([
-      p.engine.prefill(transferId, tokens, 0, timeoutMs),
-      d.engine.expect({ transferId, tokens, source: p.sideChannel }, timeoutMs),
+      p.engine.prefill(transferId, tokens, 0, timeoutMs, token),
+      d.engine.expect({ transferId, tokens, source: p.sideChannel, token }, timeoutMs),
     ]);
   }
   const verified = await d.engineEvent(transferId, "verified", timeoutMs);

@@ -26,6 +26,7 @@ let agent: Agent | undefined;
 let region: Region | undefined;
 let ep: Endpoint | undefined;
 let remote: RemoteRegion | undefined;
+let guard: Buffer | undefined;
 const watch = { ok: 0, bad: 0, firstBad: "" };
 let ackWaiter: ((rep: number) => void) | undefined;
 
@@ -197,6 +198,12 @@ async function handle(req: Request): Promise<unknown> {
         region.bytes().fill(0);
       } else if (typeof req.file === "string") {
         region = a.mapFile(req.file, { length: Number(req.size) });
+      } else if (typeof req.guard === "number") {
+        // Registers `size` bytes and keeps `guard` more right after them, unregistered: a
+        // write there proves a remote key reached outside its region (test/security-rkey).
+        const whole = Buffer.alloc(Number(req.size) + req.guard);
+        guard = whole.subarray(Number(req.size));
+        region = a.registerMemory(whole.subarray(0, Number(req.size)));
       } else {
         region = a.registerMemory(Buffer.alloc(Number(req.size)));
       }
@@ -249,6 +256,12 @@ async function handle(req: Request): Promise<unknown> {
       const off = Number(req.offset ?? 0);
       const len = Number(req.length ?? bytes.length - off);
       return { sha256: sha256(bytes.subarray(off, off + len)) };
+    }
+    case "guard": {
+      const g = need(guard, "guard");
+      let touched = 0;
+      for (const b of g) if (b !== 0) touched++;
+      return { touched };
     }
     case "watchStats":
       return { ...watch };

@@ -40,11 +40,11 @@ ${sidecarHelp}
       time to build transfer plans at production scale
   kvxfer bench events [--json]
       KV_READY to gRPC watcher latency, 1 and 64 watchers
-  kvxfer bench e2e [--quick] [--json] [--modes push,pull] [--tokens 128,512,2048,8192]
+  kvxfer bench e2e [--quick] [--json] [--modes push,pull] [--tokens 128,512,2048,8192] [--peer-auth on|off]
       full sidecars vs the native addon alone on the same plans, by prompt length
   kvxfer bench modes [--quick] [--json] [--tokens ...] [--requests N] [--ms-per-token X]
       push vs pull vs auto, sequential and concurrent dispatch: TTFT and KV-ready p50/p99
-  kvxfer bench control [--quick] [--json] [--requests N] [--concurrency N]
+  kvxfer bench control [--quick] [--json] [--requests N] [--concurrency N] [--peer-auth on|off]
       transfers/s and CPU per transfer of one sidecar pair vs native round trips
   kvxfer bench vllm [--quick] [--json] [--lengths 32,256,1024] [--requests N] [--modes pull,push]
       a real vLLM P/D pair (CPU build) through kvxfer vs one engine: TTFT, E2E, KV bytes per request

@@ -25,6 +25,7 @@ export type EngineErrorCode =
   | "ERR_BAD_REGIONS"
   | "ERR_BAD_BLOCKS"
   | "ERR_BAD_TOKENS"
+  | "ERR_BAD_TRANSFER_TOKEN"
   | "ERR_BAD_SOURCE";
 
 /** Why a message was refused; `message` names the field at fault. */
@@ -184,6 +185,17 @@ function checkPrefillDone(msg: PrefillDone, layout: KvLayout): EngineProblem | u
   const need = Math.ceil(msg.numTokens / layout.blockSize);
   const blocks = checkBlockIds(msg.blockIds, "block_ids", need, layout.numBlocks);
   if (blocks) return problem("ERR_BAD_BLOCKS", tid, blocks);
+  return checkToken(msg.token, tid);
+}
+
+/** A transfer token: at most 128 bytes (empty: the transfer is not bound to a decode engine). */
+function checkToken(token: string, tid: string): EngineProblem | undefined {
+  if (Buffer.byteLength(token) > 128)
+    return problem(
+      "ERR_BAD_TRANSFER_TOKEN",
+      tid,
+      `token is ${Buffer.byteLength(token)} bytes, at most 128`,
+    );
   return undefined;
 }
 
@@ -216,7 +228,7 @@ function checkExpectKv(msg: ExpectKv, layout: KvLayout): EngineProblem | undefin
     const src = checkBlockIds(msg.sourceBlockIds, "source_block_ids", 1, MAX_BLOCK_IDS);
     if (src) return problem("ERR_BAD_BLOCKS", tid, src);
   }
-  return undefined;
+  return checkToken(msg.token, tid);
 }
 
 /**

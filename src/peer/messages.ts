@@ -2,13 +2,27 @@
  * The one place peer notifications are encoded and parsed. Nothing from the
  * network is trusted: size capped, schema checked, ids bounded.
  */
+import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
+
 import { create, fromBinary, toBinary, type MessageInitShape } from "@bufbuild/protobuf";
 
-import { PeerMessageSchema, type PeerMessage } from "../gen/kvxfer/v1/peer_pb.js";
+import {
+  PeerMessageSchema,
+  SealedPeerMessageSchema,
+  type PeerMessage,
+} from "../gen/kvxfer/v1/peer_pb.js";
 
 /** Largest peer notification accepted (a PushReg of 250k block ids fits). */
 export const MAX_PEER_MESSAGE_BYTES = 1 << 20;
 export const MAX_TRANSFER_ID_BYTES = 256;
+export const MAX_TOKEN_BYTES = 128;
+
+/** Constant-time equality of two transfer tokens. */
+export function tokensEqual(a: string, b: string): boolean {
+  const x = Buffer.from(a);
+  const y = Buffer.from(b);
+  return x.length === y.length && timingSafeEqual(x, y);
+}
 
 /** A peer message body to send (plain objects accepted). */
 export type PeerBody = NonNullable<MessageInitShape<typeof PeerMessageSchema>["msg"]>;
@@ -17,6 +31,7 @@ export interface ParsedPeerMessage {
   readonly senderEngineId: string;
   readonly senderEpoch: bigint;
   readonly receiverEpoch: bigint;
+  readonly seq: bigint;
   readonly body: Exclude<PeerMessage["msg"], { case: undefined }>;
 }
 
@@ -34,11 +49,88 @@ export function encodePeerMessage(
   senderEpoch: bigint,
   receiverEpoch: bigint,
   body: PeerBody,
+  seq = 0n,
 ): Uint8Array {
   return toBinary(
     PeerMessageSchema,
-    create(PeerMessageSchema, { senderEngineId, senderEpoch, receiverEpoch, msg: body }),
+    create(PeerMessageSchema, { senderEngineId, senderEpoch, receiverEpoch, seq, msg: body }),
   );
+}
+
+/** Bytes of a MAC key handed over in the handshake. */
+export const MAC_KEY_BYTES = 32;
+
+export function newMacKey(): Buffer {
+  return randomBytes(MAC_KEY_BYTES);
+}
+
+function mac(key: Uint8Array, message: Uint8Array): Buffer {
+  return createHmac("sha256", key).update(message).digest();
+}
+
+/** A notification as it travels: the message and its HMAC-SHA256 under the sender's key. */
+export function sealPeerMessage(key: Uint8Array, message: Uint8Array): Uint8Array {
+  return toBinary(
+    SealedPeerMessageSchema,
+    create(SealedPeerMessageSchema, { message, mac: mac(key, message) }),
+  );
+}
+
+/** A received notification, parsed but not yet verified: `verify` with the sender's key. */
+export interface OpenedPeerMessage extends ParsedPeerMessage {
+  verify(key: Uint8Array): boolean;
+}
+
+/** Parses a sealed notification; the caller looks the sender up, then calls `verify`. */
+export function openPeerMessage(bytes: Uint8Array): OpenedPeerMessage {
+  if (bytes.length > MAX_PEER_MESSAGE_BYTES + 64) {
+    throw new PeerMessageError(
+      "ERR_TOO_LARGE",
+      `peer message of ${bytes.length} bytes exceeds ${MAX_PEER_MESSAGE_BYTES}`,
+    );
+  }
+  let sealed;
+  try {
+    sealed = fromBinary(SealedPeerMessageSchema, bytes);
+  } catch (err) {
+    throw new PeerMessageError(
+      "ERR_MALFORMED",
+      `not a SealedPeerMessage: ${(err as Error).message}`,
+    );
+  }
+  if (sealed.mac.length !== 32)
+    throw new PeerMessageError("ERR_UNAUTHENTICATED", "peer message carries no MAC");
+  const parsed = parsePeerMessage(sealed.message);
+  return {
+    ...parsed,
+    verify: (key) => timingSafeEqual(mac(key, sealed.message), sealed.mac),
+  };
+}
+
+/**
+ * Which sequence numbers of one sender's stream were seen: numbers may arrive
+ * out of order (several agent pairs carry one stream), so the last `size` are
+ * remembered; anything older, or seen, is a replay.
+ */
+export class ReplayWindow {
+  private highest = 0n;
+  private readonly seen = new Set<bigint>();
+
+  constructor(private readonly size = 4096n) {}
+
+  /** True (and remembered) the first time `seq` is offered within the window. */
+  accept(seq: bigint): boolean {
+    if (seq === 0n) return false;
+    if (seq + this.size <= this.highest || this.seen.has(seq)) return false;
+    this.seen.add(seq);
+    if (seq > this.highest) {
+      this.highest = seq;
+      if (this.seen.size > 2 * Number(this.size)) {
+        for (const s of this.seen) if (s + this.size <= this.highest) this.seen.delete(s);
+      }
+    }
+    return true;
+  }
 }
 
 function checkTransferId(id: string): void {
@@ -78,6 +170,11 @@ export function parsePeerMessage(bytes: Uint8Array): ParsedPeerMessage {
     case "abortAck":
     case "failed":
       checkTransferId(body.value.transferId);
+      if ("token" in body.value && Buffer.byteLength(body.value.token) > MAX_TOKEN_BYTES)
+        throw new PeerMessageError(
+          "ERR_BAD_TRANSFER_TOKEN",
+          `token exceeds ${MAX_TOKEN_BYTES} bytes`,
+        );
       break;
     case "heartbeat":
       if (body.value.transferIds.length > 1_000_000)
@@ -88,6 +185,7 @@ export function parsePeerMessage(bytes: Uint8Array): ParsedPeerMessage {
     senderEngineId: msg.senderEngineId,
     senderEpoch: msg.senderEpoch,
     receiverEpoch: msg.receiverEpoch,
+    seq: msg.seq,
     body,
   };
 }

@@ -1,10 +1,20 @@
 /**
- * The handshake side channel: a sidecar binds a ZeroMQ ROUTER on its listen
- * address; a peer connects a DEALER, sends one HandshakeRequest and waits (with
- * a deadline) for one HandshakeResponse.
+ * The handshake side channel: a sidecar listens on TCP; a peer connects, sends
+ * one HandshakeRequest and waits (with a deadline) for one HandshakeResponse.
+ * Each message is a 4-byte big-endian length and the protobuf bytes; the length
+ * is checked before anything is buffered.
+ *
+ * With peer credentials (a certificate whose subject CN is the sidecar's engine
+ * id, its key, and the cluster's CA), the connection is mutual TLS 1.3 and each
+ * side learns the other's engine id from its certificate: the caller checks
+ * that the metadata claims the same id. Without credentials the channel is
+ * plain TCP and proves nothing (docs/security.md).
  */
+import { X509Certificate } from "node:crypto";
+import * as net from "node:net";
+import * as tls from "node:tls";
+
 import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
-import { Dealer, Router } from "zeromq";
 import type { Logger } from "pino";
 
 import {
@@ -17,97 +27,276 @@ import { KvxferError } from "../native/errors.js";
 
 /** Largest handshake frame accepted (metadata of 8 ranks with many regions fits easily). */
 export const MAX_HANDSHAKE_BYTES = 4 << 20;
+/** Handshake connections served at once; more are closed at accept. */
+export const MAX_HANDSHAKES_IN_FLIGHT = 64;
+/** A connection that has not sent its request within this long is closed. */
+export const HANDSHAKE_IDLE_MS = 10_000;
 
-export type HandshakeHandler = (req: HandshakeRequest) => HandshakeResponse;
+/** The sidecar's credentials for its peers (PEM). */
+export interface PeerCredentials {
+  readonly cert: Buffer;
+  readonly key: Buffer;
+  readonly ca: Buffer;
+}
 
-/** "host:port" → "tcp://host:port"; an explicit zmq endpoint passes through. */
-export function zmqEndpoint(address: string): string {
-  if (/^[a-z]+:\/\//.test(address)) return address;
-  const m = /^(.*):(\d+)$/.exec(address);
-  if (m === null) {
+/**
+ * Who is at the other end: the engine id in its verified certificate, or
+ * undefined on an unauthenticated channel.
+ */
+export type PeerIdentity = string | undefined;
+
+export type HandshakeHandler = (req: HandshakeRequest, peer: PeerIdentity) => HandshakeResponse;
+
+/** "host:port" (or "tcp://host:port") → host and port. */
+export function parseAddress(address: string): { host: string; port: number } {
+  const bare = address.replace(/^tcp:\/\//, "");
+  const m = /^(.*):(\d+)$/.exec(bare);
+  if (m === null || m[1] === "" || Number(m[2]) > 65535) {
     throw new KvxferError(
       "ERR_BAD_ADDRESS",
       `side channel address must be host:port, got '${address}'`,
     );
   }
-  return `tcp://${m[1]}:${m[2]}`;
+  return { host: m[1]!.replace(/^\[(.*)\]$/, "$1"), port: Number(m[2]) };
+}
+
+/** True for an address only this machine can reach (loopback). */
+export function isLoopback(host: string): boolean {
+  return host === "localhost" || host === "::1" || /^127\./.test(host);
+}
+
+/** The engine id a certificate names: its subject CN. */
+export function certificateIdentity(cert: tls.PeerCertificate | X509Certificate): string {
+  if (cert instanceof X509Certificate) {
+    const m = /(?:^|\n)CN=([^\n]*)/.exec(cert.subject);
+    return m?.[1] ?? "";
+  }
+  const cn = cert.subject?.CN;
+  return Array.isArray(cn) ? (cn[0] ?? "") : (cn ?? "");
+}
+
+/**
+ * Checks credentials at start-up: every file parses, the certificate is signed
+ * by the CA and names `engineId`. Throws ERR_CONFIG naming what is wrong.
+ */
+export function checkCredentials(creds: PeerCredentials, engineId: string): void {
+  let cert: X509Certificate;
+  try {
+    cert = new X509Certificate(creds.cert);
+  } catch (err) {
+    throw new KvxferError("ERR_CONFIG", `--peer-cert is not a PEM certificate: ${String(err)}`);
+  }
+  const cas = pemBlocks(creds.ca).map((pem, i) => {
+    try {
+      return new X509Certificate(pem);
+    } catch (err) {
+      throw new KvxferError(
+        "ERR_CONFIG",
+        `--peer-ca certificate ${i + 1} does not parse: ${String(err)}`,
+      );
+    }
+  });
+  if (cas.length === 0) throw new KvxferError("ERR_CONFIG", "--peer-ca holds no PEM certificate");
+  if (!cas.some((ca) => cert.checkIssued(ca) && cert.verify(ca.publicKey))) {
+    throw new KvxferError(
+      "ERR_CONFIG",
+      "--peer-cert is not signed by any certificate in --peer-ca",
+    );
+  }
+  const id = certificateIdentity(cert);
+  if (id !== engineId) {
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--peer-cert names '${id}' (subject CN) but this sidecar's engine id is '${engineId}'`,
+    );
+  }
+  if (Date.parse(cert.validTo) < Date.now())
+    throw new KvxferError("ERR_CONFIG", `--peer-cert expired on ${cert.validTo}`);
+  try {
+    tls.createSecureContext({ cert: creds.cert, key: creds.key, ca: creds.ca });
+  } catch (err) {
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--peer-key does not go with --peer-cert: ${(err as Error).message}`,
+    );
+  }
+}
+
+export function pemBlocks(pem: Buffer): string[] {
+  return (
+    pem.toString("utf8").match(/-----BEGIN CERTIFICATE-----[\s\S]*?-----END CERTIFICATE-----/g) ??
+    []
+  );
+}
+
+/** Reads framed messages off a stream: one length, one body; refuses a length over `max`. */
+class FrameReader {
+  private chunks: Buffer[] = [];
+  private have = 0;
+  private want = -1;
+
+  constructor(private readonly max: number) {}
+
+  /** Adds bytes; returns a complete body, "too-large", or undefined (need more). */
+  push(data: Buffer): Buffer | "too-large" | undefined {
+    this.chunks.push(data);
+    this.have += data.length;
+    if (this.want < 0 && this.have >= 4) {
+      const all = Buffer.concat(this.chunks);
+      this.chunks = [all];
+      this.want = all.readUInt32BE(0);
+      if (this.want > this.max) return "too-large";
+    }
+    if (this.want >= 0 && this.have >= 4 + this.want) {
+      const all = Buffer.concat(this.chunks);
+      return all.subarray(4, 4 + this.want);
+    }
+    return undefined;
+  }
+
+  /** Length announced so far (-1 before the header). */
+  get announced(): number {
+    return this.want;
+  }
+}
+
+function frame(body: Uint8Array): Buffer {
+  const head = Buffer.alloc(4);
+  head.writeUInt32BE(body.length, 0);
+  return Buffer.concat([head, body]);
 }
 
 export class SideChannelServer {
-  private readonly socket = new Router();
+  private server: net.Server | undefined;
+  private readonly sockets = new Set<net.Socket>();
   private closed = false;
-  private loop: Promise<void> | undefined;
   /** "host:port" actually bound (port 0 resolved). */
   address = "";
 
   constructor(
     private readonly handler: HandshakeHandler,
     private readonly log: Logger,
-    /** Told about frames refused before they reach the handler (malformed, too large). */
+    /** Told about connections refused before they reach the handler (malformed, too large, TLS). */
     private readonly onRefused?: (code: string, message: string) => void,
-  ) {
-    this.socket.linger = 0;
+    private readonly creds?: PeerCredentials,
+  ) {}
+
+  get authenticated(): boolean {
+    return this.creds !== undefined;
   }
 
   async bind(address: string): Promise<string> {
-    await this.socket.bind(zmqEndpoint(address));
-    const bound = this.socket.lastEndpoint ?? "";
-    this.address = bound.replace(/^tcp:\/\//, "");
-    this.loop = this.receive();
+    const { host, port } = parseAddress(address);
+    const onConnection = (socket: net.Socket): void => this.serve(socket);
+    const server =
+      this.creds === undefined
+        ? net.createServer(onConnection)
+        : tls.createServer(
+            {
+              cert: this.creds.cert,
+              key: this.creds.key,
+              ca: this.creds.ca,
+              requestCert: true,
+              rejectUnauthorized: true,
+              minVersion: "TLSv1.3",
+              handshakeTimeout: HANDSHAKE_IDLE_MS,
+            },
+            onConnection,
+          );
+    server.maxConnections = MAX_HANDSHAKES_IN_FLIGHT;
+    server.on("tlsClientError", (err: Error) => {
+      // A peer without this cluster's credentials, or not speaking TLS at all.
+      this.onRefused?.("ERR_UNAUTHENTICATED", `TLS handshake failed: ${err.message}`);
+    });
+    server.on("drop", () => {
+      this.onRefused?.(
+        "ERR_OVERLOADED",
+        `${MAX_HANDSHAKES_IN_FLIGHT} handshakes in flight; a connection was closed`,
+      );
+    });
+    this.server = server;
+    await new Promise<void>((resolve, reject) => {
+      server.once("error", reject);
+      server.listen(port, host, () => {
+        server.off("error", reject);
+        resolve();
+      });
+    });
+    server.on("error", (err) => this.log.error({ err }, "side channel: server error"));
+    const a = server.address() as net.AddressInfo;
+    this.address = `${a.family === "IPv6" ? `[${a.address}]` : a.address}:${a.port}`;
     return this.address;
   }
 
-  private async receive(): Promise<void> {
-    try {
-      for await (const frames of this.socket) {
-        const [id, body] = frames;
-        if (id === undefined) continue;
-        let response: HandshakeResponse;
-        let req: HandshakeRequest | undefined;
-        if (frames.length !== 2 || body === undefined) {
-          response = refusal("ERR_MALFORMED", `expected one frame, got ${frames.length - 1}`);
-        } else if (body.length > MAX_HANDSHAKE_BYTES) {
-          response = refusal(
-            "ERR_TOO_LARGE",
-            `handshake of ${body.length} bytes exceeds ${MAX_HANDSHAKE_BYTES}`,
-          );
-        } else {
-          try {
-            req = fromBinary(HandshakeRequestSchema, body);
-          } catch (err) {
-            response = refusal(
-              "ERR_MALFORMED",
-              `not a HandshakeRequest: ${(err as Error).message}`,
-            );
-          }
-          if (req !== undefined) {
-            try {
-              response = this.handler(req);
-            } catch (err) {
-              const e = KvxferError.from(err);
-              response = refusal(e.code, e.message);
-            }
-          }
-        }
-        if (req === undefined && response!.errorCode !== "") {
-          this.onRefused?.(response!.errorCode, response!.error);
-        }
-        try {
-          await this.socket.send([id, toBinary(HandshakeResponseSchema, response!)]);
-        } catch (err) {
-          this.log.warn({ err }, "side channel: reply failed");
-        }
-      }
-    } catch (err) {
-      if (!this.closed) this.log.error({ err }, "side channel: receive loop ended");
+  private serve(socket: net.Socket): void {
+    if (this.closed) {
+      socket.destroy();
+      return;
     }
+    this.sockets.add(socket);
+    socket.on("close", () => this.sockets.delete(socket));
+    socket.on("error", () => socket.destroy());
+    socket.setTimeout(HANDSHAKE_IDLE_MS, () => socket.destroy());
+    let identity: PeerIdentity;
+    if (socket instanceof tls.TLSSocket) {
+      identity = certificateIdentity(socket.getPeerCertificate());
+      if (identity === "") {
+        this.reply(socket, refusal("ERR_UNAUTHENTICATED", "client certificate names no engine"));
+        return;
+      }
+    }
+    const reader = new FrameReader(MAX_HANDSHAKE_BYTES);
+    let answered = false;
+    socket.on("data", (data: Buffer) => {
+      if (answered) return;
+      const body = reader.push(data);
+      if (body === undefined) return;
+      answered = true;
+      socket.pause();
+      if (body === "too-large") {
+        this.reply(
+          socket,
+          refusal(
+            "ERR_TOO_LARGE",
+            `handshake of ${reader.announced} bytes exceeds ${MAX_HANDSHAKE_BYTES}`,
+          ),
+          true,
+        );
+        return;
+      }
+      let req: HandshakeRequest;
+      try {
+        req = fromBinary(HandshakeRequestSchema, body);
+      } catch (err) {
+        this.reply(
+          socket,
+          refusal("ERR_MALFORMED", `not a HandshakeRequest: ${(err as Error).message}`),
+          true,
+        );
+        return;
+      }
+      let response: HandshakeResponse;
+      try {
+        response = this.handler(req, identity);
+      } catch (err) {
+        const e = KvxferError.from(err);
+        response = refusal(e.code, e.message);
+      }
+      this.reply(socket, response);
+    });
+  }
+
+  private reply(socket: net.Socket, response: HandshakeResponse, refusedEarly = false): void {
+    if (refusedEarly) this.onRefused?.(response.errorCode, response.error);
+    socket.end(frame(toBinary(HandshakeResponseSchema, response)));
   }
 
   async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
-    this.socket.close();
-    await this.loop;
+    for (const s of this.sockets) s.destroy();
+    const server = this.server;
+    if (server !== undefined) await new Promise<void>((resolve) => server.close(() => resolve()));
   }
 }
 
@@ -115,47 +304,105 @@ export function refusal(code: string, message: string): HandshakeResponse {
   return create(HandshakeResponseSchema, { errorCode: code, error: message });
 }
 
-/** One handshake with the sidecar at `address`; rejects with a KvxferError after `timeoutMs`. */
+/** A handshake answer and who gave it (the engine id in its certificate, if authenticated). */
+export interface HandshakeResult {
+  readonly response: HandshakeResponse;
+  readonly peer: PeerIdentity;
+}
+
+/**
+ * One handshake with the sidecar at `address`; rejects with a KvxferError after
+ * `timeoutMs`. With credentials the server must present a certificate from the
+ * same CA (ERR_UNAUTHENTICATED otherwise).
+ */
 export async function handshake(
   address: string,
   req: HandshakeRequest,
   timeoutMs: number,
-): Promise<HandshakeResponse> {
-  const socket = new Dealer();
-  socket.linger = 0;
-  socket.receiveTimeout = timeoutMs;
-  socket.sendTimeout = timeoutMs;
-  try {
-    socket.connect(zmqEndpoint(address));
-    await socket.send(toBinary(HandshakeRequestSchema, req));
-    let frames: Buffer[];
-    try {
-      frames = await socket.receive();
-    } catch (err) {
-      throw new KvxferError(
-        "ERR_UNREACHABLE",
-        `no handshake answer from ${address} within ${timeoutMs} ms`,
-        {
-          cause: err,
-        },
+  creds?: PeerCredentials,
+): Promise<HandshakeResult> {
+  const { host, port } = parseAddress(address);
+  return new Promise<HandshakeResult>((resolve, reject) => {
+    let done = false;
+    const finish = (err: KvxferError | undefined, result?: HandshakeResult): void => {
+      if (done) return;
+      done = true;
+      clearTimeout(timer);
+      socket.destroy();
+      if (err !== undefined) reject(err);
+      else resolve(result!);
+    };
+    const socket: net.Socket =
+      creds === undefined
+        ? net.connect({ host, port })
+        : tls.connect({
+            host,
+            port,
+            cert: creds.cert,
+            key: creds.key,
+            ca: creds.ca,
+            minVersion: "TLSv1.3",
+            // Not a host name check: the peer's identity is its engine id, which the caller
+            // compares with the metadata it sends.
+            checkServerIdentity: () => undefined,
+            ...(net.isIP(host) === 0 ? { servername: host } : {}),
+          });
+    const timer = setTimeout(
+      () =>
+        finish(
+          new KvxferError(
+            "ERR_UNREACHABLE",
+            `no handshake answer from ${address} within ${timeoutMs} ms`,
+          ),
+        ),
+      timeoutMs,
+    );
+    const reader = new FrameReader(MAX_HANDSHAKE_BYTES);
+    socket.once(creds === undefined ? "connect" : "secureConnect", () => {
+      socket.write(frame(toBinary(HandshakeRequestSchema, req)));
+    });
+    socket.on("data", (data: Buffer) => {
+      const body = reader.push(data);
+      if (body === undefined) return;
+      if (body === "too-large") {
+        finish(new KvxferError("ERR_MALFORMED", `handshake answer from ${address} is too large`));
+        return;
+      }
+      let response: HandshakeResponse;
+      try {
+        response = fromBinary(HandshakeResponseSchema, body);
+      } catch (err) {
+        finish(
+          new KvxferError(
+            "ERR_MALFORMED",
+            `handshake answer from ${address} is not a HandshakeResponse`,
+            { cause: err },
+          ),
+        );
+        return;
+      }
+      const peer =
+        socket instanceof tls.TLSSocket
+          ? certificateIdentity(socket.getPeerCertificate())
+          : undefined;
+      finish(undefined, { response, peer });
+    });
+    socket.on("error", (err: Error) => {
+      const tlsFailure =
+        creds !== undefined &&
+        /certificate|alert|handshake|SSL|TLS|self.signed|unable to verify/i.test(err.message);
+      finish(
+        new KvxferError(
+          tlsFailure ? "ERR_UNAUTHENTICATED" : "ERR_UNREACHABLE",
+          tlsFailure
+            ? `side channel ${address} refused mutual TLS: ${err.message}`
+            : `side channel ${address}: ${err.message}`,
+          { cause: err },
+        ),
       );
-    }
-    const body = frames[frames.length - 1];
-    if (body === undefined || body.length > MAX_HANDSHAKE_BYTES) {
-      throw new KvxferError("ERR_MALFORMED", `bad handshake answer from ${address}`);
-    }
-    try {
-      return fromBinary(HandshakeResponseSchema, body);
-    } catch (err) {
-      throw new KvxferError(
-        "ERR_MALFORMED",
-        `handshake answer from ${address} is not a HandshakeResponse`,
-        {
-          cause: err,
-        },
-      );
-    }
-  } finally {
-    socket.close();
-  }
+    });
+    socket.on("close", () =>
+      finish(new KvxferError("ERR_UNREACHABLE", `side channel ${address} closed with no answer`)),
+    );
+  });
 }

@@ -13,6 +13,7 @@ import { startApiServer, type ApiServer } from "../api/server.js";
 import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/metrics.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
 import { KvxferError } from "../native/errors.js";
+import type { PeerCredentials } from "../peer/side-channel.js";
 import { EventLog } from "./event-log.js";
 import { stderrSink } from "./log-sink.js";
 import { Sidecar, type SidecarOptions } from "./sidecar.js";
@@ -36,6 +37,22 @@ export const SIDECAR_SETTINGS = {
     type: "string",
     default: "127.0.0.1:0",
     help: "side channel host:port for peer handshakes",
+  },
+  "peer-cert": {
+    type: "string",
+    default: "",
+    help: "PEM certificate for the side channel, subject CN = --engine-id, signed by --peer-ca (peers authenticate with mutual TLS)",
+  },
+  "peer-key": { type: "string", default: "", help: "PEM private key for --peer-cert" },
+  "peer-ca": {
+    type: "string",
+    default: "",
+    help: "PEM CA of the cluster: only peers with a certificate it signed get metadata or remote keys",
+  },
+  "insecure-peers": {
+    type: "string",
+    default: "false",
+    help: "true: allow a non-loopback --listen without peer credentials (anyone reaching it can read and write the KV)",
   },
   mode: { type: "string", default: "auto", help: "push | pull | auto" },
   transports: {
@@ -226,7 +243,28 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     abortGraceMs: positiveInt("abort-grace-ms", s["abort-grace-ms"]),
     maxTransfers: positiveInt("max-transfers", s["max-transfers"]),
     tombstoneMs: positiveInt("tombstone-ms", s["tombstone-ms"]),
+    ...peerCredentials(s),
+    insecurePeers:
+      oneOf("insecure-peers", s["insecure-peers"], ["true", "false"] as const) === "true",
     logger,
+  };
+}
+
+/** --peer-cert/--peer-key/--peer-ca: all three or none. */
+function peerCredentials(s: Record<SettingName, string>): { peerCredentials?: PeerCredentials } {
+  const given = (["peer-cert", "peer-key", "peer-ca"] as const).filter((f) => s[f] !== "");
+  if (given.length === 0) return {};
+  if (given.length !== 3)
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--peer-cert, --peer-key and --peer-ca go together (got only ${given.map((f) => `--${f}`).join(", ")})`,
+    );
+  return {
+    peerCredentials: {
+      cert: readPem("peer-cert", s["peer-cert"]),
+      key: readPem("peer-key", s["peer-key"]),
+      ca: readPem("peer-ca", s["peer-ca"]),
+    },
   };
 }
 
@@ -241,7 +279,7 @@ export interface RunningSidecar {
   close(): Promise<void>;
 }
 
-function readPem(flag: string, path: string): Buffer {
+export function readPem(flag: string, path: string): Buffer {
   try {
     return readFileSync(path);
   } catch (err) {

@@ -7,6 +7,7 @@ import type { Logger } from "pino";
 
 import type { AgentMetadata } from "../gen/kvxfer/v1/peer_pb.js";
 import { type Agent, type Endpoint, type ErrorMode, type RemoteRegion } from "../native/index.js";
+import { ReplayWindow, newMacKey } from "../peer/messages.js";
 import type { KvLayout } from "../plan/index.js";
 
 export class PeerState {
@@ -18,6 +19,18 @@ export class PeerState {
   lastSeenMs: number;
   /** Side channel address we reached it at (D side), for revalidation. */
   dialedAddress = "";
+  /** Key we MAC our notifications to this peer (this epoch) with; handed over in handshakes. */
+  sendKey: Uint8Array = newMacKey();
+  /** Key its notifications to us are MACed with (from its latest handshake). */
+  private recvKey: Uint8Array = new Uint8Array(0);
+  /** The key before that: notifications sealed before a re-handshake may still be in flight. */
+  private prevRecvKey: Uint8Array = new Uint8Array(0);
+  /** Sequence number of our last notification to it. */
+  sendSeq = 0n;
+  /** Sequence numbers of its notifications seen (replays are refused). */
+  replay = new ReplayWindow();
+  /** True when the handshake was mutual TLS and its certificate named this engine id. */
+  authenticated = false;
   private readonly endpoints = new Map<string, Endpoint>();
   private readonly remotes = new Map<string, RemoteRegion>();
 
@@ -33,6 +46,22 @@ export class PeerState {
     this.layout = layout;
     this.sideChannel = metadata.sideChannel;
     this.lastSeenMs = Date.now();
+  }
+
+  /** Installs the key its notifications are sealed with; a new key starts a new stream. */
+  setRecvKey(key: Uint8Array): void {
+    if (Buffer.from(key).equals(Buffer.from(this.recvKey))) return;
+    this.prevRecvKey = this.recvKey;
+    this.recvKey = key;
+    this.replay = new ReplayWindow();
+  }
+
+  /** True when `verify` accepts one of its keys. */
+  verifies(verify: (key: Uint8Array) => boolean): boolean {
+    return (
+      (this.recvKey.length > 0 && verify(this.recvKey)) ||
+      (this.prevRecvKey.length > 0 && verify(this.prevRecvKey))
+    );
   }
 
   /** The endpoint from our agent `localRank` to the peer's agent `peerRank`, made on first use. */

@@ -55,12 +55,25 @@ import {
   PeerMessageError,
   agentName,
   encodePeerMessage,
+  openPeerMessage,
+  sealPeerMessage,
+  tokensEqual,
+  MAC_KEY_BYTES,
+  newMacKey,
   parseAgentName,
-  parsePeerMessage,
-  type ParsedPeerMessage,
+  type OpenedPeerMessage,
   type PeerBody,
 } from "../peer/messages.js";
-import { SideChannelServer, handshake, refusal } from "../peer/side-channel.js";
+import {
+  SideChannelServer,
+  checkCredentials,
+  handshake,
+  isLoopback,
+  parseAddress,
+  refusal,
+  type PeerCredentials,
+  type PeerIdentity,
+} from "../peer/side-channel.js";
 import type { SidecarMetrics } from "../api/metrics.js";
 import { PeerState } from "./peers.js";
 import type {
@@ -108,6 +121,13 @@ export interface SidecarOptions {
   /** Live transfers per side at most. */
   maxTransfers?: number;
   sweepMs?: number;
+  /**
+   * Certificate (subject CN = engine id), key and cluster CA for the side channel:
+   * peers authenticate each other with mutual TLS before any metadata leaves.
+   */
+  peerCredentials?: PeerCredentials;
+  /** Run without peer credentials on a non-loopback side channel (logged as a warning). */
+  insecurePeers?: boolean;
   logger: Logger;
 }
 
@@ -153,6 +173,7 @@ function timings(): Timings {
 
 interface Registration {
   peer: PeerState;
+  token: string;
   dstBlocks: number[];
   numTokens: number;
   prefixTokens: number;
@@ -166,6 +187,10 @@ interface PTransfer {
   blocks: number[] | undefined;
   numTokens: number;
   reg: Registration | undefined;
+  /** Registrations from other decode engines before PrefillDone named the token (at most 4). */
+  otherRegs: Registration[];
+  /** PrefillDone.token: only a D presenting it may register, confirm, abort or fail the transfer. */
+  token: string;
   /** Lease of held blocks (HELD), of a registration waiting for prefill (WAITING), or the tombstone's end. */
   deadline: number;
   /** No write for the registration may start after this (renewed by D's heartbeats). */
@@ -190,6 +215,8 @@ interface DTransfer {
   srcBlocks: number[] | undefined;
   numTokens: number;
   prefixTokens: number;
+  /** ExpectKv.token, presented to P. */
+  token: string;
   mode: "push" | "pull";
   expectedPairs: Set<string>;
   donePairs: Set<string>;
@@ -228,9 +255,12 @@ export class Sidecar implements SidecarView {
   readonly role: SidecarRole;
   readonly mode: TransferMode;
   readonly startedMs = Date.now();
-  private readonly opts: Required<Omit<SidecarOptions, "netDevices" | "transports" | "logger">> & {
+  private readonly opts: Required<
+    Omit<SidecarOptions, "netDevices" | "transports" | "logger" | "peerCredentials">
+  > & {
     netDevices: readonly string[];
     transports: string;
+    peerCredentials: PeerCredentials | undefined;
   };
   private readonly log: Logger;
   private engineSend: EngineSender = () => {};
@@ -296,11 +326,16 @@ export class Sidecar implements SidecarView {
       tombstoneMs: options.tombstoneMs ?? 60_000,
       maxTransfers: options.maxTransfers ?? 65_536,
       sweepMs: options.sweepMs ?? 100,
+      peerCredentials: options.peerCredentials,
+      insecurePeers: options.insecurePeers ?? false,
     };
+    if (options.peerCredentials !== undefined)
+      checkCredentials(options.peerCredentials, options.engineId);
     this.side = new SideChannelServer(
-      (req) => this.onHandshake(req),
+      (req, identity) => this.onHandshake(req, identity),
       this.log.child({ component: "side-channel" }),
       (code, message) => this.noteError(`handshake refused: ${code}: ${message}`),
+      options.peerCredentials,
     );
   }
 
@@ -313,6 +348,21 @@ export class Sidecar implements SidecarView {
     this.engineSend = engineSend;
     this.events = events;
     this.metrics = metrics;
+    const { host } = parseAddress(this.opts.listen);
+    if (this.opts.peerCredentials === undefined) {
+      if (!isLoopback(host) && !this.opts.insecurePeers) {
+        throw new KvxferError(
+          "ERR_CONFIG",
+          `the side channel ${this.opts.listen} is reachable beyond this machine: give peer ` +
+            "credentials (--peer-cert, --peer-key, --peer-ca) or, knowingly, --insecure-peers",
+        );
+      }
+      this.log.warn(
+        { listen: this.opts.listen },
+        "peers are NOT authenticated: any process that reaches the side channel gets this " +
+          "sidecar's remote keys (give --peer-cert/--peer-key/--peer-ca; docs/security.md)",
+      );
+    }
     this.sideChannel = await this.side.bind(this.opts.listen);
     this.sweepTimer = setInterval(() => this.sweep(), this.opts.sweepMs);
     this.heartbeatTimer = setInterval(() => this.sendHeartbeats(), this.opts.heartbeatMs);
@@ -605,6 +655,8 @@ export class Sidecar implements SidecarView {
       blocks: undefined,
       numTokens: 0,
       reg: undefined,
+      otherRegs: [],
+      token: "",
       deadline: 0,
       regDeadline: 0,
       peer: "",
@@ -617,9 +669,11 @@ export class Sidecar implements SidecarView {
     };
     t.blocks = [...m.blockIds];
     t.numTokens = m.numTokens;
+    t.token = m.token;
     t.t.prefillDoneMs = now;
     t.deadline = now + this.opts.leaseMs;
     this.pTransfers.set(t.id, t);
+    this.settleRegistrations(t);
     if (t.reg !== undefined) {
       void this.push(t);
     } else {
@@ -635,6 +689,7 @@ export class Sidecar implements SidecarView {
       numTokens: number;
       prefixTokens: number;
       leaseMs: number;
+      token: string;
     },
   ): void {
     const now = Date.now();
@@ -651,19 +706,50 @@ export class Sidecar implements SidecarView {
         `transfer ended on P as ${existing.state}`,
       );
     }
-    if (existing?.reg !== undefined) return; // duplicate or replayed registration
+    if (existing?.reg?.peer === peer || existing?.otherRegs.some((r) => r.peer === peer)) return; // the same engine's registration again: idempotent
     if (m.numTokens === 0 || m.prefixTokens > m.numTokens)
       return fail("ERR_BAD_TOKENS", "bad token counts in PushReg");
+    if (existing?.blocks !== undefined && !tokensEqual(existing.token, m.token)) {
+      // The transfer names its decode engine by its token: anyone else is refused, and the
+      // transfer goes on waiting for the right one.
+      this.noteError(
+        `PushReg for '${m.transferId}' from '${peer.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
+      );
+      return fail("ERR_BAD_TRANSFER_TOKEN", "the transfer's token does not match");
+    }
+    const leaseMsOf = Math.min(Math.max(m.leaseMs, 100), 10 * 60_000);
+    const reg: Registration = {
+      peer,
+      token: m.token,
+      dstBlocks: [...m.blockIds],
+      numTokens: m.numTokens,
+      prefixTokens: m.prefixTokens,
+      leaseMs: leaseMsOf,
+    };
+    if (existing?.reg !== undefined) {
+      if (existing.blocks !== undefined || existing.otherRegs.length >= 4) {
+        this.noteError(
+          `PushReg for '${m.transferId}' from '${peer.engineId}' refused: ERR_DUPLICATE ` +
+            `(registered by '${existing.reg.peer.engineId}')`,
+        );
+        return fail("ERR_DUPLICATE", "another decode engine registered for this transfer");
+      }
+      // Before PrefillDone nobody knows whose token is right: keep it until then.
+      existing.otherRegs.push(reg);
+      return;
+    }
     if (existing === undefined && this.atCapacity(this.pTransfers)) {
       return fail("ERR_OVERLOADED", `${this.opts.maxTransfers} transfers live on P`);
     }
-    const leaseMs = Math.min(Math.max(m.leaseMs, 100), 10 * 60_000);
+    const leaseMs = leaseMsOf;
     const t: PTransfer = existing ?? {
       id: m.transferId,
       state: "WAITING",
       blocks: undefined,
       numTokens: 0,
       reg: undefined,
+      otherRegs: [],
+      token: "",
       deadline: now + leaseMs,
       regDeadline: now + leaseMs,
       peer: peer.engineId,
@@ -674,19 +760,45 @@ export class Sidecar implements SidecarView {
       reason: "",
       t: timings(),
     };
-    t.reg = {
-      peer,
-      dstBlocks: [...m.blockIds],
-      numTokens: m.numTokens,
-      prefixTokens: m.prefixTokens,
-      leaseMs,
-    };
+    t.reg = reg;
     t.regDeadline = now + leaseMs;
     t.peer = peer.engineId;
     t.mode = "push";
     t.t.registeredMs = now;
     this.pTransfers.set(t.id, t);
     if (t.blocks !== undefined) void this.push(t);
+  }
+
+  /**
+   * At PrefillDone: keeps the registration whose token matches the transfer's
+   * (the first one when the transfer has no token) and refuses the others.
+   */
+  private settleRegistrations(t: PTransfer): void {
+    const all = t.reg === undefined ? t.otherRegs : [t.reg, ...t.otherRegs];
+    t.otherRegs = [];
+    const chosen = all.find((r) => tokensEqual(r.token, t.token));
+    for (const r of all) {
+      if (r === chosen) continue;
+      const code =
+        t.token === "" && chosen !== undefined ? "ERR_DUPLICATE" : "ERR_BAD_TRANSFER_TOKEN";
+      this.noteError(`PushReg for '${t.id}' from '${r.peer.engineId}' refused: ${code}`);
+      this.sendPeer(r.peer, {
+        case: "failed",
+        value: { transferId: t.id, code, message: "not the decode engine this transfer names" },
+      });
+    }
+    if (chosen === undefined) {
+      t.reg = undefined;
+      t.peer = "";
+      t.mode = "";
+      t.state = "HELD";
+      return;
+    }
+    if (chosen !== t.reg) {
+      t.reg = chosen;
+      t.peer = chosen.peer.engineId;
+      t.regDeadline = Date.now() + chosen.leaseMs;
+    }
   }
 
   /** P writes every rank pair's KV into D's blocks, each pair followed by its XferDone. */
@@ -825,8 +937,22 @@ export class Sidecar implements SidecarView {
     this.emit(kind, t.id, t.peer, "prefill", reason, t.bytes, t.mode);
   }
 
-  private onReadDone(peer: PeerState, transferId: string, bytes: number): void {
+  private onReadDone(peer: PeerState, transferId: string, bytes: number, token: string): void {
     const t = this.pTransfers.get(transferId);
+    if (t !== undefined && t.blocks !== undefined && !tokensEqual(t.token, token)) {
+      this.noteError(
+        `ReadDone for '${transferId}' from '${peer.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
+      );
+      this.sendPeer(peer, {
+        case: "failed",
+        value: {
+          transferId,
+          code: "ERR_BAD_TRANSFER_TOKEN",
+          message: "the transfer's token does not match",
+        },
+      });
+      return;
+    }
     const held = t !== undefined && t.state === "HELD" && t.blocks !== undefined;
     // D reports ready only if P says the blocks were still held when it read them.
     // The router may have told D about the blocks before P's sidecar processed the
@@ -842,10 +968,23 @@ export class Sidecar implements SidecarView {
     }
   }
 
-  private onPeerAbort(peer: PeerState, transferId: string): void {
+  private onPeerAbort(peer: PeerState, transferId: string, token: string): void {
     const t = this.pTransfers.get(transferId);
     if (t === undefined || isTerminal(t.state)) {
       this.sendPeer(peer, { case: "abortAck", value: { transferId } });
+      return;
+    }
+    if (!this.mayActOn(t, peer, token)) {
+      const other = t.otherRegs.findIndex((r) => r.peer === peer);
+      if (other >= 0) {
+        // A registration still waiting for PrefillDone withdrawn: nothing was written for it.
+        t.otherRegs.splice(other, 1);
+        this.sendPeer(peer, { case: "abortAck", value: { transferId } });
+        return;
+      }
+      this.noteError(
+        `Abort for '${transferId}' from '${peer.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
+      );
       return;
     }
     if (t.state === "MOVING") {
@@ -899,6 +1038,7 @@ export class Sidecar implements SidecarView {
       srcBlocks: hasSrc ? [...m.sourceBlockIds] : undefined,
       numTokens: m.numTokens,
       prefixTokens: m.prefixTokens,
+      token: m.token,
       mode,
       expectedPairs: new Set(),
       donePairs: new Set(),
@@ -934,7 +1074,10 @@ export class Sidecar implements SidecarView {
     if (isTerminal(t.state) || t.failing !== undefined) {
       // Given up on while the handshake ran (abort, watchdog): a pull tells P it can let go.
       if (t.mode === "pull")
-        this.sendPeer(peer, { case: "abort", value: { transferId: t.id, reason: t.reason } });
+        this.sendPeer(peer, {
+          case: "abort",
+          value: { transferId: t.id, reason: t.reason, token: t.token },
+        });
       return;
     }
     t.peer = peer;
@@ -953,6 +1096,7 @@ export class Sidecar implements SidecarView {
           numTokens: t.numTokens,
           prefixTokens: t.prefixTokens,
           leaseMs: this.opts.regLeaseMs,
+          token: t.token,
         },
       });
     } else {
@@ -1025,7 +1169,7 @@ export class Sidecar implements SidecarView {
       const e = KvxferError.from((bad as PromiseRejectedResult).reason);
       this.sendPeer(peer, {
         case: "failed",
-        value: { transferId: t.id, code: e.code, message: e.message },
+        value: { transferId: t.id, code: e.code, message: e.message, token: t.token },
       });
       this.failD(
         t,
@@ -1039,7 +1183,10 @@ export class Sidecar implements SidecarView {
       return;
     }
     t.state = "CONFIRMING";
-    this.sendPeer(peer, { case: "readDone", value: { transferId: t.id, bytes: BigInt(t.bytes) } });
+    this.sendPeer(peer, {
+      case: "readDone",
+      value: { transferId: t.id, bytes: BigInt(t.bytes), token: t.token },
+    });
   }
 
   private onReadAck(peer: PeerState, transferId: string, held: boolean, unknown: boolean): void {
@@ -1052,7 +1199,7 @@ export class Sidecar implements SidecarView {
         if (t.state === "CONFIRMING" && t.failing === undefined && t.peer !== undefined) {
           this.sendPeer(t.peer, {
             case: "readDone",
-            value: { transferId: t.id, bytes: BigInt(t.bytes) },
+            value: { transferId: t.id, bytes: BigInt(t.bytes), token: t.token },
           });
         }
       }, 10);
@@ -1159,7 +1306,10 @@ export class Sidecar implements SidecarView {
       reason !== FailureReason.LEASE_EXPIRED &&
       reason !== FailureReason.PEER_FAILED
     ) {
-      this.sendPeer(t.peer, { case: "abort", value: { transferId: t.id, reason: code } });
+      this.sendPeer(t.peer, {
+        case: "abort",
+        value: { transferId: t.id, reason: code, token: t.token },
+      });
     }
     if (safe) {
       this.finishFailingD(t);
@@ -1167,7 +1317,10 @@ export class Sidecar implements SidecarView {
     }
     t.state = "CONFIRMING";
     if (t.mode === "push" && t.peer !== undefined) {
-      this.sendPeer(t.peer, { case: "abort", value: { transferId: t.id, reason: code } });
+      this.sendPeer(t.peer, {
+        case: "abort",
+        value: { transferId: t.id, reason: code, token: t.token },
+      });
       t.deadline = t.lastRenewMs + this.opts.regLeaseMs + this.opts.abortGraceMs;
     } else if (t.readsInFlight === 0) {
       this.finishFailingD(t);
@@ -1219,7 +1372,22 @@ export class Sidecar implements SidecarView {
     }
   }
 
-  private onPeerFailed(peer: PeerState, transferId: string, code: string, message: string): void {
+  /**
+   * True when `peer` may act on P's transfer `t`: it is the registered decode engine,
+   * or (no registration) it presents the transfer's token.
+   */
+  private mayActOn(t: PTransfer, peer: PeerState, token: string): boolean {
+    if (t.reg !== undefined) return t.reg.peer === peer;
+    return t.blocks === undefined || tokensEqual(t.token, token);
+  }
+
+  private onPeerFailed(
+    peer: PeerState,
+    transferId: string,
+    code: string,
+    message: string,
+    token: string,
+  ): void {
     const d = this.dTransfers.get(transferId);
     if (d !== undefined && d.peer === peer && !isTerminal(d.state)) {
       if (d.failing !== undefined) {
@@ -1236,6 +1404,12 @@ export class Sidecar implements SidecarView {
     }
     const p = this.pTransfers.get(transferId);
     if (p !== undefined && !isTerminal(p.state) && p.state !== "MOVING") {
+      if (!this.mayActOn(p, peer, token)) {
+        this.noteError(
+          `Failed for '${transferId}' from '${peer.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
+        );
+        return;
+      }
       this.endP(p, "FAILED", code, ReleaseReason.FAILED);
     }
   }
@@ -1300,13 +1474,13 @@ export class Sidecar implements SidecarView {
   }
 
   /** Prefill side: D introduces itself; we answer with our metadata. */
-  private onHandshake(req: HandshakeRequest): HandshakeResponse {
-    const res = this.answerHandshake(req);
+  private onHandshake(req: HandshakeRequest, identity: PeerIdentity): HandshakeResponse {
+    const res = this.answerHandshake(req, identity);
     if (res.errorCode !== "") this.noteError(`handshake refused: ${res.errorCode}: ${res.error}`);
     return res;
   }
 
-  private answerHandshake(req: HandshakeRequest): HandshakeResponse {
+  private answerHandshake(req: HandshakeRequest, identity: PeerIdentity): HandshakeResponse {
     if (this.layout === undefined)
       return refusal("ERR_NOT_READY", "the engine has not registered its KV cache");
     if (this.draining) return refusal("ERR_DRAINING", "the sidecar is draining");
@@ -1318,11 +1492,22 @@ export class Sidecar implements SidecarView {
       return refusal(e.code, e.message);
     }
     const md = req.metadata!;
+    // With credentials, a peer is who its certificate says, and nobody else.
+    if (this.side.authenticated && identity !== md.engineId) {
+      return refusal(
+        "ERR_UNAUTHENTICATED",
+        `metadata claims engine '${md.engineId}' but the certificate names '${identity ?? ""}'`,
+      );
+    }
+    if (req.macKey.length !== MAC_KEY_BYTES)
+      return refusal("ERR_MALFORMED", `mac_key must be ${MAC_KEY_BYTES} bytes`);
     const mismatch = findIncompatibility(this.layout, layout);
     if (mismatch !== undefined)
       return refusal("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
-    this.adoptPeer(md, layout);
-    return create(HandshakeResponseSchema, { metadata: this.myMetadata() });
+    const peer = this.adoptPeer(md, layout);
+    peer.setRecvKey(req.macKey);
+    peer.authenticated = this.side.authenticated;
+    return create(HandshakeResponseSchema, { metadata: this.myMetadata(), macKey: peer.sendKey });
   }
 
   /** Installs a peer's metadata; a new epoch replaces the old peer and fails what it had. */
@@ -1356,24 +1541,44 @@ export class Sidecar implements SidecarView {
     }
     let pending = this.handshakes.get(address);
     if (pending === undefined) {
-      pending = this.dial(address, cached?.epoch ?? 0n).finally(() =>
-        this.handshakes.delete(address),
-      );
+      pending = this.dial(address, cached).finally(() => this.handshakes.delete(address));
       this.handshakes.set(address, pending);
     }
     return pending;
   }
 
-  private async dial(address: string, expectedEpoch: bigint): Promise<PeerState> {
-    const req = create(HandshakeRequestSchema, { metadata: this.myMetadata(), expectedEpoch });
-    const res = await handshake(address, req, this.opts.handshakeTimeoutMs);
+  private async dial(address: string, cached: PeerState | undefined): Promise<PeerState> {
+    // Re-handshaking a peer we know keeps our key: notifications in flight stay valid.
+    const macKey = cached?.state === "connected" ? cached.sendKey : newMacKey();
+    const req = create(HandshakeRequestSchema, {
+      metadata: this.myMetadata(),
+      expectedEpoch: cached?.epoch ?? 0n,
+      macKey,
+    });
+    const { response: res, peer: identity } = await handshake(
+      address,
+      req,
+      this.opts.handshakeTimeoutMs,
+      this.opts.peerCredentials,
+    );
     if (res.errorCode !== "")
       throw new KvxferError(res.errorCode, `handshake with ${address} refused: ${res.error}`);
     const layout = this.checkMetadata(res.metadata);
+    if (this.opts.peerCredentials !== undefined && identity !== res.metadata!.engineId) {
+      throw new KvxferError(
+        "ERR_UNAUTHENTICATED",
+        `${address} claims engine '${res.metadata!.engineId}' but its certificate names '${identity ?? ""}'`,
+      );
+    }
+    if (res.macKey.length !== MAC_KEY_BYTES)
+      throw new KvxferError("ERR_MALFORMED", `handshake answer from ${address} has no mac_key`);
     const mismatch = findIncompatibility(layout, this.layout!);
     if (mismatch !== undefined)
       throw new KvxferError("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
     const peer = this.adoptPeer(res.metadata!, layout);
+    peer.sendKey = macKey;
+    peer.setRecvKey(res.macKey);
+    peer.authenticated = this.opts.peerCredentials !== undefined;
     peer.dialedAddress = address;
     this.peerByAddress.set(address, peer.engineId);
     return peer;
@@ -1444,8 +1649,13 @@ export class Sidecar implements SidecarView {
     }
   }
 
+  /** One notification to `peer`: numbered, and sealed with our key for it. */
   private encode(peer: PeerState, body: PeerBody): Uint8Array {
-    return encodePeerMessage(this.engineId, this.epoch, peer.epoch, body);
+    peer.sendSeq += 1n;
+    return sealPeerMessage(
+      peer.sendKey,
+      encodePeerMessage(this.engineId, this.epoch, peer.epoch, body, peer.sendSeq),
+    );
   }
 
   /** Control messages go from our rank 0 agent to the peer's rank 0 agent. */
@@ -1463,9 +1673,9 @@ export class Sidecar implements SidecarView {
 
   private onNotifications(rank: number, batch: Notification[]): void {
     for (const n of batch) {
-      let m: ParsedPeerMessage;
+      let m: OpenedPeerMessage;
       try {
-        m = parsePeerMessage(n.data);
+        m = openPeerMessage(n.data);
       } catch (err) {
         const code = err instanceof PeerMessageError ? err.code : "ERR_MALFORMED";
         this.noteError(`peer message from '${n.peer.slice(0, 200)}' refused: ${code}`);
@@ -1492,6 +1702,19 @@ export class Sidecar implements SidecarView {
         );
         continue;
       }
+      // It must be sealed with the key that engine gave us in its handshake, and new.
+      if (!peer.verifies(m.verify)) {
+        this.noteError(
+          `peer message from '${m.senderEngineId}' refused: ERR_UNAUTHENTICATED (bad MAC)`,
+        );
+        continue;
+      }
+      if (!peer.replay.accept(m.seq)) {
+        this.noteError(
+          `peer message from '${m.senderEngineId}' refused: ERR_REPLAY (sequence ${m.seq} seen)`,
+        );
+        continue;
+      }
       peer.lastSeenMs = Date.now();
       const b = m.body;
       switch (b.case) {
@@ -1502,7 +1725,7 @@ export class Sidecar implements SidecarView {
           this.onXferDone(peer, from.rank, rank, b.value);
           break;
         case "readDone":
-          this.onReadDone(peer, b.value.transferId, Number(b.value.bytes));
+          this.onReadDone(peer, b.value.transferId, Number(b.value.bytes), b.value.token);
           break;
         case "readAck":
           this.onReadAck(peer, b.value.transferId, b.value.held, b.value.unknown);
@@ -1511,13 +1734,13 @@ export class Sidecar implements SidecarView {
           this.onHeartbeat(peer, b.value.transferIds);
           break;
         case "abort":
-          this.onPeerAbort(peer, b.value.transferId);
+          this.onPeerAbort(peer, b.value.transferId, b.value.token);
           break;
         case "abortAck":
           this.onAbortAck(peer, b.value.transferId);
           break;
         case "failed":
-          this.onPeerFailed(peer, b.value.transferId, b.value.code, b.value.message);
+          this.onPeerFailed(peer, b.value.transferId, b.value.code, b.value.message, b.value.token);
           break;
       }
     }

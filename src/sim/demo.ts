@@ -3,6 +3,7 @@
  * processes, runs a workload through a simulated router, and summarises it.
  * Tests and benchmarks drive the same code (`runDemo`).
  */
+import { randomBytes } from "node:crypto";
 import { performance } from "node:perf_hooks";
 import { parseArgs } from "node:util";
 
@@ -58,6 +59,11 @@ export interface DemoOptions {
   hosts?: { prefill: HostSpec; decode: HostSpec };
   /** Extra sidecar flags. */
   sidecarArgs?: string[];
+  /**
+   * Peers authenticate with mutual TLS and certificates from a throwaway CA (default true);
+   * false runs the sidecars without credentials (--insecure-peers), to measure what security costs.
+   */
+  peerAuth?: boolean;
   /** A bound for each request from dispatch to verification. */
   requestTimeoutMs: number;
   log?: (line: string) => void;
@@ -195,6 +201,7 @@ export type NodeShape = Pick<
   | "transport"
   | "hosts"
   | "sidecarArgs"
+  | "peerAuth"
   | "requestTimeoutMs"
 >;
 
@@ -237,11 +244,12 @@ export async function startNode(
     ...(o.transport === "tcp" && host === undefined ? ["--net-devices", "lo"] : []),
     ...(o.sidecarArgs ?? []),
     ...(track.extraArgs ?? []),
+    ...(o.peerAuth === false ? ["--insecure-peers", "true"] : []),
   ];
-  const sidecar = new SidecarProcess(
-    args,
-    host?.prefix !== undefined ? { prefix: host.prefix } : {},
-  );
+  const sidecar = new SidecarProcess(args, {
+    ...(host?.prefix !== undefined ? { prefix: host.prefix } : {}),
+    ...(o.peerAuth === false ? { pki: false as const } : {}),
+  });
   track.sidecars.push(sidecar);
   const ready = await sidecar.ready;
   const engineOpts: SimEngineOptions = {
@@ -376,6 +384,8 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       const p = ps[r % ps.length]!;
       const d = ds[r % ds.length]!;
       const transferId = `req-${r}-${tag}`;
+      // The router binds the transfer to the D it picks: only a sidecar presenting this token gets it.
+      const token = randomBytes(16).toString("hex");
       const tokens = o.promptTokens[r % o.promptTokens.length]!;
       const prefix = Math.min(o.prefixTokens, tokens - 1);
       const computeMs = o.computeMs + Math.round((o.computeMsPerToken ?? 0) * tokens);
@@ -399,6 +409,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
             tokens,
             computeMs,
             o.requestTimeoutMs,
+            token,
           );
           prefilledAt = Date.now();
           rec.prefilledMs = performance.now();
@@ -410,20 +421,21 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
               prefixTokens: prefix,
               source: p.ready.sideChannel,
               sourceBlockIds: blockIds,
+              token,
             },
             o.requestTimeoutMs,
           );
           rec.dstBlockIds = [...expected.blockIds];
         } else {
           const pre = p.engine
-            .prefill(transferId, tokens, computeMs, o.requestTimeoutMs)
+            .prefill(transferId, tokens, computeMs, o.requestTimeoutMs, token)
             .then(({ blockIds }) => {
               prefilledAt = Date.now();
               rec.prefilledMs = performance.now();
               rec.srcBlockIds = [...blockIds];
             });
           const expected = await d.engine.expect(
-            { transferId, tokens, prefixTokens: prefix, source: p.ready.sideChannel },
+            { transferId, tokens, prefixTokens: prefix, source: p.ready.sideChannel, token },
             o.requestTimeoutMs,
           );
           rec.dstBlockIds = [...expected.blockIds];
@@ -540,7 +552,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
 export const DEMO_USAGE = `usage: kvxfer demo [--prefill N] [--decode N] [--p-tp N] [--d-tp N] [--p-block N] [--d-block N]
   [--layout hnd|nhd] [--p-scheme NAME] [--d-scheme NAME] [--model ${Object.keys(SIM_MODELS).join("|")}] [--layers N] [--kv-heads N] [--head-dim N]
   [--mode push|pull|auto] [--dispatch sequential|concurrent] [--requests N] [--prompt-tokens N[,N...]]
-  [--prefix-tokens N] [--compute-ms N] [--concurrency N] [--blocks N] [--transport shm|tcp] [--json]`;
+  [--prefix-tokens N] [--compute-ms N] [--concurrency N] [--blocks N] [--transport shm|tcp] [--peer-auth on|off] [--json]`;
 
 function int(name: string, v: string | undefined, min = 1): number | undefined {
   if (v === undefined) return undefined;
@@ -589,6 +601,7 @@ export function parseDemoArgs(argv: string[]): { options: DemoOptions; json: boo
       concurrency: s,
       blocks: s,
       transport: s,
+      "peer-auth": s,
       json: { type: "boolean" },
     },
   });
@@ -625,6 +638,8 @@ export function parseDemoArgs(argv: string[]): { options: DemoOptions; json: boo
   set("concurrency", int("concurrency", values.concurrency));
   set("blocks", int("blocks", values.blocks));
   set("transport", choice("transport", values.transport, ["shm", "tcp"] as const));
+  const auth = choice("peer-auth", values["peer-auth"], ["on", "off"] as const);
+  if (auth !== undefined) o.peerAuth = auth === "on";
   // Pull needs P's block ids before D asks: the router waits for prefill.
   if (o.mode === "pull" && values.dispatch === undefined) o.dispatch = "sequential";
   if (o.mode === "pull" && o.dispatch === "concurrent")

@@ -208,10 +208,11 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
     return this.proc.call<T>(op, args, timeoutMs);
   }
 
-  prefill(transferId: string, tokens: number, computeMs = 0, timeoutMs = 30_000) {
+  /** `token`: the transfer's token (PrefillDone.token), given to D's engine too. */
+  prefill(transferId: string, tokens: number, computeMs = 0, timeoutMs = 30_000, token = "") {
     return this.call<{ blockIds: number[] }>(
       "prefill",
-      { transferId, tokens, computeMs },
+      { transferId, tokens, computeMs, ...(token !== "" ? { token } : {}) },
       timeoutMs,
     );
   }
@@ -223,6 +224,7 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
       source: string;
       prefixTokens?: number;
       sourceBlockIds?: number[];
+      token?: string;
     },
     timeoutMs = 30_000,
   ) {

@@ -276,6 +276,14 @@ function str(req: ControlRequest, key: string): string {
   return v;
 }
 
+/** An optional string field ('' when absent). */
+function optStr(req: ControlRequest, key: string): string {
+  const v = req[key];
+  if (v === undefined) return "";
+  if (typeof v !== "string") throw new ControlError("ERR_BAD_REQUEST", `'${key}' must be a string`);
+  return v;
+}
+
 function int(req: ControlRequest, key: string, min: number, fallback?: number): number {
   const v = req[key] ?? fallback;
   if (typeof v !== "number" || !Number.isSafeInteger(v) || v < min) {
@@ -798,7 +806,12 @@ class SimEngine {
     await this.link!.send(
       engineMessage(
         "prefillDone",
-        create(PrefillDoneSchema, { transferId: tid, blockIds, numTokens: tokens }),
+        create(PrefillDoneSchema, {
+          transferId: tid,
+          blockIds,
+          numTokens: tokens,
+          token: optStr(req, "token"),
+        }),
       ),
     );
     return { blockIds };
@@ -844,6 +857,7 @@ class SimEngine {
           prefixTokens,
           sourceBlockIds: sourceBlockIds ?? [],
           hasSourceBlockIds: sourceBlockIds !== undefined,
+          token: optStr(req, "token"),
         }),
       ),
     );

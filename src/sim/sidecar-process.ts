@@ -8,6 +8,8 @@ import { dirname, join } from "node:path";
 import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
 
+import { sharedPki, type Pki } from "./pki.js";
+
 /** The compiled CLI (dist/src/cli/main.js), found from src or dist. */
 export function cliScript(): string {
   let dir = dirname(fileURLToPath(import.meta.url));
@@ -53,12 +55,37 @@ export class SidecarProcess {
   stderrTail = "";
   private readonly exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
 
-  /** `args`: sidecar flags; `prefix`: a command to run node under (e.g. ip netns exec). */
+  /**
+   * `args`: sidecar flags; `prefix`: a command to run node under (e.g. ip netns exec);
+   * `pki`: where its peer certificate comes from (default: one CA per process), or false to
+   * run it without peer credentials. Flags that already name credentials are kept.
+   */
   constructor(
     args: string[],
-    options: { prefix?: string[]; env?: NodeJS.ProcessEnv; readyTimeoutMs?: number } = {},
+    options: {
+      prefix?: string[];
+      env?: NodeJS.ProcessEnv;
+      readyTimeoutMs?: number;
+      pki?: Pki | false;
+    } = {},
   ) {
-    const argv = [...(options.prefix ?? []), process.execPath, cliScript(), "sidecar", ...args];
+    const engineId = args[args.indexOf("--engine-id") + 1];
+    const auth =
+      options.pki !== false &&
+      engineId !== undefined &&
+      args.includes("--engine-id") &&
+      !args.includes("--peer-cert") &&
+      !args.includes("--insecure-peers")
+        ? (options.pki ?? sharedPki()).sidecarFlags(engineId)
+        : [];
+    const argv = [
+      ...(options.prefix ?? []),
+      process.execPath,
+      cliScript(),
+      "sidecar",
+      ...args,
+      ...auth,
+    ];
     this.child = spawn(argv[0]!, argv.slice(1), {
       stdio: ["ignore", "pipe", "pipe"],
       env: { ...process.env, ...options.env },

@@ -6,13 +6,17 @@ children; every wait has a bound. Addresses are loopback only.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import secrets
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -104,16 +108,66 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+class Pki:
+    """A throwaway CA (``openssl``): every sidecar the harness starts gets a certificate naming
+    its engine id, so peers authenticate each other as in production (docs/security.md)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvxfer-pki-"))
+        self.ca = self.dir / "ca.pem"
+        self._n = 0
+        self._issued: dict[str, list[str]] = {}
+        self._ssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "ca.key")
+        self._ssl("req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=kvxfer test CA", "-days", "7",
+                  "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign",
+                  "-out", "ca.pem")
+        atexit.register(self.close)
+
+    def _ssl(self, *args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=self.dir, check=True, capture_output=True)
+
+    def flags(self, engine_id: str) -> list[str]:
+        """``--peer-cert/--peer-key/--peer-ca`` for ``engine_id`` (issued once)."""
+        if engine_id not in self._issued:
+            self._n += 1
+            n = self._n
+            (self.dir / f"{n}.ext").write_text(
+                "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+                "extendedKeyUsage=serverAuth,clientAuth\n")
+            self._ssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", f"{n}.key")
+            self._ssl("req", "-new", "-key", f"{n}.key", "-subj", f"/CN={engine_id}", "-out", f"{n}.csr")
+            self._ssl("x509", "-req", "-in", f"{n}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial",
+                      str(n), "-days", "7", "-extfile", f"{n}.ext", "-out", f"{n}.pem")
+            self._issued[engine_id] = ["--peer-cert", str(self.dir / f"{n}.pem"),
+                                       "--peer-key", str(self.dir / f"{n}.key"), "--peer-ca", str(self.ca)]
+        return self._issued[engine_id]
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_shared_pki: Pki | None = None
+
+
+def shared_pki() -> Pki:
+    global _shared_pki
+    if _shared_pki is None:
+        _shared_pki = Pki()
+    return _shared_pki
+
+
 class SidecarProc(Proc):
-    """``kvxfer sidecar``; ``ready`` holds its ready line (side channel, gRPC address, epoch)."""
+    """``kvxfer sidecar``; ``ready`` holds its ready line (side channel, gRPC address, epoch).
+    Peers are authenticated with certificates from ``shared_pki()`` unless ``flags`` name others."""
 
     def __init__(self, engine_id: str, role: str, socket_ep: str, log_dir: Path, *flags: str,
                  ready_timeout: float = 20.0) -> None:
         self.engine_id = engine_id
         self.socket = socket_ep
+        auth = [] if "--peer-cert" in flags or "--insecure-peers" in flags else shared_pki().flags(engine_id)
         args = ["node", str(cli_path()), "sidecar", "--engine-id", engine_id, "--role", role,
                 "--engine-socket", socket_ep, "--listen", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
-                "--log-level", "info", *flags]
+                "--log-level", "info", *auth, *flags]
         super().__init__(args, log_dir / f"sidecar-{engine_id}-{time.monotonic_ns()}.log", stdout=subprocess.PIPE)
         self.ready = self._read_ready(ready_timeout)
         self.side_channel: str = self.ready["sideChannel"]
@@ -255,18 +309,20 @@ class PdRouter:
 
     def push(self, prompt: list[int], max_tokens: int, transfer_id: str) -> list[int]:
         out: dict[str, Any] = {}
+        # D registers before P answers, so the router binds the transfer itself: both get the token.
+        token = secrets.token_hex(16)
 
         def decode() -> None:
             try:
                 out["d"] = self.d.complete(prompt, max_tokens, {
                     "do_remote_prefill": True, "remote_host": self.p_host, "remote_port": self.p_port,
-                    "transfer_id": transfer_id})
+                    "transfer_id": transfer_id, "kvxfer_token": token})
             except BaseException as err:  # noqa: BLE001 - reported below
                 out["err"] = err
 
         t = threading.Thread(target=decode, daemon=True)
         t.start()
-        self.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id})
+        self.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id, "kvxfer_token": token})
         t.join(180)
         if "err" in out:
             raise out["err"]

@@ -18,6 +18,8 @@ class PrefillDoneMsg:
     transfer_id: str
     block_ids: list[int]
     num_tokens: int
+    #: The transfer's token: only a decode sidecar presenting it may take the KV.
+    token: str = ""
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class ExpectMsg:
     source: str
     #: P's blocks (pull) in P's kvxfer blocks; D's ``block_ids`` are vLLM ids (the worker splits them).
     source_block_ids: list[int] | None
+    #: The transfer's token, from P's answer or the router.
+    token: str = ""
 
 
 @dataclass(frozen=True)

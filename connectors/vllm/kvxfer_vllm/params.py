@@ -32,6 +32,21 @@ def strip_request_suffix(request_id: str) -> str:
     return _SUFFIX.sub("", request_id)
 
 
+#: Longest transfer token the sidecar accepts (PrefillDone.token / ExpectKv.token).
+MAX_TOKEN_BYTES = 128
+
+
+def token_of(params: dict[str, Any] | None) -> str:
+    """The transfer's token (``kvxfer_token``): only the decode sidecar presenting it gets the KV.
+
+    Empty when absent; raises BadParams when it is not a string of at most 128 bytes.
+    """
+    token = (params or {}).get("kvxfer_token", "")
+    if not isinstance(token, str) or len(token.encode()) > MAX_TOKEN_BYTES:
+        raise BadParams("kvxfer_token", f"must be a string of at most {MAX_TOKEN_BYTES} bytes")
+    return token
+
+
 def transfer_id_of(params: dict[str, Any] | None, request_id: str) -> str:
     tid = (params or {}).get("transfer_id")
     if isinstance(tid, str) and tid:
@@ -59,6 +74,8 @@ class RemotePrefill:
     source_block_ids: list[int] | None
     #: Tokens P computed, when P said (``remote_num_tokens``).
     num_tokens: int | None
+    #: The transfer's token (``kvxfer_token``), presented to P's sidecar; empty if none.
+    token: str = ""
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
@@ -111,6 +128,7 @@ def parse_remote_prefill(params: dict[str, Any], request_id: str) -> RemotePrefi
         source=f"{host}:{port}",
         source_block_ids=source_blocks,
         num_tokens=n or None,
+        token=token_of(params),
     )
 
 
@@ -129,6 +147,7 @@ def prefill_answer(
     num_tokens: int,
     tp_size: int,
     blocks_per_block: int = 1,
+    token: str = "",
 ) -> dict[str, Any]:
     """What P returns for D (vLLM relays it in the response's ``kv_transfer_params``)."""
     host, port = split_host_port(side_channel)
@@ -146,4 +165,6 @@ def prefill_answer(
         "transfer_mode": "pull",
         # kvxfer blocks per vLLM block on P (> 1 when P's attention backend splits blocks).
         "kvxfer_blocks_per_block": blocks_per_block,
+        # Binds the transfer to the decode engine this answer reaches (docs/security.md).
+        "kvxfer_token": token,
     }

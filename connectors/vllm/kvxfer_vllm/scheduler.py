@@ -10,6 +10,7 @@ without vLLM.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from .params import (
     BadParams,
     parse_remote_prefill,
     prefill_answer,
+    token_of,
     transfer_id_of,
     wants_remote_decode,
     wants_remote_prefill,
@@ -109,6 +111,7 @@ class SchedulerLogic:
                 prefix_tokens=prefix,
                 source=remote.source,
                 source_block_ids=remote.source_block_ids,
+                token=remote.token,
             )
         )
         self._waiting[request_id] = _Waiting(remote.transfer_id, sent=False)
@@ -143,7 +146,16 @@ class SchedulerLogic:
             return False, None
         assert params is not None
         tid = transfer_id_of(params, request_id)
-        self._next.prefill_done.append(PrefillDoneMsg(request_id, tid, list(block_ids), num_computed_tokens))
+        try:
+            # The router's token when it gave one (push: it told D too), else a fresh one that
+            # reaches D in this answer.
+            token = token_of(params) or secrets.token_hex(16)
+        except BadParams as err:
+            log.error("kvxfer: request %s: %s; D will compute it", request_id, err)
+            return False, None
+        self._next.prefill_done.append(
+            PrefillDoneMsg(request_id, tid, list(block_ids), num_computed_tokens, token)
+        )
         self._holding.add(request_id)
         return True, prefill_answer(
             transfer_id=tid,
@@ -154,6 +166,7 @@ class SchedulerLogic:
             num_tokens=num_computed_tokens,
             tp_size=self.tp_size,
             blocks_per_block=self.blocks_per_block,
+            token=token,
         )
 
     def build_step(self) -> StepMessages:

@@ -146,7 +146,10 @@ class WorkerLogic:
             log.debug("kvxfer: PrefillDone %s (%d blocks, %d tokens)", m.transfer_id, len(m.block_ids), m.num_tokens)
             msg = engine_pb2.EngineToSidecar(
                 prefill_done=engine_pb2.PrefillDone(
-                    transfer_id=m.transfer_id, block_ids=self._expand(m.block_ids), num_tokens=m.num_tokens
+                    transfer_id=m.transfer_id,
+                    block_ids=self._expand(m.block_ids),
+                    num_tokens=m.num_tokens,
+                    token=m.token,
                 )
             )
             if not self._send(msg):
@@ -165,6 +168,7 @@ class WorkerLogic:
                 block_ids=self._expand(e.block_ids),
                 num_tokens=e.num_tokens,
                 prefix_tokens=e.prefix_tokens,
+                token=e.token,
             )
             if e.source_block_ids is not None:
                 # Already in P's kvxfer blocks (the scheduler split them as P's answer said).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import socket
 import signal
 import subprocess
 import time
@@ -151,7 +152,12 @@ def test_every_refusal_code(sidecars, shm_dir):
         assert ok.registered.ok and ok.registered.epoch != 0, ok
         assert registered_error(raw.ask(msg(register=good))) == "ERR_ALREADY_REGISTERED"
         # Transfer messages: each refusal names the transfer.
-        src = "127.0.0.1:9"
+        # A P that accepts the connection and never answers: the transfers stay live (handshake
+        # timeout 5 s) while the caps and the drain are checked.
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        src = f"127.0.0.1:{silent.getsockname()[1]}"
         e = lambda **kw: msg(expect_kv=engine_pb2.ExpectKv(**{"transfer_id": "t1", "source": src, "block_ids": [1],
                                                               "num_tokens": 10, "source_block_ids": [2], "has_source_block_ids": True, **kw}))
         assert refused(raw.ask(e(transfer_id=""))) == "ERR_BAD_TRANSFER_ID"
@@ -171,6 +177,7 @@ def test_every_refusal_code(sidecars, shm_dir):
         d_sc.p.send_signal(signal.SIGTERM)
         reply = wait_for(lambda: _drain_reply(raw, e(transfer_id="late")), 10, "ERR_DRAINING")
         assert refused(reply) == "ERR_DRAINING"
+        silent.close()
     finally:
         raw.close()
         eng.close()

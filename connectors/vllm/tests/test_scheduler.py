@@ -27,6 +27,9 @@ def test_prefill_finished_holds_blocks_and_answers_what_d_needs():
         "cmpl-r-0-deadbeef", {"do_remote_decode": True}, finished_ok=True, block_ids=[4, 7, 1], num_computed_tokens=70
     )
     assert delay is True
+    # A fresh token binds the transfer to whichever D this answer reaches.
+    token = params.pop("kvxfer_token")
+    assert isinstance(token, str) and len(token) == 32
     assert params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -43,7 +46,9 @@ def test_prefill_finished_holds_blocks_and_answers_what_d_needs():
     }
     assert s.has_pending_work()
     step = s.build_step()
-    assert [(m.transfer_id, m.block_ids, m.num_tokens) for m in step.prefill_done] == [("cmpl-r-0", [4, 7, 1], 70)]
+    assert [(m.transfer_id, m.block_ids, m.num_tokens, m.token) for m in step.prefill_done] == [
+        ("cmpl-r-0", [4, 7, 1], 70, token)
+    ]
     assert not s.build_step()
     assert s.has_pending_work()  # blocks held until the worker reports them sent
     s.on_worker_output({"cmpl-r-0-deadbeef"}, None)
@@ -142,3 +147,19 @@ def test_decode_request_that_ends_while_kv_is_coming():
     assert s.has_pending_work()
     s.on_worker_output({"d4"}, None)
     assert not s.has_pending_work()
+
+
+def test_the_routers_token_binds_the_transfer_and_reaches_d():
+    s = sched()
+    _, params = s.request_finished(
+        "r-1", {"do_remote_decode": True, "kvxfer_token": "router-tok"}, finished_ok=True, block_ids=[1],
+        num_computed_tokens=10,
+    )
+    assert params["kvxfer_token"] == "router-tok"
+    assert s.build_step().prefill_done[0].token == "router-tok"
+    assert parse_remote_prefill(params, "r-1").token == "router-tok"
+    # Not a string of at most 128 bytes: P does not send it, D names the field.
+    assert s.request_finished("r-2", {"do_remote_decode": True, "kvxfer_token": "x" * 129}, finished_ok=True,
+                              block_ids=[1], num_computed_tokens=10) == (False, None)
+    with pytest.raises(BadParams, match="kvxfer_token"):
+        parse_remote_prefill({"remote_host": "h", "remote_port": 1, "kvxfer_token": 7}, "r")

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvxfer/v1/peer.proto.
  */
 export const file_kvxfer_v1_peer: GenFile = /*@__PURE__*/
-  fileDesc("ChRrdnhmZXIvdjEvcGVlci5wcm90bxIJa3Z4ZmVyLnYxIkkKDFJhbmtNZXRhZGF0YRIMCgRyYW5rGAEgASgNEhYKDndvcmtlcl9hZGRyZXNzGAIgASgMEhMKC3JlbW90ZV9rZXlzGAMgAygMIrMBCg1BZ2VudE1ldGFkYXRhEhEKCWVuZ2luZV9pZBgBIAEoCRINCgVlcG9jaBgCIAEoBBIdCgRyb2xlGAMgASgOMg8ua3Z4ZmVyLnYxLlJvbGUSIwoGbGF5b3V0GAQgASgLMhMua3Z4ZmVyLnYxLkt2TGF5b3V0EiYKBXJhbmtzGAUgAygLMhcua3Z4ZmVyLnYxLlJhbmtNZXRhZGF0YRIUCgxzaWRlX2NoYW5uZWwYBiABKAkiVgoQSGFuZHNoYWtlUmVxdWVzdBIqCghtZXRhZGF0YRgBIAEoCzIYLmt2eGZlci52MS5BZ2VudE1ldGFkYXRhEhYKDmV4cGVjdGVkX2Vwb2NoGAIgASgEImIKEUhhbmRzaGFrZVJlc3BvbnNlEioKCG1ldGFkYXRhGAEgASgLMhgua3Z4ZmVyLnYxLkFnZW50TWV0YWRhdGESEgoKZXJyb3JfY29kZRgCIAEoCRINCgVlcnJvchgDIAEoCSJuCgdQdXNoUmVnEhMKC3RyYW5zZmVyX2lkGAEgASgJEhEKCWJsb2NrX2lkcxgCIAMoDRISCgpudW1fdG9rZW5zGAMgASgNEhUKDXByZWZpeF90b2tlbnMYBCABKA0SEAoIbGVhc2VfbXMYBSABKA0icQoIWGZlckRvbmUSEwoLdHJhbnNmZXJfaWQYASABKAkSEAoIc3JjX3JhbmsYAiABKA0SEAoIZHN0X3JhbmsYAyABKA0SDQoFYnl0ZXMYBCABKAQSHQoVc2luY2VfcHJlZmlsbF9kb25lX21zGAUgASgNIi4KCFJlYWREb25lEhMKC3RyYW5zZmVyX2lkGAEgASgJEg0KBWJ5dGVzGAIgASgEIj0KB1JlYWRBY2sSEwoLdHJhbnNmZXJfaWQYASABKAkSDAoEaGVsZBgCIAEoCBIPCgd1bmtub3duGAMgASgIIiEKCUhlYXJ0YmVhdBIUCgx0cmFuc2Zlcl9pZHMYASADKAkiMAoJQWJvcnRYZmVyEhMKC3RyYW5zZmVyX2lkGAEgASgJEg4KBnJlYXNvbhgCIAEoCSIfCghBYm9ydEFjaxITCgt0cmFuc2Zlcl9pZBgBIAEoCSI8CgZGYWlsZWQSEwoLdHJhbnNmZXJfaWQYASABKAkSDAoEY29kZRgCIAEoCRIPCgdtZXNzYWdlGAMgASgJIqEDCgtQZWVyTWVzc2FnZRIYChBzZW5kZXJfZW5naW5lX2lkGAEgASgJEhQKDHNlbmRlcl9lcG9jaBgCIAEoBBIWCg5yZWNlaXZlcl9lcG9jaBgDIAEoBBImCghwdXNoX3JlZxgKIAEoCzISLmt2eGZlci52MS5QdXNoUmVnSAASKAoJeGZlcl9kb25lGAsgASgLMhMua3Z4ZmVyLnYxLlhmZXJEb25lSAASKAoJcmVhZF9kb25lGAwgASgLMhMua3Z4ZmVyLnYxLlJlYWREb25lSAASJgoIcmVhZF9hY2sYDSABKAsyEi5rdnhmZXIudjEuUmVhZEFja0gAEikKCWhlYXJ0YmVhdBgOIAEoCzIULmt2eGZlci52MS5IZWFydGJlYXRIABIlCgVhYm9ydBgPIAEoCzIULmt2eGZlci52MS5BYm9ydFhmZXJIABIoCglhYm9ydF9hY2sYECABKAsyEy5rdnhmZXIudjEuQWJvcnRBY2tIABIjCgZmYWlsZWQYESABKAsyES5rdnhmZXIudjEuRmFpbGVkSABCBQoDbXNnKk4KBFJvbGUSFAoQUk9MRV9VTlNQRUNJRklFRBAAEhAKDFJPTEVfUFJFRklMTBABEg8KC1JPTEVfREVDT0RFEAISDQoJUk9MRV9CT1RIEANiBnByb3RvMw", [file_kvxfer_v1_layout]);
+  fileDesc("ChRrdnhmZXIvdjEvcGVlci5wcm90bxIJa3Z4ZmVyLnYxIkkKDFJhbmtNZXRhZGF0YRIMCgRyYW5rGAEgASgNEhYKDndvcmtlcl9hZGRyZXNzGAIgASgMEhMKC3JlbW90ZV9rZXlzGAMgAygMIrMBCg1BZ2VudE1ldGFkYXRhEhEKCWVuZ2luZV9pZBgBIAEoCRINCgVlcG9jaBgCIAEoBBIdCgRyb2xlGAMgASgOMg8ua3Z4ZmVyLnYxLlJvbGUSIwoGbGF5b3V0GAQgASgLMhMua3Z4ZmVyLnYxLkt2TGF5b3V0EiYKBXJhbmtzGAUgAygLMhcua3Z4ZmVyLnYxLlJhbmtNZXRhZGF0YRIUCgxzaWRlX2NoYW5uZWwYBiABKAkiZwoQSGFuZHNoYWtlUmVxdWVzdBIqCghtZXRhZGF0YRgBIAEoCzIYLmt2eGZlci52MS5BZ2VudE1ldGFkYXRhEhYKDmV4cGVjdGVkX2Vwb2NoGAIgASgEEg8KB21hY19rZXkYAyABKAwicwoRSGFuZHNoYWtlUmVzcG9uc2USKgoIbWV0YWRhdGEYASABKAsyGC5rdnhmZXIudjEuQWdlbnRNZXRhZGF0YRISCgplcnJvcl9jb2RlGAIgASgJEg0KBWVycm9yGAMgASgJEg8KB21hY19rZXkYBCABKAwifQoHUHVzaFJlZxITCgt0cmFuc2Zlcl9pZBgBIAEoCRIRCglibG9ja19pZHMYAiADKA0SEgoKbnVtX3Rva2VucxgDIAEoDRIVCg1wcmVmaXhfdG9rZW5zGAQgASgNEhAKCGxlYXNlX21zGAUgASgNEg0KBXRva2VuGAYgASgJInEKCFhmZXJEb25lEhMKC3RyYW5zZmVyX2lkGAEgASgJEhAKCHNyY19yYW5rGAIgASgNEhAKCGRzdF9yYW5rGAMgASgNEg0KBWJ5dGVzGAQgASgEEh0KFXNpbmNlX3ByZWZpbGxfZG9uZV9tcxgFIAEoDSI9CghSZWFkRG9uZRITCgt0cmFuc2Zlcl9pZBgBIAEoCRINCgVieXRlcxgCIAEoBBINCgV0b2tlbhgDIAEoCSI9CgdSZWFkQWNrEhMKC3RyYW5zZmVyX2lkGAEgASgJEgwKBGhlbGQYAiABKAgSDwoHdW5rbm93bhgDIAEoCCIhCglIZWFydGJlYXQSFAoMdHJhbnNmZXJfaWRzGAEgAygJIj8KCUFib3J0WGZlchITCgt0cmFuc2Zlcl9pZBgBIAEoCRIOCgZyZWFzb24YAiABKAkSDQoFdG9rZW4YAyABKAkiHwoIQWJvcnRBY2sSEwoLdHJhbnNmZXJfaWQYASABKAkiSwoGRmFpbGVkEhMKC3RyYW5zZmVyX2lkGAEgASgJEgwKBGNvZGUYAiABKAkSDwoHbWVzc2FnZRgDIAEoCRINCgV0b2tlbhgEIAEoCSKuAwoLUGVlck1lc3NhZ2USGAoQc2VuZGVyX2VuZ2luZV9pZBgBIAEoCRIUCgxzZW5kZXJfZXBvY2gYAiABKAQSFgoOcmVjZWl2ZXJfZXBvY2gYAyABKAQSCwoDc2VxGAQgASgEEiYKCHB1c2hfcmVnGAogASgLMhIua3Z4ZmVyLnYxLlB1c2hSZWdIABIoCgl4ZmVyX2RvbmUYCyABKAsyEy5rdnhmZXIudjEuWGZlckRvbmVIABIoCglyZWFkX2RvbmUYDCABKAsyEy5rdnhmZXIudjEuUmVhZERvbmVIABImCghyZWFkX2FjaxgNIAEoCzISLmt2eGZlci52MS5SZWFkQWNrSAASKQoJaGVhcnRiZWF0GA4gASgLMhQua3Z4ZmVyLnYxLkhlYXJ0YmVhdEgAEiUKBWFib3J0GA8gASgLMhQua3Z4ZmVyLnYxLkFib3J0WGZlckgAEigKCWFib3J0X2FjaxgQIAEoCzITLmt2eGZlci52MS5BYm9ydEFja0gAEiMKBmZhaWxlZBgRIAEoCzIRLmt2eGZlci52MS5GYWlsZWRIAEIFCgNtc2ciMQoRU2VhbGVkUGVlck1lc3NhZ2USDwoHbWVzc2FnZRgBIAEoDBILCgNtYWMYAiABKAwqTgoEUm9sZRIUChBST0xFX1VOU1BFQ0lGSUVEEAASEAoMUk9MRV9QUkVGSUxMEAESDwoLUk9MRV9ERUNPREUQAhINCglST0xFX0JPVEgQA2IGcHJvdG8z", [file_kvxfer_v1_layout]);
 
 /**
  * @generated from message kvxfer.v1.RankMetadata
@@ -104,6 +104,14 @@ export type HandshakeRequest = Message<"kvxfer.v1.HandshakeRequest"> & {
    * @generated from field: uint64 expected_epoch = 2;
    */
   expectedEpoch: bigint;
+
+  /**
+   * 32 bytes: the key the requester MACs its notifications to the responder
+   * with (HMAC-SHA256), for the two epochs of this handshake.
+   *
+   * @generated from field: bytes mac_key = 3;
+   */
+  macKey: Uint8Array;
 };
 
 /**
@@ -133,6 +141,13 @@ export type HandshakeResponse = Message<"kvxfer.v1.HandshakeResponse"> & {
    * @generated from field: string error = 3;
    */
   error: string;
+
+  /**
+   * 32 bytes: the key the responder MACs its notifications to the requester with.
+   *
+   * @generated from field: bytes mac_key = 4;
+   */
+  macKey: Uint8Array;
 };
 
 /**
@@ -175,6 +190,14 @@ export type PushReg = Message<"kvxfer.v1.PushReg"> & {
    * @generated from field: uint32 lease_ms = 5;
    */
   leaseMs: number;
+
+  /**
+   * The transfer's token (ExpectKv.token); P accepts the registration only if
+   * it equals the token of P's PrefillDone.
+   *
+   * @generated from field: string token = 6;
+   */
+  token: string;
 };
 
 /**
@@ -242,6 +265,13 @@ export type ReadDone = Message<"kvxfer.v1.ReadDone"> & {
    * @generated from field: uint64 bytes = 2;
    */
   bytes: bigint;
+
+  /**
+   * The transfer's token, as in PushReg.
+   *
+   * @generated from field: string token = 3;
+   */
+  token: string;
 };
 
 /**
@@ -317,6 +347,11 @@ export type AbortXfer = Message<"kvxfer.v1.AbortXfer"> & {
    * @generated from field: string reason = 2;
    */
   reason: string;
+
+  /**
+   * @generated from field: string token = 3;
+   */
+  token: string;
 };
 
 /**
@@ -363,6 +398,13 @@ export type Failed = Message<"kvxfer.v1.Failed"> & {
    * @generated from field: string message = 3;
    */
   message: string;
+
+  /**
+   * D -> P: the transfer's token, as in PushReg.
+   *
+   * @generated from field: string token = 4;
+   */
+  token: string;
 };
 
 /**
@@ -392,6 +434,14 @@ export type PeerMessage = Message<"kvxfer.v1.PeerMessage"> & {
    * @generated from field: uint64 receiver_epoch = 3;
    */
   receiverEpoch: bigint;
+
+  /**
+   * Per (sender epoch, receiver epoch) stream, from 1; the receiver refuses a
+   * number it has seen (replay).
+   *
+   * @generated from field: uint64 seq = 4;
+   */
+  seq: bigint;
 
   /**
    * @generated from oneof kvxfer.v1.PeerMessage.msg
@@ -453,6 +503,31 @@ export type PeerMessage = Message<"kvxfer.v1.PeerMessage"> & {
  */
 export const PeerMessageSchema: GenMessage<PeerMessage> = /*@__PURE__*/
   messageDesc(file_kvxfer_v1_peer, 12);
+
+/**
+ * What travels as a notification: a serialized PeerMessage and its
+ * HMAC-SHA256 under the sender's key for this receiver (from the handshake).
+ *
+ * @generated from message kvxfer.v1.SealedPeerMessage
+ */
+export type SealedPeerMessage = Message<"kvxfer.v1.SealedPeerMessage"> & {
+  /**
+   * @generated from field: bytes message = 1;
+   */
+  message: Uint8Array;
+
+  /**
+   * @generated from field: bytes mac = 2;
+   */
+  mac: Uint8Array;
+};
+
+/**
+ * Describes the message kvxfer.v1.SealedPeerMessage.
+ * Use `create(SealedPeerMessageSchema)` to create a new message.
+ */
+export const SealedPeerMessageSchema: GenMessage<SealedPeerMessage> = /*@__PURE__*/
+  messageDesc(file_kvxfer_v1_peer, 13);
 
 /**
  * @generated from enum kvxfer.v1.Role

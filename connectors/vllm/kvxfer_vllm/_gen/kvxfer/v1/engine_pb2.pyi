@@ -73,17 +73,19 @@ class RegisterKvCache(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_layout_pb2.KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankKvCache, _Mapping]]] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("transfer_id", "block_ids", "num_tokens")
+    __slots__ = ("transfer_id", "block_ids", "num_tokens", "token")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    token: str
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
 
 class ExpectKv(_message.Message):
-    __slots__ = ("transfer_id", "source", "block_ids", "num_tokens", "prefix_tokens", "source_block_ids", "has_source_block_ids")
+    __slots__ = ("transfer_id", "source", "block_ids", "num_tokens", "prefix_tokens", "source_block_ids", "has_source_block_ids", "token")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,7 @@ class ExpectKv(_message.Message):
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     source: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -98,7 +101,8 @@ class ExpectKv(_message.Message):
     prefix_tokens: int
     source_block_ids: _containers.RepeatedScalarFieldContainer[int]
     has_source_block_ids: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., has_source_block_ids: _Optional[bool] = ...) -> None: ...
+    token: str
+    def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., has_source_block_ids: _Optional[bool] = ..., token: _Optional[str] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("transfer_id",)
