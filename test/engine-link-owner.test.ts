@@ -6,6 +6,7 @@
 // umask, and a frame far over the cap is dropped by ZeroMQ before it is buffered.
 // `npm run build` first.
 import { closeSync, ftruncateSync, mkdtempSync, openSync, rmSync, statSync } from "node:fs";
+import { type AddressInfo, type Socket, createServer } from "node:net";
 import { join } from "node:path";
 
 import { create } from "@bufbuild/protobuf";
@@ -273,14 +274,23 @@ describe("engine link ownership (multi-process)", () => {
     expect((await b.abort("x")).code).toBe("ERR_NOT_OWNER");
     expect((await a.abort("x")).code).toBe("ERR_UNKNOWN_TRANSFER");
 
-    // A asks for KV from nowhere and goes away: the KvFailed and ReleaseBlocks of that transfer
-    // come while no connection of the engine is up, and are held for it.
+    // A asks for KV from a "P" that accepts connections and never answers, and goes away: the
+    // KvFailed (D's watchdog) and ReleaseBlocks of that transfer come while no connection of the
+    // engine is up, and are held for it.
+    const held: Socket[] = [];
+    const silent = createServer((sock) => held.push(sock));
+    await new Promise<void>((r) => silent.listen(0, "127.0.0.1", r));
+    cleanup.push(() => {
+      for (const sock of held) sock.destroy();
+      silent.close();
+    });
+    const silentPort = (silent.address() as AddressInfo).port;
     await a.link.send(
       engineMessage(
         "expectKv",
         create(ExpectKvSchema, {
           transferId: "held",
-          source: "127.0.0.1:9",
+          source: `127.0.0.1:${silentPort}`,
           blockIds: [0, 1, 2],
           numTokens: 40,
         }),
