@@ -295,6 +295,14 @@ describe("engine link", () => {
     expect(await server.send(ghost, ready)).toBe(false);
     // No engine registered yet.
     expect(await server.sendToRegistered(ready)).toBe(false);
+    // An owner whose connection is gone before ZeroMQ said so: the message is held, not lost,
+    // and the next owner gets it.
+    server.adopt(ghost);
+    expect(await server.sendToRegistered(ready)).toBe(true);
+    expect(server.ownerConnected).toBe(false);
+    server.adopt(got[0]!.from);
+    await until(() => back.length === 1, 5000, "the held message");
+    expect(equals(SidecarToEngineSchema, back[0]!, ready)).toBe(true);
   });
 
   it("closes idempotently, and refuses use after close", async () => {

@@ -362,21 +362,30 @@ export class EngineLinkServer {
    * when the engine is gone, its queue is full, or the link is closed.
    */
   async send(to: EnginePeer, msg: SidecarToEngine, quietIfGone = false): Promise<boolean> {
-    if (this.state !== "open") return false;
+    return (await this.trySend(to, msg, quietIfGone)) === "sent";
+  }
+
+  /** `send`, telling an engine that is gone (EHOSTUNREACH) from other failures. */
+  private async trySend(
+    to: EnginePeer,
+    msg: SidecarToEngine,
+    quietIfGone: boolean,
+  ): Promise<"sent" | "gone" | "failed"> {
+    if (this.state !== "open") return "failed";
     let body: Uint8Array;
     try {
       body = toBinary(SidecarToEngineSchema, msg);
     } catch (err) {
       this.log.error({ err, kind: msg.msg.case }, "cannot encode a message to the engine");
-      return false;
+      return "failed";
     }
     try {
       await this.socket.send([to.routingId, body]);
-      return true;
+      return "sent";
     } catch (err) {
-      if (this.state !== "open") return false;
+      if (this.state !== "open") return "failed";
       const code = errCode(err);
-      if (quietIfGone && code === "EHOSTUNREACH") return false;
+      if (quietIfGone && code === "EHOSTUNREACH") return "gone";
       const level = code === "EHOSTUNREACH" ? "warn" : "error";
       this.log[level](
         { err, peer: to.id, kind: msg.msg.case },
@@ -384,7 +393,7 @@ export class EngineLinkServer {
           ? "engine is not connected; message dropped"
           : "send to engine failed",
       );
-      return false;
+      return code === "EHOSTUNREACH" ? "gone" : "failed";
     }
   }
 
@@ -406,7 +415,15 @@ export class EngineLinkServer {
       this.held.push(msg);
       return true;
     }
-    return this.send(to, msg);
+    const r = await this.trySend(to, msg, true);
+    if (r === "gone" && this.owner === to && this.state === "open") {
+      // The owner's connection ended before ZeroMQ's notice reached us: hold this one too.
+      this.ownerUp = false;
+      this.log.warn({ peer: to.id }, "the engine's connection ended; holding its messages");
+      this.held.push(msg);
+      return true;
+    }
+    return r === "sent";
   }
 
   /** Idempotent; stops receiving and closes the socket (what is queued gets `LINGER_MS`). */
