@@ -321,6 +321,7 @@ describe("engine link ownership (multi-process)", () => {
     const back = await c.register(mine);
     expect(back).toMatchObject({ ok: true, epoch: BigInt(ready.epoch) });
     expect((await c.next("kvFailed", 0, (f) => f.transferId === "held")).transferId).toBe("held");
+    expect(c.kinds()[0]).toBe("registered"); // the answer first, then what was held
     expect((await c.next("releaseBlocks", 0, (r) => r.transferId === "held")).blockIds).toEqual([
       0, 1, 2,
     ]);

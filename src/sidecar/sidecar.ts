@@ -536,8 +536,8 @@ export class Sidecar implements SidecarView {
         );
       }
       // The owner's connection ended and the same engine (same files) registers again from a
-      // new connection: it reconnected. It takes the link back, with what was held for it.
-      conn.adopt();
+      // new connection: it reconnected. It takes the link back; what was held for it follows
+      // the answer.
       this.log.warn(
         "the engine reconnected and registered again: link handed to its new connection",
       );
@@ -545,6 +545,7 @@ export class Sidecar implements SidecarView {
         case: "registered",
         value: { ok: true, error: "", sideChannel: this.sideChannel, epoch: this.epoch },
       });
+      conn.adopt();
       return;
     }
     const checked = checkRegisterKvCache(reg);
