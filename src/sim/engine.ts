@@ -535,6 +535,7 @@ class SimEngine {
       if (
         epoch === this.epoch &&
         error.startsWith("ERR_ALREADY_REGISTERED") &&
+        error.includes("another live connection") &&
         this.alreadyRetries < MAX_ALREADY_RETRIES
       ) {
         // The same sidecar has not yet seen our old connection end (it hands the link to a new
