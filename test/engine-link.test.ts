@@ -147,6 +147,9 @@ describe("engine link", () => {
     got.forEach((g, i) => expect(equals(EngineToSidecarSchema, g.msg, sent[i]!)).toBe(true));
     const from = got[0]!.from;
     expect(got.every((g) => g.from.id === from.id)).toBe(true);
+    // Only the handler's acceptance (adopt) binds the link to a connection.
+    expect(server!.registeredEngine).toBeUndefined();
+    server!.adopt(from);
     expect(server!.registeredEngine?.id).toBe(from.id);
 
     const replies: SidecarToEngine[] = [
@@ -231,6 +234,46 @@ describe("engine link", () => {
     expect(got[0]!.msg.msg.case).toBe("abort");
   });
 
+  it("belongs to the adopted connection: others get ERR_NOT_OWNER; while the owner is away its messages are held for a takeover", async () => {
+    await open();
+    await client!.send(engineMessage("register", registerMsg()));
+    await until(() => got.length === 1, 5000, "the registration");
+    const a = got[0]!.from;
+    server!.adopt(a);
+    expect(server!.ownerConnected).toBe(true);
+
+    const otherBack: SidecarToEngine[] = [];
+    const other = new EngineLinkClient({
+      endpoint,
+      logger: log,
+      onMessage: (m) => otherBack.push(m),
+    });
+    try {
+      await other.send(engineMessage("abort", create(AbortSchema, { transferId: "t9" })));
+      await until(() => otherBack.length === 1, 5000, "the refusal");
+      expect(otherBack[0]!.msg.case).toBe("refused");
+      expect(otherBack[0]!.msg.value).toMatchObject({ code: "ERR_NOT_OWNER", transferId: "t9" });
+      // A registration is the handler's to judge: it passes, and the owner stays.
+      await other.send(engineMessage("register", registerMsg()));
+      await until(() => got.length === 2, 5000, "the second registration");
+      expect(got.map((g) => g.msg.msg.case)).toEqual(["register", "register"]);
+      expect(server!.isOwner(got[1]!.from)).toBe(false);
+      expect(server!.registeredEngine?.id).toBe(a.id);
+
+      // The owner goes away: what is sent to it waits for the next owner.
+      await client!.close();
+      client = undefined;
+      await until(() => !server!.ownerConnected, 5000, "the owner's connection to end");
+      const ready = sidecarMessage("kvReady", create(KvReadySchema, { transferId: "t1" }));
+      expect(await server!.sendToRegistered(ready)).toBe(true);
+      server!.adopt(got[1]!.from);
+      await until(() => otherBack.length === 2, 5000, "the held message");
+      expect(equals(SidecarToEngineSchema, otherBack[1]!, ready)).toBe(true);
+    } finally {
+      await other.close();
+    }
+  });
+
   it("keeps serving when the handler throws, and reports unroutable sends as false", async () => {
     let n = 0;
     server = new EngineLinkServer({
@@ -252,6 +295,14 @@ describe("engine link", () => {
     expect(await server.send(ghost, ready)).toBe(false);
     // No engine registered yet.
     expect(await server.sendToRegistered(ready)).toBe(false);
+    // An owner whose connection is gone before ZeroMQ said so: the message is held, not lost,
+    // and the next owner gets it.
+    server.adopt(ghost);
+    expect(await server.sendToRegistered(ready)).toBe(true);
+    expect(server.ownerConnected).toBe(false);
+    server.adopt(got[0]!.from);
+    await until(() => back.length === 1, 5000, "the held message");
+    expect(equals(SidecarToEngineSchema, back[0]!, ready)).toBe(true);
   });
 
   it("closes idempotently, and refuses use after close", async () => {

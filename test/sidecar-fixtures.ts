@@ -99,7 +99,10 @@ export interface NodeOptions {
 
 /** One engine with its sidecar, a gRPC client, and every event of the sidecar (WatchEvents from seq 0). */
 export class KvNode {
-  readonly events: SidecarEvent[] = [];
+  /** Events of the current sidecar process (a restarted sidecar starts a new list). */
+  events: SidecarEvent[] = [];
+  /** Events of sidecar processes before a `restartSidecar`, oldest first. */
+  readonly earlierEvents: SidecarEvent[][] = [];
   private watch: EventWatch | undefined;
   private closed = false;
 
@@ -107,17 +110,18 @@ export class KvNode {
     readonly role: "prefill" | "decode",
     readonly engineId: string,
     readonly socket: string,
-    readonly sidecar: SidecarProcess,
-    readonly ready: SidecarReady,
+    public sidecar: SidecarProcess,
+    public ready: SidecarReady,
     readonly engine: SimEngineProcess,
-    readonly client: SidecarClient,
+    public client: SidecarClient,
+    private readonly sidecarArgs: string[],
   ) {}
 
   static async start(o: NodeOptions): Promise<KvNode> {
     const engineId = o.engineId ?? uniqueId(o.role === "prefill" ? "p" : "d");
     // A fresh engine socket per start (a SIGKILLed sidecar leaves its ipc file behind).
     const socket = `ipc:///tmp/kvxfer-test-${engineId}-${Date.now().toString(36)}.sock`;
-    const sidecar = new SidecarProcess([
+    const sidecarArgs = [
       "--engine-id",
       engineId,
       "--role",
@@ -133,7 +137,8 @@ export class KvNode {
       "--log-level",
       o.logLevel ?? "warn",
       ...(o.sidecarArgs ?? []),
-    ]);
+    ];
+    const sidecar = new SidecarProcess(sidecarArgs);
     let ready: SidecarReady;
     try {
       ready = await sidecar.ready;
@@ -156,10 +161,33 @@ export class KvNode {
       throw err;
     }
     const client = new SidecarClient(ready.grpc!);
-    const node = new KvNode(o.role, engineId, socket, sidecar, ready, engine, client);
+    const node = new KvNode(o.role, engineId, socket, sidecar, ready, engine, client, sidecarArgs);
     // From seq 0: the sidecar replays what it retained, so no event is missed.
     node.watch = client.watch({}, (ev) => node.events.push(ev));
     return node;
+  }
+
+  /**
+   * kill -9 of the sidecar alone (the engine keeps running), then, after `downMs`, a new sidecar
+   * process with the same flags (same engine id and engine socket; a new epoch). Resolves once
+   * the new one is ready and watched. Bounded.
+   */
+  async restartSidecar(downMs = 0): Promise<{ killedAt: number; upAt: number }> {
+    this.sidecar.kill("SIGKILL");
+    const killedAt = Date.now();
+    await this.sidecar.close(5000);
+    this.watch?.cancel();
+    this.client.close();
+    this.earlierEvents.push(this.events);
+    this.events = [];
+    if (downMs > 0) await sleep(downMs);
+    const sidecar = new SidecarProcess(this.sidecarArgs);
+    this.sidecar = sidecar;
+    this.ready = await sidecar.ready;
+    this.client = new SidecarClient(this.ready.grpc!);
+    const events = this.events;
+    this.watch = this.client.watch({}, (ev) => events.push(ev));
+    return { killedAt, upAt: Date.now() };
   }
 
   get sideChannel(): string {

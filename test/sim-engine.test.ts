@@ -59,6 +59,8 @@ class FakeSidecar {
         this.got.push(msg);
         if (msg.msg.case === "register") {
           this.engine = from;
+          // Like the sidecar: an accepted registration binds the link to its connection.
+          if (this.registerAnswer !== "silent" && this.registerAnswer.ok) this.server.adopt(from);
           if (this.registerAnswer !== "silent") {
             void this.server.send(
               from,

@@ -7,6 +7,8 @@
  * frame that fails is answered with `Refused { code: ERR_TOO_LARGE | ERR_MALFORMED }`. The fields
  * of a well-formed message are checked by the sidecar with `checkEngineMessage` (validate.ts).
  */
+import { chmodSync, lstatSync } from "node:fs";
+
 import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
 import type { Logger } from "pino";
 import { Dealer, Router } from "zeromq";
@@ -35,6 +37,33 @@ const SEND_HIGH_WATER_MARK = 100_000;
 
 /** How long a closing socket keeps trying to deliver what was already queued. */
 const LINGER_MS = 200;
+
+/** libzmq's ZMQ_ROUTER_NOTIFY (a draft option zeromq.js builds in, but does not name). */
+const ZMQ_ROUTER_NOTIFY = 97;
+/** ZMQ_NOTIFY_DISCONNECT: the ROUTER reads `[routing id, empty frame]` when a peer goes. */
+const ZMQ_NOTIFY_DISCONNECT = 2;
+
+/**
+ * Asks `router` for an empty frame from a connection when that connection ends, so the link
+ * knows when the engine that owns it is gone (and a reconnecting engine may take it over).
+ * False when this libzmq lacks the option. (zeromq.js seals its sockets, so no subclass.)
+ */
+function enableDisconnectNotify(router: Router): boolean {
+  try {
+    (router as unknown as { setInt32Option(option: number, value: number): void }).setInt32Option(
+      ZMQ_ROUTER_NOTIFY,
+      ZMQ_NOTIFY_DISCONNECT,
+    );
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+/** The path of an `ipc://` endpoint, or undefined for any other transport. */
+function ipcPath(endpoint: string): string | undefined {
+  return endpoint.startsWith("ipc://") ? endpoint.slice("ipc://".length) : undefined;
+}
 
 /** The default engine link endpoint of an engine. */
 export function defaultEngineEndpoint(engineId: string): string {
@@ -101,7 +130,12 @@ export class EngineLinkServer {
   private readonly onRefused: ((code: string, message: string) => void) | undefined;
   private state: "new" | "open" | "closed" = "new";
   private loop: Promise<void> | undefined;
-  private registered: EnginePeer | undefined;
+  /** The connection of the accepted registration (`adopt`): the only one the link serves. */
+  private owner: EnginePeer | undefined;
+  /** False once the owner's connection ended (until a frame from it, or a takeover). */
+  private ownerUp = false;
+  /** Messages for the owner while its connection is down, delivered on a takeover (bounded). */
+  private readonly held: SidecarToEngine[] = [];
 
   constructor(options: EngineLinkServerOptions) {
     this.endpoint = options.endpoint;
@@ -116,8 +150,15 @@ export class EngineLinkServer {
       mandatory: true,
       sendTimeout: 0,
       sendHighWaterMark: SEND_HIGH_WATER_MARK,
+      // Set before bind: libzmq drops a connection whose frame header announces more than
+      // this, before it allocates or buffers the frame.
       maxMessageSize: this.maxFrameBytes * HARD_CAP_FACTOR,
     });
+    if (!enableDisconnectNotify(this.socket)) {
+      this.log.warn(
+        "this libzmq has no ZMQ_ROUTER_NOTIFY: a reconnecting engine cannot take its link back",
+      );
+    }
   }
 
   /** The endpoint actually bound (a tcp port 0 resolved), once started. */
@@ -125,9 +166,46 @@ export class EngineLinkServer {
     return this.socket.lastEndpoint ?? this.endpoint;
   }
 
-  /** The engine that last sent a `RegisterKvCache` (on any connection), if any. */
+  /** The connection that owns the link (its registration was accepted: `adopt`), if any. */
   get registeredEngine(): EnginePeer | undefined {
-    return this.registered;
+    return this.owner;
+  }
+
+  /** True when `peer` is the connection that owns the link. */
+  isOwner(peer: EnginePeer): boolean {
+    return this.owner !== undefined && this.owner.id === peer.id;
+  }
+
+  /**
+   * True while the owner's connection is up; false when no engine owns the link, or when the
+   * owner's connection ended (ZeroMQ told us) and no frame has come from it since.
+   */
+  get ownerConnected(): boolean {
+    return this.owner !== undefined && this.ownerUp;
+  }
+
+  /**
+   * Makes `peer` the owner of the link: the sidecar calls this when it accepts a registration
+   * from `peer`, and only then. A refused registration never changes the owner. A takeover (a
+   * new connection while the old owner's is gone) gets what was held for the old one.
+   */
+  adopt(peer: EnginePeer): void {
+    const previous = this.owner;
+    this.owner = peer;
+    this.ownerUp = true;
+    if (previous !== undefined && previous.id !== peer.id) {
+      this.log.warn(
+        { previous: previous.id, peer: peer.id, held: this.held.length },
+        "engine link taken over by a new connection of the engine (the old one ended)",
+      );
+    }
+    this.flushHeld();
+  }
+
+  private flushHeld(): void {
+    const to = this.owner;
+    if (to === undefined) return;
+    for (const m of this.held.splice(0)) void this.send(to, m);
   }
 
   /** Binds the endpoint and starts receiving. Rejects with ERR_BIND when the endpoint is taken. */
@@ -135,8 +213,19 @@ export class EngineLinkServer {
     if (this.state !== "new") {
       throw new KvxferError("ERR_STATE", `engine link is ${this.state}; start() runs once`);
     }
+    const path = ipcPath(this.endpoint);
+    // An ipc socket file is created owner-only: the umask covers the bind itself (no moment
+    // when another user could connect), the chmod covers a umask that something else changed.
+    const umask = path !== undefined ? process.umask(0o077) : undefined;
     try {
       await this.socket.bind(this.endpoint);
+      const bound = ipcPath(this.boundEndpoint) ?? path;
+      if (bound !== undefined && bound !== "" && !bound.startsWith("@")) {
+        const st = lstatSync(bound);
+        if (!st.isSocket())
+          throw new Error(`${bound} is not a socket after bind (mode ${st.mode.toString(8)})`);
+        if ((st.mode & 0o777) !== 0o600) chmodSync(bound, 0o600);
+      }
     } catch (err) {
       this.state = "closed";
       this.socket.close();
@@ -145,6 +234,8 @@ export class EngineLinkServer {
         `engine link cannot bind ${this.endpoint}: ${(err as Error).message}`,
         { cause: err },
       );
+    } finally {
+      if (umask !== undefined) process.umask(umask);
     }
     this.state = "open";
     this.loop = this.receiveLoop();
@@ -180,6 +271,29 @@ export class EngineLinkServer {
       return;
     }
     const body = frames[1]!;
+    if (body.length === 0) {
+      // ZMQ_ROUTER_NOTIFY: this connection ended. An engine never sends an empty frame (every
+      // EngineToSidecar has its oneof set); one that does is answered and treated the same.
+      this.onConnectionEnded(from);
+      void this.send(
+        from,
+        sidecarMessage(
+          "refused",
+          create(RefusedSchema, {
+            transferId: "",
+            code: "ERR_MALFORMED",
+            message: "an empty frame: EngineToSidecar has no message set",
+          }),
+        ),
+        true,
+      );
+      return;
+    }
+    if (this.owner !== undefined && from.id === this.owner.id && !this.ownerUp) {
+      // The owner "ended" by sending an empty frame, yet it is still here.
+      this.ownerUp = true;
+      this.flushHeld();
+    }
     if (body.length > this.maxFrameBytes) {
       this.refuse(
         from,
@@ -203,7 +317,18 @@ export class EngineLinkServer {
       this.refuse(from, "ERR_MALFORMED", "EngineToSidecar has no message set");
       return;
     }
-    if (msg.msg.case === "register") this.registered = from;
+    if (msg.msg.case !== "register" && this.owner !== undefined && from.id !== this.owner.id) {
+      // The link belongs to the owner's connection: nothing another connection says is acted on.
+      const tid = (msg.msg.value as { transferId?: unknown }).transferId;
+      const transferId = typeof tid === "string" && Buffer.byteLength(tid) <= 256 ? tid : "";
+      this.refuse(
+        from,
+        "ERR_NOT_OWNER",
+        `this engine link belongs to another connection (the engine whose registration was accepted); ${msg.msg.case} ignored`,
+        transferId,
+      );
+      return;
+    }
     try {
       this.onMessage(msg, from);
     } catch (err) {
@@ -211,12 +336,24 @@ export class EngineLinkServer {
     }
   }
 
-  private refuse(to: EnginePeer, code: string, message: string): void {
+  private onConnectionEnded(peer: EnginePeer): void {
+    if (this.owner === undefined || peer.id !== this.owner.id) {
+      this.log.debug({ peer: peer.id }, "engine link connection ended");
+      return;
+    }
+    this.ownerUp = false;
+    this.log.warn(
+      { peer: peer.id },
+      "the engine's connection ended; messages for it are held until it reconnects and registers",
+    );
+  }
+
+  private refuse(to: EnginePeer, code: string, message: string, transferId = ""): void {
     this.log.warn({ peer: to.id, code, reason: message }, "engine frame refused");
     this.onRefused?.(code, message);
     void this.send(
       to,
-      sidecarMessage("refused", create(RefusedSchema, { transferId: "", code, message })),
+      sidecarMessage("refused", create(RefusedSchema, { transferId, code, message })),
     );
   }
 
@@ -224,21 +361,31 @@ export class EngineLinkServer {
    * Sends one message to one engine. Resolves true once queued; false (logged, never thrown)
    * when the engine is gone, its queue is full, or the link is closed.
    */
-  async send(to: EnginePeer, msg: SidecarToEngine): Promise<boolean> {
-    if (this.state !== "open") return false;
+  async send(to: EnginePeer, msg: SidecarToEngine, quietIfGone = false): Promise<boolean> {
+    return (await this.trySend(to, msg, quietIfGone)) === "sent";
+  }
+
+  /** `send`, telling an engine that is gone (EHOSTUNREACH) from other failures. */
+  private async trySend(
+    to: EnginePeer,
+    msg: SidecarToEngine,
+    quietIfGone: boolean,
+  ): Promise<"sent" | "gone" | "failed"> {
+    if (this.state !== "open") return "failed";
     let body: Uint8Array;
     try {
       body = toBinary(SidecarToEngineSchema, msg);
     } catch (err) {
       this.log.error({ err, kind: msg.msg.case }, "cannot encode a message to the engine");
-      return false;
+      return "failed";
     }
     try {
       await this.socket.send([to.routingId, body]);
-      return true;
+      return "sent";
     } catch (err) {
-      if (this.state !== "open") return false;
+      if (this.state !== "open") return "failed";
       const code = errCode(err);
+      if (quietIfGone && code === "EHOSTUNREACH") return "gone";
       const level = code === "EHOSTUNREACH" ? "warn" : "error";
       this.log[level](
         { err, peer: to.id, kind: msg.msg.case },
@@ -246,18 +393,37 @@ export class EngineLinkServer {
           ? "engine is not connected; message dropped"
           : "send to engine failed",
       );
-      return false;
+      return code === "EHOSTUNREACH" ? "gone" : "failed";
     }
   }
 
-  /** `send` to the engine that registered; false when none has. */
+  /**
+   * `send` to the engine that owns the link; false when none does. While the owner's connection
+   * is down the message is held (up to the send queue's bound) for the owner's next connection.
+   */
   async sendToRegistered(msg: SidecarToEngine): Promise<boolean> {
-    const to = this.registered;
+    const to = this.owner;
     if (to === undefined) {
       this.log.warn({ kind: msg.msg.case }, "no engine has registered; message dropped");
       return false;
     }
-    return this.send(to, msg);
+    if (!this.ownerUp) {
+      if (this.held.length >= SEND_HIGH_WATER_MARK) {
+        this.log.error({ kind: msg.msg.case }, "engine gone and its held queue full; dropped");
+        return false;
+      }
+      this.held.push(msg);
+      return true;
+    }
+    const r = await this.trySend(to, msg, true);
+    if (r === "gone" && this.owner === to && this.state === "open") {
+      // The owner's connection ended before ZeroMQ's notice reached us: hold this one too.
+      this.ownerUp = false;
+      this.log.warn({ peer: to.id }, "the engine's connection ended; holding its messages");
+      this.held.push(msg);
+      return true;
+    }
+    return r === "sent";
   }
 
   /** Idempotent; stops receiving and closes the socket (what is queued gets `LINGER_MS`). */
@@ -278,6 +444,11 @@ export interface EngineLinkClientOptions {
   readonly logger: Logger;
   /** Largest frame accepted from the sidecar (default `DEFAULT_MAX_FRAME_BYTES`). */
   readonly maxFrameBytes?: number;
+  /**
+   * Told when the connection to the sidecar comes up or goes down (a ZeroMQ socket monitor):
+   * "connected" after a reconnect means the sidecar may have restarted, so register again.
+   */
+  readonly onState?: (state: "connected" | "disconnected") => void;
 }
 
 /**
@@ -306,6 +477,19 @@ export class EngineLinkClient {
       reconnectInterval: 50,
       reconnectMaxInterval: 1000,
     });
+    const onState = options.onState;
+    if (onState !== undefined) {
+      const tell = (state: "connected" | "disconnected"): void => {
+        if (this.closed) return;
+        try {
+          onState(state);
+        } catch (err) {
+          this.log.error({ err, state }, "engine link state handler threw");
+        }
+      };
+      this.socket.events.on("connect", () => tell("connected"));
+      this.socket.events.on("disconnect", () => tell("disconnected"));
+    }
     this.socket.connect(this.endpoint);
     this.loop = this.receiveLoop();
   }

@@ -31,6 +31,11 @@ export const SIDECAR_SETTINGS = {
     default: "",
     help: "ZeroMQ endpoint of the engine link (default ipc:///tmp/kvxfer-<engine-id>.sock)",
   },
+  "engine-max-frame-bytes": {
+    type: "string",
+    default: String(16 << 20),
+    help: "largest engine link frame answered (ERR_TOO_LARGE above); above 4x this ZeroMQ drops the connection before buffering",
+  },
   listen: {
     type: "string",
     default: "127.0.0.1:0",
@@ -420,7 +425,13 @@ export async function startSidecar(
   const link = new EngineLinkServer({
     endpoint:
       s["engine-socket"] !== "" ? s["engine-socket"] : defaultEngineEndpoint(s["engine-id"]),
-    onMessage: (msg, from) => sidecar.onEngineMessage(msg, (m) => void link.send(from, m)),
+    maxFrameBytes: positiveInt("engine-max-frame-bytes", s["engine-max-frame-bytes"]),
+    onMessage: (msg, from) =>
+      sidecar.onEngineMessage(msg, (m) => void link.send(from, m), {
+        isOwner: link.isOwner(from),
+        ownerConnected: link.ownerConnected,
+        adopt: () => link.adopt(from),
+      }),
     onRefused: (code, message) => sidecar.noteError(`engine frame refused: ${code}: ${message}`),
     logger,
   });

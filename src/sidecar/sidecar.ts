@@ -4,13 +4,14 @@
  * they may proceed. Every transfer reaches exactly one terminal state per
  * side, within a bound, as one event (docs/protocol.md).
  */
-import { create, type MessageInitShape } from "@bufbuild/protobuf";
+import { create, equals, type MessageInitShape } from "@bufbuild/protobuf";
 import { randomBytes } from "node:crypto";
-import { realpathSync } from "node:fs";
+import { realpathSync, statSync } from "node:fs";
 import type { Logger } from "pino";
 
 import {
   FailureReason,
+  RegisterKvCacheSchema,
   ReleaseReason,
   SidecarToEngineSchema,
   type EngineToSidecar,
@@ -145,6 +146,19 @@ export interface SidecarOptions {
 
 /** Where a sidecar sends what its engine must hear. */
 export type EngineSender = (msg: SidecarToEngine) => void;
+
+/**
+ * The engine link connection a message came from, as far as ownership goes (link.ts): the link
+ * belongs to the connection whose registration was accepted, and only the sidecar decides that.
+ */
+export interface EngineConnection {
+  /** This connection owns the link. */
+  readonly isOwner: boolean;
+  /** The owner's connection is up (false: no owner yet, or its connection ended). */
+  readonly ownerConnected: boolean;
+  /** Makes this connection the owner (called once a registration from it is accepted). */
+  adopt(): void;
+}
 /** Where terminal and peer events go (the event log). */
 export interface EventSink {
   append(ev: Omit<SidecarEvent, "seq">): unknown;
@@ -269,6 +283,8 @@ export class Sidecar implements SidecarView {
   private metrics: SidecarMetrics | undefined;
 
   private layout: KvLayout | undefined;
+  /** The accepted registration, and the identity (device, inode) of each file it mapped. */
+  private registration: { msg: RegisterKvCache; files: string[] } | undefined;
   private agents: Agent[] = [];
   private regions: Region[][] = [];
   /** The KV directory with symbolic links resolved (the operator's setting may name a link). */
@@ -437,11 +453,11 @@ export class Sidecar implements SidecarView {
    * it: refusals and the answer to a registration go there (an engine that is not, or no longer,
    * registered still hears why its message was refused), everything else to the registered engine.
    */
-  onEngineMessage(msg: EngineToSidecar, reply?: EngineSender): void {
+  onEngineMessage(msg: EngineToSidecar, reply?: EngineSender, conn?: EngineConnection): void {
     this.replyTo = reply;
     try {
       if (msg.msg.case === "register") {
-        this.onRegister(msg.msg.value);
+        this.onRegister(msg.msg.value, conn);
         return;
       }
       // One place checks engine messages' fields; a problem costs only the message.
@@ -512,7 +528,35 @@ export class Sidecar implements SidecarView {
     if (this.lastErrors.length > 20) this.lastErrors.shift();
   }
 
-  private onRegister(reg: RegisterKvCache): void {
+  /** (device, inode) of every file of a registration, in order; "" for a file stat cannot see. */
+  private static fileIdentities(reg: RegisterKvCache): string[] {
+    return reg.ranks.flatMap((rk) =>
+      rk.regions.map((f) => {
+        try {
+          const st = statSync(f.path, { bigint: true });
+          return `${st.dev}:${st.ino}`;
+        } catch {
+          return "";
+        }
+      }),
+    );
+  }
+
+  /**
+   * Whether `reg` describes exactly the KV cache already registered: the same message (engine
+   * id, layout, files, offsets, lengths) and the same files on disk (a file recreated at the
+   * same path is another file).
+   */
+  private isSameCache(reg: RegisterKvCache): boolean {
+    const cur = this.registration;
+    if (cur === undefined || !equals(RegisterKvCacheSchema, cur.msg, reg)) return false;
+    const ids = Sidecar.fileIdentities(reg);
+    return (
+      ids.length === cur.files.length && ids.every((id, i) => id !== "" && id === cur.files[i])
+    );
+  }
+
+  private onRegister(reg: RegisterKvCache, conn?: EngineConnection): void {
     const fail = (error: string): void => {
       this.noteError(`register: ${error}`);
       this.answer({
@@ -520,8 +564,34 @@ export class Sidecar implements SidecarView {
         value: { ok: false, error, sideChannel: this.sideChannel, epoch: this.epoch },
       });
     };
-    if (this.layout !== undefined)
-      return fail("ERR_ALREADY_REGISTERED: the KV cache is already registered");
+    if (this.layout !== undefined) {
+      if (conn === undefined || conn.isOwner)
+        return fail("ERR_ALREADY_REGISTERED: the KV cache is already registered");
+      if (conn.ownerConnected) {
+        this.log.warn("a registration from a second engine connection refused: the link is taken");
+        return fail(
+          "ERR_ALREADY_REGISTERED: another live connection owns this engine link (one engine per sidecar)",
+        );
+      }
+      if (!this.isSameCache(reg)) {
+        return fail(
+          "ERR_ALREADY_REGISTERED: the engine that registered is gone, but this registration names " +
+            "other memory; a new engine process needs a new sidecar (restart the sidecar: new epoch)",
+        );
+      }
+      // The owner's connection ended and the same engine (same files) registers again from a
+      // new connection: it reconnected. It takes the link back; what was held for it follows
+      // the answer.
+      this.log.warn(
+        "the engine reconnected and registered again: link handed to its new connection",
+      );
+      this.answer({
+        case: "registered",
+        value: { ok: true, error: "", sideChannel: this.sideChannel, epoch: this.epoch },
+      });
+      conn.adopt();
+      return;
+    }
     const checked = checkRegisterKvCache(reg);
     if (!checked.ok) return fail(`${checked.problem.code}: ${checked.problem.message}`);
     const { layout, ranks } = checked.cache;
@@ -596,6 +666,8 @@ export class Sidecar implements SidecarView {
     this.agents = agents;
     this.regions = regions;
     this.mappedBytes += bytes;
+    this.registration = { msg: reg, files: Sidecar.fileIdentities(reg) };
+    conn?.adopt();
     this.log.info({ tp: layout.tpSize, regions: layout.regionBytes.length }, "KV cache registered");
     this.answer({
       case: "registered",
@@ -1639,17 +1711,21 @@ export class Sidecar implements SidecarView {
     peer.close();
     // Reads from a dead peer may never settle (UCX without peer error mode, measured here over
     // shared memory: a READ from a SIGKILLed sidecar hung forever and D's blocks stayed held).
-    // A grace later, whatever is still in flight to it is given up: the reads reject, the pull
-    // ends FAILED and its blocks go back to the engine.
-    const stuck = [...this.dTransfers.values()].some(
-      (d) => d.peer === peer && d.mode === "pull" && d.readsInFlight > 0,
-    );
+    // Writes to one neither (measured: P's pushes to a SIGKILLed D stayed MOVING, and P's engine
+    // kept their blocks for good). A grace later, whatever is still in flight to it is given up:
+    // the reads and writes reject, the transfer ends and its blocks go back to the engine. (D's
+    // blocks do not depend on this: D waits for P's registration lease, and P posts no write
+    // after it.)
+    const stuck =
+      [...this.dTransfers.values()].some(
+        (d) => d.peer === peer && d.mode === "pull" && d.readsInFlight > 0,
+      ) || [...this.pTransfers.values()].some((p) => p.reg?.peer === peer && p.state === "MOVING");
     if (stuck) {
       setTimeout(() => {
         if (this.closed) return;
         this.log.warn(
           { peer: peer.engineId, graceMs: this.opts.abortGraceMs },
-          "abandoning reads from a dead peer",
+          "abandoning reads and writes to a dead peer",
         );
         for (const ep of endpoints) ep.abandon();
       }, this.opts.abortGraceMs).unref();

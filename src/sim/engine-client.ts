@@ -30,6 +30,7 @@ export interface SimEngineOptions {
   shmDir?: string;
   seed?: number;
   registerTimeoutMs?: number;
+  sidecarLostMs?: number;
   logLevel?: string;
 }
 
@@ -69,6 +70,14 @@ export interface SimEngineStats {
   refused: number;
   released: number;
   badReleases: number;
+  /** Blocks still held, per live transfer id. */
+  held: Record<string, number>;
+  /** The sidecar's epoch from the last accepted registration. */
+  epoch: string;
+  /** Sidecar restarts this engine saw (a new epoch, or ERR_NOT_REGISTERED). */
+  restarts: number;
+  /** Transfers this engine ended itself (sidecar restarted or lost): failed and freed. */
+  recovered: number;
 }
 
 export class SimEngineError extends Error {
@@ -99,6 +108,7 @@ export function simEngineArgs(o: SimEngineOptions): string[] {
   add("--shm-dir", o.shmDir);
   add("--seed", o.seed);
   add("--register-timeout-ms", o.registerTimeoutMs);
+  add("--sidecar-lost-ms", o.sidecarLostMs);
   add("--log-level", o.logLevel);
   return args;
 }

@@ -71,6 +71,8 @@ export interface SimEngineConfig {
   /** Seed of the block allocator's random order. */
   readonly seed: number;
   readonly registerTimeoutMs: number;
+  /** Disconnected from the sidecar this long: fail every transfer in flight (it is gone). */
+  readonly sidecarLostMs: number;
   readonly logLevel: string;
 }
 
@@ -86,6 +88,7 @@ export const SIM_ENGINE_USAGE = `usage: kvxfer sim-engine --engine-id ID --role 
   --shm-dir DIR           where the KV files go (default /dev/shm)
   --seed N                block allocation order (default random)
   --register-timeout-ms N how long to wait for Registered (default 10000)
+  --sidecar-lost-ms N     sidecar unreachable this long: fail every transfer in flight (default 10000)
   --log-level LEVEL       pino level for stderr logs (default warn)
 Control: JSON lines on stdin; replies and events on stdout (docs/engine-link.md).`;
 
@@ -124,6 +127,7 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
       "shm-dir": { type: "string" },
       seed: { type: "string" },
       "register-timeout-ms": { type: "string" },
+      "sidecar-lost-ms": { type: "string" },
       "log-level": { type: "string" },
     },
   });
@@ -184,6 +188,7 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
     shmDir: values["shm-dir"] ?? "/dev/shm",
     seed: intFlag(values.seed, "seed", Math.floor(Math.random() * 2 ** 31), 0),
     registerTimeoutMs: intFlag(values["register-timeout-ms"], "register-timeout-ms", 10_000),
+    sidecarLostMs: intFlag(values["sidecar-lost-ms"], "sidecar-lost-ms", 10_000),
     logLevel: values["log-level"] ?? "warn",
   };
 }
@@ -250,6 +255,11 @@ interface LiveTransfer {
   /** computing (P, before PrefillDone) → held; expecting (D) → failed after KvFailed. */
   phase: "computing" | "held" | "expecting" | "failed";
   aborted: boolean;
+  /**
+   * The registration generation when this transfer's message went to the sidecar (undefined:
+   * not sent yet). A sidecar that answers a later registration with a new epoch never saw it.
+   */
+  gen?: number;
 }
 
 interface ControlRequest {
@@ -291,6 +301,9 @@ function intList(req: ControlRequest, key: string): number[] | undefined {
   return v as number[];
 }
 
+/** How often a re-registration refused by the same sidecar (old connection not yet gone) is retried. */
+const MAX_ALREADY_RETRIES = 25;
+
 /** One running simulated engine. */
 class SimEngine {
   private readonly layout: KvLayout;
@@ -301,8 +314,18 @@ class SimEngine {
   private readonly memories: Uint8Array[][] = [];
   private agent: Agent | undefined;
   private link: EngineLinkClient | undefined;
-  private registered: ((ok: boolean, error: string, sideChannel: string) => void) | undefined;
-  private reRegistering = false;
+  private registered:
+    ((ok: boolean, error: string, sideChannel: string, epoch: bigint) => void) | undefined;
+  /** When the last re-registration was sent (0: none outstanding). */
+  private reRegisteringSince = 0;
+  /** The sidecar's epoch from the last accepted registration. */
+  private epoch: bigint | undefined;
+  /** Bumped by every RegisterKvCache sent; a transfer remembers the value it was sent under. */
+  private regGen = 0;
+  private everConnected = false;
+  /** Re-registrations refused as ERR_ALREADY_REGISTERED by the same sidecar, in a row. */
+  private alreadyRetries = 0;
+  private lostTimer: NodeJS.Timeout | undefined;
   private stopping: Promise<void> | undefined;
   private readonly counters = {
     verified: 0,
@@ -311,6 +334,10 @@ class SimEngine {
     refused: 0,
     released: 0,
     badReleases: 0,
+    /** Sidecar restarts seen (a new epoch, or ERR_NOT_REGISTERED). */
+    restarts: 0,
+    /** Transfers this engine ended itself because its sidecar restarted or was lost. */
+    recovered: 0,
   };
 
   constructor(
@@ -348,35 +375,40 @@ class SimEngine {
       endpoint: this.cfg.socket,
       logger: this.log,
       onMessage: (msg) => this.onSidecar(msg),
+      onState: (state) => this.onLinkState(state),
     });
-    const answer = await new Promise<{ ok: boolean; error: string; sideChannel: string }>(
-      (resolve, reject) => {
-        const timer = setTimeout(() => {
-          this.registered = undefined;
-          reject(
-            new ControlError(
-              "ERR_REGISTER_TIMEOUT",
-              `no Registered from the sidecar at ${this.cfg.socket} within ${this.cfg.registerTimeoutMs} ms`,
-            ),
-          );
-        }, this.cfg.registerTimeoutMs);
-        this.registered = (ok, error, sideChannel) => {
-          clearTimeout(timer);
-          this.registered = undefined;
-          resolve({ ok, error, sideChannel });
-        };
-        this.sendRegister().catch((err: unknown) => {
-          clearTimeout(timer);
-          reject(err instanceof Error ? err : new Error(String(err)));
-        });
-      },
-    );
+    const answer = await new Promise<{
+      ok: boolean;
+      error: string;
+      sideChannel: string;
+      epoch: bigint;
+    }>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.registered = undefined;
+        reject(
+          new ControlError(
+            "ERR_REGISTER_TIMEOUT",
+            `no Registered from the sidecar at ${this.cfg.socket} within ${this.cfg.registerTimeoutMs} ms`,
+          ),
+        );
+      }, this.cfg.registerTimeoutMs);
+      this.registered = (ok, error, sideChannel, epoch) => {
+        clearTimeout(timer);
+        this.registered = undefined;
+        resolve({ ok, error, sideChannel, epoch });
+      };
+      this.sendRegister().catch((err: unknown) => {
+        clearTimeout(timer);
+        reject(err instanceof Error ? err : new Error(String(err)));
+      });
+    });
     if (!answer.ok) {
       throw new ControlError(
         "ERR_REGISTER_REFUSED",
         `the sidecar refused the KV cache: ${answer.error}`,
       );
     }
+    this.epoch = answer.epoch;
     return {
       event: "ready",
       engineId: this.cfg.engineId,
@@ -391,6 +423,7 @@ class SimEngine {
   }
 
   private async sendRegister(): Promise<void> {
+    this.regGen++;
     const L = this.layout;
     const msg = create(RegisterKvCacheSchema, {
       engineId: this.cfg.engineId,
@@ -413,9 +446,10 @@ class SimEngine {
     const m = msg.msg;
     switch (m.case) {
       case "registered":
-        if (this.registered) this.registered(m.value.ok, m.value.error, m.value.sideChannel);
-        else this.out({ event: "registered", ok: m.value.ok, error: m.value.error });
-        this.reRegistering = false;
+        if (this.registered)
+          this.registered(m.value.ok, m.value.error, m.value.sideChannel, m.value.epoch);
+        else this.onReRegistered(m.value.ok, m.value.error, m.value.epoch);
+        this.reRegisteringSince = 0;
         return;
       case "kvReady":
         this.onKvReady(m.value.transferId);
@@ -445,17 +479,142 @@ class SimEngine {
           code: m.value.code,
           message: m.value.message,
         });
-        // A sidecar that restarted has forgotten this engine: register again.
-        if (m.value.code === "ERR_NOT_REGISTERED" && !this.reRegistering && !this.registered) {
-          this.reRegistering = true;
-          this.sendRegister().catch((err: unknown) =>
-            this.log.error({ err }, "re-register failed"),
-          );
-        }
+        if (m.value.code === "ERR_NOT_REGISTERED" && !this.registered)
+          this.onNotRegistered(m.value.transferId);
         return;
       case undefined:
         return;
     }
+  }
+
+  // --- sidecar restarts and death ------------------------------------------------
+
+  private onLinkState(state: "connected" | "disconnected"): void {
+    if (this.stopping) return;
+    if (state === "disconnected") {
+      this.log.warn("lost the sidecar connection");
+      this.out({ event: "link", state });
+      if (this.lostTimer === undefined) {
+        this.lostTimer = setTimeout(() => {
+          this.lostTimer = undefined;
+          this.log.error(
+            { ms: this.cfg.sidecarLostMs },
+            "sidecar gone too long: failing every transfer in flight",
+          );
+          this.failInFlight(
+            "SIDECAR_LOST",
+            `no sidecar for ${this.cfg.sidecarLostMs} ms`,
+            () => true,
+          );
+        }, this.cfg.sidecarLostMs);
+      }
+      return;
+    }
+    clearTimeout(this.lostTimer);
+    this.lostTimer = undefined;
+    const first = !this.everConnected;
+    this.everConnected = true;
+    if (first) return; // the first registration is already on its way
+    this.out({ event: "link", state });
+    // A new connection: a restarted sidecar (which forgot us), or the same one (which hands the
+    // link back to this connection). Either way, register again; the epoch says which.
+    this.reRegister("the sidecar connection is back");
+  }
+
+  private reRegister(why: string): void {
+    if (this.registered || this.stopping) return; // the first registration is still pending
+    this.log.warn({ why }, "registering again");
+    this.reRegisteringSince = Date.now();
+    this.sendRegister().catch((err: unknown) => this.log.error({ err }, "re-register failed"));
+  }
+
+  private onReRegistered(ok: boolean, error: string, epoch: bigint): void {
+    const restarted = ok && this.epoch !== undefined && epoch !== this.epoch;
+    this.out({ event: "registered", ok, error, epoch: String(epoch), restarted });
+    if (!ok) {
+      if (
+        epoch === this.epoch &&
+        error.startsWith("ERR_ALREADY_REGISTERED") &&
+        error.includes("another live connection") &&
+        this.alreadyRetries < MAX_ALREADY_RETRIES
+      ) {
+        // The same sidecar has not yet seen our old connection end (it hands the link to a new
+        // connection of the same engine only then): ask again shortly.
+        this.alreadyRetries++;
+        setTimeout(() => this.reRegister("the sidecar still sees our old connection"), 200);
+        return;
+      }
+      this.log.error({ error }, "the sidecar refused the re-registration");
+      return;
+    }
+    this.alreadyRetries = 0;
+    if (restarted) {
+      // A new sidecar: whatever was sent to the old one before this registration is lost.
+      this.counters.restarts++;
+      this.epoch = epoch;
+      const gen = this.regGen;
+      this.failInFlight(
+        "SIDECAR_RESTARTED",
+        `the sidecar restarted (epoch ${epoch}); it never heard of this transfer`,
+        (t) => t.gen! < gen,
+      );
+    }
+  }
+
+  private onNotRegistered(transferId: string): void {
+    // The refused message started nothing: its own blocks come back at once.
+    const t = this.live.get(transferId);
+    if (t !== undefined && t.gen !== undefined) {
+      this.endLocally(t, "NOT_REGISTERED", "the sidecar does not know this engine");
+    }
+    if (
+      this.reRegisteringSince !== 0 &&
+      Date.now() - this.reRegisteringSince < this.cfg.registerTimeoutMs
+    )
+      return; // already registering again; older messages are being refused one by one
+    // The sidecar forgot this engine (it restarted without our seeing the connection drop):
+    // everything it had is gone.
+    this.counters.restarts++;
+    this.failInFlight("SIDECAR_RESTARTED", "the sidecar answered ERR_NOT_REGISTERED", () => true);
+    this.reRegister("the sidecar answered ERR_NOT_REGISTERED");
+  }
+
+  /**
+   * Ends every transfer the sidecar was told about (and `pick` accepts) on this side, as
+   * KvFailed + ReleaseBlocks would: D recomputes, P frees. No block stays held for a sidecar
+   * that cannot answer any more.
+   */
+  private failInFlight(reason: string, message: string, pick: (t: LiveTransfer) => boolean): void {
+    for (const t of [...this.live.values()]) {
+      if (t.gen === undefined || !pick(t)) continue;
+      this.endLocally(t, reason, message);
+    }
+  }
+
+  private endLocally(t: LiveTransfer, reason: string, message: string): void {
+    this.counters.recovered++;
+    if (t.side === "decode" && t.phase !== "failed") {
+      this.counters.failed++;
+      this.out({
+        event: "failed",
+        transferId: t.transferId,
+        known: true,
+        reason,
+        message,
+        local: true,
+      });
+    }
+    this.pool.give(t.held);
+    t.held.clear();
+    this.live.delete(t.transferId);
+    this.out({
+      event: "released",
+      transferId: t.transferId,
+      side: t.side,
+      reason,
+      blocks: t.blockIds.length,
+      local: true,
+    });
   }
 
   private onKvReady(transferId: string): void {
@@ -598,6 +757,8 @@ class SimEngine {
           freeBlocks: this.pool.freeCount,
           totalBlocks: this.pool.total,
           transfers: this.live.size,
+          held: Object.fromEntries([...this.live.values()].map((t) => [t.transferId, t.held.size])),
+          epoch: String(this.epoch ?? 0n),
           ...this.counters,
         };
       case "exit":
@@ -642,6 +803,7 @@ class SimEngine {
     }
     for (let r = 0; r < L.tpSize; r++) fillKv(L, r, this.memories[r]!, tid, blockIds, 0, tokens);
     t.phase = "held";
+    t.gen = this.regGen;
     await this.link!.send(
       engineMessage(
         "prefillDone",
@@ -680,6 +842,7 @@ class SimEngine {
       prefixTokens,
       phase: "expecting",
       aborted: false,
+      gen: this.regGen,
     });
     // The prefix is "already cached" on D: written here with the same pattern.
     for (let r = 0; r < L.tpSize; r++)
@@ -706,6 +869,7 @@ class SimEngine {
   stop(): Promise<void> {
     this.stopping ??= (async () => {
       this.registered = undefined;
+      clearTimeout(this.lostTimer);
       await this.link?.close(1000);
       for (const regions of this.regions) for (const r of regions) r.close();
       this.agent?.close();

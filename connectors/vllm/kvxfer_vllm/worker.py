@@ -30,6 +30,11 @@ from .messages import StepMessages
 
 log = logging.getLogger(__name__)
 
+#: A re-registration refused because the sidecar has not yet seen the old connection end is
+#: retried this often, this far apart (5 s in all).
+_MAX_ALREADY_RETRIES = 25
+_ALREADY_RETRY_S = 0.2
+
 @dataclass
 class _P:
     request_id: str
@@ -94,6 +99,8 @@ class WorkerLogic:
         self._lost_since: float | None = None
         self._ever_connected = False
         self.restarts = 0
+        #: Re-registrations refused in a row because the sidecar still saw the old connection.
+        self._already_retries = 0
         #: The latest failures the sidecar reported, (transfer id, reason, message), newest last.
         self.failures: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=64)
         self.link = EngineLink(engine_socket, self._on_message, self._on_state, max_frame_bytes)
@@ -329,13 +336,26 @@ class WorkerLogic:
         # A re-registration after a reconnect.
         with self._lock:
             self._lost_since = None
+        if ans.ok:
+            self._already_retries = 0
         if ans.ok and ans.epoch != self.epoch:
             log.warning("kvxfer: the sidecar restarted (epoch %d -> %d): failing the transfers it forgot", self.epoch, ans.epoch)
             self.epoch = ans.epoch
             self.restarts += 1
             self._fail_all_in_flight()
         elif not ans.ok and ans.epoch == self.epoch:
-            pass  # the same sidecar still holds this registration (ERR_ALREADY_REGISTERED)
+            # The same sidecar still holds this registration (ERR_ALREADY_REGISTERED). After a
+            # reconnect it hands the link to the new connection only once it has seen the old one
+            # end ("another live connection owns ..." until then): ask again shortly, bounded.
+            if (
+                "another live connection" in ans.error
+                and self._registration is not None
+                and self._already_retries < _MAX_ALREADY_RETRIES
+            ):
+                self._already_retries += 1
+                retry = threading.Timer(_ALREADY_RETRY_S, self._send, args=(self._registration,))
+                retry.daemon = True
+                retry.start()
         elif not ans.ok:
             log.error("kvxfer: the sidecar refused the re-registration: %s", ans.error)
 

@@ -8,6 +8,7 @@ import queue
 import socket
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,33 @@ def test_unknown_engine_answer_reregisters(sidecars, shm_dir):
         assert "r1" in dc.poll().failed_recving
         assert dw.restarts == 1
     finally:
+        d.close()
+
+
+def test_reregistration_refused_by_the_same_sidecar_is_retried(sidecars, shm_dir):
+    """After a reconnect the sidecar hands the link to the new connection only once it has seen the
+    old one end; until then it answers ERR_ALREADY_REGISTERED ("another live connection") at the
+    same epoch. The connector asks again (bounded) and loses nothing; a transfer still works."""
+    p_sc, d_sc = sidecars("prefill"), sidecars("decode")
+    p = KvEngine(str(shm_dir), p_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
+    d = KvEngine(str(shm_dir), d_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
+    try:
+        pw, dw = p.connect(p_sc.socket), d.connect(d_sc.socket)
+        epoch = dw.epoch
+        dw._on_message(engine_pb2.SidecarToEngine(registered=engine_pb2.Registered(
+            ok=False, error="ERR_ALREADY_REGISTERED: another live connection owns this engine link", epoch=epoch)))
+        assert dw._already_retries == 1
+        # The retry reaches the sidecar, which (this connection owns the link) answers "already
+        # registered" without "another live connection": no further retry, nothing failed.
+        time.sleep(1.0)
+        assert dw._already_retries == 1 and dw.epoch == epoch and dw.restarts == 0
+        dc = Collector(dw)
+        pw.on_step(StepMessages(prefill_done=[PrefillDoneMsg("p1", "t1", [3, 6], 40)]))
+        dw.on_step(StepMessages(expect=[ExpectMsg("r1", "t1", [4, 5], 40, 0, pw.side_channel, [3, 6])]))
+        wait_for(lambda: "r1" in dc.poll().finished_recving, 15, "a transfer after the retried registration")
+        assert "r1" not in dc.r.failed_recving
+    finally:
+        p.close()
         d.close()
 
 
