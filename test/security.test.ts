@@ -94,7 +94,6 @@ describe("security: peers (multi-process, authenticated)", () => {
   }, 30_000);
 
   it("6: a handshake claiming an existing engine id is believed only with that engine's certificate", async () => {
-    const since = new Date().toISOString();
     const sinceMs = Date.now();
     const dEpoch = BigInt(d.ready.epoch);
     const res = await rogue("impostor").handshake(p.sideChannel, {

@@ -17,28 +17,12 @@ import {
 import { encodePeerMessage, sealPeerMessage } from "../src/peer/messages.js";
 import { parseAddress } from "../src/peer/side-channel.js";
 import { sharedPki } from "../src/sim/pki.js";
-import type { SimEngineEvent } from "../src/sim/engine-client.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
 import { KvNode, type Pair, goodTransfer, sleep, startPair, until } from "./sidecar-fixtures.js";
 
 const WAIT = 10_000;
 /** Bytes no protobuf parser accepts: a field tag whose varint never ends. */
 const NOT_PROTOBUF = Buffer.from("ffffffffffffffffffff", "hex");
-
-/** The engine's `refused` event for `transferId` after `since` events (the latest one). */
-async function refusal(node: KvNode, transferId: string, since: number): Promise<SimEngineEvent> {
-  let found: SimEngineEvent | undefined;
-  await until(
-    () =>
-      (found = node.engine.events
-        .slice(since)
-        .find((e) => e.event === "refused" && e.transferId === transferId)) !== undefined,
-    WAIT,
-    () =>
-      `a refusal of '${transferId}' on ${node.role}; last ${JSON.stringify(node.engine.events.slice(-3))}`,
-  );
-  return found!;
-}
 
 async function lastErrors(node: KvNode): Promise<readonly string[]> {
   return (await node.client.getStatus()).lastErrors;
@@ -66,15 +50,15 @@ describe("sidecar bad input (multi-process)", () => {
     for (const node of [p, d]) {
       let n = node.engine.events.length;
       await node.engine.call("send-raw", { hex: NOT_PROTOBUF.toString("hex") });
-      expect((await refusal(node, "", n)).code).toBe("ERR_MALFORMED");
+      expect((await node.refusal("", n)).code).toBe("ERR_MALFORMED");
       n = node.engine.events.length;
       await node.engine.call("send", { message: {} });
-      expect((await refusal(node, "", n)).code).toBe("ERR_MALFORMED");
+      expect((await node.refusal("", n)).code).toBe("ERR_MALFORMED");
     }
     // 16 MiB + 1: above the link's cap (below 4x the cap, where ZeroMQ would drop the connection).
     const n = p.engine.events.length;
     await p.engine.call("send-raw", { hex: Buffer.alloc((16 << 20) + 1).toString("hex") }, 60_000);
-    const big = await refusal(p, "", n);
+    const big = await p.refusal("", n);
     expect(big.code).toBe("ERR_TOO_LARGE");
     // The operator sees them in GetStatus.
     const errs = (await lastErrors(p)).join("\n");
@@ -86,13 +70,13 @@ describe("sidecar bad input (multi-process)", () => {
   it("engine link: unknown transfer in Abort, block ids out of range or repeated, each named", async () => {
     let n = d.engine.events.length;
     await d.engine.call("send", { message: { abort: { transferId: "no-such-transfer" } } });
-    expect((await refusal(d, "no-such-transfer", n)).code).toBe("ERR_UNKNOWN_TRANSFER");
+    expect((await d.refusal("no-such-transfer", n)).code).toBe("ERR_UNKNOWN_TRANSFER");
 
     n = p.engine.events.length;
     await p.engine.call("send", {
       message: { prefillDone: { transferId: "bad-blocks-p", blockIds: [9999], numTokens: 16 } },
     });
-    const badP = await refusal(p, "bad-blocks-p", n);
+    const badP = await p.refusal("bad-blocks-p", n);
     expect(badP.code).toBe("ERR_BAD_BLOCKS");
     expect(String(badP.message)).toContain("9999");
 
@@ -107,7 +91,7 @@ describe("sidecar bad input (multi-process)", () => {
         },
       },
     });
-    const badD = await refusal(d, "bad-blocks-d", n);
+    const badD = await d.refusal("bad-blocks-d", n);
     expect(badD.code).toBe("ERR_BAD_BLOCKS");
     expect(String(badD.message)).toContain("twice");
 
@@ -136,7 +120,7 @@ describe("sidecar bad input (multi-process)", () => {
     const prefillDone = { prefillDone: { transferId: "dup-p", blockIds: pBlocks, numTokens: 40 } };
     let n = p.engine.events.length;
     await p.engine.call("send", { message: prefillDone });
-    expect((await refusal(p, "dup-p", n)).code).toBe("ERR_DUPLICATE");
+    expect((await p.refusal("dup-p", n)).code).toBe("ERR_DUPLICATE");
     await d.engine.expect({ transferId: "dup-p", tokens: 40, source: p.sideChannel });
     expect((await d.engineEvent("dup-p", "verified", WAIT)).ok).toBe(true);
     expect((await p.engineEvent("dup-p", "released", WAIT)).reason).toBe("TRANSFERRED");
@@ -152,7 +136,7 @@ describe("sidecar bad input (multi-process)", () => {
     };
     n = d.engine.events.length;
     await d.engine.call("send", { message: expectKv });
-    expect((await refusal(d, "dup-d", n)).code).toBe("ERR_DUPLICATE");
+    expect((await d.refusal("dup-d", n)).code).toBe("ERR_DUPLICATE");
     await p.engine.prefill("dup-d", 40, 0);
     expect((await d.engineEvent("dup-d", "verified", WAIT)).ok).toBe(true);
     await p.engineEvent("dup-d", "released", WAIT);
@@ -160,10 +144,10 @@ describe("sidecar bad input (multi-process)", () => {
     // Replays after both ended: refused, no second release, no second KvReady.
     n = p.engine.events.length;
     await p.engine.call("send", { message: prefillDone });
-    expect((await refusal(p, "dup-p", n)).code).toBe("ERR_DUPLICATE");
+    expect((await p.refusal("dup-p", n)).code).toBe("ERR_DUPLICATE");
     const m = d.engine.events.length;
     await d.engine.call("send", { message: expectKv });
-    expect((await refusal(d, "dup-d", m)).code).toBe("ERR_DUPLICATE");
+    expect((await d.refusal("dup-d", m)).code).toBe("ERR_DUPLICATE");
     await sleep(300);
     for (const node of [p, d]) {
       const extra = node.engine.events

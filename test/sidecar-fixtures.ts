@@ -222,6 +222,21 @@ export class KvNode {
     return this.engine.waitTransfer(transferId, event, timeoutMs);
   }
 
+  /** The engine's `refused` event for `transferId` among its events after the first `since`. */
+  async refusal(transferId: string, since: number, timeoutMs = 10_000): Promise<SimEngineEvent> {
+    let found: SimEngineEvent | undefined;
+    await until(
+      () =>
+        (found = this.engine.events
+          .slice(since)
+          .find((e) => e.event === "refused" && e.transferId === transferId)) !== undefined,
+      timeoutMs,
+      () =>
+        `a refusal of '${transferId}' on ${this.role}; last ${JSON.stringify(this.engine.events.slice(-3))}`,
+    );
+    return found!;
+  }
+
   /** Waits (bounded) until the engine has every block back; returns its stats. */
   async allBlocksFree(timeoutMs = 10_000): Promise<SimEngineStats> {
     let s: SimEngineStats | undefined;

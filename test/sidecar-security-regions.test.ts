@@ -30,7 +30,6 @@ import {
 import { type KvLayout, kvLayout } from "../src/plan/index.js";
 import { kvLayoutToProto } from "../src/plan/layout-proto.js";
 import { byteSize, kvDirectory } from "../src/sidecar/main.js";
-import type { SimEngineEvent } from "../src/sim/engine-client.js";
 import { SidecarProcess } from "../src/sim/sidecar-process.js";
 import { KvNode, goodTransfer, rssKiB, sleep, uniqueId, until } from "./sidecar-fixtures.js";
 
@@ -312,20 +311,6 @@ describe("KV regions are not pre-faulted unless --prefault true", () => {
   }, 60_000);
 });
 
-/** The engine's `refused` event for `transferId` after `since` events. */
-async function refusal(node: KvNode, transferId: string, since: number): Promise<SimEngineEvent> {
-  let found: SimEngineEvent | undefined;
-  await until(
-    () =>
-      (found = node.engine.events
-        .slice(since)
-        .find((e) => e.event === "refused" && e.transferId === transferId)) !== undefined,
-    WAIT,
-    `a refusal of '${transferId}' on ${node.role}`,
-  );
-  return found!;
-}
-
 describe("overlapping block claims of live transfers", () => {
   let p: KvNode | undefined;
   let d: KvNode | undefined;
@@ -359,7 +344,7 @@ describe("overlapping block claims of live transfers", () => {
         prefillDone: { transferId: "p-intruder", blockIds: [blockIds[1]], numTokens: 16 },
       },
     });
-    const r = await refusal(P, "p-intruder", n);
+    const r = await P.refusal("p-intruder", n);
     expect(r.code).toBe("ERR_BLOCKS_IN_USE");
     expect(String(r.message)).toContain("'p-first'");
     // No ReleaseBlocks for the refused message: the blocks are p-first's.
@@ -412,7 +397,7 @@ describe("overlapping block claims of live transfers", () => {
         },
       },
     });
-    const r = await refusal(D, "d-intruder", n);
+    const r = await D.refusal("d-intruder", n);
     expect(r.code).toBe("ERR_BLOCKS_IN_USE");
     expect(String(r.message)).toContain("'d-first'");
     await P.engine.prefill("d-first", 48, 0);
