@@ -73,6 +73,11 @@ export interface ApiServerOptions {
   readonly watchBufferLimit?: number;
   /** Most concurrent WatchEvents streams; more get RESOURCE_EXHAUSTED. Default 1 000. */
   readonly maxWatchers?: number;
+  /**
+   * Health at start. Default true; the sidecar starts NOT_SERVING and turns SERVING once its
+   * engine has registered (readiness), see `setServing`.
+   */
+  readonly serving?: boolean;
 }
 
 export interface ApiServer {
@@ -84,7 +89,9 @@ export interface ApiServer {
   readonly watchers: number;
   /**
    * Health of both "" and "kvxfer.v1.Sidecar": SERVING or NOT_SERVING. The
-   * sidecar calls setServing(false) when it starts draining (SIGTERM); the
+   * sidecar is NOT_SERVING until its engine has registered (it cannot answer
+   * handshakes before), SERVING after, and calls setServing(false) when it starts
+   * draining (SIGTERM); the
    * Sidecar service itself keeps answering, so routers still learn how the
    * in-flight transfers end.
    */
@@ -193,7 +200,7 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
   // The epoch never changes during a sidecar's life; watchers check it on resume.
   const epoch = view.status().epoch;
 
-  let serving = true;
+  let serving = opts.serving ?? true;
   let closing = false;
   const watches = new Set<ActiveWatch>();
   const awaits = new Set<AbortController>();

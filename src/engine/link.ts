@@ -7,7 +7,8 @@
  * frame that fails is answered with `Refused { code: ERR_TOO_LARGE | ERR_MALFORMED }`. The fields
  * of a well-formed message are checked by the sidecar with `checkEngineMessage` (validate.ts).
  */
-import { chmodSync, lstatSync } from "node:fs";
+import { chmodSync, lstatSync, unlinkSync } from "node:fs";
+import { connect, createServer, type Server } from "node:net";
 
 import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
 import type { Logger } from "pino";
@@ -63,6 +64,67 @@ function enableDisconnectNotify(router: Router): boolean {
 /** The path of an `ipc://` endpoint, or undefined for any other transport. */
 function ipcPath(endpoint: string): string | undefined {
   return endpoint.startsWith("ipc://") ? endpoint.slice("ipc://".length) : undefined;
+}
+
+/**
+ * Whether something accepts connections on the unix socket at `path`: true when a connect
+ * succeeds, false when nothing listens (ECONNREFUSED: a file left by a process that died;
+ * ENOENT), rejects on anything else or after `timeoutMs`.
+ */
+function socketLive(path: string, timeoutMs = 1000): Promise<boolean> {
+  return new Promise((resolve, reject) => {
+    const s = connect({ path });
+    const timer = setTimeout(() => {
+      s.destroy();
+      reject(new Error(`no answer from ${path} within ${timeoutMs} ms`));
+    }, timeoutMs);
+    s.once("connect", () => {
+      clearTimeout(timer);
+      s.destroy();
+      resolve(true);
+    });
+    s.once("error", (err: NodeJS.ErrnoException) => {
+      clearTimeout(timer);
+      s.destroy();
+      if (err.code === "ECONNREFUSED" || err.code === "ENOENT") resolve(false);
+      else reject(err);
+    });
+  });
+}
+
+/** Listens on the unix socket `path`; rejects with the listen error (EADDRINUSE: it exists). */
+function listenLock(path: string): Promise<Server> {
+  return new Promise((resolve, reject) => {
+    // Nothing is said on the lock: a connection only proves its holder alive.
+    const server = createServer((c) => c.destroy());
+    server.once("error", reject);
+    server.listen({ path, exclusive: true }, () => {
+      server.off("error", reject);
+      server.on("error", () => undefined);
+      server.unref();
+      resolve(server);
+    });
+  });
+}
+
+/** (device, inode) of `path`, or undefined when it does not exist. */
+function fileId(path: string): string | undefined {
+  try {
+    const st = lstatSync(path, { bigint: true });
+    return `${st.dev}:${st.ino}`;
+  } catch {
+    return undefined;
+  }
+}
+
+/** Removes `path` if it is still the file `id` (not one another process made since). */
+function unlinkIfSame(path: string, id: string | undefined): void {
+  if (id === undefined || fileId(path) !== id) return;
+  try {
+    unlinkSync(path);
+  } catch {
+    // already gone
+  }
 }
 
 /** The default engine link endpoint of an engine. */
@@ -136,6 +198,10 @@ export class EngineLinkServer {
   private ownerUp = false;
   /** Messages for the owner while its connection is down, delivered on a takeover (bounded). */
   private readonly held: SidecarToEngine[] = [];
+  /** An ipc endpoint's lock: a unix socket at `<path>.lock` this process listens on. */
+  private lock: { path: string; id: string | undefined; server: Server } | undefined;
+  /** The ipc socket file this link bound, and its (device, inode): removed on close. */
+  private socketFile: { path: string; id: string | undefined } | undefined;
 
   constructor(options: EngineLinkServerOptions) {
     this.endpoint = options.endpoint;
@@ -208,19 +274,32 @@ export class EngineLinkServer {
     for (const m of this.held.splice(0)) void this.send(to, m);
   }
 
-  /** Binds the endpoint and starts receiving. Rejects with ERR_BIND when the endpoint is taken. */
+  /**
+   * Binds the endpoint and starts receiving. Rejects with ERR_ENGINE_SOCKET_IN_USE when another
+   * live process holds the ipc socket, ERR_BIND when the endpoint cannot be bound.
+   *
+   * ZeroMQ's ipc bind unlinks whatever file is at the path and binds anew, so a second sidecar
+   * would silently take the socket of a live one. Before binding, this link takes a lock: a unix
+   * socket at `<path>.lock` it listens on for its whole life. bind(2) creates that file
+   * atomically (EADDRINUSE if it exists), and whether its holder is alive is whether a connect
+   * succeeds: a lock left by a process that died (kill -9) refuses connections and is taken
+   * over. The socket itself is probed too, for a holder that takes no lock.
+   */
   async start(): Promise<void> {
     if (this.state !== "new") {
       throw new KvxferError("ERR_STATE", `engine link is ${this.state}; start() runs once`);
     }
     const path = ipcPath(this.endpoint);
+    const fsPath = path !== undefined && path !== "" && !path.startsWith("@") && path !== "*";
     // An ipc socket file is created owner-only: the umask covers the bind itself (no moment
     // when another user could connect), the chmod covers a umask that something else changed.
     const umask = path !== undefined ? process.umask(0o077) : undefined;
     try {
+      if (fsPath) await this.takeLock(path);
       await this.socket.bind(this.endpoint);
       const bound = ipcPath(this.boundEndpoint) ?? path;
       if (bound !== undefined && bound !== "" && !bound.startsWith("@")) {
+        this.socketFile = { path: bound, id: fileId(bound) };
         const st = lstatSync(bound);
         if (!st.isSocket())
           throw new Error(`${bound} is not a socket after bind (mode ${st.mode.toString(8)})`);
@@ -229,6 +308,8 @@ export class EngineLinkServer {
     } catch (err) {
       this.state = "closed";
       this.socket.close();
+      this.removeFiles();
+      if (err instanceof KvxferError) throw err;
       throw new KvxferError(
         "ERR_BIND",
         `engine link cannot bind ${this.endpoint}: ${(err as Error).message}`,
@@ -240,6 +321,54 @@ export class EngineLinkServer {
     this.state = "open";
     this.loop = this.receiveLoop();
     this.log.info({ endpoint: this.endpoint }, "engine link listening");
+  }
+
+  private async takeLock(path: string): Promise<void> {
+    const inUse = (): KvxferError =>
+      new KvxferError(
+        "ERR_ENGINE_SOCKET_IN_USE",
+        `engine socket ${this.endpoint} is held by another live process (another sidecar for this engine?); stop it or give --engine-socket another path`,
+      );
+    const lockPath = `${path}.lock`;
+    for (let attempt = 0; ; attempt++) {
+      try {
+        const server = await listenLock(lockPath);
+        this.lock = { path: lockPath, id: fileId(lockPath), server };
+        break;
+      } catch (err) {
+        if ((err as NodeJS.ErrnoException).code !== "EADDRINUSE" || attempt >= 2) throw err;
+      }
+      if (await socketLive(lockPath)) throw inUse();
+      // A lock left by a holder that died: take it over.
+      this.log.warn({ lock: lockPath }, "removing a stale engine socket lock (its holder is gone)");
+      try {
+        unlinkSync(lockPath);
+      } catch {
+        // someone else removed it: try again
+      }
+    }
+    let live = false;
+    try {
+      live = await socketLive(path);
+    } catch {
+      live = false; // not a socket, or it does not answer: the bind decides
+    }
+    if (live) throw inUse();
+  }
+
+  /**
+   * Removes the ipc socket file and the lock this link made, if they are still the files it
+   * made; synchronous, for a process 'exit' hook. `close()` calls it.
+   */
+  removeFiles(): void {
+    if (this.socketFile !== undefined) unlinkIfSame(this.socketFile.path, this.socketFile.id);
+    this.socketFile = undefined;
+    if (this.lock !== undefined) {
+      // The socket first: no moment when the lock is gone but the socket still ours.
+      unlinkIfSame(this.lock.path, this.lock.id);
+      this.lock.server.close();
+      this.lock = undefined;
+    }
   }
 
   private async receiveLoop(): Promise<void> {
@@ -386,13 +515,15 @@ export class EngineLinkServer {
       if (this.state !== "open") return "failed";
       const code = errCode(err);
       if (quietIfGone && code === "EHOSTUNREACH") return "gone";
-      const level = code === "EHOSTUNREACH" ? "warn" : "error";
-      this.log[level](
-        { err, peer: to.id, kind: msg.msg.case },
-        code === "EHOSTUNREACH"
-          ? "engine is not connected; message dropped"
-          : "send to engine failed",
-      );
+      if (code === "EHOSTUNREACH") {
+        // Expected when an engine left (or was refused and went): one line, no stack.
+        this.log.warn(
+          { peer: to.id, kind: msg.msg.case },
+          "the engine connection is gone; message dropped",
+        );
+      } else {
+        this.log.error({ err, peer: to.id, kind: msg.msg.case }, "send to engine failed");
+      }
       return code === "EHOSTUNREACH" ? "gone" : "failed";
     }
   }
@@ -433,6 +564,7 @@ export class EngineLinkServer {
     this.state = "closed";
     this.socket.close();
     if (wasOpen && this.loop) await within(this.loop, timeoutMs);
+    this.removeFiles();
   }
 }
 

@@ -422,21 +422,24 @@ export async function startSidecar(
             : {}),
         }
       : undefined;
+  let api: ApiServer | undefined;
   const link = new EngineLinkServer({
     endpoint:
       s["engine-socket"] !== "" ? s["engine-socket"] : defaultEngineEndpoint(s["engine-id"]),
     maxFrameBytes: positiveInt("engine-max-frame-bytes", s["engine-max-frame-bytes"]),
-    onMessage: (msg, from) =>
+    onMessage: (msg, from) => {
       sidecar.onEngineMessage(msg, (m) => void link.send(from, m), {
         isOwner: link.isOwner(from),
         ownerConnected: link.ownerConnected,
         adopt: () => link.adopt(from),
-      }),
+      });
+      // Readiness: SERVING once a registration was accepted (and not while draining).
+      api?.setServing(sidecar.acceptsHandshakes);
+    },
     onRefused: (code, message) => sidecar.noteError(`engine frame refused: ${code}: ${message}`),
     logger,
   });
   await link.start();
-  let api: ApiServer | undefined;
   let metricsServer: MetricsServer | undefined;
   try {
     await sidecar.start((msg) => void link.sendToRegistered(msg), events, metrics);
@@ -445,8 +448,11 @@ export async function startSidecar(
       events,
       address: s.grpc,
       logger,
+      // Readiness: NOT_SERVING until the engine registers (an engine may have come first).
+      serving: sidecar.acceptsHandshakes,
       ...(tls !== undefined ? { tls } : {}),
     });
+    api.setServing(sidecar.acceptsHandshakes);
     if (s.metrics !== "")
       metricsServer = await startMetricsServer({ registry: metrics.registry, address: s.metrics });
   } catch (err) {
@@ -464,8 +470,8 @@ export async function startSidecar(
     api: apiServer,
     metrics: metricsServer,
     drain: async (deadlineMs) => {
-      apiServer.setServing(false);
       sidecar.draining = true;
+      apiServer.setServing(false);
       const end = Date.now() + deadlineMs;
       while (sidecar.liveTransfers() > 0 && Date.now() < end)
         await new Promise((r) => setTimeout(r, 50));
@@ -486,7 +492,24 @@ export async function startSidecar(
 export async function runSidecar(argv: string[]): Promise<number> {
   const settings = resolveSettings(argv);
   const logger = pino({ level: settings["log-level"], base: { pid: process.pid } }, stderrSink());
+  // Signals are caught from the start: one during start-up stops the sidecar once it is up
+  // (start-up is bounded), so its engine socket is removed like on any other stop.
+  let first = true;
+  const signal = new Promise<string>((resolve) => {
+    const on = (sig: string): void => {
+      // A second signal leaves at once, whatever is still closing (the exit hook below
+      // still removes the engine socket).
+      if (!first) process.exit(1);
+      first = false;
+      resolve(sig);
+    };
+    process.on("SIGINT", () => on("SIGINT"));
+    process.on("SIGTERM", () => on("SIGTERM"));
+  });
   const running = await startSidecar(settings, logger);
+  // Whatever ends the process from here (a second signal, the shutdown deadline, an uncaught
+  // error), the engine socket and its lock go with it.
+  process.once("exit", () => running.link.removeFiles());
   process.stdout.write(
     JSON.stringify({
       event: "ready",
@@ -498,17 +521,7 @@ export async function runSidecar(argv: string[]): Promise<number> {
       ...(running.metrics !== undefined ? { metrics: running.metrics.address } : {}),
     }) + "\n",
   );
-  const signal = await new Promise<string>((resolve) => {
-    let first = true;
-    const on = (sig: string): void => {
-      // A second signal leaves at once, whatever is still closing.
-      if (!first) process.exit(1);
-      first = false;
-      resolve(sig);
-    };
-    process.on("SIGINT", () => on("SIGINT"));
-    process.on("SIGTERM", () => on("SIGTERM"));
-  });
+  const sig = await signal;
   // Stopping is bounded too: the drain, then a few seconds to close everything.
   const drainMs = positiveInt("drain-ms", settings["drain-ms"]);
   setTimeout(() => {
@@ -517,12 +530,12 @@ export async function runSidecar(argv: string[]): Promise<number> {
   }, drainMs + 15_000).unref();
   // SIGTERM drains: health goes NOT_SERVING, new transfers are refused, and
   // in-flight ones get --drain-ms to end (each also has its own deadlines).
-  if (signal === "SIGTERM") {
+  if (sig === "SIGTERM") {
     logger.info({ drainMs, live: running.sidecar.liveTransfers() }, "draining");
     const left = await running.drain(drainMs);
     logger.info({ left }, left === 0 ? "drained" : "drain deadline passed");
   } else {
-    logger.info({ signal }, "stopping");
+    logger.info({ signal: sig }, "stopping");
   }
   await running.close();
   // Let the last log lines reach stderr (bounded: the sink never blocks).

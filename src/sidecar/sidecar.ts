@@ -446,6 +446,14 @@ export class Sidecar implements SidecarView {
     this.agents = [];
   }
 
+  /**
+   * True once the engine's KV cache is registered and the sidecar is not draining: it can
+   * answer peer handshakes (before, they get ERR_NOT_READY). gRPC health follows this.
+   */
+  get acceptsHandshakes(): boolean {
+    return this.layout !== undefined && !this.draining;
+  }
+
   // --- the engine link ---------------------------------------------------------
 
   /**
@@ -559,6 +567,7 @@ export class Sidecar implements SidecarView {
   private onRegister(reg: RegisterKvCache, conn?: EngineConnection): void {
     const fail = (error: string): void => {
       this.noteError(`register: ${error}`);
+      this.log.warn({ error }, "engine registration refused");
       this.answer({
         case: "registered",
         value: { ok: false, error, sideChannel: this.sideChannel, epoch: this.epoch },

@@ -5,7 +5,9 @@ import { runSimEngine } from "./engine.js";
 runSimEngine(process.argv.slice(2)).then(
   (code) => process.exit(code),
   (err: unknown) => {
-    process.stderr.write(`sim engine crashed: ${err instanceof Error ? err.stack : String(err)}\n`);
+    process.stderr.write(
+      `kvxfer sim-engine: ${err instanceof Error ? err.message : String(err)}\n`,
+    );
     process.exit(1);
   },
 );

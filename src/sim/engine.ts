@@ -388,7 +388,8 @@ class SimEngine {
         reject(
           new ControlError(
             "ERR_REGISTER_TIMEOUT",
-            `no Registered from the sidecar at ${this.cfg.socket} within ${this.cfg.registerTimeoutMs} ms`,
+            `no sidecar answered at ${this.cfg.socket} within ${this.cfg.registerTimeoutMs} ms ` +
+              `(is \`kvxfer sidecar --engine-id ${this.cfg.engineId}\` running on that engine socket?)`,
           ),
         );
       }, this.cfg.registerTimeoutMs);
@@ -977,19 +978,28 @@ export async function runSimEngine(argv: readonly string[]): Promise<number> {
     if (ready) serve(req);
     else pending.push(req);
   });
-  lines.on("close", () => shutdown(0));
+  // End of stdin stops the engine, but not before its start has an answer: an engine started
+  // with stdin closed still registers (or says why it could not, exit code 1).
+  let stdinClosed = false;
+  lines.on("close", () => {
+    stdinClosed = true;
+    if (ready) shutdown(0);
+  });
 
   try {
     write(await engine.start());
     ready = true;
     for (const req of pending.splice(0)) serve(req);
+    if (stdinClosed) shutdown(0);
   } catch (err) {
     const e = err as { code?: unknown; message?: unknown };
-    log.error({ err }, "sim engine failed to start");
     const error = {
       code: typeof e?.code === "string" ? e.code : "ERR_START",
       message: typeof e?.message === "string" ? e.message : String(err),
     };
+    // One line for whoever reads stderr (the JSON event is for a driver); no stack trace.
+    if (exitCode === undefined)
+      process.stderr.write(`kvxfer sim-engine: ${error.code}: ${error.message}\n`);
     write({ event: "error", ...error });
     for (const req of pending.splice(0)) write({ id: req.id, error });
     shutdown(1);
