@@ -135,11 +135,22 @@ export interface DemoRequestRecord {
 export interface DemoSummary {
   /** True only when every byte of every transfer was checked and matched, nothing failed, nothing leaked. */
   verified: boolean;
+  /** Transfers dispatched: `requested` unless the run was stopped early (Ctrl-C). */
   transfers: number;
+  /** Transfers asked for (--requests). */
+  requested: number;
+  /** Stopped early by the abort signal (Ctrl-C): transfers in flight were cut, not failed. */
+  interrupted: boolean;
+  /** In flight when the run was stopped: neither verified nor counted as failed. */
+  cut: number;
   failed: number;
   mismatches: number;
   /** KV bytes that landed on D (checked byte for byte). */
   bytes: number;
+  /** Tokens D already held (--prefix-tokens, prefix caching) and so did not move, over verified transfers. */
+  prefixTokens: number;
+  /** The bytes of those tokens on D: what prefix caching saved (checkedBytes = bytes + prefixBytes). */
+  prefixBytes: number;
   checkedBytes: number;
   mode: TransferMode;
   /** How the transfers actually moved, from D's KV_READY events (auto picks per transfer). */
@@ -299,6 +310,8 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
   const awaitTerminal = (transferId: string, timeoutMs: number): Promise<SidecarEvent> => {
     const seen = terminal.get(transferId);
     if (seen !== undefined) return Promise.resolve(seen);
+    // Stopped already (Ctrl-C): the abort event has fired and would not fire again.
+    if (o.signal?.aborted === true) return Promise.reject(new Error(`${transferId}: interrupted`));
     return new Promise((resolve, reject) => {
       const stop = (): void => {
         clearTimeout(timer);
@@ -380,6 +393,10 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     const perToken = dBytesPerToken(dLayout);
     const records: DemoRequestRecord[] = [];
 
+    let prefixTokensSaved = 0;
+    let prefixBytes = 0;
+    let cut = 0;
+    const stopped = (): boolean => o.signal?.aborted === true;
     const one = async (r: number): Promise<void> => {
       const p = ps[r % ps.length]!;
       const d = ds[r % ds.length]!;
@@ -466,15 +483,20 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
           latencies.push(readyAt - prefilledAt);
           checkedBytes += Number(ev.checkedBytes ?? 0);
           bytes += (tokens - prefix) * perToken;
+          prefixTokensSaved += prefix;
+          prefixBytes += prefix * perToken;
           if (ev.ok !== true) {
             mismatches += Number(ev.mismatches ?? 1);
             failures.push(`${transferId}: ${String(ev.first ?? "mismatch")}`);
           }
+        } else if (stopped()) {
+          cut++; // Ctrl-C reached the processes too: not a failure of the transfer
         } else {
           failures.push(`${transferId}: ${String(ev.reason)} ${String(ev.message ?? "")}`);
         }
       } catch (err) {
-        failures.push(`${transferId}: ${(err as Error).message.slice(0, 300)}`);
+        if (stopped()) cut++;
+        else failures.push(`${transferId}: ${(err as Error).message.slice(0, 300)}`);
       }
       if (o.recordRequests === true) records.push(rec);
       done++;
@@ -516,10 +538,15 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       checkedBytes > 0;
     return {
       verified,
-      transfers: o.requests,
+      transfers: next,
+      requested: o.requests,
+      interrupted: stopped(),
+      cut,
       failed: failures.length,
       mismatches,
       bytes,
+      prefixTokens: prefixTokensSaved,
+      prefixBytes,
       checkedBytes,
       mode: o.mode,
       byMode,
@@ -573,7 +600,16 @@ function choice<T extends string>(
   return v as T;
 }
 
-export function parseDemoArgs(argv: string[]): { options: DemoOptions; json: boolean } {
+/**
+ * Parses `kvxfer demo` flags. `notes`: settings the demo changed on its own (to be printed:
+ * nothing is switched silently).
+ */
+export function parseDemoArgs(argv: string[]): {
+  options: DemoOptions;
+  json: boolean;
+  notes: string[];
+} {
+  const notes: string[] = [];
   const s = { type: "string" } as const;
   const { values } = parseArgs({
     args: argv,
@@ -641,26 +677,54 @@ export function parseDemoArgs(argv: string[]): { options: DemoOptions; json: boo
   const auth = choice("peer-auth", values["peer-auth"], ["on", "off"] as const);
   if (auth !== undefined) o.peerAuth = auth === "on";
   // Pull needs P's block ids before D asks: the router waits for prefill.
-  if (o.mode === "pull" && values.dispatch === undefined) o.dispatch = "sequential";
+  if (o.mode === "pull" && values.dispatch === undefined && o.dispatch !== "sequential") {
+    o.dispatch = "sequential";
+    notes.push(
+      "note: --mode pull: dispatch set to sequential (D must know P's block ids before it reads them; give --dispatch to choose)",
+    );
+  }
   if (o.mode === "pull" && o.dispatch === "concurrent")
     throw new Error("--mode pull needs --dispatch sequential (D must know P's block ids)");
-  return { options: o, json: values.json === true };
+  return { options: o, json: values.json === true, notes };
+}
+
+/** Bytes in binary units, as `kvxfer status` prints them (MiB). */
+function mib(bytes: number): string {
+  return `${(bytes / 2 ** 20).toFixed(1)} MiB`;
 }
 
 export function formatDemoSummary(s: DemoSummary): string {
-  const mb = (s.bytes / 1e6).toFixed(1);
+  const sent =
+    s.transfers === s.requested
+      ? `${s.transfers}`
+      : `${s.transfers} sent of ${s.requested} requested`;
+  const seconds = s.elapsedMs / 1000;
+  const gibps = seconds > 0 ? s.bytes / 2 ** 30 / seconds : 0;
   const lines = [
     "",
-    `transfers: ${s.transfers} (mode ${s.mode}: ${
+    ...(s.interrupted
+      ? [
+          `interrupted: stopped after ${s.transfers} of ${s.requested} transfers` +
+            (s.cut > 0 ? `; ${s.cut} in flight were cut (not counted as failed)` : ""),
+        ]
+      : []),
+    `transfers: ${sent} (mode ${s.mode}: ${
       Object.entries(s.byMode)
         .map(([m, n]) => `${n} ${m}`)
         .join(", ") || "none ready"
     }; ${s.dispatch} dispatch), failed: ${s.failed}, mismatched: ${s.mismatches}, leaked blocks: ${s.leakedBlocks}`,
-    `KV moved: ${mb} MB in ${(s.elapsedMs / 1000).toFixed(2)} s (${s.gbps.toFixed(2)} GB/s overall, compute and verification included)`,
+    `KV moved: ${mib(s.bytes)} in ${seconds.toFixed(2)} s (${gibps.toFixed(2)} GiB/s overall, compute and verification included)`,
+    ...(s.prefixBytes > 0
+      ? [
+          `prefix caching: ${s.prefixTokens} tokens were already on D and did not move (${mib(s.prefixBytes)} saved); verified covers them too`,
+        ]
+      : []),
     `KV ready after prefill: p50 ${s.readyLatencyMs.p50} ms, p99 ${s.readyLatencyMs.p99} ms`,
     s.verified
-      ? `verified: every byte of every transfer checked on D (${(s.checkedBytes / 1e6).toFixed(1)} MB)`
-      : `NOT verified`,
+      ? `verified: every byte of every transfer checked on D (${mib(s.checkedBytes)})`
+      : s.interrupted
+        ? `NOT verified: interrupted (${mib(s.checkedBytes)} checked on D before the stop)`
+        : `NOT verified`,
     ...s.failures.map((f) => `  failure: ${f}`),
   ];
   return lines.join("\n");
@@ -671,7 +735,9 @@ export async function runDemoCommand(argv: string[]): Promise<number> {
     console.log(DEMO_USAGE);
     return 0;
   }
-  const { options, json } = parseDemoArgs(argv);
+  const { options, json, notes } = parseDemoArgs(argv);
+  // What the demo changed on its own is said first (on stderr with --json: stdout is the JSON).
+  for (const n of notes) (json ? console.error : console.log)(n);
   if (!json) {
     options.log = (l): void => console.log(l);
     let shown = -1;

@@ -140,6 +140,8 @@ export interface SimEngineSpawnOptions {
 export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> {
   /** Every event line so far (the oldest dropped past 100 000), `ready` included. */
   readonly events: SimEngineEvent[] = [];
+  /** Pending `waitEvent` calls, each told of every event until its wait ends. */
+  private readonly waiters = new Set<(e: SimEngineEvent) => void>();
   ready: SimEngineReady | undefined;
   private readonly proc: JsonLinesChild;
 
@@ -155,10 +157,16 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
         const ev = msg as SimEngineEvent;
         this.events.push(ev);
         if (this.events.length > MAX_EVENTS) this.events.shift();
-        this.emit("event", ev);
+        this.dispatch(ev);
       },
-      onExit: (code, signal) => this.emit("event", { event: "exit", code, signal }),
+      onExit: (code, signal) => this.dispatch({ event: "exit", code, signal }),
     });
+  }
+
+  /** Tells the pending waiters, then the "event" listeners. */
+  private dispatch(ev: SimEngineEvent): void {
+    for (const w of [...this.waiters]) w(ev);
+    this.emit("event", ev);
   }
 
   get child(): ChildProcess {
@@ -243,6 +251,9 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
     const seen = this.events.find(pred);
     if (seen) return Promise.resolve(seen);
     return new Promise((resolve, reject) => {
+      // Waiters are kept in a set of their own, not as "event" listeners: a driver legitimately
+      // waits on hundreds of transfers at once (EventEmitter would warn past 10 listeners), and
+      // each waiter leaves the set when its wait ends (match, exit or timeout).
       const onEvent = (e: SimEngineEvent): void => {
         if (pred(e)) {
           cleanup();
@@ -265,14 +276,14 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
       }, timeoutMs);
       const cleanup = (): void => {
         clearTimeout(timer);
-        this.off("event", onEvent);
+        this.waiters.delete(onEvent);
       };
       if (this.exitReason !== undefined) {
         cleanup();
         reject(new SimEngineError("ERR_EXITED", this.exitReason));
         return;
       }
-      this.on("event", onEvent);
+      this.waiters.add(onEvent);
     });
   }
 
