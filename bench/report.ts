@@ -72,7 +72,9 @@ export function packageRoot(): string {
 }
 
 export function resultsDir(): string {
-  const dir = join(packageRoot(), "bench", "results");
+  // KVXFER_BENCH_RESULTS: another directory (tests run a bench without touching bench/results).
+  const env = process.env.KVXFER_BENCH_RESULTS;
+  const dir = env !== undefined && env !== "" ? env : join(packageRoot(), "bench", "results");
   mkdirSync(dir, { recursive: true });
   return dir;
 }
