@@ -355,6 +355,8 @@ export interface RunningSidecar {
   /** NOT_SERVING, refuse new transfers, wait (bounded) for in-flight ones to end. */
   drain(deadlineMs: number): Promise<number>;
   close(): Promise<void>;
+  /** The part `close()` is closing now ("" when not closing, or closed). */
+  readonly closing: string;
 }
 
 export function readPem(flag: string, path: string): Buffer {
@@ -463,6 +465,7 @@ export async function startSidecar(
   }
   const apiServer = api;
   let closed = false;
+  let closing = "";
   return {
     sidecar,
     link,
@@ -480,14 +483,25 @@ export async function startSidecar(
     close: async () => {
       if (closed) return;
       closed = true;
+      closing = "gRPC API";
       await apiServer.close(1000);
+      closing = "metrics";
       await metricsServer?.close();
+      closing = "sidecar (side channel, peers, UCX agents)";
       await sidecar.close();
+      closing = "engine link";
       await link.close();
       events.close();
+      closing = "";
+    },
+    get closing() {
+      return closing;
     },
   };
 }
+
+/** How long closing may take after the drain (or SIGINT) before the process exits anyway. */
+const CLOSE_DEADLINE_MS = 5000;
 
 export async function runSidecar(argv: string[]): Promise<number> {
   const settings = resolveSettings(argv);
@@ -537,8 +551,21 @@ export async function runSidecar(argv: string[]): Promise<number> {
   } else {
     logger.info({ signal: sig }, "stopping");
   }
-  await running.close();
+  // Closing is bounded on its own: whoever started the sidecar may SIGKILL it soon after the
+  // signal (which would leave the engine socket behind); past this the process exits (1) and
+  // its exit hook still removes the socket and lock.
+  let timer: NodeJS.Timeout | undefined;
+  const closedInTime = await Promise.race([
+    running.close().then(() => true),
+    new Promise<false>((r) => (timer = setTimeout(() => r(false), CLOSE_DEADLINE_MS))),
+  ]);
+  clearTimeout(timer);
+  if (!closedInTime)
+    logger.error(
+      { closing: running.closing, ms: CLOSE_DEADLINE_MS },
+      "stopping took too long; exiting",
+    );
   // Let the last log lines reach stderr (bounded: the sink never blocks).
   await new Promise((r) => setTimeout(r, 50));
-  return 0;
+  return closedInTime ? 0 : 1;
 }

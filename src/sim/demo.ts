@@ -307,6 +307,13 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     terminal.set(ev.transferId, ev);
     waiting.get(ev.transferId)?.(ev);
   };
+  // One abort listener for every wait (not one per transfer in flight: past 10, Node warns of a
+  // leak); each wait leaves `stoppers` when it ends.
+  const stoppers = new Set<() => void>();
+  const onAbort = (): void => {
+    for (const stop of [...stoppers]) stop();
+  };
+  o.signal?.addEventListener("abort", onAbort, { once: true });
   const awaitTerminal = (transferId: string, timeoutMs: number): Promise<SidecarEvent> => {
     const seen = terminal.get(transferId);
     if (seen !== undefined) return Promise.resolve(seen);
@@ -316,21 +323,22 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       const stop = (): void => {
         clearTimeout(timer);
         waiting.delete(transferId);
+        stoppers.delete(stop);
         reject(new Error(`${transferId}: interrupted`));
       };
       const timer = setTimeout(() => {
         waiting.delete(transferId);
-        o.signal?.removeEventListener("abort", stop);
+        stoppers.delete(stop);
         reject(
           new Error(`no terminal event for ${transferId} from D's sidecar within ${timeoutMs} ms`),
         );
       }, timeoutMs);
       // Ctrl-C reaches the sidecars too: nobody will answer, so stop waiting.
-      o.signal?.addEventListener("abort", stop, { once: true });
+      stoppers.add(stop);
       waiting.set(transferId, (ev) => {
         clearTimeout(timer);
         waiting.delete(transferId);
-        o.signal?.removeEventListener("abort", stop);
+        stoppers.delete(stop);
         resolve(ev);
       });
     });
@@ -569,6 +577,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
         : {}),
     };
   } finally {
+    o.signal?.removeEventListener("abort", onAbort);
     for (const w of watches) w.cancel();
     for (const c of clients) c.close();
     await Promise.all(engines.map((e) => e.close().catch(() => undefined)));

@@ -3,7 +3,7 @@
  * it: waits (bounded) for its ready line, stops it (bounded) on close().
  */
 import { spawn, type ChildProcess } from "node:child_process";
-import { appendFileSync, existsSync } from "node:fs";
+import { appendFileSync, existsSync, lstatSync, rmSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
@@ -130,19 +130,51 @@ export class SidecarProcess {
         );
       });
     });
-    this.ready.catch(() => undefined);
+    this.ready.then(
+      (r) => this.noteSocketFiles(r),
+      () => undefined,
+    );
   }
 
   kill(signal: NodeJS.Signals = "SIGKILL"): void {
     this.child.kill(signal);
   }
 
-  /** SIGTERM, then SIGKILL after `timeoutMs`. Resolves with how it ended. */
+  /**
+   * SIGTERM, then SIGKILL after `timeoutMs`. Resolves with how it ended. Whatever files of its
+   * engine socket the sidecar could not remove (it was SIGKILLed, or hung and was) are removed
+   * here, if they are still the ones it made (same inode: not a later sidecar's).
+   */
   async close(timeoutMs = 10_000): Promise<{ code: number | null; signal: NodeJS.Signals | null }> {
     if (this.child.exitCode === null && this.child.signalCode === null) this.child.kill("SIGTERM");
     const timer = setTimeout(() => this.child.kill("SIGKILL"), timeoutMs);
     const res = await this.exited;
     clearTimeout(timer);
+    for (const [path, ino] of this.socketFiles) {
+      try {
+        if (lstatSync(path, { bigint: true }).ino === ino) rmSync(path, { force: true });
+      } catch {
+        // gone already
+      }
+    }
+    this.socketFiles.clear();
     return res;
+  }
+
+  /** The engine socket file and its lock, by inode, once ready (ipc endpoints only). */
+  private readonly socketFiles = new Map<string, bigint>();
+
+  private noteSocketFiles(ready: SidecarReady): void {
+    const endpoint = ready.engineSocket ?? "";
+    if (!endpoint.startsWith("ipc://")) return;
+    const path = endpoint.slice("ipc://".length);
+    if (path === "" || path.startsWith("@")) return;
+    for (const p of [path, `${path}.lock`]) {
+      try {
+        this.socketFiles.set(p, lstatSync(p, { bigint: true }).ino);
+      } catch {
+        // not there (another transport, or already gone)
+      }
+    }
   }
 }
