@@ -336,7 +336,14 @@ export class EngineLinkServer {
         this.lock = { path: lockPath, id: fileId(lockPath), server };
         break;
       } catch (err) {
-        if ((err as NodeJS.ErrnoException).code !== "EADDRINUSE" || attempt >= 2) throw err;
+        const code = (err as NodeJS.ErrnoException).code;
+        if (code !== "EADDRINUSE") {
+          // No lock possible here (e.g. the path is too long for one more suffix): the probe
+          // of the socket below still refuses a live holder, only a simultaneous start is not.
+          this.log.warn({ lock: lockPath, err: code }, "cannot take the engine socket lock");
+          break;
+        }
+        if (attempt >= 2) throw err;
       }
       if (await socketLive(lockPath)) throw inUse();
       // A lock left by a holder that died: take it over.
