@@ -1762,8 +1762,10 @@ export class Sidecar implements SidecarView {
   /** Control messages go from our rank 0 agent to the peer's rank 0 agent. */
   private sendPeer(peer: PeerState, body: PeerBody): void {
     if (peer.state !== "connected") return;
+    // Closed (the agents are gone): transfers ending during the stop notify no one.
+    const agent = this.agents[0];
+    if (agent === undefined) return;
     try {
-      const agent = this.agents[0]!;
       agent.notify(peer.endpoint(0, 0), this.encode(peer, body)).catch((err: unknown) => {
         this.log.warn({ err, peer: peer.engineId, msg: body.case }, "peer notification failed");
       });
