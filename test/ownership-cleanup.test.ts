@@ -238,6 +238,39 @@ describe("engine socket ownership", () => {
   });
 });
 
+describe("quiet", () => {
+  it("many concurrent waits on one sim engine: no MaxListenersExceededWarning", async () => {
+    const id = uniqueId("quiet");
+    const path = socketPath(id);
+    const s = sidecar(id, path);
+    await s.ready;
+    const engine = await SimEngineProcess.start({
+      ...SMALL_ENGINE,
+      engineId: id,
+      role: "both",
+      socket: `ipc://${path}`,
+      shmDir,
+    });
+    engines.push(engine);
+    const warnings: string[] = [];
+    const onWarning = (w: Error): void => void warnings.push(`${w.name}: ${w.message}`);
+    process.on("warning", onWarning);
+    try {
+      // 50 waiters at once (a router with 50 transfers in flight), all ended by their timeout.
+      const waits = Array.from({ length: 50 }, (_, i) =>
+        engine.waitTransfer(`never-${i}`, "verified", 200).catch((e: Error) => e),
+      );
+      expect((await Promise.all(waits)).every((e) => e instanceof Error)).toBe(true);
+      // Warnings are emitted on the next tick.
+      await new Promise((r) => setImmediate(r));
+      expect(warnings.filter((w) => w.includes("MaxListeners"))).toEqual([]);
+      expect(engine.listenerCount("event")).toBe(0);
+    } finally {
+      process.off("warning", onWarning);
+    }
+  });
+});
+
 describe("nothing left behind", () => {
   for (const sig of ["SIGTERM", "SIGINT"] as const) {
     it(`${sig}: the sidecar removes its socket and lock, the engine its KV files`, async () => {
