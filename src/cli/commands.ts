@@ -252,7 +252,16 @@ export const COMMANDS: readonly CommandSpec[] = [
     epilog: "control: JSON lines on stdin; replies and events on stdout (docs/engine-link.md).",
     valueStyle: "eq",
     check: (argv) => {
-      parseSimEngineArgs(argv);
+      try {
+        parseSimEngineArgs(argv);
+      } catch (e) {
+        // What drives a sim-engine reads its stdout: the refusal as a JSON line too.
+        process.stdout.write(
+          JSON.stringify({ event: "error", code: "ERR_USAGE", message: (e as Error).message }) +
+            "\n",
+        );
+        throw e;
+      }
     },
     run: (argv) => runSimEngine(argv),
   },
