@@ -208,15 +208,21 @@ export function kvxferVersion(): string {
 }
 
 /** The main usage, from the same declarations as each command's. */
-export function mainUsage(specs: readonly CommandSpec[]): string {
-  const lines = ["usage: kvxfer <command> [arguments] [flags]", ""];
+export function mainUsage(specs: readonly CommandSpec[], group?: string): string {
+  const lines = [
+    group === undefined
+      ? "usage: kvxfer <command> [arguments] [flags]"
+      : `usage: kvxfer ${group} <suite> [flags]`,
+    "",
+  ];
   for (const s of specs) {
+    if (group !== undefined && s.path[0] !== group) continue;
     lines.push(`  ${synopsis(s)}`, `      ${s.summary}`);
   }
   lines.push(
     "",
     "  kvxfer <command> --help   that command's flags (nothing else runs)",
-    "  kvxfer --version          the version",
+    ...(group === undefined ? ["  kvxfer --version          the version"] : []),
     "",
     EXIT_CODES,
   );
@@ -269,6 +275,7 @@ function program(specs: readonly CommandSpec[], onParsed: (p: Parsed) => void): 
       if (g === undefined) {
         g = configure(new Command(group), group);
         g.description(`${group} suites: kvxfer ${group} <suite> --help for each`);
+        g.helpInformation = (): string => mainUsage(specs, group) + "\n";
         root.addCommand(g);
         groups.set(group, g);
       }
@@ -334,7 +341,8 @@ export async function runCli(specs: readonly CommandSpec[], argv: string[]): Pro
     process.stderr.write(mainUsage(specs) + "\n");
     return 2;
   }
-  if (argv[0] === "help") argv = ["--help"];
+  // `kvxfer help [command...]` is `kvxfer [command...] --help`.
+  if (argv[0] === "help") argv = [...argv.slice(1), "--help"];
   let parsed: Parsed | undefined;
   const root = program(specs, (p) => (parsed = p));
   try {
