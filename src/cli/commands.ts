@@ -38,8 +38,11 @@ const PEER_AUTH: OptSpec = {
 };
 const LOG_LEVELS = ["fatal", "error", "warn", "info", "debug", "trace", "silent"];
 
-/** The kind of each sidecar setting's value (all arrive as strings: flag, env or config file). */
-const SIDECAR_KINDS: Record<SettingName, Kind> = {
+/**
+ * The kind of each sidecar setting's value (all arrive as strings: flag, env or
+ * config file). A setting not listed takes any string; the sidecar checks it.
+ */
+const SIDECAR_KINDS: Partial<Record<SettingName, Kind>> = {
   "engine-id": STR,
   role: choice("prefill", "decode", "both"),
   "engine-socket": STR,
@@ -83,8 +86,10 @@ const SIDECAR_OPTIONS: OptSpec[] = (
   Object.entries(SIDECAR_SETTINGS) as [SettingName, { help: string; default: string }][]
 ).map(([name, s]) => ({
   name,
-  kind: SIDECAR_KINDS[name],
-  ...(SIDECAR_KINDS[name].t === "string" ? { arg: name === "engine-id" ? "ID" : "VALUE" } : {}),
+  kind: SIDECAR_KINDS[name] ?? STR,
+  ...((SIDECAR_KINDS[name] ?? STR).t === "string"
+    ? { arg: name === "engine-id" ? "ID" : "VALUE" }
+    : {}),
   help: s.help,
   def: s.default,
   ...(name === "engine-id" ? { required: true } : {}),
