@@ -12,7 +12,7 @@
  * it is for and how it runs. The main usage, each command's `--help` and the
  * checks all come from those declarations, so they cannot drift apart. Once
  * commander has checked a command line, the command gets it back in one
- * canonical form (`--flag=value` or `--flag value`, positionals first) and
+ * canonical form (`--flag=value` or `--flag value`, then `--` and the positionals) and
  * parses it with its own parser as before; a command may also check the whole
  * line up front (`check`), so that values that depend on each other are
  * refused with exit 2 too.
@@ -312,7 +312,7 @@ function program(specs: readonly CommandSpec[], onParsed: (p: Parsed) => void): 
       const positionals = (
         actionArgs.slice(0, (spec.args ?? []).length) as (string | undefined)[]
       ).filter((x): x is string => x !== undefined);
-      const argv = [...positionals];
+      const argv: string[] = [];
       for (const o of spec.options) {
         const opt = cmd.options.find((x) => x.long === `--${o.name}`)!;
         const key = opt.attributeName();
@@ -325,6 +325,8 @@ function program(specs: readonly CommandSpec[], onParsed: (p: Parsed) => void): 
         for (const x of Array.isArray(v) ? (v as string[]) : [String(v)])
           argv.push(...(spec.valueStyle === "eq" ? [`--${o.name}=${x}`] : [`--${o.name}`, x]));
       }
+      // Positionals last, after "--": a transfer id may start with "-".
+      if (positionals.length > 0) argv.push("--", ...positionals);
       onParsed({ spec, argv });
     });
     parent.addCommand(cmd);
