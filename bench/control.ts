@@ -24,6 +24,7 @@ import {
   BenchArgs,
   type Stats,
   fmt,
+  fmtP99,
   machineCpuSeconds,
   machineLine,
   markdownTable,
@@ -274,7 +275,7 @@ function cells(r: ControlRow, ref: ControlReference): string[] {
     `${fmt(r.machineBusy * 100, 0)}%`,
     fmt(r.sidecarBoundPerSec, 0),
     fmt(r.kvReadyMs.p50, 1),
-    fmt(r.kvReadyMs.p99, 1),
+    fmtP99(r.kvReadyMs, 1),
     fmt(ref.roundTripsPerSec, 0),
     fmt(ref.cpuMsPerRoundTrip, 3),
     fmt(r.rateRatio, 3),
@@ -297,6 +298,16 @@ export const CONTROL_NOTES = [
   "  native (reference): small WRITE + notification, acknowledged by a notification, one in flight, two processes over shm",
   "  rate ratio = transfers/s / native round trips/s; CPU ratio = sidecars' CPU per transfer / native CPU per round trip",
 ].join("\n");
+
+/** One line: the sidecar pair's rate against the native round trip, per mode. */
+export function controlConclusion(result: ControlBenchResult): string {
+  const parts = result.rows.map(
+    (r) =>
+      `${r.mode} ${fmt(r.transfersPerSec, 0)}/s (${fmt(r.rateRatio, 2)}x the native round trips, ` +
+      `${fmt(r.sidecarCpuMs, 2)} ms of sidecar CPU per transfer)`,
+  );
+  return `conclusion: one sidecar pair sustained ${parts.join("; ")}`;
+}
 
 const USAGE =
   "usage: kvxfer bench control [--json] [--quick] [--requests N] [--concurrency N] [--tokens N] [--reps N] [--peer-auth on|off]";
@@ -332,6 +343,7 @@ export function main(argv: string[] = process.argv.slice(2)): Promise<ControlBen
     `  ${result.shape}`,
     formatControl(result),
     CONTROL_NOTES,
+    controlConclusion(result),
   ]);
 }
 

@@ -23,6 +23,7 @@ import {
   BenchArgs,
   type Stats,
   fmt,
+  fmtP99,
   machineLine,
   markdownTable,
   stats,
@@ -250,7 +251,7 @@ function tableParts(
         (x) => x.tokens === t && x.mode === combo.mode && x.dispatch === combo.dispatch,
       );
       const ref = combo.mode === "pull" && combo.dispatch === "sequential";
-      row.push(c === undefined ? "-" : `${fmt(c[metric].p50, 1)} / ${fmt(c[metric].p99, 1)}`);
+      row.push(c === undefined ? "-" : `${fmt(c[metric].p50, 1)} / ${fmtP99(c[metric], 1)}`);
       if (!ref) {
         const ratio = metric === "ttftMs" ? c?.ttftRatioP50 : c?.kvReadyRatioP50;
         row.push(ratio === undefined || !Number.isFinite(ratio) ? "-" : `${fmt(ratio)}x`);

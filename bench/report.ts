@@ -32,6 +32,14 @@ export function stats(samples: readonly number[]): Stats {
   };
 }
 
+/** Fewer samples than this and a p99 is the maximum of a handful: it is not printed. */
+export const MIN_P99_SAMPLES = 20;
+
+/** A p99 cell: "-" below MIN_P99_SAMPLES samples (the JSON keeps the figure and its n). */
+export function fmtP99(s: Stats, dp = 2): string {
+  return s.n < MIN_P99_SAMPLES ? "-" : fmt(s.p99, dp);
+}
+
 /** Fixed decimals, or "-" for a missing figure. */
 export function fmt(x: number | undefined, dp = 2): string {
   return x === undefined || !Number.isFinite(x) ? "-" : x.toFixed(dp);

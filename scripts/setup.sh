@@ -39,5 +39,13 @@ fi
 npm install --no-fund --no-audit
 npm run build
 
+# `kvxfer` on the PATH (package.json "bin"): a link to this checkout in npm's
+# global folder, so a rebuild is picked up without linking again.
+if npm link --no-fund --no-audit >/dev/null 2>&1 && command -v kvxfer >/dev/null 2>&1; then
+  echo "kvxfer setup: $(command -v kvxfer) -> $(pwd)/dist/src/cli/main.js"
+else
+  echo "kvxfer setup: could not put kvxfer on the PATH (npm link needs write access to $(npm prefix -g)); run 'npm link' as root, or use 'node dist/src/cli/main.js'" >&2
+fi
+
 # The vLLM connector, the vLLM engine the tests run, and the Python test tools.
 bash scripts/setup-python.sh

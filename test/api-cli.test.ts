@@ -52,12 +52,18 @@ describe("kvxfer status", () => {
     });
   });
 
-  it("exits 2 on usage errors and 1 when the sidecar is unreachable", async () => {
+  it("exits 2 on usage errors and 1 when the sidecar is unreachable, in one line", async () => {
     const c = capture();
     expect(await runStatus([], c.io)).toBe(2);
-    expect(c.err.join("\n")).toMatch(/usage: kvxfer status/);
+    expect(c.err).toEqual([
+      expect.stringMatching(/^kvxfer status: missing the sidecar's gRPC address/),
+    ]);
+    const t = capture();
+    expect(await runStatus(["127.0.0.1:1", "--timeout", "abc"], t.io)).toBe(2);
+    expect(t.err).toEqual([expect.stringContaining("--timeout must be a number > 0, got 'abc'")]);
     const d = capture();
     expect(await runStatus(["127.0.0.1:1", "--timeout", "300"], d.io)).toBe(1);
+    expect(d.err).toEqual([expect.stringContaining("nothing listening at 127.0.0.1:1")]);
   });
 });
 

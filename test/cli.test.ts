@@ -63,12 +63,12 @@ describe("kvxfer demo --json", () => {
     }
   });
 
-  it("refuses a bad flag with a message naming it", () => {
+  it("refuses a bad flag with a message naming it (exit 2, usage)", () => {
     const r = kvxfer(["demo", "--mode", "sideways"]);
-    expect(r.status).toBe(1);
+    expect(r.status).toBe(2);
     expect(r.stderr).toMatch(/--mode must be one of push, pull, auto, got 'sideways'/);
     const u = kvxfer(["demo", "--mode", "pull", "--dispatch", "concurrent"]);
-    expect(u.status).toBe(1);
+    expect(u.status).toBe(2);
     expect(u.stderr).toMatch(/--mode pull needs --dispatch sequential/);
   });
 
@@ -110,10 +110,19 @@ describe("sidecar settings", () => {
       writeFileSync(file, JSON.stringify({ "lease-msec": 5 }));
       expect(() => resolveSettings(["--config", file], {})).toThrow(/unknown setting 'lease-msec'/);
       const r = kvxfer(["sidecar", "--engine-id", "x", "--lease-ms", "soon"], 20_000);
-      expect(r.status).toBe(1);
+      expect(r.status).toBe(2);
       expect(r.stderr).toMatch(/--lease-ms must be a positive integer, got 'soon'/);
       const m = kvxfer(["sidecar", "--role", "prefill"], 20_000);
+      expect(m.status).toBe(2);
       expect(m.stderr).toMatch(/--engine-id is required/);
+      // The same check for a value from the environment (ERR_CONFIG: a usage error too).
+      const e = spawnSync(process.execPath, [cliScript(), "sidecar", "--engine-id", "x"], {
+        encoding: "utf8",
+        timeout: 20_000,
+        env: { ...process.env, KVXFER_LEASE_MS: "soon" },
+      });
+      expect(e.status).toBe(2);
+      expect(e.stderr).toMatch(/ERR_CONFIG: --lease-ms must be a positive integer, got 'soon'/);
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }

@@ -102,8 +102,8 @@ describe("compatibility check", () => {
     const err = refusal(() => assertCompatible(p, base()));
     expect(err.code).toBe("ERR_LAYOUT_INVALID");
     expect(err.field).toBe("src.tpSize");
-    expect(err.message).toContain("totalKvHeads 8");
-    expect(err.message).toContain("tpSize 3");
+    expect(err.message).toContain("the 8 KV heads");
+    expect(err.message).toContain("TP 3");
     const err2 = refusal(() => assertCompatible(base(), base({ tpSize: 5 })));
     expect(err2.field).toBe("dst.tpSize");
   });

@@ -65,7 +65,7 @@ export function rssKiB(pid: number): number {
 }
 
 let seq = 0;
-/** A unique engine id (sim engines accept [A-Za-z0-9._-]{1,64}). */
+/** A unique engine id (engine ids are [A-Za-z0-9._-]{1,128} everywhere). */
 export function uniqueId(prefix: string): string {
   seq++;
   return `${prefix}-${process.pid}-${seq}-${Math.random().toString(36).slice(2, 6)}`;

@@ -7,6 +7,8 @@
  * longer has the ones it missed.
  */
 import * as grpc from "@grpc/grpc-js";
+import { isIP } from "node:net";
+import { checkServerIdentity } from "node:tls";
 import { create } from "@bufbuild/protobuf";
 import {
   type HealthCheckResponse,
@@ -146,11 +148,43 @@ export function isServiceError(err: unknown): err is grpc.ServiceError {
   return err instanceof Error && typeof (err as { code?: unknown }).code === "number";
 }
 
-function credentials(tls: ClientTlsOptions | undefined): grpc.ChannelCredentials {
-  if (tls === undefined) return grpc.credentials.createInsecure();
+/** The host part of host:port, [v6]:port, or a bare host. */
+function hostOf(address: string): string {
+  const target = address.replace(/^dns:(\/\/[^/]*\/)?/, "");
+  const v6 = /^\[([^\]]+)\]/.exec(target);
+  if (v6 !== null) return v6[1]!;
+  const i = target.lastIndexOf(":");
+  return i >= 0 && target.indexOf(":") === i ? target.slice(0, i) : target;
+}
+
+/**
+ * TLS to an IP address: grpc-js would send the IP as the TLS server name,
+ * which Node refuses with a deprecation warning (DEP0123) on every call. The
+ * SNI name is then a placeholder and the certificate is still checked against
+ * the IP address (its subjectAltName IP entries).
+ */
+const IP_SNI_PLACEHOLDER = "kvxfer-sidecar";
+
+function credentials(
+  tls: ClientTlsOptions | undefined,
+  address: string,
+): { creds: grpc.ChannelCredentials; nameOverride?: string } {
+  if (tls === undefined) return { creds: grpc.credentials.createInsecure() };
   const buf = (v: Buffer | string | undefined): Buffer | null =>
     v === undefined ? null : Buffer.from(v);
-  return grpc.credentials.createSsl(buf(tls.ca), buf(tls.key), buf(tls.cert));
+  const host = hostOf(address);
+  if (tls.serverName === undefined && isIP(host) !== 0) {
+    return {
+      creds: grpc.credentials.createSsl(buf(tls.ca), buf(tls.key), buf(tls.cert), {
+        checkServerIdentity: (_name, cert) => checkServerIdentity(host, cert),
+      }),
+      nameOverride: IP_SNI_PLACEHOLDER,
+    };
+  }
+  return {
+    creds: grpc.credentials.createSsl(buf(tls.ca), buf(tls.key), buf(tls.cert)),
+    ...(tls.serverName !== undefined ? { nameOverride: tls.serverName } : {}),
+  };
 }
 
 export class SidecarClient {
@@ -165,9 +199,9 @@ export class SidecarClient {
       // Our server's caps are small; a stream's events are tiny.
       "grpc.max_receive_message_length": 64 << 20,
     };
-    if (opts.tls?.serverName !== undefined)
-      options["grpc.ssl_target_name_override"] = opts.tls.serverName;
-    this.client = new grpc.Client(address, credentials(opts.tls), options);
+    const { creds, nameOverride } = credentials(opts.tls, address);
+    if (nameOverride !== undefined) options["grpc.ssl_target_name_override"] = nameOverride;
+    this.client = new grpc.Client(address, creds, options);
   }
 
   /** Resolves when the channel is connected; rejects after `timeoutMs`. */

@@ -10,19 +10,14 @@ import { isServiceError, type SidecarClient } from "../api/client.js";
 import {
   type CliIo,
   TLS_OPTIONS,
-  TLS_USAGE,
   UsageError,
   clientFrom,
   describeError,
+  explainClientError,
   formatEvent,
   output,
   toJson,
 } from "./grpc-client.js";
-
-export const AWAIT_USAGE = `kvxfer await <host:port> <transfer-id> [--timeout MS] [--side prefill|decode] [--json]
-    waits for the transfer's terminal event (default timeout 30000 ms)
-    exit 0: KV_READY or RELEASED; 1: FAILED, EXPIRED or ABORTED; 3: timed out; 4: other error
-    ${TLS_USAGE}`;
 
 export async function runAwait(argv: string[], io: CliIo = {}): Promise<number> {
   const { out, err } = output(io);
@@ -57,7 +52,7 @@ export async function runAwait(argv: string[], io: CliIo = {}): Promise<number> 
       throw new UsageError(`--side must be prefill or decode, got '${values.side}'`);
     client = clientFrom(address, values);
   } catch (e) {
-    err(`${describeError(e)}\nusage: ${AWAIT_USAGE}`);
+    err(`kvxfer await: ${describeError(e)} (kvxfer await --help for usage)`);
     return 2;
   }
   try {
@@ -74,7 +69,8 @@ export async function runAwait(argv: string[], io: CliIo = {}): Promise<number> 
       err(`kvxfer await: transfer '${transferId}' has not ended within ${timeoutMs} ms`);
       return 3;
     }
-    err(`kvxfer await ${address}: ${describeError(e)}`);
+    const tls = values.ca !== undefined || values.cert !== undefined;
+    err(`kvxfer await: ${explainClientError(e, address!, tls, values.verbose)}`);
     return 4;
   } finally {
     client.close();

@@ -18,6 +18,7 @@ export const TLS_OPTIONS = {
   cert: { type: "string" },
   key: { type: "string" },
   "server-name": { type: "string" },
+  verbose: { type: "boolean", default: false },
 } as const;
 
 export const TLS_USAGE = `TLS: --ca FILE (trust this CA; turns TLS on) [--cert FILE --key FILE] (client certificate, for mTLS) [--server-name NAME]`;
@@ -32,6 +33,7 @@ export function clientFrom(
 ): SidecarClient {
   if (address === undefined || address === "")
     throw new UsageError("missing the sidecar's gRPC address (host:port)");
+  checkAddress(address);
   if ((values.cert === undefined) !== (values.key === undefined))
     throw new UsageError("--cert and --key go together");
   let tls: ClientTlsOptions | undefined;
@@ -127,4 +129,77 @@ export function stopSignal(io: CliIo): { signal: AbortSignal; dispose(): void } 
       process.off("SIGTERM", stop);
     },
   };
+}
+
+/**
+ * The sidecar's gRPC address must name its port: `--grpc` defaults to
+ * 127.0.0.1:0 (a free port, printed in the ready line), so there is no port
+ * kvxfer could assume (grpc-js would silently try 443).
+ */
+export function checkAddress(address: string): void {
+  if (/^(unix:|unix-abstract:|[a-z]+:\/\/)/.test(address)) return;
+  const bracketed = /^\[[^\]]*\](:(\d*))?$/.exec(address);
+  const port = bracketed !== null ? bracketed[2] : /^[^:]*:(\d*)$/.exec(address)?.[1];
+  if (port === undefined || port === "")
+    throw new UsageError(
+      `'${address}' has no port: give host:port, the "grpc" address in the sidecar's ready line (kvxfer has no fixed gRPC port; --grpc defaults to a free one)`,
+    );
+  const n = Number(port);
+  if (!Number.isInteger(n) || n < 1 || n > 65535)
+    throw new UsageError(`'${address}': the port must be 1..65535`);
+}
+
+/**
+ * A client error as one line that says what to do: nothing listening, TLS
+ * expected or not, an untrusted certificate, no answer in time. `tls`: whether
+ * this client used TLS. With `verbose`, grpc-js's own details and the stack follow.
+ */
+export function explainClientError(
+  err: unknown,
+  address: string,
+  tls: boolean,
+  verbose = false,
+): string {
+  const raw = describeError(err);
+  const e = err as { code?: unknown };
+  let msg: string;
+  if (/ECONNREFUSED/.test(raw))
+    msg = `nothing listening at ${address} (is the sidecar running? its ready line prints its gRPC address as "grpc")`;
+  else if (/ENOTFOUND|EAI_AGAIN|Name resolution failed|DNS resolution failed/i.test(raw))
+    msg = `cannot resolve the host of ${address}`;
+  else if (/EHOSTUNREACH|ENETUNREACH/.test(raw)) msg = `${address} is unreachable (routing)`;
+  else if (tls && /wrong version number|packet length too long|unknown protocol/i.test(raw))
+    msg = `TLS expected by this client, but the sidecar at ${address} serves plain gRPC: drop --ca/--cert/--key`;
+  else if (!tls && e.code === 14 && /Failed to connect|Connection dropped|ECONNRESET/i.test(raw))
+    msg = `the sidecar at ${address} closed the connection: it likely expects TLS; pass --ca FILE (the CA that signed its --tls-cert)`;
+  else if (
+    tls &&
+    /self[- ]signed|unable to (get|verify)|certificate (has expired|verify failed)|Hostname\/IP does not match|ERR_TLS_CERT/i.test(
+      raw,
+    )
+  )
+    msg = `TLS: the certificate of the sidecar at ${address} is not trusted (${oneLineOf(raw)}): check --ca FILE (and --server-name)`;
+  else if (tls && /certificate required|alert handshake failure|bad certificate/i.test(raw))
+    msg = `TLS: the sidecar at ${address} wants a client certificate it trusts (mutual TLS): pass --cert FILE --key FILE`;
+  else if (e.code === 4) msg = `no answer from ${address} in time (${oneLineOf(raw)})`;
+  else msg = `${address}: ${oneLineOf(raw)}`;
+  if (verbose) {
+    const stack = err instanceof Error && err.stack !== undefined ? `\n${err.stack}` : "";
+    return `${msg}\n${raw}${stack}`;
+  }
+  return msg;
+}
+
+/** grpc-js details without their noise: the last error, one line. */
+function oneLineOf(raw: string): string {
+  const last =
+    /Last error: (?:Error: )?(.*?)(?:\s*\(\d{4}-\d\d-\d\dT[^)]*\))?\.?\s*(?:Resolution note:.*)?$/s.exec(
+      raw,
+    );
+  const text = last !== null ? last[1]! : raw;
+  return text
+    .replace(/^[0-9A-F]+:error:[0-9A-F]+:SSL routines:[^:]*:/, "")
+    .replace(/:\.\.\/deps\/openssl.*$/s, "")
+    .replace(/\s*\n\s*/g, " ")
+    .trim();
 }

@@ -5,10 +5,10 @@ import { parseArgs } from "node:util";
 import {
   type CliIo,
   TLS_OPTIONS,
-  TLS_USAGE,
   UsageError,
   clientFrom,
   describeError,
+  explainClientError,
   formatBytes,
   formatDuration,
   output,
@@ -16,10 +16,6 @@ import {
   toJson,
 } from "./grpc-client.js";
 import type { SidecarStatusReply } from "../api/client.js";
-
-export const STATUS_USAGE = `kvxfer status <host:port> [--json] [--timeout MS]
-    the sidecar's identity, peers, transfers by state, bytes moved, event log, health
-    ${TLS_USAGE}`;
 
 export function formatStatus(s: SidecarStatusReply, health: string, nowMs = Date.now()): string[] {
   const lines = [
@@ -77,6 +73,7 @@ export async function runStatus(argv: string[], io: CliIo = {}): Promise<number>
   const { out, err } = output(io);
   let values;
   let positionals;
+  let client;
   try {
     ({ values, positionals } = parseArgs({
       args: argv,
@@ -89,21 +86,18 @@ export async function runStatus(argv: string[], io: CliIo = {}): Promise<number>
     }));
     if (positionals.length > 1)
       throw new UsageError(`unexpected arguments: ${positionals.slice(1).join(" ")}`);
+    let timeoutMs: number | undefined;
+    if (values.timeout !== undefined) {
+      timeoutMs = Number(values.timeout);
+      if (!Number.isFinite(timeoutMs) || timeoutMs <= 0)
+        throw new UsageError(`--timeout must be a number > 0, got '${values.timeout}'`);
+    }
+    client = clientFrom(positionals[0], values, timeoutMs);
   } catch (e) {
-    err(`${describeError(e)}\nusage: ${STATUS_USAGE}`);
+    err(`kvxfer status: ${describeError(e)} (kvxfer status --help for usage)`);
     return 2;
   }
-  let client;
-  try {
-    client = clientFrom(
-      positionals[0],
-      values,
-      values.timeout === undefined ? undefined : Number(values.timeout),
-    );
-  } catch (e) {
-    err(`${describeError(e)}\nusage: ${STATUS_USAGE}`);
-    return 2;
-  }
+  const address = positionals[0]!;
   try {
     const [status, health] = await Promise.all([
       client.getStatus(),
@@ -113,7 +107,8 @@ export async function runStatus(argv: string[], io: CliIo = {}): Promise<number>
     else for (const l of formatStatus(status, health)) out(l);
     return 0;
   } catch (e) {
-    err(`kvxfer status ${positionals[0]}: ${describeError(e)}`);
+    const tls = values.ca !== undefined || values.cert !== undefined;
+    err(`kvxfer status: ${explainClientError(e, address, tls, values.verbose)}`);
     return 1;
   } finally {
     client.close();

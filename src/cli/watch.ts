@@ -9,22 +9,18 @@ import type { EventKind } from "../sidecar/view.js";
 import {
   type CliIo,
   TLS_OPTIONS,
-  TLS_USAGE,
   UsageError,
   clientFrom,
   describeError,
+  explainClientError,
   formatEvent,
   output,
   stopSignal,
   toJson,
 } from "./grpc-client.js";
 
-export const WATCH_USAGE = `kvxfer watch <host:port> [--from SEQ] [--transfer ID]... [--kind KIND]... [--count N] [--json]
-    events as they happen, one per line; reconnects and resumes after the last seq it printed
-    --from SEQ   start with event SEQ (0: every retained event); default: new events only
-    --kind KIND  ${EVENT_KINDS.join(", ")}
-    --count N    exit after N events
-    ${TLS_USAGE}`;
+/** Reconnect attempts in a row before `watch` gives up (--retries). */
+export const WATCH_RETRIES = 10;
 
 export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> {
   const { out, err } = output(io);
@@ -32,6 +28,7 @@ export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> 
   let address: string | undefined;
   let from: number | undefined;
   let count = Infinity;
+  let retries = WATCH_RETRIES;
   let client: SidecarClient;
   try {
     const parsed = parseArgs({
@@ -42,6 +39,7 @@ export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> 
         transfer: { type: "string", multiple: true },
         kind: { type: "string", multiple: true },
         count: { type: "string" },
+        retries: { type: "string" },
         json: { type: "boolean", default: false },
         ...TLS_OPTIONS,
       },
@@ -60,14 +58,20 @@ export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> 
       if (!Number.isSafeInteger(count) || count < 1)
         throw new UsageError(`--count must be a positive integer, got '${values.count}'`);
     }
+    if (values.retries !== undefined) {
+      retries = Number(values.retries);
+      if (!Number.isSafeInteger(retries) || retries < 0)
+        throw new UsageError(`--retries must be an integer >= 0, got '${values.retries}'`);
+    }
     for (const k of values.kind ?? [])
       if (!EVENT_KINDS.includes(k as EventKind))
         throw new UsageError(`unknown kind '${k}' (known: ${EVENT_KINDS.join(", ")})`);
     client = clientFrom(address, values);
   } catch (e) {
-    err(`${describeError(e)}\nusage: ${WATCH_USAGE}`);
+    err(`kvxfer watch: ${describeError(e)} (kvxfer watch --help for usage)`);
     return 2;
   }
+  const tls = values.ca !== undefined || values.cert !== undefined;
   const stop = stopSignal(io);
   let seen = 0;
   const watch = client.watchResumable(
@@ -75,9 +79,10 @@ export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> 
       ...(from === undefined ? { liveOnly: true } : { afterSeq: Math.max(0, from - 1) }),
       ...(values.transfer !== undefined ? { transferIds: values.transfer } : {}),
       ...(values.kind !== undefined ? { kinds: values.kind } : {}),
+      maxRetries: retries,
       onReconnect: (n, e) =>
         err(
-          `kvxfer watch: stream ended (${e === undefined ? "closed" : describeError(e)}); reconnecting (${n})`,
+          `kvxfer watch: ${e === undefined ? "the stream closed" : explainClientError(e, address!, tls)}; reconnecting (${n}/${retries})`,
         ),
     },
     (ev) => {
@@ -92,7 +97,10 @@ export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> 
     await watch.done;
     return 0;
   } catch (e) {
-    err(`kvxfer watch ${address}: ${describeError(e)} (last seq ${watch.lastSeq})`);
+    const gaveUp = watch.reconnects >= retries ? `; gave up after ${retries} retries` : "";
+    err(
+      `kvxfer watch: ${explainClientError(e, address!, tls, values.verbose)}${gaveUp} (last seq ${watch.lastSeq})`,
+    );
     return 1;
   } finally {
     stop.signal.removeEventListener("abort", onStop);

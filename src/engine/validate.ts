@@ -73,6 +73,20 @@ function checkId(value: string, field: string): string | undefined {
   return undefined;
 }
 
+/**
+ * The one rule for an engine id, wherever one is given (sidecar, simulated engine, engine link,
+ * peer metadata, the vLLM connector's config.py): it names files, sockets and certificates.
+ */
+export const ENGINE_ID_RULE = "1..128 characters of [A-Za-z0-9._-]";
+const ENGINE_ID = /^[A-Za-z0-9._-]{1,128}$/;
+
+/** Why `id` is not a valid engine id (naming `field`), or undefined. */
+export function engineIdProblem(id: string, field = "engine id"): string | undefined {
+  return ENGINE_ID.test(id)
+    ? undefined
+    : `${field} must be ${ENGINE_ID_RULE}, got '${id.length > 64 ? id.slice(0, 64) + "..." : id}'`;
+}
+
 /** A transfer id as it may be echoed in a refusal: cut to the limit so a refusal stays small. */
 function echoId(value: string): string {
   return Buffer.byteLength(value, "utf8") <= MAX_ID_BYTES ? value : value.slice(0, 64) + "...";
@@ -88,7 +102,7 @@ export function checkRegisterKvCache(msg: RegisterKvCache): RegisterCheck {
     ok: false,
     problem: problem(code, "", message),
   });
-  const idProblem = checkId(msg.engineId, "engine_id");
+  const idProblem = engineIdProblem(msg.engineId, "engine_id");
   if (idProblem) return fail("ERR_BAD_ENGINE_ID", idProblem);
   if (msg.layout === undefined) return fail("ERR_BAD_LAYOUT", "layout is missing");
   let layout: KvLayout;

@@ -310,7 +310,6 @@ export function validateKvLayout(layout: KvLayout): void {
     checkCount(layout, f, 1);
   }
   checkCount(layout, "tpRank", 0);
-  checkCount(layout, "blockStride", 0);
   if (layout.numLayers > MAX_KV_LAYERS) {
     throw invalid("numLayers", `numLayers ${layout.numLayers} is above ${MAX_KV_LAYERS}`);
   }
@@ -331,9 +330,11 @@ export function validateKvLayout(layout: KvLayout): void {
   if (!layout.mla && heads % layout.tpSize !== 0 && layout.tpSize % heads !== 0) {
     throw invalid(
       "tpSize",
-      `totalKvHeads ${heads} cannot be split over tpSize ${layout.tpSize} (neither divides the other)`,
+      `TP ${layout.tpSize} does not divide the ${heads} KV heads (nor is it a multiple of them)`,
     );
   }
+  // After the head split: a stride derived from an impossible split is not the problem to name.
+  checkCount(layout, "blockStride", 0);
   const bb = kvBlockBytes(layout);
   if (!Number.isSafeInteger(bb * layout.numBlocks)) {
     throw invalid("numBlocks", `block bytes ${bb} x numBlocks ${layout.numBlocks} is too large`);

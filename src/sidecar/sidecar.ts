@@ -48,7 +48,7 @@ import {
   type TransferPlan,
 } from "../plan/index.js";
 import { kvLayoutFromProto, kvLayoutToProto } from "../plan/layout-proto.js";
-import { checkEngineMessage, checkRegisterKvCache } from "../engine/validate.js";
+import { checkEngineMessage, checkRegisterKvCache, engineIdProblem } from "../engine/validate.js";
 import {
   MAX_PEER_MESSAGE_BYTES,
   MAX_TRANSFER_ID_BYTES,
@@ -327,13 +327,8 @@ export class Sidecar implements SidecarView {
   private readonly lastErrors: string[] = [];
 
   constructor(options: SidecarOptions) {
-    if (
-      options.engineId.length === 0 ||
-      Buffer.byteLength(options.engineId) > 128 ||
-      options.engineId.includes("#")
-    ) {
-      throw new KvxferError("ERR_INVALID_ARGUMENT", "engine id must be 1..128 bytes without '#'");
-    }
+    const idProblem = engineIdProblem(options.engineId, "--engine-id");
+    if (idProblem !== undefined) throw new KvxferError("ERR_INVALID_ARGUMENT", idProblem);
     this.engineId = options.engineId;
     this.role = options.role;
     this.mode = options.mode;
@@ -1545,9 +1540,8 @@ export class Sidecar implements SidecarView {
   /** Checks a peer's metadata; throws KvxferError naming the field. */
   private checkMetadata(md: AgentMetadata | undefined): KvLayout {
     if (md === undefined) throw new KvxferError("ERR_MALFORMED", "handshake carries no metadata");
-    if (md.engineId === "" || md.engineId.includes("#") || Buffer.byteLength(md.engineId) > 128) {
-      throw new KvxferError("ERR_MALFORMED", "metadata.engine_id is invalid");
-    }
+    const idProblem = engineIdProblem(md.engineId, "metadata.engine_id");
+    if (idProblem !== undefined) throw new KvxferError("ERR_MALFORMED", idProblem);
     if (md.epoch === 0n) throw new KvxferError("ERR_MALFORMED", "metadata.epoch is 0");
     if (md.layout === undefined)
       throw new KvxferError("ERR_MALFORMED", "metadata.layout is missing");

@@ -685,6 +685,19 @@ export function parseDemoArgs(argv: string[]): {
   set("transport", choice("transport", values.transport, ["shm", "tcp"] as const));
   const auth = choice("peer-auth", values["peer-auth"], ["on", "off"] as const);
   if (auth !== undefined) o.peerAuth = auth === "on";
+  // A TP size the model's KV heads cannot be split over is refused here, in the user's terms,
+  // before any process starts.
+  const shape = SIM_MODELS[o.model];
+  const heads = o.kvHeads ?? shape.totalKvHeads;
+  for (const [flag, tp] of [
+    ["p-tp", o.pTp],
+    ["d-tp", o.dTp],
+  ] as const) {
+    if (!shape.mla && heads % tp !== 0 && tp % heads !== 0)
+      throw new Error(
+        `--${flag} ${tp}: TP ${tp} does not divide the ${heads} KV heads of ${o.model} (nor is it a multiple of them)`,
+      );
+  }
   // Pull needs P's block ids before D asks: the router waits for prefill.
   if (o.mode === "pull" && values.dispatch === undefined && o.dispatch !== "sequential") {
     o.dispatch = "sequential";

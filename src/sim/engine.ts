@@ -45,6 +45,7 @@ import { kvLayoutToProto } from "../plan/layout-proto.js";
 import { fillKv, verifyKv } from "./kv-pattern.js";
 import { prng } from "./prng.js";
 import { stderrSink } from "../sidecar/log-sink.js";
+import { ENGINE_ID_RULE, engineIdProblem } from "../engine/validate.js";
 
 export type SimEngineRole = "prefill" | "decode" | "both";
 export type SimModel = "llama3-8b" | "llama3-70b" | "deepseek-mla";
@@ -132,8 +133,9 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
     },
   });
   const engineId = values["engine-id"];
-  if (engineId === undefined || !/^[A-Za-z0-9._-]{1,64}$/.test(engineId)) {
-    throw new UsageError(`--engine-id must be 1..64 of [A-Za-z0-9._-], got '${engineId ?? ""}'`);
+  const idProblem = engineIdProblem(engineId ?? "", "--engine-id");
+  if (engineId === undefined || idProblem !== undefined) {
+    throw new UsageError(idProblem ?? `--engine-id must be ${ENGINE_ID_RULE}`);
   }
   const role = values.role;
   if (role !== "prefill" && role !== "decode" && role !== "both") {
