@@ -68,7 +68,7 @@ describe("README", () => {
       for (const f of ["/tmp/walk-p.log", "/tmp/walk-d.log"]) rmSync(f, { force: true });
       for (const id of ["walk-p", "walk-d"]) {
         const sock = `/tmp/kvxfer-${id}.sock`;
-        if (existsSync(sock)) rmSync(sock, { force: true });
+        for (const f of [sock, `${sock}.lock`]) if (existsSync(f)) rmSync(f, { force: true });
       }
     }
   }, 90_000);
