@@ -56,7 +56,9 @@ function run(
 describe("README", () => {
   it("the walkthrough moves one transfer, verified, and status and watch show it", async () => {
     const script = join(ROOT, `.readme-walkthrough-${process.pid}.sh`);
-    writeFileSync(script, `set -m\n${block("sh walkthrough")}`);
+    // No job control (set -m): every process of the block stays in its process group, which
+    // run() kills whatever happens.
+    writeFileSync(script, block("sh walkthrough"));
     try {
       const { code, out } = await run("bash", [script], 60_000);
       expect(out).toMatch(/"event":"verified","transferId":"t1","ok":true/);
@@ -65,7 +67,13 @@ describe("README", () => {
       expect(code, out).toBe(0);
     } finally {
       rmSync(script, { force: true });
-      for (const f of ["/tmp/walk-p.log", "/tmp/walk-d.log"]) rmSync(f, { force: true });
+      for (const f of [
+        "/tmp/walk-p.log",
+        "/tmp/walk-d.log",
+        "/tmp/walk-p.json",
+        "/tmp/walk-d.json",
+      ])
+        rmSync(f, { force: true });
       for (const id of ["walk-p", "walk-d"]) {
         const sock = `/tmp/kvxfer-${id}.sock`;
         for (const f of [sock, `${sock}.lock`]) if (existsSync(f)) rmSync(f, { force: true });
