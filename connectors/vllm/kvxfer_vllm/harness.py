@@ -192,8 +192,11 @@ class SidecarProc(Proc):
         if self.p.stdout:
             self.p.stdout.close()
         path = self.socket.removeprefix("ipc://")
-        if self.socket.startswith("ipc://") and os.path.exists(path):
-            os.unlink(path)  # a SIGKILLed sidecar cannot remove its own socket file
+        if self.socket.startswith("ipc://"):
+            # A SIGKILLed sidecar cannot remove its own socket file, nor the lock beside it.
+            for f in (path, path + ".lock"):
+                if os.path.exists(f):
+                    os.unlink(f)
 
     def status(self) -> dict[str, Any]:
         out = subprocess.run(["node", str(cli_path()), "status", self.grpc, "--json"],
