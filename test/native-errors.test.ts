@@ -31,6 +31,28 @@ afterEach(() => {
   b.close();
 });
 
+/** Twenty WRITEs of 20 000 descriptors of 256 bytes from `a` to `b`: far more than finish at once. */
+function twentyBigWrites(): { big: Region; r: RemoteRegion; pending: Promise<void>[] } {
+  const big = a.registerMemory(new Uint8Array(8 << 20));
+  const bigDst = b.registerMemory(new Uint8Array(8 << 20));
+  const r = ep.importRemote(bigDst.remoteKey());
+  const descs = new Float64Array(3 * 20000);
+  for (let i = 0; i < 20000; i++) descs.set([i * 256, i * 256, 256], 3 * i);
+  return { big, r, pending: Array.from({ length: 20 }, () => a.write(ep, big, r, descs)) };
+}
+
+/** Each transfer's outcome: "done", or its error code. */
+function outcomes(pending: Promise<void>[]): Promise<string[]> {
+  return Promise.all(
+    pending.map((p) =>
+      p.then(
+        () => "done",
+        (e: unknown) => (e as KvxferError).code,
+      ),
+    ),
+  );
+}
+
 /** Expects `fn` to throw (or reject with) a KvxferError with `code`. */
 async function expectCode(fn: () => unknown, code: string): Promise<KvxferError> {
   let caught: unknown;
@@ -246,21 +268,9 @@ describe("bad handles and addresses", () => {
   });
 
   it("rejects transfers in flight when the agent closes", async () => {
-    const big = a.registerMemory(new Uint8Array(8 << 20));
-    const bigDst = b.registerMemory(new Uint8Array(8 << 20));
-    const r = ep.importRemote(bigDst.remoteKey());
-    const descs = new Float64Array(3 * 20000);
-    for (let i = 0; i < 20000; i++) descs.set([i * 256, i * 256, 256], 3 * i);
-    const pending = Array.from({ length: 20 }, () => a.write(ep, big, r, descs));
+    const { pending } = twentyBigWrites();
     a.close();
-    const results = await Promise.all(
-      pending.map((p) =>
-        p.then(
-          () => "done",
-          (e: unknown) => (e as KvxferError).code,
-        ),
-      ),
-    );
+    const results = await outcomes(pending);
     // Every write settles; those the close caught are cancelled with ERR_CLOSED. Twenty
     // writes of 20 000 descriptors are far more than can finish before the close is seen.
     for (const r of results) expect(["done", "ERR_CLOSED"]).toContain(r);
@@ -269,21 +279,9 @@ describe("bad handles and addresses", () => {
   });
 
   it("abandon() settles every transfer on an endpoint now and fails the endpoint", async () => {
-    const big = a.registerMemory(new Uint8Array(8 << 20));
-    const bigDst = b.registerMemory(new Uint8Array(8 << 20));
-    const r = ep.importRemote(bigDst.remoteKey());
-    const descs = new Float64Array(3 * 20000);
-    for (let i = 0; i < 20000; i++) descs.set([i * 256, i * 256, 256], 3 * i);
-    const pending = Array.from({ length: 20 }, () => a.write(ep, big, r, descs));
+    const { big, r, pending } = twentyBigWrites();
     ep.abandon();
-    const results = await Promise.all(
-      pending.map((p) =>
-        p.then(
-          () => "done",
-          (e: unknown) => (e as KvxferError).code,
-        ),
-      ),
-    );
+    const results = await outcomes(pending);
     for (const x of results) expect(["done", "UCS_ERR_CONNECTION_RESET"]).toContain(x);
     expect(results).toContain("UCS_ERR_CONNECTION_RESET");
     expect(ep.state).toBe("failed");

@@ -102,6 +102,29 @@ function filesWith(dir: string, part: string): string[] {
   return readdirSync(dir).filter((f) => f.includes(part));
 }
 
+/** sim-engine flags for a tiny engine on the ipc socket at `path`, its files in `shmDir`. */
+function smallEngine(id: string, role: string, path: string, registerTimeoutMs: number): string[] {
+  return [
+    "--engine-id",
+    id,
+    "--role",
+    role,
+    "--socket",
+    `ipc://${path}`,
+    "--layers",
+    "2",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--blocks",
+    "8",
+    "--shm-dir",
+    shmDir,
+    "--register-timeout-ms",
+    String(registerTimeoutMs),
+  ];
+}
 describe("engine socket ownership", () => {
   it("refuses a second sidecar on a held engine socket, by name; the first keeps it", async () => {
     const id = uniqueId("own");
@@ -168,26 +191,7 @@ describe("engine socket ownership", () => {
     const wrong = uniqueId("wrong");
     const t0 = Date.now();
     // stdin closed, as when run from a script: the refusal still comes, and exit code 1.
-    const r = await run(simEngineScript(), [
-      "--engine-id",
-      wrong,
-      "--role",
-      "both",
-      "--socket",
-      `ipc://${path}`,
-      "--layers",
-      "2",
-      "--kv-heads",
-      "2",
-      "--head-dim",
-      "16",
-      "--blocks",
-      "8",
-      "--shm-dir",
-      shmDir,
-      "--register-timeout-ms",
-      "10000",
-    ]);
+    const r = await run(simEngineScript(), smallEngine(wrong, "both", path, 10000));
     expect(Date.now() - t0).toBeLessThan(8000); // not a timeout
     expect(r.code).toBe(1);
     const lines = r.stderr.trim().split("\n");
@@ -209,26 +213,7 @@ describe("engine socket ownership", () => {
   it("sim-engine with no sidecar: exit 1, one line naming the socket", async () => {
     const id = uniqueId("alone");
     const path = socketPath(id);
-    const r = await run(simEngineScript(), [
-      "--engine-id",
-      id,
-      "--role",
-      "decode",
-      "--socket",
-      `ipc://${path}`,
-      "--layers",
-      "2",
-      "--kv-heads",
-      "2",
-      "--head-dim",
-      "16",
-      "--blocks",
-      "8",
-      "--shm-dir",
-      shmDir,
-      "--register-timeout-ms",
-      "500",
-    ]);
+    const r = await run(simEngineScript(), smallEngine(id, "decode", path, 500));
     expect(r.code).toBe(1);
     const lines = r.stderr.trim().split("\n");
     expect(lines).toHaveLength(1);

@@ -14,7 +14,7 @@
 import { describe, expect, it } from "vitest";
 
 import type { SimEngineEvent } from "../src/sim/engine-client.js";
-import { type Pair, rssKiB, sleep, startPair, until } from "./sidecar-fixtures.js";
+import { type Pair, rssKiB, startPair, until } from "./sidecar-fixtures.js";
 
 const WARMUP = 2000;
 const TRANSFERS = 20_000;

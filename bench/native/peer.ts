@@ -4,7 +4,6 @@
  * use it to put the two ends of a transfer in different processes, and in
  * different network namespaces.
  */
-import { createInterface } from "node:readline";
 
 import {
   Agent,
@@ -15,6 +14,7 @@ import {
   type RemoteRegion,
 } from "../../src/native/index.js";
 import { fillPattern, prng, sha256 } from "./pattern.js";
+import { serveJsonLines } from "./serve.js";
 
 interface Request {
   id: number;
@@ -290,26 +290,4 @@ async function handle(req: Request): Promise<unknown> {
   }
 }
 
-const rl = createInterface({ input: process.stdin });
-rl.on("line", (line) => {
-  let req: Request;
-  try {
-    req = JSON.parse(line) as Request;
-  } catch {
-    return;
-  }
-  handle(req).then(
-    (result) => process.stdout.write(JSON.stringify({ id: req.id, result }) + "\n"),
-    (err: unknown) => {
-      const e = KvxferError.from(err);
-      process.stdout.write(
-        JSON.stringify({ id: req.id, error: { code: e.code, message: e.message } }) + "\n",
-      );
-    },
-  );
-});
-// The driver going away ends the peer.
-rl.on("close", () => {
-  agent?.close();
-  process.exit(0);
-});
+serveJsonLines<Request>(handle, () => agent?.close());

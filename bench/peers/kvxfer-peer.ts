@@ -6,7 +6,6 @@
  * Times are CLOCK_MONOTONIC nanoseconds (`process.hrtime.bigint()`), the clock
  * Python's `time.monotonic_ns()` reads too.
  */
-import { createInterface } from "node:readline";
 
 import {
   Agent,
@@ -17,6 +16,7 @@ import {
   type RemoteRegion,
   ucxVersion,
 } from "../../src/native/index.js";
+import { serveJsonLines } from "../native/serve.js";
 
 interface Request {
   id: number;
@@ -286,26 +286,4 @@ async function handle(req: Request): Promise<unknown> {
   }
 }
 
-const rl = createInterface({ input: process.stdin });
-rl.on("line", (line) => {
-  let req: Request;
-  try {
-    req = JSON.parse(line) as Request;
-  } catch {
-    return;
-  }
-  handle(req).then(
-    (result) => process.stdout.write(JSON.stringify({ id: req.id, result }) + "\n"),
-    (err: unknown) => {
-      const e = KvxferError.from(err);
-      process.stdout.write(
-        JSON.stringify({ id: req.id, error: { code: e.code, message: e.message } }) + "\n",
-      );
-    },
-  );
-});
-// The driver going away ends the peer.
-rl.on("close", () => {
-  agent?.close();
-  process.exit(0);
-});
+serveJsonLines<Request>(handle, () => agent?.close());

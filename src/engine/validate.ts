@@ -11,6 +11,7 @@ import type {
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { type KvLayout, PlanError } from "../plan/index.js";
 import { kvLayoutFromProto } from "../plan/layout-proto.js";
+import { MAX_TOKEN_BYTES } from "../peer/messages.js";
 
 export type EngineErrorCode =
   /** The frame is not one `EngineToSidecar` with its oneof set. */
@@ -202,13 +203,13 @@ function checkPrefillDone(msg: PrefillDone, layout: KvLayout): EngineProblem | u
   return checkToken(msg.token, tid);
 }
 
-/** A transfer token: at most 128 bytes (empty: the transfer is not bound to a decode engine). */
+/** A transfer token: at most MAX_TOKEN_BYTES (empty: the transfer is not bound to a decode engine). */
 function checkToken(token: string, tid: string): EngineProblem | undefined {
-  if (Buffer.byteLength(token) > 128)
+  if (Buffer.byteLength(token) > MAX_TOKEN_BYTES)
     return problem(
       "ERR_BAD_TRANSFER_TOKEN",
       tid,
-      `token is ${Buffer.byteLength(token)} bytes, at most 128`,
+      `token is ${Buffer.byteLength(token)} bytes, at most ${MAX_TOKEN_BYTES}`,
     );
   return undefined;
 }

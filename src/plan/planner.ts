@@ -4,7 +4,6 @@ import {
   type KvLayout,
   headStride,
   kvBlockFootprint,
-  kvHeadsPerRank,
   kvPerLayer,
   kvRowBytes,
   tokenStride,

@@ -29,8 +29,6 @@ export class PeerState {
   sendSeq = 0n;
   /** Sequence numbers of its notifications seen (replays are refused). */
   replay = new ReplayWindow();
-  /** True when the handshake was mutual TLS and its certificate named this engine id. */
-  authenticated = false;
   private readonly endpoints = new Map<string, Endpoint>();
   private readonly remotes = new Map<string, RemoteRegion>();
 

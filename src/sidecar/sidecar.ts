@@ -51,7 +51,6 @@ import { kvLayoutFromProto, kvLayoutToProto } from "../plan/layout-proto.js";
 import { checkEngineMessage, checkRegisterKvCache, engineIdProblem } from "../engine/validate.js";
 import {
   MAX_PEER_MESSAGE_BYTES,
-  MAX_TRANSFER_ID_BYTES,
   PeerMessageError,
   agentName,
   encodePeerMessage,
@@ -1601,7 +1600,6 @@ export class Sidecar implements SidecarView {
       return refusal("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
     const peer = this.adoptPeer(md, layout);
     peer.setRecvKey(req.macKey);
-    peer.authenticated = this.side.authenticated;
     return create(HandshakeResponseSchema, { metadata: this.myMetadata(), macKey: peer.sendKey });
   }
 
@@ -1673,7 +1671,6 @@ export class Sidecar implements SidecarView {
     const peer = this.adoptPeer(res.metadata!, layout);
     peer.sendKey = macKey;
     peer.setRecvKey(res.macKey);
-    peer.authenticated = this.opts.peerCredentials !== undefined;
     peer.dialedAddress = address;
     this.peerByAddress.set(address, peer.engineId);
     return peer;

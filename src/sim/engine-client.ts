@@ -3,7 +3,7 @@
  * protocol. Every call and every wait has a deadline; close() ends the process and waits for it
  * (bounded), then removes any KV file a killed engine left behind.
  */
-import { type ChildProcess, spawn } from "node:child_process";
+import type { ChildProcess } from "node:child_process";
 import { EventEmitter } from "node:events";
 import { existsSync, unlinkSync } from "node:fs";
 import { dirname, join } from "node:path";

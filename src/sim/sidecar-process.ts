@@ -69,15 +69,15 @@ export class SidecarProcess {
       pki?: Pki | false;
     } = {},
   ) {
-    const engineId = args[args.indexOf("--engine-id") + 1];
+    const idAt = args.indexOf("--engine-id");
+    const engineId = idAt >= 0 ? args[idAt + 1] : undefined;
     const auth =
-      options.pki !== false &&
-      engineId !== undefined &&
-      args.includes("--engine-id") &&
-      !args.includes("--peer-cert") &&
-      !args.includes("--insecure-peers")
-        ? (options.pki ?? sharedPki()).sidecarFlags(engineId)
-        : [];
+      options.pki === false ||
+      engineId === undefined ||
+      args.includes("--peer-cert") ||
+      args.includes("--insecure-peers")
+        ? []
+        : (options.pki ?? sharedPki()).sidecarFlags(engineId);
     const argv = [
       ...(options.prefix ?? []),
       process.execPath,
