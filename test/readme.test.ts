@@ -71,6 +71,7 @@ describe("README", () => {
         "/tmp/walk-p.log",
         "/tmp/walk-d.log",
         "/tmp/walk-p.json",
+        "/tmp/walk-pe.json",
         "/tmp/walk-d.json",
       ])
         rmSync(f, { force: true });
