@@ -23,7 +23,7 @@ function forgeLength(keyB64: string, length: number): string {
   const k = Buffer.from(keyB64, "base64");
   k.writeBigUInt64LE(BigInt(length), 16);
   k.writeBigUInt64LE(0n, 32);
-  let h = 1469598103934665603n; // the addon's FNV-1a basis (native/src/addon.cc)
+  let h = 1469598103934665603n; // the addon's FNV-1a basis (native/src/wire.cc)
   for (const byte of k) {
     h ^= BigInt(byte);
     h = (h * 0x100000001b3n) & 0xffffffffffffffffn;

@@ -1,0 +1,89 @@
+// Agent: one UCX context, worker and progress thread (a ProgressEngine), the
+// parent of every Region, Endpoint and RemoteRegion made through it.
+#pragma once
+
+#include <napi.h>
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "endpoint.h"
+#include "handle.h"
+#include "progress.h"
+
+namespace kvxfer {
+
+class RegionWrap;
+class RemoteWrap;
+
+// Shared between the agent and queued thread-safe calls, so a call that runs
+// after the agent closed finds nothing to do.
+struct AgentLink {
+  AgentWrap* agent = nullptr;
+};
+
+class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
+ public:
+  static Napi::Function Define(Napi::Env env);
+  explicit AgentWrap(const Napi::CallbackInfo& info);
+  ~AgentWrap() override;
+
+  ProgressEngine* engine() { return engine_.get(); }
+  bool open() const { return state_ == HandleState::kOpen; }
+  void Adopt(Child* c) {
+    c->agent_ = this;
+    children_.insert(c);
+  }
+  void Forget(Child* c) { children_.erase(c); }
+  void Register(EndpointWrap* ep) { endpoints_[ep->core_->id] = ep; }
+  void Unregister(EndpointWrap* ep) {
+    if (ep->core_) endpoints_.erase(ep->core_->id);
+  }
+  // Closes everything; delivers outstanding completions when `env` is usable.
+  void CloseAll(Napi::Env env, bool deliver);
+
+ private:
+  struct Pending {
+    explicit Pending(Napi::Env env) : deferred(Napi::Promise::Deferred::New(env)) {}
+    Napi::Promise::Deferred deferred;
+    OpKind kind = OpKind::kWrite;
+    EndpointWrap* ep = nullptr;
+    RegionWrap* local = nullptr;
+    RemoteWrap* remote = nullptr;
+    Napi::ObjectReference refs[3];  // keep the handle objects alive while in flight
+  };
+
+  Napi::Value Address(const Napi::CallbackInfo& info);
+  Napi::Value Name(const Napi::CallbackInfo& info);
+  Napi::Value Inflight(const Napi::CallbackInfo& info);
+  Napi::Value RegisterMemory(const Napi::CallbackInfo& info);
+  Napi::Value MapFile(const Napi::CallbackInfo& info);
+  Napi::Value Allocate(const Napi::CallbackInfo& info);
+  Napi::Value Connect(const Napi::CallbackInfo& info);
+  Napi::Value Transfer(const Napi::CallbackInfo& info);
+  Napi::Value Notify(const Napi::CallbackInfo& info);
+  Napi::Value Close(const Napi::CallbackInfo& info);
+
+  void CheckOpen(Napi::Env env, const char* what);
+  Napi::Value Submit(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,
+                     RegionWrap* local, RemoteWrap* remote);
+  void Deliver(Napi::Env env);
+  void Settle(Napi::Env env, const Event& ev);
+  void UpdateRef(Napi::Env env);
+
+  std::unique_ptr<ProgressEngine> engine_;
+  HandleState state_ = HandleState::kOpen;
+  Napi::ThreadSafeFunction tsfn_;
+  bool tsfn_ref_ = false;
+  std::shared_ptr<AgentLink> link_;
+  Napi::FunctionReference on_event_;
+  std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending_;
+  std::unordered_set<Child*> children_;
+  std::unordered_map<uint64_t, EndpointWrap*> endpoints_;
+  uint64_t next_op_id_ = 1;
+  AddonData* data_ = nullptr;
+};
+
+}  // namespace kvxfer

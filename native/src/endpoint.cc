@@ -1,0 +1,105 @@
+#include "endpoint.h"
+
+#include <string>
+
+#include "agent.h"
+#include "remote_region.h"
+#include "wire.h"
+
+namespace kvxfer {
+
+Napi::Function EndpointWrap::Define(Napi::Env env) {
+  return DefineClass(env, "Endpoint",
+                     {
+                         InstanceAccessor<&EndpointWrap::Id>("id"),
+                         InstanceAccessor<&EndpointWrap::State>("state"),
+                         InstanceMethod<&EndpointWrap::ImportRemote>("importRemote"),
+                         InstanceMethod<&EndpointWrap::Close>("close"),
+                         InstanceMethod<&EndpointWrap::Abandon>("abandon"),
+                     });
+}
+
+EndpointWrap::EndpointWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<EndpointWrap>(info) {
+  if (!IsInternalCall(info)) {
+    throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT", "Endpoint handles come from Agent.connect");
+  }
+}
+
+Napi::Value EndpointWrap::Id(const Napi::CallbackInfo& info) {
+  return Napi::Number::New(info.Env(), core_ ? static_cast<double>(core_->id) : 0);
+}
+
+Napi::Value EndpointWrap::State(const Napi::CallbackInfo& info) {
+  const char* s = state_ != HandleState::kOpen      ? "closed"
+                  : (core_ && core_->failed.load()) ? "failed"
+                                                    : "connected";
+  return Napi::String::New(info.Env(), s);
+}
+
+void EndpointWrap::OpDone() {
+  inflight_--;
+  if (inflight_ == 0 && state_ == HandleState::kClosing) Release();
+}
+
+void EndpointWrap::Release() {
+  if (state_ == HandleState::kClosed) return;
+  state_ = HandleState::kClosed;
+  if (agent_) {
+    // After the agent has shut its engine down, its endpoints are closed already.
+    if (agent_->engine() && agent_->open() && core_) agent_->engine()->CloseEndpoint(core_);
+    agent_->Unregister(this);
+    agent_->Forget(this);
+  }
+  agent_ = nullptr;
+}
+
+// abandon(): fails every transfer on this endpoint now (UCS_ERR_CONNECTION_RESET) and marks it
+// failed; for a peer known dead whose operations UCX would never complete. Idempotent.
+Napi::Value EndpointWrap::Abandon(const Napi::CallbackInfo& info) {
+  if (state_ != HandleState::kClosed && agent_ && agent_->engine() && agent_->open() && core_) {
+    agent_->engine()->AbandonEndpoint(core_, UCS_ERR_CONNECTION_RESET);
+  }
+  return info.Env().Undefined();
+}
+
+// importRemote(remoteKeyBlob): a peer's region, usable on this endpoint.
+Napi::Value EndpointWrap::ImportRemote(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (state_ != HandleState::kOpen || !agent_ || !agent_->open()) {
+    throw MakeError(env, "ERR_CLOSED", "importRemote: the endpoint is closed");
+  }
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  if (info.Length() < 1 || !BytesOf(info[0], &data, &size)) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "importRemote expects the peer's remote key as a Buffer");
+  }
+  RemoteBlob blob;
+  if (!UnwrapRemote(data, size, &blob)) {
+    throw MakeError(env, "ERR_BAD_REMOTE_KEY",
+                    "importRemote: not a kvxfer remote key (bad magic, length or checksum; " +
+                        std::to_string(size) + " bytes)");
+  }
+  ucp_rkey_h rkey = nullptr;
+  ucs_status_t status = agent_->engine()->UnpackRkey(core_, blob.rkey, &rkey);
+  if (status != UCS_OK) throw UcsError(env, "importRemote: ucp_ep_rkey_unpack failed", status);
+  auto* addon = env.GetInstanceData<AddonData>();
+  Napi::Object obj = addon->remote_ctor.New({Napi::Number::New(env, kCtorToken)});
+  RemoteWrap* remote = RemoteWrap::Unwrap(obj);
+  remote->ep_ = core_;
+  remote->rkey_ = rkey;
+  remote->address_ = blob.address;
+  remote->length_ = blob.length;
+  agent_->Adopt(remote);
+  return obj;
+}
+
+Napi::Value EndpointWrap::Close(const Napi::CallbackInfo& info) {
+  if (state_ == HandleState::kOpen) {
+    state_ = HandleState::kClosing;
+    if (inflight_ == 0) Release();
+  }
+  return info.Env().Undefined();
+}
+
+}  // namespace kvxfer

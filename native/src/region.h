@@ -1,0 +1,77 @@
+// Region: local memory registered with UCX (a JavaScript buffer, a mapped
+// file, or memory UCX allocated), the source or target of transfers.
+#pragma once
+
+#include <napi.h>
+#include <sys/mman.h>
+#include <ucp/api/ucp.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "handle.h"
+
+namespace kvxfer {
+
+struct Mapping {
+  void* addr = nullptr;
+  size_t length = 0;
+  Mapping(void* a, size_t n) : addr(a), length(n) {}
+  ~Mapping() {
+    if (addr != nullptr) munmap(addr, length);
+  }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+};
+
+class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
+ public:
+  static Napi::Function Define(Napi::Env env);
+  explicit RegionWrap(const Napi::CallbackInfo& info);
+  ~RegionWrap() override { Release(false); }
+  void CloseFromParent(bool js) override { Release(js); }
+
+  uint8_t* base() const { return base_; }
+  ucp_mem_h memh() const { return memh_; }
+  uint64_t length() const { return length_; }
+  HandleState state_ = HandleState::kOpen;
+  uint64_t inflight_ = 0;
+  void OpDone();
+
+  // Set by the agent right after construction.
+  void InitBuffer(Napi::Env env, Napi::Value owner, uint8_t* base, size_t length, ucp_mem_h memh);
+  void InitAllocated(uint8_t* base, size_t length, ucp_mem_h memh) {
+    base_ = base;
+    length_ = length;
+    memh_ = memh;
+    allocated_ = true;
+  }
+  void InitFile(void* map, size_t map_length, uint8_t* base, size_t length, ucp_mem_h memh,
+                std::string path);
+
+ private:
+  Napi::Value Address(const Napi::CallbackInfo& info);
+  Napi::Value Length(const Napi::CallbackInfo& info);
+  Napi::Value Path(const Napi::CallbackInfo& info);
+  Napi::Value RemoteKey(const Napi::CallbackInfo& info);
+  Napi::Value View(const Napi::CallbackInfo& info);
+  Napi::Value Close(const Napi::CallbackInfo& info);
+  Napi::Value IsClosed(const Napi::CallbackInfo& info);
+  void Release(bool js);
+
+  uint8_t* base_ = nullptr;
+  uint64_t length_ = 0;
+  ucp_mem_h memh_ = nullptr;
+  Napi::ObjectReference owner_;  // keeps a registered Buffer alive
+  // A mapped file stays mapped while any JavaScript view of it may still be
+  // reachable: each view holds a reference, released by its finalizer.
+  std::shared_ptr<Mapping> mapping_;
+  bool allocated_ = false;
+  std::string path_;
+  std::vector<Napi::Reference<Napi::ArrayBuffer>> views_;
+};
+
+}  // namespace kvxfer
