@@ -5,6 +5,7 @@ import { existsSync, readFileSync, unlinkSync } from "node:fs";
 import { createServer } from "node:net";
 
 import { SidecarClient, type EventWatch } from "../src/api/client.js";
+import { isTerminal } from "../src/sidecar/lifecycle.js";
 import type { SidecarEvent, TerminalKind, TransferMode } from "../src/sidecar/view.js";
 import {
   SimEngineProcess,
@@ -14,13 +15,6 @@ import {
 } from "../src/sim/engine-client.js";
 import { SidecarProcess, type SidecarReady } from "../src/sim/sidecar-process.js";
 
-export const TERMINAL_KINDS: readonly TerminalKind[] = [
-  "KV_READY",
-  "FAILED",
-  "EXPIRED",
-  "ABORTED",
-  "RELEASED",
-];
 
 /** Waits (bounded) until `pred` holds; throws naming `what` otherwise. */
 export async function until(
@@ -200,9 +194,7 @@ export class KvNode {
 
   /** Terminal events of one transfer on this sidecar (as watched over gRPC). */
   terminal(transferId: string): SidecarEvent[] {
-    return this.events.filter(
-      (e) => e.transferId === transferId && (TERMINAL_KINDS as string[]).includes(e.kind),
-    );
+    return this.events.filter((e) => e.transferId === transferId && isTerminal(e.kind));
   }
 
   /** The first sidecar event (already seen or still to come) that `pred` accepts; bounded. */

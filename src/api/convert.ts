@@ -65,6 +65,8 @@ export const transferStates = new EnumMap<TransferState, PbTransferState>([
   ["HELD", PbTransferState.HELD],
   ["MOVING", PbTransferState.MOVING],
   ["CONFIRMING", PbTransferState.CONFIRMING],
+  ["ABORTING", PbTransferState.ABORTING],
+  ["DRAINING", PbTransferState.DRAINING],
   ["KV_READY", PbTransferState.KV_READY],
   ["FAILED", PbTransferState.FAILED],
   ["EXPIRED", PbTransferState.EXPIRED],

@@ -15,15 +15,8 @@
  * ERR_OUT_OF_RANGE: those events are gone.
  */
 import { KvxferError } from "../native/errors.js";
+import { isTerminal } from "./lifecycle.js";
 import type { EventKind, SidecarEvent, TransferSide } from "./view.js";
-
-export const TERMINAL_KINDS: ReadonlySet<EventKind> = new Set<EventKind>([
-  "KV_READY",
-  "FAILED",
-  "EXPIRED",
-  "ABORTED",
-  "RELEASED",
-]);
 
 export const EVENT_KINDS: readonly EventKind[] = [
   "KV_READY",
@@ -188,7 +181,7 @@ export class EventLog {
     const stored: SidecarEvent = Object.freeze({ ...ev, seq });
     this.ring[slot] = stored;
     this.last = seq;
-    if (TERMINAL_KINDS.has(stored.kind) && stored.transferId !== "") this.index(stored);
+    if (isTerminal(stored.kind) && stored.transferId !== "") this.index(stored);
     if (this.subs.size > 0) {
       for (const s of this.subs) s.onAppend();
       if (!this.flushScheduled) {
@@ -373,7 +366,7 @@ export class EventLog {
   }
 
   private forget(old: SidecarEvent): void {
-    if (!TERMINAL_KINDS.has(old.kind) || old.transferId === "") return;
+    if (!isTerminal(old.kind) || old.transferId === "") return;
     const any = anyKey(old.transferId);
     if (this.terminal.get(any) === old) this.terminal.delete(any);
     const bySide = sideKey(old.side, old.transferId);

@@ -1,21 +1,59 @@
 /**
- * What a sidecar knows of each peer engine: its metadata for one epoch, the
+ * The peers: what a sidecar knows of each peer engine: its metadata for one epoch, the
  * endpoints from our agents to its agents, and its regions imported on them.
  * Cached by (engine id, epoch); a new epoch replaces the entry.
  */
+import { create } from "@bufbuild/protobuf";
 import type { Logger } from "pino";
 
-import type { AgentMetadata } from "../gen/kvxfer/v1/peer_pb.js";
-import { type Agent, type Endpoint, type ErrorMode, type RemoteRegion } from "../native/index.js";
-import { ReplayWindow, newMacKey } from "../peer/messages.js";
-import type { KvLayout } from "../plan/index.js";
+import {
+  AgentMetadataSchema,
+  HandshakeRequestSchema,
+  HandshakeResponseSchema,
+  RankMetadataSchema,
+  Role,
+  type AgentMetadata,
+  type HandshakeRequest,
+  type HandshakeResponse,
+} from "../gen/kvxfer/v1/peer_pb.js";
+import { engineIdProblem } from "../engine/validate.js";
+import {
+  KvxferError,
+  type Agent,
+  type Endpoint,
+  type ErrorMode,
+  type Notification,
+  type RemoteRegion,
+} from "../native/index.js";
+import {
+  MAC_KEY_BYTES,
+  PeerMessageError,
+  ReplayWindow,
+  encodePeerMessage,
+  newMacKey,
+  openPeerMessage,
+  parseAgentName,
+  sealPeerMessage,
+  type OpenedPeerMessage,
+  type PeerBody,
+} from "../peer/messages.js";
+import {
+  handshake,
+  refusal,
+  type PeerCredentials,
+  type PeerIdentity,
+} from "../peer/side-channel.js";
+import { findIncompatibility, type KvLayout } from "../plan/index.js";
+import { kvLayoutFromProto, kvLayoutToProto } from "../plan/layout-proto.js";
+import type { Clock, RegisteredKv } from "./context.js";
+import type { PeerInfo, SidecarRole } from "./view.js";
 
 export class PeerState {
   readonly engineId: string;
   readonly epoch: bigint;
   readonly layout: KvLayout;
   readonly sideChannel: string;
-  state: "connected" | "failed" = "connected";
+  private up = true;
   lastSeenMs: number;
   /** Side channel address we reached it at (D side), for revalidation. */
   dialedAddress = "";
@@ -38,12 +76,22 @@ export class PeerState {
     private readonly agents: readonly Agent[],
     private readonly errorMode: ErrorMode,
     private readonly log: Logger,
+    nowMs: number,
   ) {
     this.engineId = metadata.engineId;
     this.epoch = metadata.epoch;
     this.layout = layout;
     this.sideChannel = metadata.sideChannel;
-    this.lastSeenMs = Date.now();
+    this.lastSeenMs = nowMs;
+  }
+
+  get state(): "connected" | "failed" {
+    return this.up ? "connected" : "failed";
+  }
+
+  /** It restarted, went silent or its endpoint failed: nothing more is sent to it. */
+  markFailed(): void {
+    this.up = false;
   }
 
   /** Installs the key its notifications are sealed with; a new key starts a new stream. */
@@ -110,5 +158,389 @@ export class PeerState {
     this.remotes.clear();
     this.endpoints.clear();
     this.log.debug({ peer: this.engineId, epoch: String(this.epoch) }, "peer state closed");
+  }
+}
+
+/** Peers known at once at most; an idle peer is forgotten after the tombstone time. */
+const MAX_PEERS = 4096;
+
+/** What the peer table needs of the sidecar it serves. */
+export interface PeerTableHost {
+  readonly engineId: string;
+  readonly epoch: bigint;
+  readonly role: SidecarRole;
+  readonly clock: Clock;
+  readonly log: Logger;
+  sideChannel(): string;
+  kv(): RegisteredKv | undefined;
+  /** Why handshakes are refused now (not registered, draining), or undefined. */
+  notAccepting(): { code: string; message: string } | undefined;
+  /** The side channel authenticates peers (mutual TLS). */
+  authenticated(): boolean;
+  emit(kind: "PEER_UP" | "PEER_DOWN", peer: string, reason: string): void;
+  noteError(text: string): void;
+  /** The sides fail what depended on a peer that is gone. */
+  peerDown(peer: PeerState, why: string): void;
+  /** Reads from or writes to `peer` still in flight. */
+  busyWith(peer: PeerState): boolean;
+  /** Live transfers with `peer`. */
+  liveWith(peer: PeerState): boolean;
+}
+
+export interface PeerTableSettings {
+  readonly errorMode: ErrorMode;
+  readonly heartbeatMs: number;
+  readonly handshakeTimeoutMs: number;
+  readonly peerTimeoutMs: number;
+  readonly tombstoneMs: number;
+  readonly abortGraceMs: number;
+  readonly peerCredentials: PeerCredentials | undefined;
+}
+
+/** A notification that passed every check, from `peer`'s agent `fromRank`. */
+export interface VerifiedNotification {
+  readonly peer: PeerState;
+  readonly fromRank: number;
+  readonly body: OpenedPeerMessage["body"];
+}
+
+function roleToProto(role: SidecarRole): Role {
+  return role === "prefill" ? Role.PREFILL : role === "decode" ? Role.DECODE : Role.BOTH;
+}
+
+/**
+ * Every peer engine this sidecar knows: handshakes both ways (metadata checks, identity against
+ * the certificate, keys), the cache by (engine id, epoch) and by side channel address, the
+ * checks on every notification (epochs, agent name, MAC, replay), sending, dropping a peer
+ * (which tells both sides) and forgetting silent ones.
+ */
+export class PeerTable {
+  private readonly peers = new Map<string, PeerState>();
+  /** Side channel address -> engine id, for the D side's cache. */
+  private readonly byAddress = new Map<string, string>();
+  private readonly handshakes = new Map<string, Promise<PeerState>>();
+  private closed = false;
+
+  constructor(
+    private readonly host: PeerTableHost,
+    private readonly settings: PeerTableSettings,
+  ) {}
+
+  close(): void {
+    this.closed = true;
+    for (const p of this.peers.values()) p.close();
+    this.peers.clear();
+  }
+
+  private metadata(): AgentMetadata {
+    const kv = this.host.kv()!;
+    return create(AgentMetadataSchema, {
+      engineId: this.host.engineId,
+      epoch: this.host.epoch,
+      role: roleToProto(this.host.role),
+      layout: kvLayoutToProto(kv.layout),
+      sideChannel: this.host.sideChannel(),
+      ranks: kv.agents.map((a, rank) =>
+        create(RankMetadataSchema, {
+          rank,
+          workerAddress: a.address,
+          remoteKeys: kv.regions[rank]!.map((r) => r.remoteKey()),
+        }),
+      ),
+    });
+  }
+
+  /** Checks a peer's metadata; throws KvxferError naming the field. */
+  private static checkMetadata(md: AgentMetadata | undefined): KvLayout {
+    if (md === undefined) throw new KvxferError("ERR_MALFORMED", "handshake carries no metadata");
+    const idProblem = engineIdProblem(md.engineId, "metadata.engine_id");
+    if (idProblem !== undefined) throw new KvxferError("ERR_MALFORMED", idProblem);
+    if (md.epoch === 0n) throw new KvxferError("ERR_MALFORMED", "metadata.epoch is 0");
+    if (md.layout === undefined)
+      throw new KvxferError("ERR_MALFORMED", "metadata.layout is missing");
+    let layout: KvLayout;
+    try {
+      layout = kvLayoutFromProto(md.layout);
+    } catch (err) {
+      throw new KvxferError("ERR_LAYOUT_INVALID", (err as Error).message);
+    }
+    if (md.ranks.length !== layout.tpSize)
+      throw new KvxferError(
+        "ERR_MALFORMED",
+        `metadata has ${md.ranks.length} ranks for tp_size ${layout.tpSize}`,
+      );
+    for (let r = 0; r < layout.tpSize; r++) {
+      const rk = md.ranks.find((x) => x.rank === r);
+      if (rk === undefined) throw new KvxferError("ERR_MALFORMED", `metadata has no rank ${r}`);
+      if (rk.remoteKeys.length !== layout.regionBytes.length)
+        throw new KvxferError(
+          "ERR_MALFORMED",
+          `rank ${r} has ${rk.remoteKeys.length} keys for ${layout.regionBytes.length} regions`,
+        );
+    }
+    return layout;
+  }
+
+  /** Prefill side: D introduces itself; we answer with our metadata. */
+  onHandshake(req: HandshakeRequest, identity: PeerIdentity): HandshakeResponse {
+    const res = this.answerHandshake(req, identity);
+    if (res.errorCode !== "")
+      this.host.noteError(`handshake refused: ${res.errorCode}: ${res.error}`);
+    return res;
+  }
+
+  private answerHandshake(req: HandshakeRequest, identity: PeerIdentity): HandshakeResponse {
+    const notNow = this.host.notAccepting();
+    if (notNow !== undefined) return refusal(notNow.code, notNow.message);
+    let layout: KvLayout;
+    try {
+      layout = PeerTable.checkMetadata(req.metadata);
+    } catch (err) {
+      const e = KvxferError.from(err);
+      return refusal(e.code, e.message);
+    }
+    const md = req.metadata!;
+    // With credentials, a peer is who its certificate says, and nobody else.
+    if (this.host.authenticated() && identity !== md.engineId) {
+      return refusal(
+        "ERR_UNAUTHENTICATED",
+        `metadata claims engine '${md.engineId}' but the certificate names '${identity ?? ""}'`,
+      );
+    }
+    if (req.macKey.length !== MAC_KEY_BYTES)
+      return refusal("ERR_MALFORMED", `mac_key must be ${MAC_KEY_BYTES} bytes`);
+    const mismatch = findIncompatibility(this.host.kv()!.layout, layout);
+    if (mismatch !== undefined)
+      return refusal("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
+    const peer = this.adopt(md, layout);
+    peer.setRecvKey(req.macKey);
+    return create(HandshakeResponseSchema, { metadata: this.metadata(), macKey: peer.sendKey });
+  }
+
+  /** Installs a peer's metadata; a new epoch replaces the old peer and fails what it had. */
+  private adopt(md: AgentMetadata, layout: KvLayout): PeerState {
+    const old = this.peers.get(md.engineId);
+    if (old !== undefined && old.epoch === md.epoch && old.state === "connected") {
+      old.lastSeenMs = this.host.clock.now();
+      return old;
+    }
+    if (old !== undefined)
+      this.drop(old, old.epoch === md.epoch ? "peer failed" : "peer restarted (new epoch)");
+    if (this.peers.size >= MAX_PEERS) {
+      throw new KvxferError("ERR_OVERLOADED", `${MAX_PEERS} peers known; refusing another`);
+    }
+    const peer = new PeerState(
+      md,
+      layout,
+      this.host.kv()!.agents,
+      this.settings.errorMode,
+      this.host.log,
+      this.host.clock.now(),
+    );
+    this.peers.set(md.engineId, peer);
+    this.host.emit("PEER_UP", md.engineId, `epoch ${md.epoch}`);
+    return peer;
+  }
+
+  /** Decode side: the peer at `address`, from the cache while it is fresh, else by handshake. */
+  resolve(address: string): Promise<PeerState> {
+    const known = this.byAddress.get(address);
+    const cached = known === undefined ? undefined : this.peers.get(known);
+    if (
+      cached !== undefined &&
+      cached.state === "connected" &&
+      this.host.clock.now() - cached.lastSeenMs < 2 * this.settings.heartbeatMs
+    ) {
+      return Promise.resolve(cached);
+    }
+    let pending = this.handshakes.get(address);
+    if (pending === undefined) {
+      pending = this.dial(address, cached).finally(() => this.handshakes.delete(address));
+      this.handshakes.set(address, pending);
+    }
+    return pending;
+  }
+
+  private async dial(address: string, cached: PeerState | undefined): Promise<PeerState> {
+    // Re-handshaking a peer we know keeps our key: notifications in flight stay valid.
+    const macKey = cached?.state === "connected" ? cached.sendKey : newMacKey();
+    const req = create(HandshakeRequestSchema, {
+      metadata: this.metadata(),
+      expectedEpoch: cached?.epoch ?? 0n,
+      macKey,
+    });
+    const creds = this.settings.peerCredentials;
+    const { response: res, peer: identity } = await handshake(
+      address,
+      req,
+      this.settings.handshakeTimeoutMs,
+      creds,
+    );
+    if (res.errorCode !== "")
+      throw new KvxferError(res.errorCode, `handshake with ${address} refused: ${res.error}`);
+    const layout = PeerTable.checkMetadata(res.metadata);
+    if (creds !== undefined && identity !== res.metadata!.engineId) {
+      throw new KvxferError(
+        "ERR_UNAUTHENTICATED",
+        `${address} claims engine '${res.metadata!.engineId}' but its certificate names '${identity ?? ""}'`,
+      );
+    }
+    if (res.macKey.length !== MAC_KEY_BYTES)
+      throw new KvxferError("ERR_MALFORMED", `handshake answer from ${address} has no mac_key`);
+    const mismatch = findIncompatibility(layout, this.host.kv()!.layout);
+    if (mismatch !== undefined)
+      throw new KvxferError("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
+    const peer = this.adopt(res.metadata!, layout);
+    peer.sendKey = macKey;
+    peer.setRecvKey(res.macKey);
+    peer.dialedAddress = address;
+    this.byAddress.set(address, peer.engineId);
+    return peer;
+  }
+
+  /** A peer is gone (restart, silence, endpoint failure): fail what depended on it. */
+  drop(peer: PeerState, why: string): void {
+    if (peer.state === "failed" && this.peers.get(peer.engineId) !== peer) return;
+    peer.markFailed();
+    this.host.emit("PEER_DOWN", peer.engineId, why);
+    this.host.log.warn({ peer: peer.engineId, epoch: String(peer.epoch), why }, "peer down");
+    this.host.peerDown(peer, why);
+    if (this.peers.get(peer.engineId) === peer) this.peers.delete(peer.engineId);
+    const endpoints = peer.endpointList();
+    // Endpoints close once their operations settle; the native layer defers the close.
+    peer.close();
+    // Reads from a dead peer may never settle (UCX without peer error mode, measured here over
+    // shared memory: a READ from a SIGKILLed sidecar hung forever and D's blocks stayed held).
+    // Writes to one neither (measured: P's pushes to a SIGKILLed D stayed MOVING, and P's engine
+    // kept their blocks for good). A grace later, whatever is still in flight to it is given up:
+    // the reads and writes reject, the transfer ends and its blocks go back to the engine. (D's
+    // blocks do not depend on this: D waits for P's registration lease, and P posts no write
+    // after it.)
+    if (this.host.busyWith(peer)) {
+      const graceMs = this.settings.abortGraceMs;
+      this.host.clock.after(graceMs, () => {
+        if (this.closed) return;
+        this.host.log.warn(
+          { peer: peer.engineId, graceMs },
+          "abandoning reads and writes to a dead peer",
+        );
+        for (const ep of endpoints) ep.abandon();
+      });
+    }
+  }
+
+  /** One of our endpoints failed: the peer it leads to is down. */
+  endpointFailed(ep: Endpoint, code: string): void {
+    for (const peer of this.peers.values()) {
+      if (peer.owns(ep)) {
+        this.drop(peer, `endpoint failed: ${code}`);
+        return;
+      }
+    }
+  }
+
+  /** One notification to `peer`: numbered, and sealed with our key for it. */
+  seal(peer: PeerState, body: PeerBody): Uint8Array {
+    peer.sendSeq += 1n;
+    return sealPeerMessage(
+      peer.sendKey,
+      encodePeerMessage(this.host.engineId, this.host.epoch, peer.epoch, body, peer.sendSeq),
+    );
+  }
+
+  /** Control messages go from our rank 0 agent to the peer's rank 0 agent. */
+  send(peer: PeerState, body: PeerBody): void {
+    if (peer.state !== "connected") return;
+    // Closed (the agents are gone): transfers ending during the stop notify no one.
+    const agent = this.host.kv()?.agents[0];
+    if (agent === undefined) return;
+    const log = this.host.log;
+    try {
+      agent.notify(peer.endpoint(0, 0), this.seal(peer, body)).catch((err: unknown) => {
+        log.warn({ err, peer: peer.engineId, msg: body.case }, "peer notification failed");
+      });
+    } catch (err) {
+      log.warn({ err, peer: peer.engineId, msg: body.case }, "peer notification failed");
+    }
+  }
+
+  /**
+   * Opens one notification and checks it: a known peer at the epoch we hold, naming us at ours,
+   * from an agent of that peer, sealed with its key, not seen before. Undefined (and an error
+   * noted) when any check fails.
+   */
+  verify(n: Notification): VerifiedNotification | undefined {
+    const { host } = this;
+    let m: OpenedPeerMessage;
+    try {
+      m = openPeerMessage(n.data);
+    } catch (err) {
+      const code = err instanceof PeerMessageError ? err.code : "ERR_MALFORMED";
+      host.noteError(`peer message from '${n.peer.slice(0, 200)}' refused: ${code}`);
+      return undefined;
+    }
+    const from = parseAgentName(n.peer);
+    const peer = this.peers.get(m.senderEngineId);
+    // Stale or forged: the sender must be a known peer at the epoch we hold, and name us at ours.
+    if (
+      peer === undefined ||
+      peer.state !== "connected" ||
+      m.senderEpoch !== peer.epoch ||
+      m.receiverEpoch !== host.epoch ||
+      from === undefined ||
+      from.engineId !== m.senderEngineId ||
+      from.epoch !== m.senderEpoch
+    ) {
+      host.noteError(
+        `peer message from '${m.senderEngineId}' (epoch ${m.senderEpoch}) refused: ERR_STALE_EPOCH`,
+      );
+      host.log.debug(
+        { sender: m.senderEngineId, msg: m.body.case },
+        "stale or unknown peer message refused",
+      );
+      return undefined;
+    }
+    // It must be sealed with the key that engine gave us in its handshake, and new.
+    if (!peer.verifies(m.verify)) {
+      host.noteError(
+        `peer message from '${m.senderEngineId}' refused: ERR_UNAUTHENTICATED (bad MAC)`,
+      );
+      return undefined;
+    }
+    if (!peer.replay.accept(m.seq)) {
+      host.noteError(
+        `peer message from '${m.senderEngineId}' refused: ERR_REPLAY (sequence ${m.seq} seen)`,
+      );
+      return undefined;
+    }
+    peer.lastSeenMs = host.clock.now();
+    return { peer, fromRank: from.rank, body: m.body };
+  }
+
+  /** Drops peers silent too long while transfers are live; forgets idle ones after the tombstone. */
+  expire(now: number): void {
+    for (const peer of [...this.peers.values()]) {
+      if (peer.state !== "connected" || now - peer.lastSeenMs < this.settings.peerTimeoutMs)
+        continue;
+      if (this.host.liveWith(peer)) {
+        this.drop(peer, `silent for ${now - peer.lastSeenMs} ms`);
+      } else if (now - peer.lastSeenMs > this.settings.tombstoneMs) {
+        // Idle and unheard of for long: forget it (a new transfer handshakes again).
+        this.peers.delete(peer.engineId);
+        if (this.byAddress.get(peer.dialedAddress) === peer.engineId)
+          this.byAddress.delete(peer.dialedAddress);
+        peer.close();
+      }
+    }
+  }
+
+  list(): PeerInfo[] {
+    return [...this.peers.values()].map((p) => ({
+      engineId: p.engineId,
+      epoch: p.epoch,
+      state: p.state,
+      lastSeenMs: p.lastSeenMs,
+      sideChannel: p.sideChannel,
+    }));
   }
 }

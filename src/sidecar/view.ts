@@ -32,12 +32,14 @@ export interface SidecarEvent {
   readonly mode: string;
 }
 
-/** Non-terminal and terminal states of a transfer, as listed. */
+/** Non-terminal and terminal states of a transfer, as listed (each side's machine: lifecycle.ts). */
 export type TransferState =
   | "WAITING" // known, waiting for the other half (registration, prefill, block ids)
   | "HELD" // P: prefill done, blocks held under lease
   | "MOVING" // data in flight
-  | "CONFIRMING" // D: data landed, waiting for P's confirmation (pull) or for writes to drain (abort)
+  | "ABORTING" // P: aborted while writes were in flight; ends once they settle
+  | "CONFIRMING" // D: reads done, waiting for P's confirmation (pull)
+  | "DRAINING" // D: failed (engine told); blocks held until no write can land
   | TerminalKind;
 
 export interface TransferTimings {

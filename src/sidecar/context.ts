@@ -1,0 +1,95 @@
+/**
+ * The narrow context each side of a transfer is built with: a clock, the engine, the peers, the
+ * registered KV and where events, metrics and errors go. The sidecar provides the real one; a
+ * test provides fakes (a manual clock, recording senders, fake agents) and drives a side in
+ * milliseconds, without processes.
+ */
+import type { MessageInitShape } from "@bufbuild/protobuf";
+import type { Logger } from "pino";
+
+import type { SidecarToEngineSchema } from "../gen/kvxfer/v1/engine_pb.js";
+import { KvxferError, type Agent, type Region } from "../native/index.js";
+import type { PeerBody } from "../peer/messages.js";
+import { PlanError, type KvLayout } from "../plan/index.js";
+import type { TransferMetrics } from "./metrics.js";
+import type { PeerState } from "./peers.js";
+import type { EventKind, TransferSide } from "./view.js";
+
+/** Wall-clock milliseconds and one-shot timers; tests advance a manual one. */
+export interface Clock {
+  now(): number;
+  /** Runs `fn` once after `ms` (never keeps the process alive). */
+  after(ms: number, fn: () => void): void;
+}
+
+export const systemClock: Clock = {
+  now: () => Date.now(),
+  after: (ms, fn) => {
+    setTimeout(fn, ms).unref();
+  },
+};
+
+/** A message to the engine (the body of SidecarToEngine). */
+export type EngineMessage = NonNullable<MessageInitShape<typeof SidecarToEngineSchema>["msg"]>;
+
+/** The engine's registered KV cache: its layout, one agent per rank, and each rank's regions. */
+export interface RegisteredKv {
+  readonly layout: KvLayout;
+  readonly agents: readonly Agent[];
+  readonly regions: readonly (readonly Region[])[];
+}
+
+/** The lifecycle settings both sides read (sidecar options, resolved). */
+export interface LifecycleSettings {
+  /** P holds finished blocks this long without a heartbeat from D. */
+  readonly leaseMs: number;
+  /** A push registration on P lives this long without renewal. */
+  readonly regLeaseMs: number;
+  /** D gives up on a transfer after this long. */
+  readonly transferTimeoutMs: number;
+  /** Extra wait on D, after P's registration lease, before an unacknowledged abort's blocks go. */
+  readonly abortGraceMs: number;
+  /** Terminal transfers are remembered this long. */
+  readonly tombstoneMs: number;
+  /** Live transfers per side at most. */
+  readonly maxTransfers: number;
+  /** P refuses a PrefillDone listing a block a live transfer holds. */
+  readonly exclusivePrefillBlocks: boolean;
+}
+
+export interface SideContext {
+  readonly clock: Clock;
+  readonly settings: LifecycleSettings;
+  readonly log: Logger;
+  /** The registered KV (undefined before the engine registers). */
+  kv(): RegisteredKv | undefined;
+  /** To the registered engine. */
+  toEngine(msg: EngineMessage): void;
+  /** Refuses the engine message being handled (`Refused`, to its sender). */
+  refuse(transferId: string, code: string, message: string): void;
+  /** A control notification to `peer` (rank 0 to rank 0), numbered and sealed. */
+  toPeer(peer: PeerState, body: PeerBody): void;
+  /** The sealed bytes of one notification to `peer` (for a notification on a given endpoint). */
+  seal(peer: PeerState, body: PeerBody): Uint8Array;
+  /** One terminal transfer event. */
+  emit(
+    kind: EventKind,
+    transferId: string,
+    peer: string,
+    side: TransferSide,
+    reason: string,
+    bytes: number,
+    mode: string,
+  ): void;
+  /** A transfer's KV arrived (counted in the status' bytes and transfers moved). */
+  moved(bytes: number): void;
+  /** Keeps an error line for GetStatus. */
+  noteError(text: string): void;
+  /** Where transfer metrics go (none before the sidecar starts, or in a test). */
+  metrics(): TransferMetrics | undefined;
+}
+
+/** A failure to plan or move a transfer, as the KvxferError it is reported with. */
+export function transferError(err: unknown): KvxferError {
+  return err instanceof PlanError ? new KvxferError(err.code, err.message) : KvxferError.from(err);
+}

@@ -1,0 +1,605 @@
+/**
+ * D's side of every transfer: the table of D's transfers, their lifecycle (lifecycle.ts), and
+ * every handler that moves one: the engine's ExpectKv and Abort, P's XferDone, ReadAck,
+ * AbortAck and Failed, the watchdog, and P going down. D registers its blocks with P (push) or
+ * reads P's (pull), tells its engine KvReady or KvFailed, and gives the blocks back only when
+ * no write into them can still land.
+ */
+import { FailureReason, ReleaseReason, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
+import { KvxferError } from "../native/index.js";
+import { descriptorsForSide, mapRanks, planTransfer, type TransferPlan } from "../plan/index.js";
+import { BlockClaims } from "./claims.js";
+import { transferError, type SideContext } from "./context.js";
+import {
+  DECODE_INITIAL,
+  DECODE_NEXT,
+  begin,
+  isTerminal,
+  transition,
+  type DecodeState,
+  type Lifecycle,
+} from "./lifecycle.js";
+import type { PeerState } from "./peers.js";
+import { newTimings, type Timings } from "./timings.js";
+import type { TerminalKind, TransferInfo } from "./view.js";
+
+/** How a failing transfer ends once it is safe (decided when the failure began). */
+interface Outcome {
+  kind: DecodeState & TerminalKind;
+  reason: FailureReason;
+  code: string;
+  release: ReleaseReason;
+}
+
+/** D's side of one transfer. */
+export interface DecodeTransfer {
+  readonly id: string;
+  readonly state: DecodeState;
+  source: string;
+  peer: PeerState | undefined;
+  dstBlocks: number[];
+  /** The blocks this transfer writes, claimed until its end (see `claims`). */
+  written: number[];
+  srcBlocks: number[] | undefined;
+  numTokens: number;
+  prefixTokens: number;
+  /** ExpectKv.token, presented to P. */
+  token: string;
+  mode: "push" | "pull";
+  expectedPairs: Set<string>;
+  donePairs: Set<string>;
+  /** Watchdog, or (DRAINING) when the blocks may be released. */
+  deadline: number;
+  /** Last time D renewed P's registration (push), for the abort drain bound. */
+  lastRenewMs: number;
+  /** Set with KvFailed: how the transfer ends once DRAINING is over. */
+  outcome: Outcome | undefined;
+  readsInFlight: number;
+  /** Push: P's time from PrefillDone to the last XferDone. */
+  sincePrefillDoneMs: number;
+  bytes: number;
+  descriptors: number;
+  reason: string;
+  t: Timings;
+}
+
+/** The fields of an XferDone notification. */
+export interface XferDoneMessage {
+  transferId: string;
+  srcRank: number;
+  dstRank: number;
+  bytes: bigint;
+  sincePrefillDoneMs: number;
+}
+
+/** How D reaches P: its metadata from the cache or by a handshake. */
+export type PeerResolver = (sideChannel: string) => Promise<PeerState>;
+
+export class DecodeSide {
+  private readonly transfers = new Map<string, DecodeTransfer>();
+  /**
+   * A transfer claims the blocks it writes: `block_ids` entries floor(prefix_tokens / block) ..
+   * ceil(num_tokens / block) - 1 (the prefix blocks before them are only read by the engine,
+   * and vLLM's prefix cache legitimately shares them between requests; ids past the tokens are
+   * not written). Claimed from ExpectKv until the terminal state (KV_READY, or the ReleaseBlocks
+   * after a failure: a failing transfer still holds them, as a write may still land).
+   */
+  private readonly claims = new BlockClaims();
+  private readonly lc: Lifecycle<DecodeState, DecodeTransfer>;
+
+  constructor(
+    private readonly ctx: SideContext,
+    private readonly resolvePeer: PeerResolver,
+  ) {
+    const s = ctx.settings;
+    this.lc = {
+      side: "decode",
+      initial: DECODE_INITIAL,
+      next: DECODE_NEXT,
+      log: ctx.log,
+      refused: (problem) => ctx.noteError(`ERR_INTERNAL: ${problem}`),
+      enter: (t, to) => {
+        const now = ctx.clock.now();
+        switch (to) {
+          case "WAITING":
+            t.t.registeredMs = now;
+            t.deadline = now + s.transferTimeoutMs;
+            break;
+          case "MOVING":
+            if (t.mode === "pull") t.t.dataStartedMs = now;
+            else t.lastRenewMs = now;
+            break;
+          case "CONFIRMING":
+            break;
+          case "DRAINING":
+            // A push may still be written until P's registration lease (renewed by our
+            // heartbeats) has run out; reads settle by themselves.
+            if (t.mode === "push" && t.peer !== undefined)
+              t.deadline = t.lastRenewMs + s.regLeaseMs + s.abortGraceMs;
+            break;
+          case "KV_READY":
+            t.t.readyMs = now;
+            t.t.endedMs = now;
+            t.deadline = now + s.tombstoneMs;
+            break;
+          default:
+            t.t.endedMs = now;
+            t.deadline = now + s.tombstoneMs;
+        }
+      },
+      exit: (t, kind) => {
+        this.claims.release(t.written, t.id);
+        const peer = t.peer?.engineId ?? "";
+        if (kind === "KV_READY") {
+          ctx.toEngine({ case: "kvReady", value: { transferId: t.id } });
+          // Prefill done -> ready: for push P reports its side; for pull the router sent
+          // ExpectKv only once prefill was done, so registration stands in for it.
+          const latency =
+            t.mode === "push" ? t.sincePrefillDoneMs : ctx.clock.now() - t.t.registeredMs;
+          ctx.metrics()?.transferReady(t.mode, latency, t.bytes, t.descriptors);
+          ctx.emit("KV_READY", t.id, peer, "decode", "", t.bytes, t.mode);
+          return;
+        }
+        const o = t.outcome!;
+        ctx.toEngine({
+          case: "releaseBlocks",
+          value: { transferId: t.id, blockIds: t.dstBlocks, reason: o.release },
+        });
+        ctx.emit(kind, t.id, peer, "decode", o.code, t.bytes, t.mode);
+      },
+    };
+  }
+
+  has(transferId: string): boolean {
+    return this.transfers.has(transferId);
+  }
+
+  // --- the engine ----------------------------------------------------------------
+
+  expectKv(m: ExpectKv, pullWanted: boolean): void {
+    const { ctx } = this;
+    const existing = this.transfers.get(m.transferId);
+    if (existing !== undefined) {
+      return ctx.refuse(
+        m.transferId,
+        "ERR_DUPLICATE",
+        `ExpectKv for transfer '${m.transferId}' already received`,
+      );
+    }
+    if (this.atCapacity()) {
+      return ctx.refuse(
+        m.transferId,
+        "ERR_OVERLOADED",
+        `${ctx.settings.maxTransfers} transfers live`,
+      );
+    }
+    // The blocks this transfer writes (see `claims`); the engine's checks guarantee the count.
+    const bs = ctx.kv()!.layout.blockSize;
+    const firstWritten = Math.floor(m.prefixTokens / bs);
+    const written = m.blockIds.slice(firstWritten, Math.ceil(m.numTokens / bs));
+    const clash = this.claims.clash(written, firstWritten, m.transferId);
+    if (clash !== undefined) return ctx.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
+    const hasSrc = m.hasSourceBlockIds;
+    if (pullWanted && !hasSrc)
+      return ctx.refuse(
+        m.transferId,
+        "ERR_NO_SOURCE_BLOCKS",
+        "pull mode needs ExpectKv.source_block_ids",
+      );
+    const t: DecodeTransfer = {
+      id: m.transferId,
+      state: "WAITING",
+      source: m.source,
+      peer: undefined,
+      dstBlocks: [...m.blockIds],
+      written,
+      srcBlocks: hasSrc ? [...m.sourceBlockIds] : undefined,
+      numTokens: m.numTokens,
+      prefixTokens: m.prefixTokens,
+      token: m.token,
+      mode: pullWanted ? "pull" : "push",
+      expectedPairs: new Set(),
+      donePairs: new Set(),
+      deadline: 0,
+      lastRenewMs: ctx.clock.now(),
+      outcome: undefined,
+      readsInFlight: 0,
+      sincePrefillDoneMs: 0,
+      bytes: 0,
+      descriptors: 0,
+      reason: "",
+      t: newTimings(),
+    };
+    this.transfers.set(t.id, t);
+    this.claims.claim(written, t.id);
+    begin(this.lc, t, "WAITING", "ExpectKv");
+    void this.start(t);
+  }
+
+  /** The engine aborts: KvFailed at once, the blocks once no write can land. */
+  abort(transferId: string): void {
+    const t = this.transfers.get(transferId);
+    if (t === undefined || isTerminal(t.state)) return;
+    const safe = t.state === "WAITING" && (t.mode === "pull" || t.peer === undefined);
+    this.fail(
+      t,
+      "ABORTED",
+      FailureReason.ABORTED,
+      "ERR_ABORTED",
+      "aborted by the engine",
+      ReleaseReason.ABORTED,
+      safe,
+    );
+  }
+
+  private async start(t: DecodeTransfer): Promise<void> {
+    const { ctx } = this;
+    let peer: PeerState;
+    try {
+      peer = await this.resolvePeer(t.source);
+    } catch (err) {
+      const e = KvxferError.from(err);
+      const reason =
+        e.code === "ERR_LAYOUT_INCOMPATIBLE"
+          ? FailureReason.INCOMPATIBLE
+          : FailureReason.UNREACHABLE;
+      // Nothing was registered with P: the blocks are safe at once.
+      this.fail(t, "FAILED", reason, e.code, e.message, ReleaseReason.FAILED, true);
+      return;
+    }
+    if (t.state !== "WAITING") {
+      // Given up on while the handshake ran (abort, watchdog): a pull tells P it can let go.
+      if (t.mode === "pull")
+        ctx.toPeer(peer, {
+          case: "abort",
+          value: { transferId: t.id, reason: t.reason, token: t.token },
+        });
+      return;
+    }
+    t.peer = peer;
+    for (const d of mapRanks(peer.layout, ctx.kv()!.layout)) {
+      for (const s of d.sources) t.expectedPairs.add(`${s.srcRank}:${d.dstRank}`);
+    }
+    if (t.mode === "push") {
+      transition(this.lc, t, "MOVING", "push registered with P");
+      ctx.toPeer(peer, {
+        case: "pushReg",
+        value: {
+          transferId: t.id,
+          blockIds: t.dstBlocks,
+          numTokens: t.numTokens,
+          prefixTokens: t.prefixTokens,
+          leaseMs: ctx.settings.regLeaseMs,
+          token: t.token,
+        },
+      });
+    } else {
+      await this.pull(t, peer);
+    }
+  }
+
+  /** D reads every rank pair's KV from P's blocks, then asks P whether they were held throughout. */
+  private async pull(t: DecodeTransfer, peer: PeerState): Promise<void> {
+    const { ctx } = this;
+    const kv = ctx.kv()!;
+    let plan: TransferPlan;
+    try {
+      plan = planTransfer(peer.layout, kv.layout, {
+        numTokens: t.numTokens,
+        prefixTokens: t.prefixTokens,
+        srcBlockIds: t.srcBlocks!,
+        dstBlockIds: t.dstBlocks,
+      });
+    } catch (err) {
+      const e = transferError(err);
+      this.fail(
+        t,
+        "FAILED",
+        FailureReason.BAD_REQUEST,
+        e.code,
+        e.message,
+        ReleaseReason.FAILED,
+        true,
+      );
+      return;
+    }
+    transition(this.lc, t, "MOVING", "pull planned");
+    t.bytes = plan.bytes;
+    t.descriptors = plan.descriptorCount;
+    const reads: Promise<void>[] = [];
+    try {
+      for (const pair of plan.pairs) {
+        const agent = kv.agents[pair.dstRank]!;
+        const ep = peer.endpoint(pair.dstRank, pair.srcRank);
+        for (const rp of pair.regionPairs) {
+          if (rp.count === 0) continue;
+          const remote = peer.remote(pair.dstRank, pair.srcRank, rp.srcRegion);
+          reads.push(
+            agent.read(
+              ep,
+              kv.regions[pair.dstRank]![rp.dstRegion]!,
+              remote,
+              descriptorsForSide(rp.descriptors, "dst"),
+            ),
+          );
+        }
+      }
+    } catch (err) {
+      reads.push(Promise.reject(err));
+    }
+    t.readsInFlight = reads.length;
+    const settled = await Promise.allSettled(reads);
+    t.readsInFlight = 0;
+    t.t.dataDoneMs = ctx.clock.now();
+    if (t.state === "DRAINING") {
+      // Aborted or timed out while reading: the reads are over, the blocks are safe now.
+      this.settle(t);
+      return;
+    }
+    if (t.state !== "MOVING") return;
+    const bad = settled.find((s) => s.status === "rejected");
+    if (bad !== undefined) {
+      const e = KvxferError.from((bad as PromiseRejectedResult).reason);
+      ctx.toPeer(peer, {
+        case: "failed",
+        value: { transferId: t.id, code: e.code, message: e.message, token: t.token },
+      });
+      this.fail(
+        t,
+        "FAILED",
+        FailureReason.TRANSFER_ERROR,
+        e.code,
+        e.message,
+        ReleaseReason.FAILED,
+        true,
+      );
+      return;
+    }
+    transition(this.lc, t, "CONFIRMING", "every READ done");
+    this.askHeld(t, peer);
+  }
+
+  private askHeld(t: DecodeTransfer, peer: PeerState): void {
+    this.ctx.toPeer(peer, {
+      case: "readDone",
+      value: { transferId: t.id, bytes: BigInt(t.bytes), token: t.token },
+    });
+  }
+
+  // --- the prefill peer ------------------------------------------------------------
+
+  readAck(peer: PeerState, transferId: string, held: boolean, unknown: boolean): void {
+    const t = this.transfers.get(transferId);
+    if (t === undefined || t.peer !== peer || t.state !== "CONFIRMING" || t.mode !== "pull") return;
+    if (unknown) {
+      // P has not seen PrefillDone yet, so it cannot have released the blocks: ask again
+      // shortly (the watchdog bounds how long).
+      this.ctx.clock.after(10, () => {
+        if (t.state === "CONFIRMING" && t.peer !== undefined) this.askHeld(t, t.peer);
+      });
+      return;
+    }
+    if (held) {
+      transition(this.lc, t, "KV_READY", "P held the blocks throughout the reads");
+    } else {
+      this.fail(
+        t,
+        "FAILED",
+        FailureReason.LEASE_EXPIRED,
+        "ERR_LEASE_EXPIRED",
+        "P released the blocks before D's read was confirmed",
+        ReleaseReason.FAILED,
+        true,
+      );
+    }
+  }
+
+  /** One pair's data is in D's blocks (push); the last one makes the KV ready. */
+  xferDone(peer: PeerState, fromRank: number, toRank: number, m: XferDoneMessage): void {
+    const { ctx } = this;
+    const t = this.transfers.get(m.transferId);
+    if (t === undefined) {
+      // Never expected here (or its tombstone is gone): a peer bug or a forgery, worth seeing.
+      ctx.noteError(
+        `XferDone from '${peer.engineId}' for unknown transfer '${m.transferId}': ERR_UNKNOWN_TRANSFER`,
+      );
+      return;
+    }
+    if (t.peer !== peer || t.mode !== "push" || t.state !== "MOVING") {
+      ctx.log.debug({ transferId: m.transferId }, "XferDone for no moving push transfer: ignored");
+      return;
+    }
+    // The notification must come from the agent pair it names (it follows that pair's data).
+    if (m.srcRank !== fromRank || m.dstRank !== toRank) {
+      ctx.noteError(
+        `XferDone for ${m.transferId} names ranks ${m.srcRank}->${m.dstRank} but came ${fromRank}->${toRank}`,
+      );
+      return;
+    }
+    const key = `${m.srcRank}:${m.dstRank}`;
+    if (!t.expectedPairs.has(key)) return;
+    if (t.t.dataStartedMs === 0) t.t.dataStartedMs = ctx.clock.now();
+    t.donePairs.add(key);
+    t.bytes += Number(m.bytes);
+    t.sincePrefillDoneMs = Math.max(t.sincePrefillDoneMs, m.sincePrefillDoneMs);
+    if (t.donePairs.size === t.expectedPairs.size) {
+      t.t.dataDoneMs = ctx.clock.now();
+      ctx.moved(t.bytes);
+      transition(this.lc, t, "KV_READY", "every pair's XferDone");
+    }
+  }
+
+  /** P says the transfer failed; returns false when D has no live transfer with `peer` by that id. */
+  peerFailed(peer: PeerState, transferId: string, code: string, message: string): boolean {
+    const t = this.transfers.get(transferId);
+    if (t === undefined || t.peer !== peer || isTerminal(t.state)) return false;
+    if (t.state === "DRAINING") {
+      // P failed after our abort: its writes are over.
+      if (t.mode === "push") this.settle(t);
+      return true;
+    }
+    // P sends Failed only once its writes for the transfer are over.
+    const safe = t.mode === "push" || t.readsInFlight === 0;
+    const reason =
+      code === "ERR_LEASE_EXPIRED" ? FailureReason.LEASE_EXPIRED : FailureReason.PEER_FAILED;
+    this.fail(t, "FAILED", reason, code, `prefill side: ${message}`, ReleaseReason.FAILED, safe);
+    return true;
+  }
+
+  /** P acknowledged our abort of a push: no write will land. */
+  abortAck(peer: PeerState, transferId: string): void {
+    const t = this.transfers.get(transferId);
+    // Only a push waits for P's acknowledgement; a pull waits for its own reads to settle.
+    if (t === undefined || t.peer !== peer || t.state !== "DRAINING" || t.mode !== "push") return;
+    this.settle(t);
+  }
+
+  /** P is gone: its transfers fail (a push's blocks wait for the registration lease). */
+  peerDown(peer: PeerState, why: string): void {
+    for (const t of this.transfers.values()) {
+      if (t.peer !== peer || isTerminal(t.state) || t.state === "DRAINING") continue;
+      // A push may still have writes in flight from a peer we merely stopped hearing:
+      // the blocks wait for the registration lease. Reads settle by themselves.
+      this.fail(
+        t,
+        "FAILED",
+        FailureReason.PEER_FAILED,
+        "ERR_PEER_DOWN",
+        why,
+        ReleaseReason.FAILED,
+        t.mode === "pull" && t.readsInFlight === 0,
+      );
+    }
+  }
+
+  // --- failure ---------------------------------------------------------------------
+
+  /**
+   * D's failure path. The engine hears KvFailed at once (it may recompute); its blocks come
+   * back only when no write into them can still arrive: at once when `safe`, else (DRAINING)
+   * on P's AbortAck, on reads settling, or when P's registration lease (plus a grace) has
+   * surely run out.
+   */
+  private fail(
+    t: DecodeTransfer,
+    kind: DecodeState & TerminalKind,
+    reason: FailureReason,
+    code: string,
+    message: string,
+    release: ReleaseReason,
+    safe: boolean,
+  ): void {
+    const { ctx } = this;
+    if (isTerminal(t.state) || t.state === "DRAINING") return;
+    t.outcome = { kind, reason, code, release };
+    t.reason = code;
+    ctx.metrics()?.transferFailed(code);
+    ctx.toEngine({ case: "kvFailed", value: { transferId: t.id, reason, message } });
+    // A pull that D gives up on (abort, watchdog): P need not hold its blocks to the lease.
+    if (
+      t.mode === "pull" &&
+      t.peer !== undefined &&
+      reason !== FailureReason.LEASE_EXPIRED &&
+      reason !== FailureReason.PEER_FAILED
+    ) {
+      ctx.toPeer(t.peer, {
+        case: "abort",
+        value: { transferId: t.id, reason: code, token: t.token },
+      });
+    }
+    if (safe) {
+      transition(this.lc, t, kind, code);
+      return;
+    }
+    transition(this.lc, t, "DRAINING", code);
+    if (t.mode === "push" && t.peer !== undefined) {
+      ctx.toPeer(t.peer, {
+        case: "abort",
+        value: { transferId: t.id, reason: code, token: t.token },
+      });
+    } else if (t.readsInFlight === 0) {
+      this.settle(t);
+    }
+  }
+
+  /** DRAINING is over: the transfer ends as decided when it began failing. */
+  private settle(t: DecodeTransfer): void {
+    if (t.state !== "DRAINING") return;
+    transition(this.lc, t, t.outcome!.kind, "no write can land any more");
+  }
+
+  // --- time ------------------------------------------------------------------------
+
+  /** Transfers whose lease D renews with its heartbeat to each peer (push: stamps the renewal). */
+  heartbeatIds(now: number): Map<PeerState, string[]> {
+    const byPeer = new Map<PeerState, string[]>();
+    for (const t of this.transfers.values()) {
+      if (t.peer === undefined || isTerminal(t.state) || t.state === "DRAINING") continue;
+      let ids = byPeer.get(t.peer);
+      if (ids === undefined) byPeer.set(t.peer, (ids = []));
+      ids.push(t.id);
+      if (t.mode === "push") t.lastRenewMs = now;
+    }
+    return byPeer;
+  }
+
+  /** The watchdog, the end of DRAINING by time, and old tombstones. */
+  expire(now: number): void {
+    for (const t of this.transfers.values()) {
+      if (now < t.deadline) continue;
+      if (isTerminal(t.state)) {
+        this.transfers.delete(t.id);
+      } else if (t.state === "DRAINING") {
+        if (t.readsInFlight === 0) this.settle(t); // P's registration lease has run out
+      } else {
+        this.fail(
+          t,
+          "EXPIRED",
+          FailureReason.TIMEOUT,
+          "ERR_TIMEOUT",
+          `no KV within ${this.ctx.settings.transferTimeoutMs} ms`,
+          ReleaseReason.EXPIRED,
+          t.state === "WAITING" && t.peer === undefined,
+        );
+      }
+    }
+  }
+
+  /** Reads from `peer` still in flight. */
+  readingFrom(peer: PeerState): boolean {
+    for (const t of this.transfers.values())
+      if (t.peer === peer && t.mode === "pull" && t.readsInFlight > 0) return true;
+    return false;
+  }
+
+  liveWith(peer: PeerState): boolean {
+    for (const t of this.transfers.values())
+      if (t.peer === peer && !isTerminal(t.state)) return true;
+    return false;
+  }
+
+  live(): number {
+    let n = 0;
+    for (const t of this.transfers.values()) if (!isTerminal(t.state)) n++;
+    return n;
+  }
+
+  private atCapacity(): boolean {
+    const max = this.ctx.settings.maxTransfers;
+    return this.transfers.size >= max && this.live() >= max;
+  }
+
+  list(): TransferInfo[] {
+    return [...this.transfers.values()].map((t) => ({
+      transferId: t.id,
+      side: "decode",
+      mode: t.mode,
+      state: t.state,
+      peer: t.peer?.engineId ?? "",
+      bytes: t.bytes,
+      descriptors: t.descriptors,
+      reason: t.reason,
+      timings: { ...t.t },
+    }));
+  }
+}
