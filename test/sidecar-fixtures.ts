@@ -15,7 +15,6 @@ import {
 } from "../src/sim/engine-client.js";
 import { SidecarProcess, type SidecarReady } from "../src/sim/sidecar-process.js";
 
-
 /** Waits (bounded) until `pred` holds; throws naming `what` otherwise. */
 export async function until(
   pred: () => boolean | Promise<boolean>,
