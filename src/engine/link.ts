@@ -190,7 +190,7 @@ export class EngineLinkServer {
   private readonly log: Logger;
   private readonly onMessage: EngineMessageHandler;
   private readonly onRefused: ((code: string, message: string) => void) | undefined;
-  private state: "new" | "open" | "closed" = "new";
+  private phase: "new" | "open" | "closed" = "new";
   private loop: Promise<void> | undefined;
   /** The connection of the accepted registration (`adopt`): the only one the link serves. */
   private owner: EnginePeer | undefined;
@@ -286,8 +286,8 @@ export class EngineLinkServer {
    * over. The socket itself is probed too, for a holder that takes no lock.
    */
   async start(): Promise<void> {
-    if (this.state !== "new") {
-      throw new KvxferError("ERR_STATE", `engine link is ${this.state}; start() runs once`);
+    if (this.phase !== "new") {
+      throw new KvxferError("ERR_STATE", `engine link is ${this.phase}; start() runs once`);
     }
     const path = ipcPath(this.endpoint);
     const fsPath = path !== undefined && path !== "" && !path.startsWith("@") && path !== "*";
@@ -306,7 +306,7 @@ export class EngineLinkServer {
         if ((st.mode & 0o777) !== 0o600) chmodSync(bound, 0o600);
       }
     } catch (err) {
-      this.state = "closed";
+      this.phase = "closed";
       this.socket.close();
       this.removeFiles();
       if (err instanceof KvxferError) throw err;
@@ -318,7 +318,7 @@ export class EngineLinkServer {
     } finally {
       if (umask !== undefined) process.umask(umask);
     }
-    this.state = "open";
+    this.phase = "open";
     this.loop = this.receiveLoop();
     this.log.info({ endpoint: this.endpoint }, "engine link listening");
   }
@@ -380,14 +380,14 @@ export class EngineLinkServer {
 
   private async receiveLoop(): Promise<void> {
     // One loop; an error ends one pass, is logged, and the loop resumes unless the link closed.
-    while (this.state === "open") {
+    while (this.phase === "open") {
       try {
         for await (const frames of this.socket) {
           this.onFrames(frames);
         }
         return; // the socket closed
       } catch (err) {
-        if (this.state !== "open") return;
+        if (this.phase !== "open") return;
         this.log.error({ err }, "engine link receive failed; resuming");
         await new Promise((r) => setTimeout(r, 10));
       }
@@ -507,7 +507,7 @@ export class EngineLinkServer {
     msg: SidecarToEngine,
     quietIfGone: boolean,
   ): Promise<"sent" | "gone" | "failed"> {
-    if (this.state !== "open") return "failed";
+    if (this.phase !== "open") return "failed";
     let body: Uint8Array;
     try {
       body = toBinary(SidecarToEngineSchema, msg);
@@ -519,7 +519,7 @@ export class EngineLinkServer {
       await this.socket.send([to.routingId, body]);
       return "sent";
     } catch (err) {
-      if (this.state !== "open") return "failed";
+      if (this.phase !== "open") return "failed";
       const code = errCode(err);
       if (quietIfGone && code === "EHOSTUNREACH") return "gone";
       if (code === "EHOSTUNREACH") {
@@ -554,7 +554,7 @@ export class EngineLinkServer {
       return true;
     }
     const r = await this.trySend(to, msg, true);
-    if (r === "gone" && this.owner === to && this.state === "open") {
+    if (r === "gone" && this.owner === to && this.phase === "open") {
       // The owner's connection ended before ZeroMQ's notice reached us: hold this one too.
       this.ownerUp = false;
       this.log.warn({ peer: to.id }, "the engine's connection ended; holding its messages");
@@ -566,9 +566,9 @@ export class EngineLinkServer {
 
   /** Idempotent; stops receiving and closes the socket (what is queued gets `LINGER_MS`). */
   async close(timeoutMs = 2000): Promise<void> {
-    if (this.state === "closed") return;
-    const wasOpen = this.state === "open";
-    this.state = "closed";
+    if (this.phase === "closed") return;
+    const wasOpen = this.phase === "open";
+    this.phase = "closed";
     this.socket.close();
     if (wasOpen && this.loop) await within(this.loop, timeoutMs);
     this.removeFiles();

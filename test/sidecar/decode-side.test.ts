@@ -1,0 +1,217 @@
+// D's side in process (decode.ts) with fake agents, a fake peer resolver and a manual clock: the
+// watchdog, the abort drain, P's Failed and AbortAck, P going down, pull confirmation, in
+// milliseconds. Each case checks when D's blocks go back (never while a write may land) and the
+// one terminal event.
+import { describe, expect, it } from "vitest";
+
+import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
+import { DecodeSide } from "../../src/sidecar/decode.js";
+import type { PeerState } from "../../src/sidecar/peers.js";
+import { FakeWorld, SETTINGS, expectKv, settle } from "./fakes.js";
+
+function setup(opts: { reachable?: boolean } = {}) {
+  const w = new FakeWorld();
+  const p = w.peer("p0");
+  let answer: ((peer: PeerState) => void) | undefined;
+  const resolver = (): Promise<PeerState> =>
+    opts.reachable === false
+      ? new Promise<PeerState>((res) => (answer = res)) // the handshake hangs until told
+      : Promise.resolve(p);
+  const d = new DecodeSide(w.ctx, resolver);
+  const state = (id: string) => d.list().find((t) => t.transferId === id)?.state;
+  return { w, d, p, state, answer: () => answer!(p) };
+}
+
+const xferDone = (transferId: string) => ({
+  transferId,
+  srcRank: 0,
+  dstRank: 0,
+  bytes: 8192n,
+  sincePrefillDoneMs: 3,
+});
+
+describe("DecodeSide", () => {
+  it("push: PushReg to P, the last XferDone makes the KV ready; one event", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    expect(state("t1")).toBe("MOVING");
+    expect(w.peerSaid("t1")).toEqual(["pushReg"]);
+    d.xferDone(p, 1, 0, xferDone("t1")); // from the wrong agent: refused by name
+    expect(state("t1")).toBe("MOVING");
+    expect(w.errors.at(-1)).toContain("names ranks 0->0 but came 1->0");
+    d.xferDone(p, 0, 0, xferDone("t1"));
+    expect(state("t1")).toBe("KV_READY");
+    expect(w.engineSaid("t1")).toEqual(["kvReady"]);
+    expect(w.eventsOf("t1")).toEqual(["KV_READY"]);
+    d.xferDone(p, 0, 0, xferDone("t1")); // a duplicate changes nothing
+    expect(w.eventsOf("t1")).toEqual(["KV_READY"]);
+  });
+
+  it("the watchdog while the handshake hangs: EXPIRED at once (nothing reached P)", async () => {
+    const { w, d, state, answer } = setup({ reachable: false });
+    d.expectKv(expectKv("t1"), false);
+    w.clock.advance(SETTINGS.transferTimeoutMs - 1);
+    d.expire(w.clock.now());
+    expect(state("t1")).toBe("WAITING");
+    w.clock.advance(1);
+    d.expire(w.clock.now());
+    expect(state("t1")).toBe("EXPIRED");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.EXPIRED}`]);
+    answer(); // the handshake ends after all: nothing more happens
+    await settle();
+    expect(w.peerSaid("t1")).toEqual([]);
+    expect(w.eventsOf("t1")).toEqual(["EXPIRED"]);
+  });
+
+  it("the watchdog after PushReg: KvFailed now, blocks back only when P's registration lease is surely over", async () => {
+    const { w, d, state } = setup();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    const registeredAt = w.clock.now();
+    w.clock.advance(SETTINGS.transferTimeoutMs);
+    d.expire(w.clock.now());
+    expect(state("t1")).toBe("DRAINING");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed"]);
+    expect(w.peerSaid("t1")).toEqual(["pushReg", "abort"]);
+    // The drain's end: the last renewal (at registration) + P's lease + the grace.
+    const end = registeredAt + SETTINGS.regLeaseMs + SETTINGS.abortGraceMs;
+    expect(w.clock.now()).toBeGreaterThanOrEqual(end); // already past it: next sweep ends it
+    d.expire(w.clock.now());
+    expect(state("t1")).toBe("EXPIRED");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.EXPIRED}`]);
+    expect(w.eventsOf("t1")).toEqual(["EXPIRED"]);
+  });
+
+  it("the engine aborts a push: blocks wait for P's AbortAck (or the lease), then ABORTED", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1"), false);
+    d.expectKv(expectKv("t2", false, "", [6, 7]), false);
+    await settle();
+    d.heartbeatIds(w.clock.now()); // renews both registrations now
+    d.abort("t1");
+    d.abort("t2");
+    expect(state("t1")).toBe("DRAINING");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed"]);
+    // t1: P acknowledges -> blocks back at once.
+    d.abortAck(p, "t1");
+    expect(state("t1")).toBe("ABORTED");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.ABORTED}`]);
+    // t2: P never answers -> blocks back when the lease (+ grace) is surely over, not before.
+    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs - 1);
+    d.expire(w.clock.now());
+    expect(state("t2")).toBe("DRAINING");
+    w.clock.advance(1);
+    d.expire(w.clock.now());
+    expect(state("t2")).toBe("ABORTED");
+    expect(w.eventsOf("t1")).toEqual(["ABORTED"]);
+    expect(w.eventsOf("t2")).toEqual(["ABORTED"]);
+  });
+
+  it("heartbeats move the drain bound: the registration lease runs from the last renewal", async () => {
+    const { w, d, state } = setup();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    w.clock.advance(500);
+    d.heartbeatIds(w.clock.now());
+    d.abort("t1");
+    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs - 1);
+    d.expire(w.clock.now());
+    expect(state("t1"), "P may still write until its renewed lease ends").toBe("DRAINING");
+    w.clock.advance(1);
+    d.expire(w.clock.now());
+    expect(state("t1")).toBe("ABORTED");
+  });
+
+  it("P's Failed for a push: its writes are over, blocks back at once", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    expect(d.peerFailed(p, "t1", "ERR_LEASE_EXPIRED", "lease")).toBe(true);
+    expect(state("t1")).toBe("FAILED");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
+    // From another peer, or for an unknown transfer: not D's.
+    expect(d.peerFailed(w.peer("other"), "t1", "ERR_X", "")).toBe(false);
+    expect(d.peerFailed(p, "nope", "ERR_X", "")).toBe(false);
+  });
+
+  it("P goes down: a push drains to the lease, a pull with no reads in flight fails at once", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("push"), false);
+    await settle();
+    d.expectKv(expectKv("pull", true, "", [6, 7]), true);
+    await settle();
+    w.agent.landAll();
+    await settle();
+    expect(state("pull")).toBe("CONFIRMING");
+    d.peerDown(p, "silent");
+    expect(state("push")).toBe("DRAINING");
+    expect(state("pull")).toBe("FAILED");
+    expect(d.liveWith(p)).toBe(true);
+    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs);
+    d.expire(w.clock.now());
+    expect(state("push")).toBe("FAILED");
+    expect(d.liveWith(p)).toBe(false);
+    expect(w.eventsOf("push")).toEqual(["FAILED"]);
+    expect(w.eventsOf("pull")).toEqual(["FAILED"]);
+  });
+
+  it("pull: reads, then P's ReadAck; 'unknown' asks again 10 ms later, 'held' makes it ready", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    expect(state("t1")).toBe("MOVING");
+    w.agent.landAll();
+    await settle();
+    expect(state("t1")).toBe("CONFIRMING");
+    expect(w.peerSaid("t1")).toEqual(["readDone"]);
+    d.readAck(p, "t1", false, true);
+    expect(w.peerSaid("t1")).toEqual(["readDone"]);
+    w.clock.advance(10);
+    expect(w.peerSaid("t1")).toEqual(["readDone", "readDone"]);
+    d.readAck(p, "t1", true, false);
+    expect(state("t1")).toBe("KV_READY");
+    expect(w.eventsOf("t1")).toEqual(["KV_READY"]);
+  });
+
+  it("pull: P released the blocks before confirming: FAILED, never ready", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    w.agent.landAll();
+    await settle();
+    d.readAck(p, "t1", false, false);
+    expect(state("t1")).toBe("FAILED");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
+  });
+
+  it("an abort during a pull's reads: blocks back only once the reads settle", async () => {
+    const { w, d, state } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    expect(state("t1")).toBe("MOVING");
+    d.abort("t1");
+    expect(state("t1")).toBe("DRAINING");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed"]);
+    expect(w.peerSaid("t1")).toEqual(["abort"]);
+    w.clock.advance(60_000);
+    d.expire(w.clock.now());
+    expect(state("t1"), "reads in flight hold the blocks, whatever the time").toBe("DRAINING");
+    w.agent.failAll();
+    await settle();
+    expect(state("t1")).toBe("ABORTED");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.ABORTED}`]);
+    expect(w.eventsOf("t1")).toEqual(["ABORTED"]);
+  });
+
+  it("blocks a live transfer writes are refused to another (ERR_BLOCKS_IN_USE) until it ends", async () => {
+    const { w, d, p } = setup();
+    d.expectKv(expectKv("t1"), false);
+    d.expectKv(expectKv("t2"), false);
+    expect(w.refused).toEqual([{ transferId: "t2", code: "ERR_BLOCKS_IN_USE" }]);
+    await settle();
+    d.xferDone(p, 0, 0, xferDone("t1"));
+    d.expectKv(expectKv("t2"), false);
+    expect(w.refused).toHaveLength(1);
+  });
+});

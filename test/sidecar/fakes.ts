@@ -1,0 +1,251 @@
+// In-process fakes for the sidecar's sides (context.ts): a manual clock, recording engine and
+// peer senders, and agents whose writes, reads and notifications the test settles by hand. With
+// them a lifecycle rule (lease, watchdog, abort drain, peer failure) is checked in milliseconds.
+import { create } from "@bufbuild/protobuf";
+import { pino } from "pino";
+
+import {
+  ExpectKvSchema,
+  PrefillDoneSchema,
+  type ExpectKv,
+  type PrefillDone,
+} from "../../src/gen/kvxfer/v1/engine_pb.js";
+import { AgentMetadataSchema, RankMetadataSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
+import type { Agent, Region } from "../../src/native/index.js";
+import type { PeerBody } from "../../src/peer/messages.js";
+import { kvLayout, type KvLayout } from "../../src/plan/index.js";
+import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
+import type {
+  Clock,
+  EngineMessage,
+  LifecycleSettings,
+  SideContext,
+} from "../../src/sidecar/context.js";
+import { PeerState } from "../../src/sidecar/peers.js";
+import type { EventKind } from "../../src/sidecar/view.js";
+
+/** Time that moves only when the test says so; timers run in order as it passes them. */
+export class ManualClock implements Clock {
+  private t = 1_000_000;
+  private timers: { at: number; fn: () => void }[] = [];
+
+  now(): number {
+    return this.t;
+  }
+
+  after(ms: number, fn: () => void): void {
+    this.timers.push({ at: this.t + ms, fn });
+  }
+
+  /** Moves time forward by `ms`, running each timer due on the way at its own time. */
+  advance(ms: number): void {
+    const end = this.t + ms;
+    for (let i = 0; i < 10_000; i++) {
+      this.timers.sort((a, b) => a.at - b.at);
+      const next = this.timers[0];
+      if (next === undefined || next.at > end) break;
+      this.timers.shift();
+      this.t = next.at;
+      next.fn();
+    }
+    this.t = end;
+  }
+}
+
+/** One operation the test settles: `resolve()` (landed) or `reject()` (failed). */
+export class PendingOp {
+  resolve!: () => void;
+  reject!: (err: Error) => void;
+  readonly promise = new Promise<void>((res, rej) => {
+    this.resolve = res;
+    this.reject = rej;
+  });
+}
+
+/** An agent whose writes and reads wait for the test (or land at once with `autoLand`). */
+export class FakeAgent {
+  readonly address = new Uint8Array([1, 2, 3]);
+  readonly ops: { kind: "write" | "read"; op: PendingOp }[] = [];
+  autoLand = false;
+  inflight = 0;
+
+  connect(): unknown {
+    return {
+      state: "connected",
+      importRemote: () => ({ close: () => undefined }),
+      close: () => undefined,
+      abandon: () => undefined,
+    };
+  }
+
+  private op(kind: "write" | "read"): Promise<void> {
+    const op = new PendingOp();
+    this.ops.push({ kind, op });
+    if (this.autoLand) op.resolve();
+    return op.promise;
+  }
+
+  write(): Promise<void> {
+    return this.op("write");
+  }
+
+  read(): Promise<void> {
+    return this.op("read");
+  }
+
+  notify(): Promise<void> {
+    return Promise.resolve();
+  }
+
+  /** Settles every operation posted so far. */
+  landAll(): void {
+    for (const o of this.ops) o.op.resolve();
+  }
+
+  failAll(message = "UCS_ERR_CANCELED"): void {
+    for (const o of this.ops)
+      o.op.reject(Object.assign(new Error(message), { code: "ERR_TRANSFER" }));
+  }
+}
+
+/** Two layers, two KV heads of 16, blocks of 16 tokens, 8 blocks: small enough to plan fast. */
+export const SMALL: KvLayout = kvLayout({
+  numLayers: 2,
+  mla: false,
+  totalKvHeads: 2,
+  headDim: 16,
+  dtype: "bfloat16",
+  dtypeBytes: 2,
+  blockSize: 16,
+  numBlocks: 8,
+  order: "HND",
+  tpSize: 1,
+  tpRank: 0,
+});
+
+export const SETTINGS: LifecycleSettings = {
+  leaseMs: 1000,
+  regLeaseMs: 800,
+  transferTimeoutMs: 5000,
+  abortGraceMs: 200,
+  tombstoneMs: 10_000,
+  maxTransfers: 2,
+  exclusivePrefillBlocks: false,
+};
+
+export interface Recorded {
+  kind: EventKind;
+  transferId: string;
+  side: string;
+  reason: string;
+}
+
+/** A side's world: the context it is built with, and everything it said, as recorded. */
+export class FakeWorld {
+  readonly clock = new ManualClock();
+  readonly agent = new FakeAgent();
+  readonly engine: EngineMessage[] = [];
+  readonly refused: { transferId: string; code: string }[] = [];
+  readonly toPeer: { peer: string; body: PeerBody }[] = [];
+  /** Notifications a side sealed to post itself (P's XferDone on each pair's endpoint). */
+  readonly sealed: PeerBody[] = [];
+  readonly events: Recorded[] = [];
+  readonly errors: string[] = [];
+  moved = 0;
+  readonly ctx: SideContext;
+
+  constructor(settings: Partial<LifecycleSettings> = {}) {
+    const log = pino({ level: "silent" });
+    const kv = {
+      layout: SMALL,
+      agents: [this.agent as unknown as Agent],
+      regions: [SMALL.regionBytes.map(() => ({}) as Region)],
+    };
+    this.ctx = {
+      clock: this.clock,
+      settings: { ...SETTINGS, ...settings },
+      log,
+      kv: () => kv,
+      toEngine: (msg) => this.engine.push(msg),
+      refuse: (transferId, code) => this.refused.push({ transferId, code }),
+      toPeer: (peer, body) => this.toPeer.push({ peer: peer.engineId, body }),
+      seal: (_peer, body) => {
+        this.sealed.push(body);
+        return new Uint8Array(0);
+      },
+      emit: (kind, transferId, _peer, side, reason) =>
+        this.events.push({ kind, transferId, side, reason }),
+      moved: (bytes) => (this.moved += bytes),
+      noteError: (text) => this.errors.push(text),
+      metrics: () => undefined,
+    };
+  }
+
+  /** A peer engine with SMALL's layout, reached through this world's agent. */
+  peer(engineId = "peer-0"): PeerState {
+    const md = create(AgentMetadataSchema, {
+      engineId,
+      epoch: 7n,
+      layout: kvLayoutToProto(SMALL),
+      sideChannel: "127.0.0.1:1",
+      ranks: [
+        create(RankMetadataSchema, {
+          rank: 0,
+          workerAddress: new Uint8Array([9]),
+          remoteKeys: SMALL.regionBytes.map(() => new Uint8Array([5])),
+        }),
+      ],
+    });
+    return new PeerState(
+      md,
+      SMALL,
+      [this.agent as unknown as Agent],
+      "none",
+      this.ctx.log,
+      this.clock.now(),
+    );
+  }
+
+  /** The cases of the engine messages sent for `transferId`, in order. */
+  engineSaid(transferId: string): string[] {
+    return this.engine
+      .filter((m) => (m.value as { transferId?: string }).transferId === transferId)
+      .map((m) => {
+        if (m.case === "releaseBlocks") return `releaseBlocks:${m.value.reason}`;
+        return m.case ?? "";
+      });
+  }
+
+  /** The cases of the peer notifications sent about `transferId`, in order. */
+  peerSaid(transferId: string): string[] {
+    return this.toPeer
+      .filter((m) => (m.body.value as { transferId?: string }).transferId === transferId)
+      .map((m) => (m.body.case === "failed" ? `failed:${m.body.value.code}` : (m.body.case ?? "")));
+  }
+
+  eventsOf(transferId: string): string[] {
+    return this.events.filter((e) => e.transferId === transferId).map((e) => e.kind);
+  }
+}
+
+export function prefillDone(transferId: string, token = "", blocks = [0, 1]): PrefillDone {
+  return create(PrefillDoneSchema, { transferId, blockIds: blocks, numTokens: 20, token });
+}
+
+export function expectKv(transferId: string, pull = false, token = "", blocks = [2, 3]): ExpectKv {
+  return create(ExpectKvSchema, {
+    transferId,
+    source: "127.0.0.1:1",
+    blockIds: blocks,
+    numTokens: 20,
+    prefixTokens: 0,
+    sourceBlockIds: pull ? [0, 1] : [],
+    hasSourceBlockIds: pull,
+    token,
+  });
+}
+
+/** Lets promise callbacks run (the sides await their agents' operations). */
+export async function settle(): Promise<void> {
+  for (let i = 0; i < 5; i++) await new Promise<void>((r) => setImmediate(r));
+}

@@ -1,0 +1,186 @@
+// P's side in process (prefill.ts) with fake agents and a manual clock: the lease, the
+// registration lease, aborts racing writes, D going down and the transfer cap, in milliseconds.
+// Each case also checks the one terminal event and the one ReleaseBlocks.
+import { describe, expect, it } from "vitest";
+
+import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
+import { PrefillSide, type PushRegMessage } from "../../src/sidecar/prefill.js";
+import { FakeWorld, SETTINGS, prefillDone, settle } from "./fakes.js";
+
+function pushReg(transferId: string, token = "", leaseMs = SETTINGS.regLeaseMs): PushRegMessage {
+  return { transferId, blockIds: [4, 5], numTokens: 20, prefixTokens: 0, leaseMs, token };
+}
+
+function setup(settings = {}) {
+  const w = new FakeWorld(settings);
+  const p = new PrefillSide(w.ctx);
+  const state = (id: string) => p.list().find((t) => t.transferId === id)?.state;
+  return { w, p, d: w.peer("d0"), state };
+}
+
+describe("PrefillSide", () => {
+  it("holds blocks for D's read under the lease; a heartbeat renews it; then EXPIRED, blocks back once", () => {
+    const { w, p, d, state } = setup();
+    p.prefillDone(prefillDone("t1"));
+    expect(state("t1")).toBe("HELD");
+    w.clock.advance(SETTINGS.leaseMs - 1);
+    p.expire(w.clock.now());
+    expect(state("t1")).toBe("HELD");
+    p.renewLeases(d, ["t1"]); // D's heartbeat
+    w.clock.advance(SETTINGS.leaseMs - 1);
+    p.expire(w.clock.now());
+    expect(state("t1"), "the heartbeat renewed the lease").toBe("HELD");
+    w.clock.advance(2);
+    p.expire(w.clock.now());
+    expect(state("t1")).toBe("EXPIRED");
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.EXPIRED}`]);
+    expect(w.eventsOf("t1")).toEqual(["EXPIRED"]);
+    // A late ReadDone is told the blocks were not held; nothing is released twice.
+    p.readDone(d, "t1", 100, "");
+    expect(w.peerSaid("t1")).toEqual(["readAck"]);
+    expect(w.toPeer.at(-1)?.body).toMatchObject({ case: "readAck", value: { held: false } });
+    expect(w.eventsOf("t1")).toEqual(["EXPIRED"]);
+    // The tombstone goes after its time.
+    w.clock.advance(SETTINGS.tombstoneMs);
+    p.expire(w.clock.now());
+    expect(state("t1")).toBeUndefined();
+  });
+
+  it("pull: D's ReadDone while held releases the blocks as transferred", () => {
+    const { w, p, d, state } = setup();
+    p.prefillDone(prefillDone("t1", "tok"));
+    p.readDone(d, "t1", 4096, "tok");
+    expect(state("t1")).toBe("RELEASED");
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.TRANSFERRED}`]);
+    expect(w.eventsOf("t1")).toEqual(["RELEASED"]);
+    expect(w.moved).toBe(4096);
+  });
+
+  it("push: registration then prefill writes every pair, XferDone after the data, RELEASED", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    expect(state("t1")).toBe("WAITING");
+    p.prefillDone(prefillDone("t1"));
+    expect(state("t1")).toBe("MOVING");
+    expect(w.agent.ops.length).toBeGreaterThan(0);
+    await settle();
+    expect(w.sealed, "no XferDone before the writes land").toEqual([]);
+    w.agent.landAll();
+    await settle();
+    expect(w.sealed.map((b) => b.case)).toEqual(["xferDone"]);
+    expect(state("t1")).toBe("RELEASED");
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.TRANSFERRED}`]);
+    expect(w.eventsOf("t1")).toEqual(["RELEASED"]);
+  });
+
+  it("D aborts while writes are in flight: ABORTING, AbortAck once they settle, ABORTED", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.prefillDone(prefillDone("t1"));
+    p.peerAbort(d, "t1", "");
+    expect(state("t1")).toBe("ABORTING");
+    expect(w.peerSaid("t1"), "no AbortAck while writes are in flight").toEqual([]);
+    expect(w.engineSaid("t1")).toEqual([]);
+    w.agent.failAll();
+    await settle();
+    expect(state("t1")).toBe("ABORTED");
+    expect(w.peerSaid("t1")).toEqual(["abortAck"]);
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.ABORTED}`]);
+    expect(w.eventsOf("t1")).toEqual(["ABORTED"]);
+    expect(w.events[0]!.reason).toBe("ERR_ABORTED");
+  });
+
+  it("an abort whose writes all landed anyway ends RELEASED (the KV is there), acknowledged", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.prefillDone(prefillDone("t1"));
+    p.peerAbort(d, "t1", "");
+    w.agent.landAll();
+    await settle();
+    expect(state("t1")).toBe("RELEASED");
+    expect(w.peerSaid("t1")).toEqual(["abortAck"]);
+    expect(w.eventsOf("t1")).toEqual(["RELEASED"]);
+  });
+
+  it("the engine aborts while writes are in flight: D hears Failed, not AbortAck", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.prefillDone(prefillDone("t1"));
+    p.abort("t1");
+    expect(state("t1")).toBe("ABORTING");
+    w.agent.failAll();
+    await settle();
+    expect(state("t1")).toBe("ABORTED");
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_TRANSFER"]);
+    expect(w.eventsOf("t1")).toEqual(["ABORTED"]);
+  });
+
+  it("no write once the registration's lease is over: D may have reused its blocks", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    w.clock.advance(SETTINGS.regLeaseMs + 1); // no heartbeat, and no sweep ran yet
+    p.prefillDone(prefillDone("t1"));
+    await settle();
+    expect(w.agent.ops, "nothing posted").toEqual([]);
+    expect(state("t1")).toBe("FAILED");
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_ABORTED"]);
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.FAILED}`]);
+  });
+
+  it("a registration nobody's prefill finishes expires; the late PrefillDone gets its blocks straight back", () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    w.clock.advance(SETTINGS.regLeaseMs);
+    p.expire(w.clock.now());
+    expect(state("t1")).toBe("EXPIRED");
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_TIMEOUT"]);
+    expect(w.engineSaid("t1")).toEqual([]);
+    p.prefillDone(prefillDone("t1"));
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.EXPIRED}`]);
+    expect(w.eventsOf("t1")).toEqual(["EXPIRED"]);
+    // And a late PushReg is refused by name.
+    p.pushReg(w.peer("d1"), pushReg("t1"));
+    expect(w.peerSaid("t1").at(-1)).toBe("failed:ERR_LEASE_EXPIRED");
+  });
+
+  it("D goes down: a waiting registration fails; writes in flight abort once they settle", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.pushReg(d, pushReg("t2"));
+    p.prefillDone(prefillDone("t2"));
+    expect(p.writingTo(d)).toBe(true);
+    p.peerDown(d);
+    expect(state("t1")).toBe("FAILED");
+    expect(state("t2")).toBe("ABORTING");
+    w.agent.failAll();
+    await settle();
+    expect(state("t2")).toBe("ABORTED");
+    expect(w.eventsOf("t1")).toEqual(["FAILED"]);
+    expect(w.eventsOf("t2")).toEqual(["ABORTED"]);
+    expect(p.liveWith(d)).toBe(false);
+  });
+
+  it("the transfer cap: one PrefillDone too many is refused ERR_OVERLOADED and its blocks go back", () => {
+    const { w, p } = setup({ maxTransfers: 2 });
+    p.prefillDone(prefillDone("t1"));
+    p.prefillDone(prefillDone("t2"));
+    p.prefillDone(prefillDone("t3"));
+    expect(w.refused).toEqual([{ transferId: "t3", code: "ERR_OVERLOADED" }]);
+    expect(w.engineSaid("t3")).toEqual([`releaseBlocks:${ReleaseReason.FAILED}`]);
+    expect(p.live()).toBe(2);
+  });
+
+  it("a registration with the wrong token is refused; the transfer waits for the right one", async () => {
+    const { w, p, state } = setup();
+    p.prefillDone(prefillDone("t1", "right"));
+    const rogue = w.peer("rogue");
+    p.pushReg(rogue, pushReg("t1", "wrong"));
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_BAD_TRANSFER_TOKEN"]);
+    expect(state("t1")).toBe("HELD");
+    w.agent.autoLand = true;
+    p.pushReg(w.peer("d0"), pushReg("t1", "right"));
+    await settle();
+    expect(state("t1")).toBe("RELEASED");
+    expect(w.eventsOf("t1")).toEqual(["RELEASED"]);
+  });
+});
