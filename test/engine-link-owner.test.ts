@@ -25,8 +25,9 @@ import {
   type RegisterKvCache,
   type SidecarToEngine,
 } from "../src/gen/kvxfer/v1/engine_pb.js";
-import { type KvLayout, kvLayout } from "../src/plan/index.js";
+import type { KvLayout } from "../src/plan/index.js";
 import { kvLayoutToProto } from "../src/plan/layout-proto.js";
+import { SMALL } from "./sidecar/fakes.js";
 import { SidecarProcess } from "../src/sim/sidecar-process.js";
 import {
   KvNode,
@@ -114,20 +115,6 @@ function registration(engineId: string, layout: KvLayout, files: string[][]): Re
     ),
   });
 }
-
-const SMALL: KvLayout = kvLayout({
-  numLayers: 2,
-  mla: false,
-  totalKvHeads: 2,
-  headDim: 16,
-  dtype: "bfloat16",
-  dtypeBytes: 2,
-  blockSize: 16,
-  numBlocks: 8,
-  order: "HND",
-  tpSize: 1,
-  tpRank: 0,
-});
 
 /** KV files for SMALL under `dir` (one set per call, named by `tag`). */
 function kvFiles(dir: string, tag: string): string[][] {

@@ -6,6 +6,7 @@
  * no write into them can still land.
  */
 import { FailureReason, ReleaseReason, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
+import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
 import { KvxferError } from "../native/index.js";
 import { descriptorsForSide, mapRanks, planTransfer, type TransferPlan } from "../plan/index.js";
 import { BlockClaims } from "./claims.js";
@@ -17,9 +18,9 @@ import {
   isTerminal,
   transition,
   type DecodeState,
-  type Lifecycle,
 } from "./lifecycle.js";
 import type { PeerState } from "./peers.js";
+import { SideTable } from "./side-table.js";
 import { newTimings, type Timings } from "./timings.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
 
@@ -63,20 +64,10 @@ export interface DecodeTransfer {
   t: Timings;
 }
 
-/** The fields of an XferDone notification. */
-export interface XferDoneMessage {
-  transferId: string;
-  srcRank: number;
-  dstRank: number;
-  bytes: bigint;
-  sincePrefillDoneMs: number;
-}
-
 /** How D reaches P: its metadata from the cache or by a handshake. */
 export type PeerResolver = (sideChannel: string) => Promise<PeerState>;
 
-export class DecodeSide {
-  private readonly transfers = new Map<string, DecodeTransfer>();
+export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   /**
    * A transfer claims the blocks it writes: `block_ids` entries floor(prefix_tokens / block) ..
    * ceil(num_tokens / block) - 1 (the prefix blocks before them are only read by the engine,
@@ -85,73 +76,78 @@ export class DecodeSide {
    * after a failure: a failing transfer still holds them, as a write may still land).
    */
   private readonly claims = new BlockClaims();
-  private readonly lc: Lifecycle<DecodeState, DecodeTransfer>;
 
   constructor(
-    private readonly ctx: SideContext,
+    ctx: SideContext,
     private readonly resolvePeer: PeerResolver,
   ) {
-    const s = ctx.settings;
-    this.lc = {
-      side: "decode",
-      initial: DECODE_INITIAL,
-      next: DECODE_NEXT,
-      log: ctx.log,
-      refused: (problem) => ctx.noteError(`ERR_INTERNAL: ${problem}`),
-      enter: (t, to) => {
-        const now = ctx.clock.now();
-        switch (to) {
-          case "WAITING":
-            t.t.registeredMs = now;
-            t.deadline = now + s.transferTimeoutMs;
-            break;
-          case "MOVING":
-            if (t.mode === "pull") t.t.dataStartedMs = now;
-            else t.lastRenewMs = now;
-            break;
-          case "CONFIRMING":
-            break;
-          case "DRAINING":
-            // A push may still be written until P's registration lease (renewed by our
-            // heartbeats) has run out; reads settle by themselves.
-            if (t.mode === "push" && t.peer !== undefined)
-              t.deadline = t.lastRenewMs + s.regLeaseMs + s.abortGraceMs;
-            break;
-          case "KV_READY":
-            t.t.readyMs = now;
-            t.t.endedMs = now;
-            t.deadline = now + s.tombstoneMs;
-            break;
-          default:
-            t.t.endedMs = now;
-            t.deadline = now + s.tombstoneMs;
-        }
-      },
-      exit: (t, kind) => {
-        this.claims.release(t.written, t.id);
-        const peer = t.peer?.engineId ?? "";
-        if (kind === "KV_READY") {
-          ctx.toEngine({ case: "kvReady", value: { transferId: t.id } });
-          // Prefill done -> ready: for push P reports its side; for pull the router sent
-          // ExpectKv only once prefill was done, so registration stands in for it.
-          const latency =
-            t.mode === "push" ? t.sincePrefillDoneMs : ctx.clock.now() - t.t.registeredMs;
-          ctx.metrics()?.transferReady(t.mode, latency, t.bytes, t.descriptors);
-          ctx.emit("KV_READY", t.id, peer, "decode", "", t.bytes, t.mode);
-          return;
-        }
-        const o = t.outcome!;
-        ctx.toEngine({
-          case: "releaseBlocks",
-          value: { transferId: t.id, blockIds: t.dstBlocks, reason: o.release },
-        });
-        ctx.emit(kind, t.id, peer, "decode", o.code, t.bytes, t.mode);
-      },
-    };
+    super(ctx, "decode", DECODE_INITIAL, DECODE_NEXT);
   }
 
-  has(transferId: string): boolean {
-    return this.transfers.has(transferId);
+  protected enter(t: DecodeTransfer, to: DecodeState): void {
+    const now = this.ctx.clock.now();
+    const s = this.ctx.settings;
+    switch (to) {
+      case "WAITING":
+        t.t.registeredMs = now;
+        t.deadline = now + s.transferTimeoutMs;
+        break;
+      case "MOVING":
+        if (t.mode === "pull") t.t.dataStartedMs = now;
+        else t.lastRenewMs = now;
+        break;
+      case "CONFIRMING":
+        break;
+      case "DRAINING":
+        // A push may still be written until P's registration lease (renewed by our
+        // heartbeats) has run out; reads settle by themselves.
+        if (t.mode === "push" && t.peer !== undefined)
+          t.deadline = t.lastRenewMs + s.regLeaseMs + s.abortGraceMs;
+        break;
+      case "KV_READY":
+        t.t.readyMs = now;
+        t.t.endedMs = now;
+        t.deadline = now + s.tombstoneMs;
+        break;
+      default:
+        t.t.endedMs = now;
+        t.deadline = now + s.tombstoneMs;
+    }
+  }
+
+  protected exit(t: DecodeTransfer, kind: DecodeState & TerminalKind): void {
+    const { ctx } = this;
+    this.claims.release(t.written, t.id);
+    const peer = t.peer?.engineId ?? "";
+    if (kind === "KV_READY") {
+      ctx.toEngine({ case: "kvReady", value: { transferId: t.id } });
+      // Prefill done -> ready: for push P reports its side; for pull the router sent
+      // ExpectKv only once prefill was done, so registration stands in for it.
+      const latency = t.mode === "push" ? t.sincePrefillDoneMs : ctx.clock.now() - t.t.registeredMs;
+      ctx.metrics()?.transferReady(t.mode, latency, t.bytes, t.descriptors);
+      ctx.emit("KV_READY", t.id, peer, "decode", "", t.bytes, t.mode);
+      return;
+    }
+    const o = t.outcome!;
+    ctx.toEngine({
+      case: "releaseBlocks",
+      value: { transferId: t.id, blockIds: t.dstBlocks, reason: o.release },
+    });
+    ctx.emit(kind, t.id, peer, "decode", o.code, t.bytes, t.mode);
+  }
+
+  protected info(t: DecodeTransfer): TransferInfo {
+    return {
+      transferId: t.id,
+      side: "decode",
+      mode: t.mode,
+      state: t.state,
+      peer: t.peer?.engineId ?? "",
+      bytes: t.bytes,
+      descriptors: t.descriptors,
+      reason: t.reason,
+      timings: { ...t.t },
+    };
   }
 
   // --- the engine ----------------------------------------------------------------
@@ -395,7 +391,7 @@ export class DecodeSide {
   }
 
   /** One pair's data is in D's blocks (push); the last one makes the KV ready. */
-  xferDone(peer: PeerState, fromRank: number, toRank: number, m: XferDoneMessage): void {
+  xferDone(peer: PeerState, fromRank: number, toRank: number, m: XferDone): void {
     const { ctx } = this;
     const t = this.transfers.get(m.transferId);
     if (t === undefined) {
@@ -576,30 +572,5 @@ export class DecodeSide {
     for (const t of this.transfers.values())
       if (t.peer === peer && !isTerminal(t.state)) return true;
     return false;
-  }
-
-  live(): number {
-    let n = 0;
-    for (const t of this.transfers.values()) if (!isTerminal(t.state)) n++;
-    return n;
-  }
-
-  private atCapacity(): boolean {
-    const max = this.ctx.settings.maxTransfers;
-    return this.transfers.size >= max && this.live() >= max;
-  }
-
-  list(): TransferInfo[] {
-    return [...this.transfers.values()].map((t) => ({
-      transferId: t.id,
-      side: "decode",
-      mode: t.mode,
-      state: t.state,
-      peer: t.peer?.engineId ?? "",
-      bytes: t.bytes,
-      descriptors: t.descriptors,
-      reason: t.reason,
-      timings: { ...t.t },
-    }));
   }
 }

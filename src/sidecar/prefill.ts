@@ -6,6 +6,7 @@
  * engine exactly once, in the one exit.
  */
 import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
+import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
 import { KvxferError } from "../native/index.js";
 import { tokensEqual } from "../peer/messages.js";
 import { planTransfer, type TransferPlan } from "../plan/index.js";
@@ -17,10 +18,10 @@ import {
   begin,
   isTerminal,
   transition,
-  type Lifecycle,
   type PrefillState,
 } from "./lifecycle.js";
 import type { PeerState } from "./peers.js";
+import { SideTable } from "./side-table.js";
 import { newTimings, type Timings } from "./timings.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
 
@@ -32,16 +33,6 @@ export interface PushRegistration {
   numTokens: number;
   prefixTokens: number;
   leaseMs: number;
-}
-
-/** The fields of a PushReg notification. */
-export interface PushRegMessage {
-  transferId: string;
-  blockIds: number[];
-  numTokens: number;
-  prefixTokens: number;
-  leaseMs: number;
-  token: string;
 }
 
 /** P's side of one transfer. */
@@ -87,49 +78,56 @@ function releaseReason(kind: TerminalKind | PrefillState): ReleaseReason {
   }
 }
 
-export class PrefillSide {
-  private readonly transfers = new Map<string, PrefillTransfer>();
+export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   /** Only with exclusivePrefillBlocks: a transfer claims its whole block_ids from PrefillDone to its end. */
   private readonly claims = new BlockClaims();
-  private readonly lc: Lifecycle<PrefillState, PrefillTransfer>;
 
-  constructor(private readonly ctx: SideContext) {
-    const s = ctx.settings;
-    this.lc = {
+  constructor(ctx: SideContext) {
+    super(ctx, "prefill", PREFILL_INITIAL, PREFILL_NEXT);
+  }
+
+  protected enter(t: PrefillTransfer, to: PrefillState): void {
+    const now = this.ctx.clock.now();
+    switch (to) {
+      case "WAITING":
+        t.deadline = t.regDeadline;
+        break;
+      case "HELD":
+        t.deadline = now + this.ctx.settings.leaseMs;
+        break;
+      case "MOVING":
+        t.t.dataStartedMs = now;
+        break;
+      case "ABORTING":
+        break;
+      default:
+        t.t.endedMs = now;
+        t.deadline = now + this.ctx.settings.tombstoneMs;
+    }
+  }
+
+  protected exit(t: PrefillTransfer, kind: PrefillState & TerminalKind): void {
+    if (t.blocks !== undefined) {
+      if (this.ctx.settings.exclusivePrefillBlocks) this.claims.release(t.blocks, t.id);
+      this.ctx.toEngine({
+        case: "releaseBlocks",
+        value: { transferId: t.id, blockIds: t.blocks, reason: releaseReason(kind) },
+      });
+    }
+    this.ctx.emit(kind, t.id, t.peer, "prefill", t.reason, t.bytes, t.mode);
+  }
+
+  protected info(t: PrefillTransfer): TransferInfo {
+    return {
+      transferId: t.id,
       side: "prefill",
-      initial: PREFILL_INITIAL,
-      next: PREFILL_NEXT,
-      log: ctx.log,
-      refused: (problem) => ctx.noteError(`ERR_INTERNAL: ${problem}`),
-      enter: (t, to) => {
-        const now = ctx.clock.now();
-        switch (to) {
-          case "WAITING":
-            t.deadline = t.regDeadline;
-            break;
-          case "HELD":
-            t.deadline = now + s.leaseMs;
-            break;
-          case "MOVING":
-            t.t.dataStartedMs = now;
-            break;
-          case "ABORTING":
-            break;
-          default:
-            t.t.endedMs = now;
-            t.deadline = now + s.tombstoneMs;
-        }
-      },
-      exit: (t, kind) => {
-        if (t.blocks !== undefined) {
-          if (s.exclusivePrefillBlocks) this.claims.release(t.blocks, t.id);
-          ctx.toEngine({
-            case: "releaseBlocks",
-            value: { transferId: t.id, blockIds: t.blocks, reason: releaseReason(kind) },
-          });
-        }
-        ctx.emit(kind, t.id, t.peer, "prefill", t.reason, t.bytes, t.mode);
-      },
+      mode: t.mode,
+      state: t.state,
+      peer: t.peer,
+      bytes: t.bytes,
+      descriptors: t.descriptors,
+      reason: t.reason,
+      timings: { ...t.t },
     };
   }
 
@@ -158,10 +156,6 @@ export class PrefillSide {
       reason: "",
       t: newTimings(),
     };
-  }
-
-  has(transferId: string): boolean {
-    return this.transfers.has(transferId);
   }
 
   // --- the engine ----------------------------------------------------------------
@@ -241,7 +235,7 @@ export class PrefillSide {
 
   // --- the decode peer -----------------------------------------------------------
 
-  pushReg(peer: PeerState, m: PushRegMessage): void {
+  pushReg(peer: PeerState, m: PushReg): void {
     const { ctx } = this;
     const now = ctx.clock.now();
     const existing = this.transfers.get(m.transferId);
@@ -599,36 +593,10 @@ export class PrefillSide {
     }
   }
 
-  live(): number {
-    let n = 0;
-    for (const t of this.transfers.values()) if (!isTerminal(t.state)) n++;
-    return n;
-  }
-
-  /** Live entries at the cap. Cheap while the table (tombstones included) is below it. */
-  private atCapacity(): boolean {
-    const max = this.ctx.settings.maxTransfers;
-    return this.transfers.size >= max && this.live() >= max;
-  }
-
   /** Transfers whose blocks P holds under a lease (HELD, or WAITING for prefill). */
   leased(): number {
     let n = 0;
     for (const t of this.transfers.values()) if (t.state === "HELD" || t.state === "WAITING") n++;
     return n;
-  }
-
-  list(): TransferInfo[] {
-    return [...this.transfers.values()].map((t) => ({
-      transferId: t.id,
-      side: "prefill",
-      mode: t.mode,
-      state: t.state,
-      peer: t.peer,
-      bytes: t.bytes,
-      descriptors: t.descriptors,
-      reason: t.reason,
-      timings: { ...t.t },
-    }));
   }
 }

@@ -1,14 +1,9 @@
 /** When each step of a transfer happened, on one side. */
 
-/** Wall-clock ms; 0 when that step has not happened (the status view's TransferTimings). */
-export interface Timings {
-  registeredMs: number;
-  prefillDoneMs: number;
-  dataStartedMs: number;
-  dataDoneMs: number;
-  readyMs: number;
-  endedMs: number;
-}
+import type { TransferTimings } from "./view.js";
+
+/** The status view's TransferTimings, written as the transfer goes (wall-clock ms; 0: not yet). */
+export type Timings = { -readonly [K in keyof TransferTimings]: number };
 
 export function newTimings(): Timings {
   return {

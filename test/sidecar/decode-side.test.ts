@@ -2,9 +2,11 @@
 // watchdog, the abort drain, P's Failed and AbortAck, P going down, pull confirmation, in
 // milliseconds. Each case checks when D's blocks go back (never while a write may land) and the
 // one terminal event.
+import { create } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
+import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import type { PeerState } from "../../src/sidecar/peers.js";
 import { FakeWorld, SETTINGS, expectKv, settle } from "./fakes.js";
@@ -22,13 +24,14 @@ function setup(opts: { reachable?: boolean } = {}) {
   return { w, d, p, state, answer: () => answer!(p) };
 }
 
-const xferDone = (transferId: string) => ({
-  transferId,
-  srcRank: 0,
-  dstRank: 0,
-  bytes: 8192n,
-  sincePrefillDoneMs: 3,
-});
+const xferDone = (transferId: string) =>
+  create(XferDoneSchema, {
+    transferId,
+    srcRank: 0,
+    dstRank: 0,
+    bytes: 8192n,
+    sincePrefillDoneMs: 3,
+  });
 
 describe("DecodeSide", () => {
   it("push: PushReg to P, the last XferDone makes the KV ready; one event", async () => {

@@ -1,14 +1,23 @@
 // P's side in process (prefill.ts) with fake agents and a manual clock: the lease, the
 // registration lease, aborts racing writes, D going down and the transfer cap, in milliseconds.
 // Each case also checks the one terminal event and the one ReleaseBlocks.
+import { create } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
-import { PrefillSide, type PushRegMessage } from "../../src/sidecar/prefill.js";
+import { PushRegSchema, type PushReg } from "../../src/gen/kvxfer/v1/peer_pb.js";
+import { PrefillSide } from "../../src/sidecar/prefill.js";
 import { FakeWorld, SETTINGS, prefillDone, settle } from "./fakes.js";
 
-function pushReg(transferId: string, token = "", leaseMs = SETTINGS.regLeaseMs): PushRegMessage {
-  return { transferId, blockIds: [4, 5], numTokens: 20, prefixTokens: 0, leaseMs, token };
+function pushReg(transferId: string, token = "", leaseMs = SETTINGS.regLeaseMs): PushReg {
+  return create(PushRegSchema, {
+    transferId,
+    blockIds: [4, 5],
+    numTokens: 20,
+    prefixTokens: 0,
+    leaseMs,
+    token,
+  });
 }
 
 function setup(settings = {}) {
