@@ -1,0 +1,24 @@
+/**
+ * What the sidecar reports about its transfers, as it happens. The sidecar
+ * depends only on this interface; `SidecarMetrics` (src/api/metrics.ts)
+ * implements it as Prometheus metrics, and the composition root
+ * (src/cli/sidecar.ts) hands one to `Sidecar.start`. The metric names are
+ * listed in docs/api.md.
+ */
+export interface TransferMetrics {
+  /**
+   * D: a transfer's KV is ready. `mode` is the mode it used ("push" or
+   * "pull"); `latencyMs` is prefill done -> ready; `bytes` and `descriptors`
+   * are what was moved.
+   */
+  transferReady(mode: string, latencyMs: number, bytes: number, descriptors: number): void;
+
+  /** Either side: a transfer failed; `reason` is the error code (e.g. "ERR_TIMEOUT"). */
+  transferFailed(reason: string): void;
+
+  /**
+   * The current depth of a named queue ("prefill_live", "decode_live",
+   * "agents_inflight"); called at every sweep.
+   */
+  setQueueDepth(name: string, n: number): void;
+}
