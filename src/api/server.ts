@@ -23,7 +23,7 @@ import {
   type WatchEventsResponse,
   WatchEventsResponseSchema,
 } from "../gen/kvxfer/v1/sidecar_pb.js";
-import { KvxferError } from "../native/errors.js";
+import { KvxferError } from "../errors.js";
 import type { EventLog, EventSubscription } from "../sidecar/event-log.js";
 import type {
   EventKind,

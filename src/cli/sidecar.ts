@@ -15,7 +15,7 @@ import { pino, type Logger } from "pino";
 import { startApiServer, type ApiServer } from "../api/server.js";
 import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/metrics.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
-import { KvxferError } from "../native/errors.js";
+import { KvxferError } from "../errors.js";
 import type { PeerCredentials } from "../peer/side-channel.js";
 import { EventLog } from "../sidecar/event-log.js";
 import { stderrSink } from "../sidecar/log-sink.js";
