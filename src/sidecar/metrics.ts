@@ -1,9 +1,9 @@
 /**
  * What the sidecar reports about its transfers, as it happens. The sidecar
- * depends only on this interface; `SidecarMetrics` (src/api/metrics.ts)
- * implements it as Prometheus metrics, and the composition root
- * (src/cli/sidecar.ts) hands one to `Sidecar.start`. The metric names are
- * listed in docs/api.md.
+ * needs only this interface (not src/api/); `SidecarMetrics`
+ * (src/api/metrics.ts) implements it as Prometheus metrics, and the
+ * composition root (src/cli/sidecar.ts) hands one to `Sidecar.start`. The
+ * metric names are listed in docs/api.md.
  */
 export interface TransferMetrics {
   /**
