@@ -5,7 +5,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { describe, expect, it } from "vitest";
 
-import { resolveSettings } from "../src/sidecar/main.js";
+import { resolveSettings } from "../src/cli/sidecar.js";
 import { cliScript } from "../src/sim/sidecar-process.js";
 
 function kvxfer(

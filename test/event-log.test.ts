@@ -1,7 +1,7 @@
 // EventLog: sequence numbers, retention, subscriptions (replay, live, filters,
 // back-pressure, falling behind), waitFor, and bounded indexes.
 import { describe, expect, it } from "vitest";
-import { KvxferError } from "../src/native/errors.js";
+import { KvxferError } from "../src/errors.js";
 import { EventLog } from "../src/sidecar/event-log.js";
 import type { EventKind, SidecarEvent, TransferSide } from "../src/sidecar/view.js";
 

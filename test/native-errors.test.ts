@@ -1,9 +1,11 @@
 /** Bad input: each gets its own error code, and nothing is posted. */
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 
+import { KvxferError, hasCode } from "../src/errors.js";
 import {
   Agent,
-  KvxferError,
+  KvxferError as AddonKvxferError,
+  hasCode as addonHasCode,
   type Endpoint,
   type Region,
   type RemoteRegion,
@@ -70,6 +72,13 @@ function untouched(): void {
   expect(dst.every((x) => x === 0)).toBe(true);
   expect(a.inflight).toBe(0);
 }
+
+describe("the addon's public face", () => {
+  it("re-exports the one KvxferError and hasCode (src/errors.ts)", () => {
+    expect(AddonKvxferError).toBe(KvxferError);
+    expect(addonHasCode).toBe(hasCode);
+  });
+});
 
 describe("bad input to transfers", () => {
   it("refuses a descriptor past the local region", async () => {

@@ -29,7 +29,7 @@ import {
 } from "../src/gen/kvxfer/v1/engine_pb.js";
 import { type KvLayout, kvLayout } from "../src/plan/index.js";
 import { kvLayoutToProto } from "../src/plan/layout-proto.js";
-import { byteSize, kvDirectory } from "../src/sidecar/main.js";
+import { byteSize, kvDirectory } from "../src/cli/sidecar.js";
 import { SidecarProcess } from "../src/sim/sidecar-process.js";
 import { KvNode, goodTransfer, rssKiB, sleep, uniqueId, until } from "./sidecar-fixtures.js";
 

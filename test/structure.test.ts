@@ -35,10 +35,4 @@ describe("structure", () => {
     expect(files.length).toBeGreaterThan(20);
     expect(offending(files, /\.state\s*=(?!=)/)).toEqual([]);
   });
-
-  it("nothing under src/sidecar/ imports src/api/ (the API depends on the sidecar, not back)", () => {
-    const files = sources("src/sidecar");
-    expect(files).toContain("src/sidecar/sidecar.ts");
-    expect(offending(files, /from\s+["']\.\.\/api\//)).toEqual([]);
-  });
 });

@@ -5,9 +5,9 @@
  * different network namespaces.
  */
 
+import { KvxferError } from "../../src/errors.js";
 import {
   Agent,
-  KvxferError,
   type Endpoint,
   type Notification,
   type Region,

@@ -5,7 +5,7 @@
  */
 import { createInterface } from "node:readline";
 
-import { KvxferError } from "../../src/native/errors.js";
+import { KvxferError } from "../../src/errors.js";
 
 export function serveJsonLines<R extends { id?: unknown }>(
   handle: (req: R) => Promise<unknown>,

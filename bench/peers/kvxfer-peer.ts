@@ -7,9 +7,9 @@
  * Python's `time.monotonic_ns()` reads too.
  */
 
+import { KvxferError } from "../../src/errors.js";
 import {
   Agent,
-  KvxferError,
   type Endpoint,
   type Notification,
   type Region,

@@ -40,6 +40,7 @@ import {
   eventKinds,
   statusFromProto,
   transferFromProto,
+  transferSides,
   transferStates,
 } from "./convert.js";
 import { type MethodDef, healthService, method, sidecarService } from "./service.js";
@@ -254,12 +255,7 @@ export class SidecarClient {
       M.awaitTransfer,
       create(AwaitTransferRequestSchema, {
         transferId,
-        side:
-          opts.side === "prefill"
-            ? PbTransferSide.PREFILL
-            : opts.side === "decode"
-              ? PbTransferSide.DECODE
-              : PbTransferSide.UNSPECIFIED,
+        side: transferSides.num(opts.side ?? "") ?? PbTransferSide.UNSPECIFIED,
       }),
       timeoutMs,
     );

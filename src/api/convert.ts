@@ -30,12 +30,18 @@ import type {
 } from "../sidecar/view.js";
 
 /** Two-way map between string names and enum numbers; unknown names/numbers give undefined. */
-class EnumMap<N extends string, E extends number> {
+export class EnumMap<N extends string, E extends number> {
   private readonly toNum = new Map<string, E>();
   private readonly toName = new Map<number, N>();
-  constructor(pairs: readonly (readonly [N, E])[]) {
-    for (const [n, e] of pairs) {
-      this.toNum.set(n, e);
+  /**
+   * Each name maps to the member of the protobuf enum `pb` with the same name
+   * in capitals ("prefill" -> PREFILL); `names` keeps its order in `names()`.
+   */
+  constructor(names: readonly N[], pb: Readonly<Record<string, string | number>>) {
+    for (const n of names) {
+      const e = pb[n.toUpperCase()];
+      if (typeof e !== "number") throw new Error(`no enum member ${n.toUpperCase()}`);
+      this.toNum.set(n, e as E);
       this.toName.set(e, n);
     }
   }
@@ -50,46 +56,39 @@ class EnumMap<N extends string, E extends number> {
   }
 }
 
-export const eventKinds = new EnumMap<EventKind, PbEventKind>([
-  ["KV_READY", PbEventKind.KV_READY],
-  ["FAILED", PbEventKind.FAILED],
-  ["EXPIRED", PbEventKind.EXPIRED],
-  ["ABORTED", PbEventKind.ABORTED],
-  ["RELEASED", PbEventKind.RELEASED],
-  ["PEER_UP", PbEventKind.PEER_UP],
-  ["PEER_DOWN", PbEventKind.PEER_DOWN],
-]);
+export const eventKinds = new EnumMap<EventKind, PbEventKind>(
+  ["KV_READY", "FAILED", "EXPIRED", "ABORTED", "RELEASED", "PEER_UP", "PEER_DOWN"],
+  PbEventKind,
+);
 
-export const transferStates = new EnumMap<TransferState, PbTransferState>([
-  ["WAITING", PbTransferState.WAITING],
-  ["HELD", PbTransferState.HELD],
-  ["MOVING", PbTransferState.MOVING],
-  ["CONFIRMING", PbTransferState.CONFIRMING],
-  ["ABORTING", PbTransferState.ABORTING],
-  ["DRAINING", PbTransferState.DRAINING],
-  ["KV_READY", PbTransferState.KV_READY],
-  ["FAILED", PbTransferState.FAILED],
-  ["EXPIRED", PbTransferState.EXPIRED],
-  ["ABORTED", PbTransferState.ABORTED],
-  ["RELEASED", PbTransferState.RELEASED],
-]);
+export const transferStates = new EnumMap<TransferState, PbTransferState>(
+  [
+    "WAITING",
+    "HELD",
+    "MOVING",
+    "CONFIRMING",
+    "ABORTING",
+    "DRAINING",
+    "KV_READY",
+    "FAILED",
+    "EXPIRED",
+    "ABORTED",
+    "RELEASED",
+  ],
+  PbTransferState,
+);
 
-export const transferSides = new EnumMap<TransferSide, PbTransferSide>([
-  ["prefill", PbTransferSide.PREFILL],
-  ["decode", PbTransferSide.DECODE],
-]);
+export const transferSides = new EnumMap<TransferSide, PbTransferSide>(
+  ["prefill", "decode"],
+  PbTransferSide,
+);
 
-export const transferModes = new EnumMap<TransferMode, PbTransferMode>([
-  ["push", PbTransferMode.PUSH],
-  ["pull", PbTransferMode.PULL],
-  ["auto", PbTransferMode.AUTO],
-]);
+export const transferModes = new EnumMap<TransferMode, PbTransferMode>(
+  ["push", "pull", "auto"],
+  PbTransferMode,
+);
 
-const roles = new EnumMap<SidecarRole, Role>([
-  ["prefill", Role.PREFILL],
-  ["decode", Role.DECODE],
-  ["both", Role.BOTH],
-]);
+const roles = new EnumMap<SidecarRole, Role>(["prefill", "decode", "both"], Role);
 
 const big = (n: number): bigint => BigInt(Math.max(0, Math.trunc(n)));
 const num = (n: bigint): number => Number(n);

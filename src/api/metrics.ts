@@ -1,8 +1,8 @@
 /**
  * Prometheus text exposition (format 0.0.4) with a registry small enough to
  * write by hand: counters, gauges and fixed-bucket histograms, with labels.
- * `SidecarMetrics` is the face the sidecar uses; the metric names are listed
- * in docs/api.md.
+ * `SidecarMetrics` implements the sidecar's `TransferMetrics`
+ * (src/sidecar/metrics.ts); the metric names are listed in docs/api.md.
  *
  * Label values can come from the network (failure reasons): each metric keeps
  * at most `maxSeries` label sets and folds the rest into `_other`, so a
@@ -10,6 +10,8 @@
  */
 import * as http from "node:http";
 import type { AddressInfo } from "node:net";
+
+import type { TransferMetrics } from "../sidecar/metrics.js";
 
 type Labels = Readonly<Record<string, string>>;
 
@@ -215,9 +217,10 @@ export const SIZE_BUCKETS_BYTES = Array.from({ length: 10 }, (_, i) => 65536 * 4
 
 /**
  * What the sidecar reports. Construct one per sidecar, call the methods as
- * things happen, and serve `registry` with `startMetricsServer`.
+ * things happen, and serve `registry` with `startMetricsServer`. The sidecar
+ * itself sees it only as `TransferMetrics`.
  */
-export class SidecarMetrics {
+export class SidecarMetrics implements TransferMetrics {
   readonly registry: MetricsRegistry;
   private readonly latency: Histogram;
   private readonly sizes: Histogram;

@@ -23,19 +23,15 @@ import {
   type WatchEventsResponse,
   WatchEventsResponseSchema,
 } from "../gen/kvxfer/v1/sidecar_pb.js";
-import { KvxferError } from "../native/errors.js";
+import { KvxferError } from "../errors.js";
 import type { EventLog, EventSubscription } from "../sidecar/event-log.js";
-import type {
-  EventKind,
-  SidecarEvent,
-  SidecarView,
-  TransferSide,
-  TransferState,
-} from "../sidecar/view.js";
+import type { SidecarEvent, SidecarView, TransferSide } from "../sidecar/view.js";
 import {
+  type EnumMap,
   eventKinds,
   eventToProto,
   statusToProto,
+  transferSides,
   transferStates,
   transferToProto,
 } from "./convert.js";
@@ -136,25 +132,18 @@ function toStatus(err: unknown): ServiceError {
   return fail(grpc.status.INTERNAL, err instanceof Error ? err.message : String(err));
 }
 
-function kindsFromProto(kinds: readonly number[]): EventKind[] {
-  return kinds.map((k) => {
-    const name = eventKinds.name(k);
+/** Enum numbers from a request as names; `what` ("event kind") names an unknown one. */
+function namesFromProto<N extends string>(
+  map: EnumMap<N, number>,
+  nums: readonly number[],
+  what: string,
+): N[] {
+  return nums.map((n) => {
+    const name = map.name(n);
     if (name === undefined)
       throw new KvxferError(
         "ERR_INVALID_ARGUMENT",
-        `unknown event kind ${k} (known: ${eventKinds.names().join(", ")})`,
-      );
-    return name;
-  });
-}
-
-function statesFromProto(states: readonly number[]): TransferState[] {
-  return states.map((s) => {
-    const name = transferStates.name(s);
-    if (name === undefined)
-      throw new KvxferError(
-        "ERR_INVALID_ARGUMENT",
-        `unknown transfer state ${s} (known: ${transferStates.names().join(", ")})`,
+        `unknown ${what} ${n} (known: ${map.names().join(", ")})`,
       );
     return name;
   });
@@ -191,252 +180,375 @@ interface ActiveWatch {
   paused: boolean;
 }
 
-export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer> {
-  const log = (opts.logger ?? pino({ level: "silent" })).child({ component: "api" });
-  const { view, events } = opts;
-  const maxAwaitMs = opts.maxAwaitMs ?? 300_000;
-  const progressIntervalMs = opts.progressIntervalMs ?? 5_000;
-  const maxWatchers = opts.maxWatchers ?? 1_000;
-  // The epoch never changes during a sidecar's life; watchers check it on resume.
-  const epoch = view.status().epoch;
+type HealthWatch = grpc.ServerWritableStream<HealthCheckRequest, unknown>;
 
-  let serving = opts.serving ?? true;
-  let closing = false;
-  const watches = new Set<ActiveWatch>();
-  const awaits = new Set<AbortController>();
-  const healthWatches = new Set<grpc.ServerWritableStream<HealthCheckRequest, unknown>>();
-  // Each event is encoded once, whatever the number of watchers.
-  const encoded = new WeakMap<SidecarEvent, Uint8Array>();
+/** What the RPC groups share: the sidecar's view and log, the settings, and the open calls. */
+class ApiState {
+  readonly view: SidecarView;
+  readonly events: EventLog;
+  readonly log: Logger;
+  readonly maxAwaitMs: number;
+  readonly progressIntervalMs: number;
+  readonly maxWatchers: number;
+  readonly watchBufferLimit: number | undefined;
+  /** The epoch never changes during a sidecar's life; watchers check it on resume. */
+  readonly epoch: bigint;
+  serving: boolean;
+  closing = false;
+  readonly watches = new Set<ActiveWatch>();
+  readonly awaits = new Set<AbortController>();
+  readonly healthWatches = new Set<HealthWatch>();
+  /** Each event is encoded once, whatever the number of watchers. */
+  private readonly encoded = new WeakMap<SidecarEvent, Uint8Array>();
 
-  const encodeEvent = (ev: SidecarEvent): Uint8Array => {
-    let bytes = encoded.get(ev);
+  constructor(opts: ApiServerOptions) {
+    this.log = (opts.logger ?? pino({ level: "silent" })).child({ component: "api" });
+    this.view = opts.view;
+    this.events = opts.events;
+    this.maxAwaitMs = opts.maxAwaitMs ?? 300_000;
+    this.progressIntervalMs = opts.progressIntervalMs ?? 5_000;
+    this.maxWatchers = opts.maxWatchers ?? 1_000;
+    this.watchBufferLimit = opts.watchBufferLimit;
+    this.epoch = opts.view.status().epoch;
+    this.serving = opts.serving ?? true;
+  }
+
+  encodeEvent(ev: SidecarEvent): Uint8Array {
+    let bytes = this.encoded.get(ev);
     if (bytes === undefined) {
       bytes = toBinary(
         WatchEventsResponseSchema,
         create(WatchEventsResponseSchema, { msg: { case: "event", value: eventToProto(ev) } }),
       );
-      encoded.set(ev, bytes);
+      this.encoded.set(ev, bytes);
     }
     return bytes;
-  };
+  }
 
-  const progress = (seq: number, caughtUp: boolean): WatchEventsResponse =>
-    create(WatchEventsResponseSchema, {
+  progress(seq: number, caughtUp: boolean): WatchEventsResponse {
+    return create(WatchEventsResponseSchema, {
       msg: {
         case: "progress",
         value: {
           seq: BigInt(seq),
-          epoch,
-          firstSeq: BigInt(events.lastSeq === 0 ? 0 : events.firstSeq),
+          epoch: this.epoch,
+          firstSeq: BigInt(this.events.lastSeq === 0 ? 0 : this.events.firstSeq),
           caughtUp,
         },
       },
     });
+  }
+}
 
-  const healthStatus = (service: string): ServingStatus | undefined => {
-    if (service !== "" && service !== SIDECAR_SERVICE_NAME) return undefined;
-    return serving ? ServingStatus.SERVING : ServingStatus.NOT_SERVING;
-  };
+/** kvxfer.v1.Sidecar: GetStatus, ListTransfers, WatchEvents, AwaitTransfer. */
+class SidecarRpcs {
+  constructor(private readonly s: ApiState) {}
 
-  const sidecarHandlers: grpc.UntypedServiceImplementation = {
-    GetStatus(
-      call: grpc.ServerUnaryCall<unknown, GetStatusResponse>,
-      cb: grpc.sendUnaryData<GetStatusResponse>,
-    ) {
-      try {
-        const status = view.status();
-        cb(
-          null,
-          statusToProto(
-            status,
-            { firstSeq: events.firstSeq, lastSeq: events.lastSeq, watchers: watches.size },
-            Date.now(),
-          ),
-        );
-      } catch (err) {
-        log.error({ err }, "GetStatus failed");
-        cb(toStatus(err));
-      }
-    },
+  /** The handlers grpc-js calls, by method name. */
+  handlers(): grpc.UntypedServiceImplementation {
+    return {
+      GetStatus: this.getStatus.bind(this),
+      ListTransfers: this.listTransfers.bind(this),
+      WatchEvents: this.watchEvents.bind(this),
+      AwaitTransfer: this.awaitTransfer.bind(this),
+    };
+  }
 
-    ListTransfers(
-      call: grpc.ServerUnaryCall<ListTransfersRequest, ListTransfersResponse>,
-      cb: grpc.sendUnaryData<ListTransfersResponse>,
-    ) {
-      try {
-        const req = call.request;
-        const states = statesFromProto(req.states);
-        if (req.limit > MAX_LIST_LIMIT)
-          throw new KvxferError(
-            "ERR_INVALID_ARGUMENT",
-            `limit ${req.limit} is above the most one call returns (${MAX_LIST_LIMIT})`,
-          );
-        const limit = req.limit === 0 ? DEFAULT_LIST_LIMIT : req.limit;
-        const all = view.transfers({
-          ...(states.length > 0 ? { states } : {}),
-          ...(req.peer !== "" ? { peer: req.peer } : {}),
-        });
-        cb(
-          null,
-          create(ListTransfersResponseSchema, {
-            transfers: all.slice(0, limit).map(transferToProto),
-            total: BigInt(all.length),
-          }),
-        );
-      } catch (err) {
-        if (!(err instanceof KvxferError)) log.error({ err }, "ListTransfers failed");
-        cb(toStatus(err));
-      }
-    },
+  getStatus(
+    call: grpc.ServerUnaryCall<unknown, GetStatusResponse>,
+    cb: grpc.sendUnaryData<GetStatusResponse>,
+  ): void {
+    const { view, events, watches } = this.s;
+    try {
+      const status = view.status();
+      cb(
+        null,
+        statusToProto(
+          status,
+          { firstSeq: events.firstSeq, lastSeq: events.lastSeq, watchers: watches.size },
+          Date.now(),
+        ),
+      );
+    } catch (err) {
+      this.s.log.error({ err }, "GetStatus failed");
+      cb(toStatus(err));
+    }
+  }
 
-    WatchEvents(call: ActiveWatch["call"]) {
+  listTransfers(
+    call: grpc.ServerUnaryCall<ListTransfersRequest, ListTransfersResponse>,
+    cb: grpc.sendUnaryData<ListTransfersResponse>,
+  ): void {
+    try {
       const req = call.request;
-      const w: ActiveWatch = { call, sub: undefined, lastSentSeq: 0, paused: false };
-      const finish = (status: ServiceError | undefined): void => {
-        if (!watches.delete(w)) return;
-        w.sub?.close();
-        if (call.cancelled) return;
-        if (status === undefined) call.end();
-        else call.emit("error", status);
-      };
-      const send = (msg: WatchEventsResponse | Uint8Array): void => {
-        if (!call.write(msg)) {
-          w.paused = true;
-          w.sub?.pause();
-        }
-      };
-      try {
-        if (closing) throw new KvxferError("ERR_CLOSED", "the sidecar is shutting down");
-        if (watches.size >= maxWatchers)
-          throw new KvxferError(
-            "ERR_TOO_MANY_WAITERS",
-            `${watches.size} watchers already (most ${maxWatchers})`,
-          );
-        const kinds = kindsFromProto(req.kinds);
-        if (req.transferIds.length > MAX_FILTER_IDS)
-          throw new KvxferError(
-            "ERR_INVALID_ARGUMENT",
-            `${req.transferIds.length} transfer ids in the filter (at most ${MAX_FILTER_IDS})`,
-          );
-        for (const id of req.transferIds) checkTransferId(id, "a transfer id in the filter");
-        if (req.epoch !== 0n && req.epoch !== epoch)
-          return void call.emit(
-            "error",
-            fail(
-              grpc.status.FAILED_PRECONDITION,
-              `the sidecar's epoch is ${epoch}, not ${req.epoch}: it restarted and numbers events from 1 again; resume from after_seq 0`,
-            ),
-          );
-        const afterSeq = req.liveOnly ? events.lastSeq : seqFromProto(req.afterSeq, "after_seq");
-        watches.add(w);
-        w.sub = events.subscribe(
-          afterSeq,
-          {
-            ...(kinds.length > 0 ? { kinds } : {}),
-            ...(req.transferIds.length > 0 ? { transferIds: req.transferIds } : {}),
-          },
-          {
-            onEvent: (ev) => {
-              w.lastSentSeq = ev.seq;
-              send(encodeEvent(ev));
-            },
-            onCaughtUp: () => {
-              w.lastSentSeq = Math.max(w.lastSentSeq, w.sub?.scannedSeq ?? 0);
-              send(progress(w.sub?.scannedSeq ?? events.lastSeq, true));
-            },
-            onEnd: (err) => finish(err === undefined ? undefined : toStatus(err)),
-          },
-          {
-            liveOnly: req.liveOnly,
-            ...(opts.watchBufferLimit !== undefined ? { bufferLimit: opts.watchBufferLimit } : {}),
-          },
+      const states = namesFromProto(transferStates, req.states, "transfer state");
+      if (req.limit > MAX_LIST_LIMIT)
+        throw new KvxferError(
+          "ERR_INVALID_ARGUMENT",
+          `limit ${req.limit} is above the most one call returns (${MAX_LIST_LIMIT})`,
         );
-        // First message: where the stream starts and which epoch it belongs to.
-        send(progress(afterSeq, false));
-      } catch (err) {
-        watches.delete(w);
-        call.emit("error", toStatus(err));
-        return;
-      }
-      call.on("drain", () => {
-        w.paused = false;
-        w.sub?.resume();
+      const limit = req.limit === 0 ? DEFAULT_LIST_LIMIT : req.limit;
+      const all = this.s.view.transfers({
+        ...(states.length > 0 ? { states } : {}),
+        ...(req.peer !== "" ? { peer: req.peer } : {}),
       });
-      call.on("cancelled", () => finish(undefined));
-      call.on("error", () => finish(undefined));
-    },
-
-    AwaitTransfer(
-      call: grpc.ServerUnaryCall<AwaitTransferRequest, unknown>,
-      cb: grpc.sendUnaryData<unknown>,
-    ) {
-      const req = call.request;
-      let side: TransferSide | undefined;
-      try {
-        if (closing) throw new KvxferError("ERR_CLOSED", "the sidecar is shutting down");
-        checkTransferId(req.transferId, "transfer_id");
-        if (req.side === PbTransferSide.PREFILL) side = "prefill";
-        else if (req.side === PbTransferSide.DECODE) side = "decode";
-        else if (req.side !== PbTransferSide.UNSPECIFIED)
-          throw new KvxferError("ERR_INVALID_ARGUMENT", `unknown side ${req.side}`);
-      } catch (err) {
-        return cb(toStatus(err));
-      }
-      const callDeadline = deadlineMs(call);
-      const capped = Date.now() + maxAwaitMs;
-      const abort = new AbortController();
-      awaits.add(abort);
-      call.on("cancelled", () => abort.abort());
-      events
-        .waitFor(req.transferId, {
-          deadlineMs: Math.min(callDeadline, capped),
-          ...(side !== undefined ? { side } : {}),
-          signal: abort.signal,
-        })
-        .then(
-          (ev) => {
-            if (ev !== undefined)
-              return cb(null, create(AwaitTransferResponseSchema, { event: eventToProto(ev) }));
-            if (call.cancelled) return;
-            if (closing) return cb(fail(grpc.status.UNAVAILABLE, "the sidecar is shutting down"));
-            cb(
-              fail(
-                grpc.status.DEADLINE_EXCEEDED,
-                capped < callDeadline
-                  ? `transfer '${req.transferId}' has not ended within the server's longest wait (${maxAwaitMs} ms)`
-                  : `transfer '${req.transferId}' has not ended before the deadline`,
-              ),
-            );
-          },
-          (err: unknown) => cb(toStatus(err)),
-        )
-        .finally(() => awaits.delete(abort));
-    },
-  };
-
-  const healthHandlers: grpc.UntypedServiceImplementation = {
-    Check(
-      call: grpc.ServerUnaryCall<HealthCheckRequest, unknown>,
-      cb: grpc.sendUnaryData<unknown>,
-    ) {
-      const status = healthStatus(call.request.service);
-      if (status === undefined)
-        return cb(fail(grpc.status.NOT_FOUND, `unknown service '${call.request.service}'`));
-      cb(null, create(HealthCheckResponseSchema, { status }));
-    },
-    Watch(call: grpc.ServerWritableStream<HealthCheckRequest, unknown>) {
-      if (closing) return void call.emit("error", fail(grpc.status.UNAVAILABLE, "shutting down"));
-      healthWatches.add(call);
-      call.write(
-        create(HealthCheckResponseSchema, {
-          status: healthStatus(call.request.service) ?? ServingStatus.SERVICE_UNKNOWN,
+      cb(
+        null,
+        create(ListTransfersResponseSchema, {
+          transfers: all.slice(0, limit).map(transferToProto),
+          total: BigInt(all.length),
         }),
       );
-      const done = (): void => void healthWatches.delete(call);
-      call.on("cancelled", done);
-      call.on("error", done);
-    },
-  };
+    } catch (err) {
+      if (!(err instanceof KvxferError)) this.s.log.error({ err }, "ListTransfers failed");
+      cb(toStatus(err));
+    }
+  }
+
+  watchEvents(call: ActiveWatch["call"]): void {
+    const { s } = this;
+    const { events, watches } = s;
+    const req = call.request;
+    const w: ActiveWatch = { call, sub: undefined, lastSentSeq: 0, paused: false };
+    const finish = (status: ServiceError | undefined): void => {
+      if (!watches.delete(w)) return;
+      w.sub?.close();
+      if (call.cancelled) return;
+      if (status === undefined) call.end();
+      else call.emit("error", status);
+    };
+    const send = (msg: WatchEventsResponse | Uint8Array): void => {
+      if (!call.write(msg)) {
+        w.paused = true;
+        w.sub?.pause();
+      }
+    };
+    try {
+      if (s.closing) throw new KvxferError("ERR_CLOSED", "the sidecar is shutting down");
+      if (watches.size >= s.maxWatchers)
+        throw new KvxferError(
+          "ERR_TOO_MANY_WAITERS",
+          `${watches.size} watchers already (most ${s.maxWatchers})`,
+        );
+      const kinds = namesFromProto(eventKinds, req.kinds, "event kind");
+      if (req.transferIds.length > MAX_FILTER_IDS)
+        throw new KvxferError(
+          "ERR_INVALID_ARGUMENT",
+          `${req.transferIds.length} transfer ids in the filter (at most ${MAX_FILTER_IDS})`,
+        );
+      for (const id of req.transferIds) checkTransferId(id, "a transfer id in the filter");
+      if (req.epoch !== 0n && req.epoch !== s.epoch)
+        return void call.emit(
+          "error",
+          fail(
+            grpc.status.FAILED_PRECONDITION,
+            `the sidecar's epoch is ${s.epoch}, not ${req.epoch}: it restarted and numbers events from 1 again; resume from after_seq 0`,
+          ),
+        );
+      const afterSeq = req.liveOnly ? events.lastSeq : seqFromProto(req.afterSeq, "after_seq");
+      watches.add(w);
+      w.sub = events.subscribe(
+        afterSeq,
+        {
+          ...(kinds.length > 0 ? { kinds } : {}),
+          ...(req.transferIds.length > 0 ? { transferIds: req.transferIds } : {}),
+        },
+        {
+          onEvent: (ev) => {
+            w.lastSentSeq = ev.seq;
+            send(s.encodeEvent(ev));
+          },
+          onCaughtUp: () => {
+            w.lastSentSeq = Math.max(w.lastSentSeq, w.sub?.scannedSeq ?? 0);
+            send(s.progress(w.sub?.scannedSeq ?? events.lastSeq, true));
+          },
+          onEnd: (err) => finish(err === undefined ? undefined : toStatus(err)),
+        },
+        {
+          liveOnly: req.liveOnly,
+          ...(s.watchBufferLimit !== undefined ? { bufferLimit: s.watchBufferLimit } : {}),
+        },
+      );
+      // First message: where the stream starts and which epoch it belongs to.
+      send(s.progress(afterSeq, false));
+    } catch (err) {
+      watches.delete(w);
+      call.emit("error", toStatus(err));
+      return;
+    }
+    call.on("drain", () => {
+      w.paused = false;
+      w.sub?.resume();
+    });
+    call.on("cancelled", () => finish(undefined));
+    call.on("error", () => finish(undefined));
+  }
+
+  awaitTransfer(
+    call: grpc.ServerUnaryCall<AwaitTransferRequest, unknown>,
+    cb: grpc.sendUnaryData<unknown>,
+  ): void {
+    const { s } = this;
+    const req = call.request;
+    let side: TransferSide | undefined;
+    try {
+      if (s.closing) throw new KvxferError("ERR_CLOSED", "the sidecar is shutting down");
+      checkTransferId(req.transferId, "transfer_id");
+      if (req.side !== PbTransferSide.UNSPECIFIED) {
+        side = transferSides.name(req.side);
+        if (side === undefined)
+          throw new KvxferError("ERR_INVALID_ARGUMENT", `unknown side ${req.side}`);
+      }
+    } catch (err) {
+      return cb(toStatus(err));
+    }
+    const callDeadline = deadlineMs(call);
+    const capped = Date.now() + s.maxAwaitMs;
+    const abort = new AbortController();
+    s.awaits.add(abort);
+    call.on("cancelled", () => abort.abort());
+    s.events
+      .waitFor(req.transferId, {
+        deadlineMs: Math.min(callDeadline, capped),
+        ...(side !== undefined ? { side } : {}),
+        signal: abort.signal,
+      })
+      .then(
+        (ev) => {
+          if (ev !== undefined)
+            return cb(null, create(AwaitTransferResponseSchema, { event: eventToProto(ev) }));
+          if (call.cancelled) return;
+          if (s.closing) return cb(fail(grpc.status.UNAVAILABLE, "the sidecar is shutting down"));
+          cb(
+            fail(
+              grpc.status.DEADLINE_EXCEEDED,
+              capped < callDeadline
+                ? `transfer '${req.transferId}' has not ended within the server's longest wait (${s.maxAwaitMs} ms)`
+                : `transfer '${req.transferId}' has not ended before the deadline`,
+            ),
+          );
+        },
+        (err: unknown) => cb(toStatus(err)),
+      )
+      .finally(() => s.awaits.delete(abort));
+  }
+
+  /**
+   * Tells filtered watchers how far the server has looked, so they can resume
+   * from a retained seq even when none of their own events came for a while.
+   */
+  sendProgress(): void {
+    for (const w of this.s.watches) {
+      const scanned = w.sub?.scannedSeq ?? 0;
+      if (!w.paused && w.sub?.caughtUp && scanned > w.lastSentSeq) {
+        w.lastSentSeq = scanned;
+        if (!w.call.write(this.s.progress(scanned, false))) {
+          w.paused = true;
+          w.sub.pause();
+        }
+      }
+    }
+  }
+
+  /** Ends every open stream (UNAVAILABLE) and wait (server stopping). */
+  endAll(): void {
+    const shutdown = fail(grpc.status.UNAVAILABLE, "the sidecar is shutting down");
+    for (const w of [...this.s.watches]) {
+      this.s.watches.delete(w);
+      w.sub?.close();
+      if (!w.call.cancelled) w.call.emit("error", shutdown);
+    }
+    for (const a of this.s.awaits) a.abort();
+  }
+}
+
+/** grpc.health.v1.Health: Check and Watch, and the serving state they report. */
+class HealthRpcs {
+  constructor(private readonly s: ApiState) {}
+
+  /** The handlers grpc-js calls, by method name. */
+  handlers(): grpc.UntypedServiceImplementation {
+    return { Check: this.check.bind(this), Watch: this.watch.bind(this) };
+  }
+
+  /** SERVING or NOT_SERVING for "" and the Sidecar service; undefined for any other. */
+  private status(service: string): ServingStatus | undefined {
+    if (service !== "" && service !== SIDECAR_SERVICE_NAME) return undefined;
+    return this.s.serving ? ServingStatus.SERVING : ServingStatus.NOT_SERVING;
+  }
+
+  private answer(call: HealthWatch): void {
+    call.write(
+      create(HealthCheckResponseSchema, {
+        status: this.status(call.request.service) ?? ServingStatus.SERVICE_UNKNOWN,
+      }),
+    );
+  }
+
+  check(
+    call: grpc.ServerUnaryCall<HealthCheckRequest, unknown>,
+    cb: grpc.sendUnaryData<unknown>,
+  ): void {
+    const status = this.status(call.request.service);
+    if (status === undefined)
+      return cb(fail(grpc.status.NOT_FOUND, `unknown service '${call.request.service}'`));
+    cb(null, create(HealthCheckResponseSchema, { status }));
+  }
+
+  watch(call: HealthWatch): void {
+    if (this.s.closing)
+      return void call.emit("error", fail(grpc.status.UNAVAILABLE, "shutting down"));
+    this.s.healthWatches.add(call);
+    this.answer(call);
+    const done = (): void => void this.s.healthWatches.delete(call);
+    call.on("cancelled", done);
+    call.on("error", done);
+  }
+
+  setServing(next: boolean): void {
+    if (next === this.s.serving) return;
+    this.s.serving = next;
+    this.s.log.info({ serving: next }, "health changed");
+    for (const call of this.s.healthWatches) this.answer(call);
+  }
+
+  /** Ends every Health/Watch stream (server stopping). */
+  endAll(): void {
+    for (const call of this.s.healthWatches) call.end();
+    this.s.healthWatches.clear();
+  }
+}
+
+function serverCredentials(tls: ApiTlsOptions | undefined): grpc.ServerCredentials {
+  return tls === undefined
+    ? grpc.ServerCredentials.createInsecure()
+    : grpc.ServerCredentials.createSsl(
+        tls.ca === undefined ? null : Buffer.from(tls.ca),
+        [{ cert_chain: Buffer.from(tls.cert), private_key: Buffer.from(tls.key) }],
+        tls.requireClientCert ?? tls.ca !== undefined,
+      );
+}
+
+/** Stops `server` gracefully, cutting what is left after `graceMs`. */
+function shutdown(server: grpc.Server, graceMs: number): Promise<void> {
+  return new Promise<void>((resolve) => {
+    const timer = setTimeout(() => {
+      server.forceShutdown();
+      resolve();
+    }, graceMs);
+    timer.unref();
+    server.tryShutdown(() => {
+      clearTimeout(timer);
+      resolve();
+    });
+  });
+}
+
+export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer> {
+  const state = new ApiState(opts);
+  const { log } = state;
+  const sidecar = new SidecarRpcs(state);
+  const health = new HealthRpcs(state);
 
   const server = new grpc.Server({
     // Requests are small; anything large is a mistake or an attack.
@@ -444,51 +556,20 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
     "grpc.keepalive_time_ms": 30_000,
     "grpc.keepalive_timeout_ms": 10_000,
   });
-  server.addService(asServiceDefinition(sidecarService), sidecarHandlers);
-  server.addService(asServiceDefinition(healthService), healthHandlers);
+  server.addService(asServiceDefinition(sidecarService), sidecar.handlers());
+  server.addService(asServiceDefinition(healthService), health.handlers());
 
-  const creds =
-    opts.tls === undefined
-      ? grpc.ServerCredentials.createInsecure()
-      : grpc.ServerCredentials.createSsl(
-          opts.tls.ca === undefined ? null : Buffer.from(opts.tls.ca),
-          [{ cert_chain: Buffer.from(opts.tls.cert), private_key: Buffer.from(opts.tls.key) }],
-          opts.tls.requireClientCert ?? opts.tls.ca !== undefined,
-        );
   const address = opts.address ?? "127.0.0.1:0";
   const port = await new Promise<number>((resolve, reject) =>
-    server.bindAsync(address, creds, (err, p) => (err ? reject(err) : resolve(p))),
+    server.bindAsync(address, serverCredentials(opts.tls), (err, p) =>
+      err ? reject(err) : resolve(p),
+    ),
   );
   const host = address.slice(0, address.lastIndexOf(":"));
   const bound = `${host}:${port}`;
 
-  // Tells filtered watchers how far the server has looked, so they can resume
-  // from a retained seq even when none of their own events came for a while.
-  const ticker = setInterval(() => {
-    for (const w of watches) {
-      const scanned = w.sub?.scannedSeq ?? 0;
-      if (!w.paused && w.sub?.caughtUp && scanned > w.lastSentSeq) {
-        w.lastSentSeq = scanned;
-        if (!w.call.write(progress(scanned, false))) {
-          w.paused = true;
-          w.sub.pause();
-        }
-      }
-    }
-  }, progressIntervalMs);
+  const ticker = setInterval(() => sidecar.sendProgress(), state.progressIntervalMs);
   ticker.unref();
-
-  const setServing = (next: boolean): void => {
-    if (next === serving) return;
-    serving = next;
-    log.info({ serving }, "health changed");
-    for (const call of healthWatches)
-      call.write(
-        create(HealthCheckResponseSchema, {
-          status: healthStatus(call.request.service) ?? ServingStatus.SERVICE_UNKNOWN,
-        }),
-      );
-  };
 
   log.info({ address: bound, tls: opts.tls !== undefined }, "gRPC API listening");
 
@@ -496,38 +577,21 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
     port,
     address: bound,
     get serving() {
-      return serving;
+      return state.serving;
     },
     get watchers() {
-      return watches.size;
+      return state.watches.size;
     },
-    setServing,
-    drain: () => setServing(false),
+    setServing: (next) => health.setServing(next),
+    drain: () => health.setServing(false),
     async close(graceMs = 5_000) {
-      if (closing) return;
-      setServing(false);
-      closing = true;
+      if (state.closing) return;
+      health.setServing(false);
+      state.closing = true;
       clearInterval(ticker);
-      const shutdown = fail(grpc.status.UNAVAILABLE, "the sidecar is shutting down");
-      for (const w of [...watches]) {
-        watches.delete(w);
-        w.sub?.close();
-        if (!w.call.cancelled) w.call.emit("error", shutdown);
-      }
-      for (const a of awaits) a.abort();
-      for (const call of healthWatches) call.end();
-      healthWatches.clear();
-      await new Promise<void>((resolve) => {
-        const timer = setTimeout(() => {
-          server.forceShutdown();
-          resolve();
-        }, graceMs);
-        timer.unref();
-        server.tryShutdown(() => {
-          clearTimeout(timer);
-          resolve();
-        });
-      });
+      sidecar.endAll();
+      health.endAll();
+      await shutdown(server, graceMs);
       log.info("gRPC API closed");
     },
   };

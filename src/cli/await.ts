@@ -5,56 +5,44 @@
  * 3 the timeout passed first, 4 any other error (unreachable, NOT_FOUND, ...).
  */
 import * as grpc from "@grpc/grpc-js";
-import { parseArgs } from "node:util";
-import { isServiceError, type SidecarClient } from "../api/client.js";
+import { isServiceError } from "../api/client.js";
 import {
   type CliIo,
-  TLS_OPTIONS,
   UsageError,
-  clientFrom,
-  describeError,
-  explainClientError,
   formatEvent,
+  openClientCommand,
   output,
   toJson,
 } from "./grpc-client.js";
 
 export async function runAwait(argv: string[], io: CliIo = {}): Promise<number> {
   const { out, err } = output(io);
-  let values;
-  let address: string | undefined;
-  let transferId: string | undefined;
-  let timeoutMs = 30_000;
-  let client: SidecarClient;
-  try {
-    const parsed = parseArgs({
-      args: argv,
-      allowPositionals: true,
-      options: {
-        timeout: { type: "string" },
-        side: { type: "string" },
-        json: { type: "boolean", default: false },
-        ...TLS_OPTIONS,
-      },
-    });
-    values = parsed.values;
-    [address, transferId] = parsed.positionals;
-    if (parsed.positionals.length > 2)
-      throw new UsageError(`unexpected arguments: ${parsed.positionals.slice(2).join(" ")}`);
-    if (transferId === undefined || transferId === "")
-      throw new UsageError("missing the transfer id");
-    if (values.timeout !== undefined) {
-      timeoutMs = Number(values.timeout);
-      if (!Number.isFinite(timeoutMs) || timeoutMs <= 0)
-        throw new UsageError(`--timeout must be a positive number of ms, got '${values.timeout}'`);
-    }
-    if (values.side !== undefined && values.side !== "prefill" && values.side !== "decode")
-      throw new UsageError(`--side must be prefill or decode, got '${values.side}'`);
-    client = clientFrom(address, values);
-  } catch (e) {
-    err(`kvxfer await: ${describeError(e)} (kvxfer await --help for usage)`);
-    return 2;
-  }
+  const cmd = openClientCommand("await", argv, err, {
+    options: {
+      timeout: { type: "string" },
+      side: { type: "string" },
+      json: { type: "boolean", default: false },
+    },
+    positionals: 2,
+    check: (values, [, transferId]) => {
+      if (transferId === undefined || transferId === "")
+        throw new UsageError("missing the transfer id");
+      let timeoutMs = 30_000;
+      if (values.timeout !== undefined) {
+        timeoutMs = Number(values.timeout);
+        if (!Number.isFinite(timeoutMs) || timeoutMs <= 0)
+          throw new UsageError(
+            `--timeout must be a positive number of ms, got '${values.timeout}'`,
+          );
+      }
+      if (values.side !== undefined && values.side !== "prefill" && values.side !== "decode")
+        throw new UsageError(`--side must be prefill or decode, got '${values.side}'`);
+      return { transferId, timeoutMs };
+    },
+  });
+  if (cmd === undefined) return 2;
+  const { client, values } = cmd;
+  const { transferId, timeoutMs } = cmd.args;
   try {
     const side = values.side as "prefill" | "decode" | undefined;
     const ev = await client.awaitTransfer(
@@ -69,8 +57,7 @@ export async function runAwait(argv: string[], io: CliIo = {}): Promise<number> 
       err(`kvxfer await: transfer '${transferId}' has not ended within ${timeoutMs} ms`);
       return 3;
     }
-    const tls = values.ca !== undefined || values.cert !== undefined;
-    err(`kvxfer await: ${explainClientError(e, address!, tls, values.verbose)}`);
+    err(`kvxfer await: ${cmd.explain(e)}`);
     return 4;
   } finally {
     client.close();

@@ -5,7 +5,7 @@
  */
 import { KV_REGION_SCHEMES } from "../plan/layout.js";
 import { EVENT_KINDS } from "../sidecar/event-log.js";
-import { runSidecar, SIDECAR_SETTINGS, type SettingName } from "../sidecar/main.js";
+import { runSidecar, SIDECAR_SETTINGS, type SettingName } from "./sidecar.js";
 import { parseDemoArgs, runDemoCommand } from "../sim/demo.js";
 import { parseSimEngineArgs, runSimEngine, SIM_MODELS } from "../sim/engine.js";
 import { runAwait } from "./await.js";

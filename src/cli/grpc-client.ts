@@ -2,6 +2,7 @@
  * What `kvxfer status|watch|await` share: TLS flags, the client, output.
  */
 import { readFileSync } from "node:fs";
+import { parseArgs, type ParseArgsOptionsConfig } from "node:util";
 import { type ClientTlsOptions, SidecarClient } from "../api/client.js";
 import type { SidecarEvent } from "../sidecar/view.js";
 
@@ -28,7 +29,7 @@ export class UsageError extends Error {}
 
 export function clientFrom(
   address: string | undefined,
-  values: { ca?: string; cert?: string; key?: string; "server-name"?: string },
+  values: TlsValues,
   timeoutMs?: number,
 ): SidecarClient {
   if (address === undefined || address === "")
@@ -49,6 +50,85 @@ export function clientFrom(
     ...(tls !== undefined ? { tls } : {}),
     ...(timeoutMs !== undefined ? { timeoutMs } : {}),
   });
+}
+
+/** The flags of a client command: its own and the TLS ones. */
+type ClientValues<O extends ParseArgsOptionsConfig> = ReturnType<
+  typeof parseArgs<{ args: string[]; allowPositionals: true; options: O & typeof TLS_OPTIONS }>
+>["values"];
+
+/** What a client command's preamble hands its body. */
+export interface ClientCommand<O extends ParseArgsOptionsConfig, A> {
+  readonly values: ClientValues<O>;
+  /** The sidecar's gRPC address (the first positional). */
+  readonly address: string;
+  /** What the command's `check` made of its flags. */
+  readonly args: A;
+  readonly client: SidecarClient;
+  /** True when the client speaks TLS (--ca or --cert). */
+  readonly tls: boolean;
+  /** A client error as one line, with grpc-js's details under --verbose. */
+  explain(err: unknown): string;
+}
+
+/**
+ * The preamble of `kvxfer status|watch|await`: parses `argv` (the command's
+ * `options` and the TLS flags), refuses more than `positionals` positionals
+ * (the address first), runs the command's `check` (which throws UsageError),
+ * then makes the client. When any of that fails it prints
+ * `kvxfer <name>: <why> (kvxfer <name> --help for usage)` and returns
+ * undefined: the command exits 2.
+ */
+export function openClientCommand<O extends ParseArgsOptionsConfig, A>(
+  name: string,
+  argv: string[],
+  err: (line: string) => void,
+  spec: {
+    readonly options: O;
+    readonly positionals: number;
+    check(values: ClientValues<O>, positionals: string[]): A;
+    /** The client's own deadline for unary calls, from what `check` made. */
+    clientTimeoutMs?(args: A): number | undefined;
+  },
+): ClientCommand<O, A> | undefined {
+  try {
+    const parsed = parseArgs({
+      args: argv,
+      allowPositionals: true,
+      options: { ...spec.options, ...TLS_OPTIONS },
+    });
+    const values = parsed.values as ClientValues<O>;
+    const positionals = parsed.positionals;
+    if (positionals.length > spec.positionals)
+      throw new UsageError(
+        `unexpected arguments: ${positionals.slice(spec.positionals).join(" ")}`,
+      );
+    const args = spec.check(values, positionals);
+    const flags = values as TlsValues;
+    const client = clientFrom(positionals[0], flags, spec.clientTimeoutMs?.(args));
+    const address = positionals[0]!;
+    const tls = flags.ca !== undefined || flags.cert !== undefined;
+    return {
+      values,
+      address,
+      args,
+      client,
+      tls,
+      explain: (e) => explainClientError(e, address, tls, flags.verbose),
+    };
+  } catch (e) {
+    err(`kvxfer ${name}: ${describeError(e)} (kvxfer ${name} --help for usage)`);
+    return undefined;
+  }
+}
+
+/** The TLS flags as parsed. */
+interface TlsValues {
+  ca?: string;
+  cert?: string;
+  key?: string;
+  "server-name"?: string;
+  verbose?: boolean;
 }
 
 export function output(io: CliIo): { out: (l: string) => void; err: (l: string) => void } {

@@ -4,7 +4,7 @@
  * native-demo, bench. Every subcommand is declared in commands.ts; the
  * contract (--help, --version, usage errors, exit codes) is in contract.ts.
  */
-import { KvxferError } from "../native/errors.js";
+import { KvxferError } from "../errors.js";
 import { COMMANDS } from "./commands.js";
 import { runCli } from "./contract.js";
 

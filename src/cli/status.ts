@@ -1,16 +1,12 @@
 /**
  * kvxfer status <addr> [--json] [TLS flags]: what a sidecar is doing, as a table.
  */
-import { parseArgs } from "node:util";
 import {
   type CliIo,
-  TLS_OPTIONS,
   UsageError,
-  clientFrom,
-  describeError,
-  explainClientError,
   formatBytes,
   formatDuration,
+  openClientCommand,
   output,
   table,
   toJson,
@@ -71,33 +67,23 @@ export function formatStatus(s: SidecarStatusReply, health: string, nowMs = Date
 
 export async function runStatus(argv: string[], io: CliIo = {}): Promise<number> {
   const { out, err } = output(io);
-  let values;
-  let positionals;
-  let client;
-  try {
-    ({ values, positionals } = parseArgs({
-      args: argv,
-      allowPositionals: true,
-      options: {
-        json: { type: "boolean", default: false },
-        timeout: { type: "string" },
-        ...TLS_OPTIONS,
-      },
-    }));
-    if (positionals.length > 1)
-      throw new UsageError(`unexpected arguments: ${positionals.slice(1).join(" ")}`);
-    let timeoutMs: number | undefined;
-    if (values.timeout !== undefined) {
-      timeoutMs = Number(values.timeout);
+  const cmd = openClientCommand("status", argv, err, {
+    options: {
+      json: { type: "boolean", default: false },
+      timeout: { type: "string" },
+    },
+    positionals: 1,
+    check: (values) => {
+      if (values.timeout === undefined) return undefined;
+      const timeoutMs = Number(values.timeout);
       if (!Number.isFinite(timeoutMs) || timeoutMs <= 0)
         throw new UsageError(`--timeout must be a number > 0, got '${values.timeout}'`);
-    }
-    client = clientFrom(positionals[0], values, timeoutMs);
-  } catch (e) {
-    err(`kvxfer status: ${describeError(e)} (kvxfer status --help for usage)`);
-    return 2;
-  }
-  const address = positionals[0]!;
+      return timeoutMs;
+    },
+    clientTimeoutMs: (timeoutMs) => timeoutMs,
+  });
+  if (cmd === undefined) return 2;
+  const { client, values } = cmd;
   try {
     const [status, health] = await Promise.all([
       client.getStatus(),
@@ -107,8 +93,7 @@ export async function runStatus(argv: string[], io: CliIo = {}): Promise<number>
     else for (const l of formatStatus(status, health)) out(l);
     return 0;
   } catch (e) {
-    const tls = values.ca !== undefined || values.cert !== undefined;
-    err(`kvxfer status: ${explainClientError(e, address, tls, values.verbose)}`);
+    err(`kvxfer status: ${cmd.explain(e)}`);
     return 1;
   } finally {
     client.close();

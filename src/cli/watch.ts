@@ -2,18 +2,14 @@
  * kvxfer watch <addr> [--from N] [--transfer ID]... [--kind K]... [--count N] [--json]:
  * one line per event, live; reconnects and resumes after its last seq.
  */
-import type { SidecarClient } from "../api/client.js";
-import { parseArgs } from "node:util";
 import { EVENT_KINDS } from "../sidecar/event-log.js";
 import type { EventKind } from "../sidecar/view.js";
 import {
   type CliIo,
-  TLS_OPTIONS,
   UsageError,
-  clientFrom,
-  describeError,
   explainClientError,
   formatEvent,
+  openClientCommand,
   output,
   stopSignal,
   toJson,
@@ -24,54 +20,44 @@ export const WATCH_RETRIES = 10;
 
 export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> {
   const { out, err } = output(io);
-  let values;
-  let address: string | undefined;
-  let from: number | undefined;
-  let count = Infinity;
-  let retries = WATCH_RETRIES;
-  let client: SidecarClient;
-  try {
-    const parsed = parseArgs({
-      args: argv,
-      allowPositionals: true,
-      options: {
-        from: { type: "string" },
-        transfer: { type: "string", multiple: true },
-        kind: { type: "string", multiple: true },
-        count: { type: "string" },
-        retries: { type: "string" },
-        json: { type: "boolean", default: false },
-        ...TLS_OPTIONS,
-      },
-    });
-    values = parsed.values;
-    if (parsed.positionals.length > 1)
-      throw new UsageError(`unexpected arguments: ${parsed.positionals.slice(1).join(" ")}`);
-    address = parsed.positionals[0];
-    if (values.from !== undefined) {
-      from = Number(values.from);
-      if (!Number.isSafeInteger(from) || from < 0)
-        throw new UsageError(`--from must be a sequence number >= 0, got '${values.from}'`);
-    }
-    if (values.count !== undefined) {
-      count = Number(values.count);
-      if (!Number.isSafeInteger(count) || count < 1)
-        throw new UsageError(`--count must be a positive integer, got '${values.count}'`);
-    }
-    if (values.retries !== undefined) {
-      retries = Number(values.retries);
-      if (!Number.isSafeInteger(retries) || retries < 0)
-        throw new UsageError(`--retries must be an integer >= 0, got '${values.retries}'`);
-    }
-    for (const k of values.kind ?? [])
-      if (!EVENT_KINDS.includes(k as EventKind))
-        throw new UsageError(`unknown kind '${k}' (known: ${EVENT_KINDS.join(", ")})`);
-    client = clientFrom(address, values);
-  } catch (e) {
-    err(`kvxfer watch: ${describeError(e)} (kvxfer watch --help for usage)`);
-    return 2;
-  }
-  const tls = values.ca !== undefined || values.cert !== undefined;
+  const cmd = openClientCommand("watch", argv, err, {
+    options: {
+      from: { type: "string" },
+      transfer: { type: "string", multiple: true },
+      kind: { type: "string", multiple: true },
+      count: { type: "string" },
+      retries: { type: "string" },
+      json: { type: "boolean", default: false },
+    },
+    positionals: 1,
+    check: (values) => {
+      let from: number | undefined;
+      let count = Infinity;
+      let retries = WATCH_RETRIES;
+      if (values.from !== undefined) {
+        from = Number(values.from);
+        if (!Number.isSafeInteger(from) || from < 0)
+          throw new UsageError(`--from must be a sequence number >= 0, got '${values.from}'`);
+      }
+      if (values.count !== undefined) {
+        count = Number(values.count);
+        if (!Number.isSafeInteger(count) || count < 1)
+          throw new UsageError(`--count must be a positive integer, got '${values.count}'`);
+      }
+      if (values.retries !== undefined) {
+        retries = Number(values.retries);
+        if (!Number.isSafeInteger(retries) || retries < 0)
+          throw new UsageError(`--retries must be an integer >= 0, got '${values.retries}'`);
+      }
+      for (const k of values.kind ?? [])
+        if (!EVENT_KINDS.includes(k as EventKind))
+          throw new UsageError(`unknown kind '${k}' (known: ${EVENT_KINDS.join(", ")})`);
+      return { from, count, retries };
+    },
+  });
+  if (cmd === undefined) return 2;
+  const { client, values, address, tls } = cmd;
+  const { from, count, retries } = cmd.args;
   const stop = stopSignal(io);
   let seen = 0;
   const watch = client.watchResumable(
@@ -82,7 +68,7 @@ export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> 
       maxRetries: retries,
       onReconnect: (n, e) =>
         err(
-          `kvxfer watch: ${e === undefined ? "the stream closed" : explainClientError(e, address!, tls)}; reconnecting (${n}/${retries})`,
+          `kvxfer watch: ${e === undefined ? "the stream closed" : explainClientError(e, address, tls)}; reconnecting (${n}/${retries})`,
         ),
     },
     (ev) => {
@@ -98,9 +84,7 @@ export async function runWatch(argv: string[], io: CliIo = {}): Promise<number> 
     return 0;
   } catch (e) {
     const gaveUp = watch.reconnects >= retries ? `; gave up after ${retries} retries` : "";
-    err(
-      `kvxfer watch: ${explainClientError(e, address!, tls, values.verbose)}${gaveUp} (last seq ${watch.lastSeq})`,
-    );
+    err(`kvxfer watch: ${cmd.explain(e)}${gaveUp} (last seq ${watch.lastSeq})`);
     return 1;
   } finally {
     stop.signal.removeEventListener("abort", onStop);

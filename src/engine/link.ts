@@ -21,7 +21,7 @@ import {
   type SidecarToEngine,
   SidecarToEngineSchema,
 } from "../gen/kvxfer/v1/engine_pb.js";
-import { KvxferError } from "../native/errors.js";
+import { KvxferError } from "../errors.js";
 
 /** Default cap on one received frame. A registration of 8 ranks x 160 files is ~100 KiB. */
 export const DEFAULT_MAX_FRAME_BYTES = 16 << 20;

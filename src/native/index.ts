@@ -12,9 +12,10 @@ import { createRequire } from "node:module";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
-import { KvxferError } from "./errors.js";
+import { KvxferError } from "../errors.js";
 
-export { KvxferError, hasCode } from "./errors.js";
+// The addon's public face includes its error class (defined in src/errors.ts for every layer).
+export { KvxferError, hasCode } from "../errors.js";
 
 // --- the raw addon -----------------------------------------------------------
 

@@ -23,7 +23,7 @@ import {
   type HandshakeRequest,
   type HandshakeResponse,
 } from "../gen/kvxfer/v1/peer_pb.js";
-import { KvxferError } from "../native/errors.js";
+import { KvxferError } from "../errors.js";
 
 /** Largest handshake frame accepted (metadata of 8 ranks with many regions fits easily). */
 export const MAX_HANDSHAKE_BYTES = 4 << 20;

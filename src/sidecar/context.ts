@@ -8,7 +8,8 @@ import type { MessageInitShape } from "@bufbuild/protobuf";
 import type { Logger } from "pino";
 
 import type { SidecarToEngineSchema } from "../gen/kvxfer/v1/engine_pb.js";
-import { KvxferError, type Agent, type Region } from "../native/index.js";
+import { KvxferError } from "../errors.js";
+import type { Agent, Region } from "../native/index.js";
 import type { PeerBody } from "../peer/messages.js";
 import { PlanError, type KvLayout } from "../plan/index.js";
 import type { TransferMetrics } from "./metrics.js";

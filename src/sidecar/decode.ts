@@ -7,7 +7,8 @@
  */
 import { FailureReason, ReleaseReason, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
 import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
-import { KvxferError } from "../native/index.js";
+import { KvxferError } from "../errors.js";
+
 import { descriptorsForSide, mapRanks, planTransfer, type TransferPlan } from "../plan/index.js";
 import { BlockClaims } from "./claims.js";
 import { transferError, type SideContext } from "./context.js";

@@ -14,7 +14,7 @@
  * the ring drops an event a subscription has not reached, it is ended with
  * ERR_OUT_OF_RANGE: those events are gone.
  */
-import { KvxferError } from "../native/errors.js";
+import { KvxferError } from "../errors.js";
 import { isTerminal } from "./lifecycle.js";
 import type { EventKind, SidecarEvent, TransferSide } from "./view.js";
 

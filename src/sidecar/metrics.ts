@@ -1,9 +1,24 @@
-/** What the sidecar reports to its metrics (implemented by src/api/metrics.ts). */
+/**
+ * What the sidecar reports about its transfers, as it happens. The sidecar
+ * needs only this interface (not src/api/); `SidecarMetrics`
+ * (src/api/metrics.ts) implements it as Prometheus metrics, and the
+ * composition root (src/cli/sidecar.ts) hands one to `Sidecar.start`. The
+ * metric names are listed in docs/api.md.
+ */
 export interface TransferMetrics {
-  /** A transfer's KV is ready on D: its mode, prefill-done-to-ready latency, bytes and descriptors. */
+  /**
+   * D: a transfer's KV is ready. `mode` is the mode it used ("push" or
+   * "pull"); `latencyMs` is prefill done -> ready; `bytes` and `descriptors`
+   * are what was moved.
+   */
   transferReady(mode: string, latencyMs: number, bytes: number, descriptors: number): void;
-  /** A transfer failed on D with `code`. */
-  transferFailed(code: string): void;
-  /** A gauge of live work by name (prefill_live, decode_live, agents_inflight). */
-  setQueueDepth(name: string, depth: number): void;
+
+  /** Either side: a transfer failed; `reason` is the error code (e.g. "ERR_TIMEOUT"). */
+  transferFailed(reason: string): void;
+
+  /**
+   * The current depth of a named queue ("prefill_live", "decode_live",
+   * "agents_inflight"); called at every sweep.
+   */
+  setQueueDepth(name: string, n: number): void;
 }

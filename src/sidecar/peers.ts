@@ -17,14 +17,8 @@ import {
   type HandshakeResponse,
 } from "../gen/kvxfer/v1/peer_pb.js";
 import { engineIdProblem } from "../engine/validate.js";
-import {
-  KvxferError,
-  type Agent,
-  type Endpoint,
-  type ErrorMode,
-  type Notification,
-  type RemoteRegion,
-} from "../native/index.js";
+import { KvxferError } from "../errors.js";
+import type { Agent, Endpoint, ErrorMode, Notification, RemoteRegion } from "../native/index.js";
 import {
   MAC_KEY_BYTES,
   PeerMessageError,

@@ -7,7 +7,8 @@
  */
 import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
 import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
-import { KvxferError } from "../native/index.js";
+import { KvxferError } from "../errors.js";
+
 import { tokensEqual } from "../peer/messages.js";
 import { planTransfer, type TransferPlan } from "../plan/index.js";
 import { BlockClaims } from "./claims.js";

@@ -18,13 +18,8 @@ import {
   type RegisterKvCache,
   type SidecarToEngine,
 } from "../gen/kvxfer/v1/engine_pb.js";
-import {
-  Agent,
-  KvxferError,
-  type ErrorMode,
-  type Notification,
-  type Region,
-} from "../native/index.js";
+import { KvxferError } from "../errors.js";
+import { Agent, type ErrorMode, type Notification, type Region } from "../native/index.js";
 import type { KvLayout } from "../plan/index.js";
 import { checkEngineMessage, checkRegisterKvCache, engineIdProblem } from "../engine/validate.js";
 import { MAX_PEER_MESSAGE_BYTES, agentName } from "../peer/messages.js";

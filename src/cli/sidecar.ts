@@ -15,12 +15,12 @@ import { pino, type Logger } from "pino";
 import { startApiServer, type ApiServer } from "../api/server.js";
 import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/metrics.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
-import { KvxferError } from "../native/errors.js";
+import { KvxferError } from "../errors.js";
 import type { PeerCredentials } from "../peer/side-channel.js";
-import { EventLog } from "./event-log.js";
-import { stderrSink } from "./log-sink.js";
-import { Sidecar, type SidecarOptions } from "./sidecar.js";
-import type { SidecarRole, TransferMode } from "./view.js";
+import { EventLog } from "../sidecar/event-log.js";
+import { stderrSink } from "../sidecar/log-sink.js";
+import { Sidecar, type SidecarOptions } from "../sidecar/sidecar.js";
+import type { SidecarRole, TransferMode } from "../sidecar/view.js";
 
 /** Every setting: flag name, kind, default, help. The env name is KVXFER_ + flag in UPPER_SNAKE. */
 export const SIDECAR_SETTINGS = {
