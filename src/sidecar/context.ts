@@ -9,36 +9,15 @@ import type { Logger } from "pino";
 
 import type { SidecarToEngineSchema } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
-import type { Agent, Region } from "../native/index.js";
 import type { PeerBody } from "../peer/messages.js";
-import { PlanError, type KvLayout } from "../plan/index.js";
+import { PlanError } from "../plan/index.js";
+import type { Clock } from "./clock.js";
 import type { TransferMetrics } from "./metrics.js";
-import type { PeerState } from "./peers.js";
+import type { PeerState, RegisteredKv } from "./peers.js";
 import type { EventKind, TransferSide } from "./view.js";
-
-/** Wall-clock milliseconds and one-shot timers; tests advance a manual one. */
-export interface Clock {
-  now(): number;
-  /** Runs `fn` once after `ms` (never keeps the process alive). */
-  after(ms: number, fn: () => void): void;
-}
-
-export const systemClock: Clock = {
-  now: () => Date.now(),
-  after: (ms, fn) => {
-    setTimeout(fn, ms).unref();
-  },
-};
 
 /** A message to the engine (the body of SidecarToEngine). */
 export type EngineMessage = NonNullable<MessageInitShape<typeof SidecarToEngineSchema>["msg"]>;
-
-/** The engine's registered KV cache: its layout, one agent per rank, and each rank's regions. */
-export interface RegisteredKv {
-  readonly layout: KvLayout;
-  readonly agents: readonly Agent[];
-  readonly regions: readonly (readonly Region[])[];
-}
 
 /** The lifecycle settings both sides read (sidecar options, resolved). */
 export interface LifecycleSettings {

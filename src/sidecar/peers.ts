@@ -18,7 +18,14 @@ import {
 } from "../gen/kvxfer/v1/peer_pb.js";
 import { engineIdProblem } from "../engine/validate.js";
 import { KvxferError } from "../errors.js";
-import type { Agent, Endpoint, ErrorMode, Notification, RemoteRegion } from "../native/index.js";
+import type {
+  Agent,
+  Endpoint,
+  ErrorMode,
+  Notification,
+  Region,
+  RemoteRegion,
+} from "../native/index.js";
 import {
   MAC_KEY_BYTES,
   PeerMessageError,
@@ -39,8 +46,15 @@ import {
 } from "../peer/side-channel.js";
 import { findIncompatibility, type KvLayout } from "../plan/index.js";
 import { kvLayoutFromProto, kvLayoutToProto } from "../plan/layout-proto.js";
-import type { Clock, RegisteredKv } from "./context.js";
+import type { Clock } from "./clock.js";
 import type { PeerInfo, SidecarRole } from "./view.js";
+
+/** The engine's registered KV cache: its layout, one agent per rank, and each rank's regions. */
+export interface RegisteredKv {
+  readonly layout: KvLayout;
+  readonly agents: readonly Agent[];
+  readonly regions: readonly (readonly Region[])[];
+}
 
 export class PeerState {
   readonly engineId: string;

@@ -30,7 +30,8 @@ import {
   parseAddress,
   type PeerCredentials,
 } from "../peer/side-channel.js";
-import { systemClock, type Clock, type EngineMessage, type SideContext } from "./context.js";
+import { systemClock, type Clock } from "./clock.js";
+import type { EngineMessage, SideContext } from "./context.js";
 import { DecodeSide } from "./decode.js";
 import type { TransferMetrics } from "./metrics.js";
 import { PeerTable, type PeerTableHost } from "./peers.js";

@@ -15,12 +15,8 @@ import type { Agent, Region } from "../../src/native/index.js";
 import type { PeerBody } from "../../src/peer/messages.js";
 import { kvLayout, type KvLayout } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
-import type {
-  Clock,
-  EngineMessage,
-  LifecycleSettings,
-  SideContext,
-} from "../../src/sidecar/context.js";
+import type { Clock } from "../../src/sidecar/clock.js";
+import type { EngineMessage, LifecycleSettings, SideContext } from "../../src/sidecar/context.js";
 import { PeerState } from "../../src/sidecar/peers.js";
 import type { EventKind } from "../../src/sidecar/view.js";
 

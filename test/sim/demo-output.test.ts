@@ -1,0 +1,77 @@
+// The demo's summary says what happened: transfers sent (not requested) after Ctrl-C, what
+// prefix caching saved, settings the demo changed, binary units. Pure formatting: no processes.
+import { describe, expect, it } from "vitest";
+
+import { formatDemoSummary, parseDemoArgs, type DemoSummary } from "../../src/sim/demo.js";
+
+const base: DemoSummary = {
+  verified: true,
+  transfers: 24,
+  requested: 24,
+  interrupted: false,
+  cut: 0,
+  failed: 0,
+  mismatches: 0,
+  bytes: 100 * 2 ** 20,
+  prefixTokens: 0,
+  prefixBytes: 0,
+  checkedBytes: 100 * 2 ** 20,
+  mode: "auto",
+  byMode: { push: 24 },
+  dispatch: "concurrent",
+  elapsedMs: 2000,
+  gbps: 0.05,
+  readyLatencyMs: { p50: 10, p99: 20, max: 30 },
+  leakedBlocks: 0,
+  failures: [],
+  sidecars: [],
+};
+
+describe("demo summary", () => {
+  it("uses binary units", () => {
+    const text = formatDemoSummary(base);
+    expect(text).toContain("KV moved: 100.0 MiB in 2.00 s (0.05 GiB/s overall");
+    expect(text).toContain("verified: every byte of every transfer checked on D (100.0 MiB)");
+    expect(text).not.toMatch(/\bMB\b|\bGB\//);
+    expect(text).not.toContain("prefix caching");
+  });
+
+  it("after Ctrl-C counts what was sent, and the cut ones apart from failures", () => {
+    const text = formatDemoSummary({
+      ...base,
+      verified: false,
+      interrupted: true,
+      transfers: 17,
+      requested: 500,
+      cut: 2,
+      byMode: { push: 15 },
+    });
+    expect(text).toContain(
+      "interrupted: stopped after 17 of 500 transfers; 2 in flight were cut (not counted as failed)",
+    );
+    expect(text).toContain("transfers: 17 sent of 500 requested");
+    expect(text).toContain("failed: 0");
+    expect(text).toMatch(/NOT verified: interrupted/);
+  });
+
+  it("says what prefix caching saved when less moved than was verified", () => {
+    const text = formatDemoSummary({
+      ...base,
+      bytes: 80 * 2 ** 20,
+      prefixTokens: 2400,
+      prefixBytes: 20 * 2 ** 20,
+    });
+    expect(text).toContain(
+      "prefix caching: 2400 tokens were already on D and did not move (20.0 MiB saved)",
+    );
+  });
+
+  it("says when it changed a setting (--mode pull: sequential dispatch)", () => {
+    const pull = parseDemoArgs(["--mode", "pull"]);
+    expect(pull.options.dispatch).toBe("sequential");
+    expect(pull.notes).toHaveLength(1);
+    expect(pull.notes[0]).toMatch(/--mode pull: dispatch set to sequential/);
+    expect(parseDemoArgs(["--mode", "pull", "--dispatch", "sequential"]).notes).toEqual([]);
+    expect(parseDemoArgs(["--mode", "push"]).notes).toEqual([]);
+  });
+});
