@@ -170,7 +170,7 @@ export class PeerState {
 }
 
 /** Peers known at once at most; an idle peer is forgotten after the tombstone time. */
-const MAX_PEERS = 4096;
+export const MAX_PEERS = 4096;
 
 /** What the peer table needs of the sidecar it serves. */
 export interface PeerTableHost {
@@ -320,7 +320,13 @@ export class PeerTable {
     const mismatch = findIncompatibility(this.host.kv()!.layout, layout);
     if (mismatch !== undefined)
       return refusal("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
-    const peer = this.adopt(md, layout);
+    let peer: PeerState;
+    try {
+      peer = this.adopt(md, layout);
+    } catch (err) {
+      const e = KvxferError.from(err);
+      return refusal(e.code, e.message);
+    }
     peer.setRecvKey(req.macKey);
     return create(HandshakeResponseSchema, { metadata: this.metadata(), macKey: peer.sendKey });
   }

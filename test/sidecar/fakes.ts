@@ -63,6 +63,8 @@ export class FakeAgent {
   readonly address = new Uint8Array([1, 2, 3]);
   readonly ops: { kind: "write" | "read"; op: PendingOp }[] = [];
   autoLand = false;
+  /** Posting throws (as the addon does for a request it refuses before it starts). */
+  failToPost = false;
   inflight = 0;
 
   connect(): unknown {
@@ -75,6 +77,7 @@ export class FakeAgent {
   }
 
   private op(kind: "write" | "read"): Promise<void> {
+    if (this.failToPost) throw Object.assign(new Error("refused"), { code: "ERR_OUT_OF_BOUNDS" });
     const op = new PendingOp();
     this.ops.push({ kind, op });
     if (this.autoLand) op.resolve();
@@ -119,6 +122,11 @@ export const SMALL: KvLayout = kvLayout({
   tpRank: 0,
 });
 
+/** Like SMALL with 8 KV heads, for `tpSize` ranks and blocks of `blockSize` tokens. */
+export function smallTp(tpSize: number, blockSize = 16): KvLayout {
+  return kvLayout({ ...SMALL, totalKvHeads: 8, tpSize, blockSize });
+}
+
 export const SETTINGS: LifecycleSettings = {
   leaseMs: 1000,
   regLeaseMs: 800,
@@ -150,12 +158,19 @@ export class FakeWorld {
   moved = 0;
   readonly ctx: SideContext;
 
-  constructor(settings: Partial<LifecycleSettings> = {}) {
+  constructor(
+    settings: Partial<LifecycleSettings> = {},
+    readonly layout: KvLayout = SMALL,
+  ) {
     const log = pino({ level: "silent" });
+    const ranks = Array.from({ length: layout.tpSize }, (_, r) => r);
     const kv = {
-      layout: SMALL,
-      agents: [this.agent as unknown as Agent],
-      regions: [SMALL.regionBytes.map(() => ({}) as Region)],
+      layout,
+      // One fake agent serves every rank: its operations are recorded together.
+      agents: ranks.map(() => this.agent as unknown as Agent),
+      regions: ranks.map(() =>
+        layout.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region),
+      ),
     };
     this.ctx = {
       clock: this.clock,
@@ -178,24 +193,11 @@ export class FakeWorld {
   }
 
   /** A peer engine with SMALL's layout, reached through this world's agent. */
-  peer(engineId = "peer-0"): PeerState {
-    const md = create(AgentMetadataSchema, {
-      engineId,
-      epoch: 7n,
-      layout: kvLayoutToProto(SMALL),
-      sideChannel: "127.0.0.1:1",
-      ranks: [
-        create(RankMetadataSchema, {
-          rank: 0,
-          workerAddress: new Uint8Array([9]),
-          remoteKeys: SMALL.regionBytes.map(() => new Uint8Array([5])),
-        }),
-      ],
-    });
+  peer(engineId = "peer-0", layout: KvLayout = this.layout): PeerState {
     return new PeerState(
-      md,
-      SMALL,
-      [this.agent as unknown as Agent],
+      peerMetadata(engineId, 7n, layout),
+      layout,
+      this.ctx.kv()!.agents,
       "none",
       this.ctx.log,
       this.clock.now(),
@@ -222,6 +224,23 @@ export class FakeWorld {
   eventsOf(transferId: string): string[] {
     return this.events.filter((e) => e.transferId === transferId).map((e) => e.kind);
   }
+}
+
+/** A peer engine's handshake metadata: `layout`'s ranks, fake worker addresses and keys. */
+export function peerMetadata(engineId: string, epoch: bigint, layout: KvLayout = SMALL) {
+  return create(AgentMetadataSchema, {
+    engineId,
+    epoch,
+    layout: kvLayoutToProto(layout),
+    sideChannel: "127.0.0.1:1",
+    ranks: Array.from({ length: layout.tpSize }, (_, rank) =>
+      create(RankMetadataSchema, {
+        rank,
+        workerAddress: new Uint8Array([9, rank]),
+        remoteKeys: layout.regionBytes.map(() => new Uint8Array([5])),
+      }),
+    ),
+  });
 }
 
 export function prefillDone(transferId: string, token = "", blocks = [0, 1]): PrefillDone {

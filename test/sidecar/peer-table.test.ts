@@ -1,0 +1,215 @@
+// The peer table in process (peers.ts): what a handshake installs, and which notifications get
+// through to the sides: a stale epoch, a forged sender, a bad MAC or a replay is refused (and so
+// never reaches a transfer), a restarted peer drops the old one (its transfers fail), and the
+// peer cap holds. Keys, seals and epochs are the real ones; agents are fakes.
+import { create } from "@bufbuild/protobuf";
+import { pino } from "pino";
+import { describe, expect, it } from "vitest";
+
+import { HandshakeRequestSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
+import type { Agent, Notification, Region } from "../../src/native/index.js";
+import {
+  agentName,
+  encodePeerMessage,
+  newMacKey,
+  sealPeerMessage,
+  type PeerBody,
+} from "../../src/peer/messages.js";
+import { MAX_PEERS, PeerTable, type PeerState } from "../../src/sidecar/peers.js";
+import { FakeAgent, ManualClock, SMALL, peerMetadata } from "./fakes.js";
+
+const OUR_EPOCH = 11n;
+
+function setup() {
+  const clock = new ManualClock();
+  const downs: { peer: string; epoch: bigint; why: string }[] = [];
+  const errors: string[] = [];
+  const events: string[] = [];
+  const agent = new FakeAgent() as unknown as Agent;
+  const kv = {
+    layout: SMALL,
+    agents: [agent],
+    regions: [SMALL.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region)],
+  };
+  let live = true;
+  const table = new PeerTable(
+    {
+      engineId: "p0",
+      epoch: OUR_EPOCH,
+      role: "prefill",
+      clock,
+      log: pino({ level: "silent" }),
+      sideChannel: () => "127.0.0.1:2",
+      kv: () => kv,
+      notAccepting: () => undefined,
+      authenticated: () => false,
+      emit: (kind, peer) => events.push(`${kind} ${peer}`),
+      noteError: (text) => errors.push(text),
+      peerDown: (peer, why) => downs.push({ peer: peer.engineId, epoch: peer.epoch, why }),
+      busyWith: () => false,
+      liveWith: () => live,
+    },
+    {
+      errorMode: "none",
+      heartbeatMs: 1000,
+      handshakeTimeoutMs: 1000,
+      peerTimeoutMs: 5000,
+      tombstoneMs: 60_000,
+      abortGraceMs: 200,
+      peerCredentials: undefined,
+    },
+  );
+  /** D introduces itself at `epoch` with a fresh key; returns the key it seals with. */
+  const handshake = (engineId: string, epoch: bigint) => {
+    const macKey = newMacKey();
+    const res = table.onHandshake(
+      create(HandshakeRequestSchema, { metadata: peerMetadata(engineId, epoch), macKey }),
+      undefined,
+    );
+    return { res, macKey };
+  };
+  /** A notification as it arrives at our agent. */
+  const note = (
+    key: Uint8Array,
+    o: { sender: string; epoch: bigint; to?: bigint; seq: bigint; agent?: string },
+  ): Notification => {
+    const body: PeerBody = { case: "heartbeat", value: { transferIds: ["t1"] } };
+    return {
+      peer: o.agent ?? agentName(o.sender, o.epoch, 0),
+      data: sealPeerMessage(
+        key,
+        encodePeerMessage(o.sender, o.epoch, o.to ?? OUR_EPOCH, body, o.seq),
+      ),
+    } as Notification;
+  };
+  return {
+    table,
+    clock,
+    downs,
+    errors,
+    events,
+    handshake,
+    note,
+    setLive: (v: boolean) => (live = v),
+  };
+}
+
+describe("PeerTable", () => {
+  it("a handshake installs the peer; its sealed notifications get through once, in any order", () => {
+    const { table, handshake, note, errors, events } = setup();
+    const { res, macKey } = handshake("d0", 7n);
+    expect(res.errorCode).toBe("");
+    expect(res.metadata?.engineId).toBe("p0");
+    expect(events).toEqual(["PEER_UP d0"]);
+    const v = table.verify(note(macKey, { sender: "d0", epoch: 7n, seq: 2n }));
+    expect(v?.peer.engineId).toBe("d0");
+    expect(v?.body.case).toBe("heartbeat");
+    expect(table.verify(note(macKey, { sender: "d0", epoch: 7n, seq: 1n }))).toBeDefined();
+    // The same sequence number again: a replay.
+    expect(table.verify(note(macKey, { sender: "d0", epoch: 7n, seq: 2n }))).toBeUndefined();
+    expect(errors.at(-1)).toContain("ERR_REPLAY");
+  });
+
+  it("refuses what is stale or forged, whatever else it carries", () => {
+    const { table, handshake, note, errors } = setup();
+    const { macKey } = handshake("d0", 7n);
+    const cases: [string, Notification, string][] = [
+      [
+        "names us at another epoch",
+        note(macKey, { sender: "d0", epoch: 7n, to: OUR_EPOCH + 1n, seq: 1n }),
+        "ERR_STALE_EPOCH",
+      ],
+      [
+        "from another epoch of d0",
+        note(macKey, { sender: "d0", epoch: 6n, seq: 2n }),
+        "ERR_STALE_EPOCH",
+      ],
+      [
+        "from an unknown engine",
+        note(macKey, { sender: "x9", epoch: 7n, seq: 3n }),
+        "ERR_STALE_EPOCH",
+      ],
+      [
+        "from an agent not d0's",
+        note(macKey, { sender: "d0", epoch: 7n, seq: 4n, agent: agentName("x9", 7n, 0) }),
+        "ERR_STALE_EPOCH",
+      ],
+      [
+        "sealed with another key",
+        note(newMacKey(), { sender: "d0", epoch: 7n, seq: 5n }),
+        "ERR_UNAUTHENTICATED",
+      ],
+      [
+        "not a peer message at all",
+        { peer: agentName("d0", 7n, 0), data: new Uint8Array([1, 2, 3]) } as Notification,
+        "refused: ERR_",
+      ],
+    ];
+    for (const [what, n, code] of cases) {
+      const before = errors.length;
+      expect(table.verify(n), what).toBeUndefined();
+      expect(errors.length, what).toBe(before + 1);
+      expect(errors.at(-1), what).toContain(code);
+    }
+    // None of them used up a sequence number: the real sender's next one gets through.
+    expect(table.verify(note(macKey, { sender: "d0", epoch: 7n, seq: 1n }))).toBeDefined();
+  });
+
+  it("a restarted peer (new epoch) replaces the old one: the sides fail what it had, its old notifications are refused", () => {
+    const { table, handshake, note, downs, events } = setup();
+    const old = handshake("d0", 7n);
+    handshake("d0", 8n);
+    expect(downs).toEqual([{ peer: "d0", epoch: 7n, why: "peer restarted (new epoch)" }]);
+    expect(events).toEqual(["PEER_UP d0", "PEER_DOWN d0", "PEER_UP d0"]);
+    expect(table.verify(note(old.macKey, { sender: "d0", epoch: 7n, seq: 9n }))).toBeUndefined();
+    expect(table.list().map((p) => [p.engineId, p.epoch, p.state])).toEqual([
+      ["d0", 8n, "connected"],
+    ]);
+  });
+
+  it("a peer silent past the peer timeout with live transfers is dropped; an idle one is forgotten later", () => {
+    const { table, handshake, clock, downs, setLive } = setup();
+    handshake("d0", 7n);
+    handshake("d1", 7n);
+    clock.advance(4999);
+    table.expire(clock.now());
+    expect(downs).toEqual([]);
+    clock.advance(1);
+    setLive(true);
+    table.expire(clock.now());
+    expect(downs.map((d) => d.peer).sort()).toEqual(["d0", "d1"]);
+    expect(downs[0]!.why).toMatch(/^silent for 5000 ms$/);
+    // Idle peers are not dropped; they are forgotten after the tombstone time.
+    handshake("d2", 7n);
+    setLive(false);
+    clock.advance(5000);
+    table.expire(clock.now());
+    expect(table.list().map((p) => p.engineId)).toEqual(["d2"]);
+    clock.advance(60_000);
+    table.expire(clock.now());
+    expect(table.list()).toEqual([]);
+    expect(downs).toHaveLength(2);
+  });
+
+  it(`the peer cap: the ${MAX_PEERS + 1}th engine's handshake is refused ERR_OVERLOADED`, () => {
+    const { table, handshake } = setup();
+    for (let i = 0; i < MAX_PEERS; i++) expect(handshake(`d${i}`, 7n).res.errorCode).toBe("");
+    const { res } = handshake("one-too-many", 7n);
+    expect(res.errorCode).toBe("ERR_OVERLOADED");
+    expect(table.list()).toHaveLength(MAX_PEERS);
+    // A known peer re-handshaking at its epoch is not a new one.
+    expect(handshake("d0", 7n).res.errorCode).toBe("");
+  });
+
+  it("an endpoint failure drops the peer it leads to", () => {
+    const { table, handshake, downs } = setup();
+    handshake("d0", 7n);
+    const peer = (table as unknown as { peers: Map<string, PeerState> }).peers.get("d0")!;
+    const ep = peer.endpoint(0, 0);
+    table.endpointFailed(ep, "UCS_ERR_ENDPOINT_TIMEOUT");
+    expect(downs).toEqual([
+      { peer: "d0", epoch: 7n, why: "endpoint failed: UCS_ERR_ENDPOINT_TIMEOUT" },
+    ]);
+    expect(table.list()).toEqual([]);
+  });
+});
