@@ -402,6 +402,13 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       );
       return;
     }
+    if (t.peer !== undefined && t.peer !== peer) {
+      // Another engine's agent names a transfer it was never part of: worth seeing.
+      ctx.noteError(
+        `XferDone for '${m.transferId}' from '${peer.engineId}', not the engine it was registered with: ignored`,
+      );
+      return;
+    }
     if (t.peer !== peer || t.mode !== "push" || t.state !== "MOVING") {
       ctx.log.debug({ transferId: m.transferId }, "XferDone for no moving push transfer: ignored");
       return;

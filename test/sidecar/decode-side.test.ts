@@ -43,6 +43,9 @@ describe("DecodeSide", () => {
     d.xferDone(p, 1, 0, xferDone("t1")); // from the wrong agent: refused by name
     expect(state("t1")).toBe("MOVING");
     expect(w.errors.at(-1)).toContain("names ranks 0->0 but came 1->0");
+    d.xferDone(w.peer("intruder"), 0, 0, xferDone("t1")); // not the transfer's peer
+    expect(state("t1")).toBe("MOVING");
+    expect(w.errors.at(-1)).toContain("from 'intruder', not the engine it was registered with");
     d.xferDone(p, 0, 0, xferDone("t1"));
     expect(state("t1")).toBe("KV_READY");
     expect(w.engineSaid("t1")).toEqual(["kvReady"]);

@@ -18,7 +18,7 @@ import { encodePeerMessage, sealPeerMessage } from "../../../src/peer/messages.j
 import { parseAddress } from "../../../src/peer/side-channel.js";
 import { sharedPki } from "../../../src/sim/pki.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
-import { KvNode, type Pair, goodTransfer, sleep, startPair, until } from "./fixtures.js";
+import { KvNode, type Pair, goodTransfer, startPair, until } from "./fixtures.js";
 
 const WAIT = 10_000;
 /** Bytes no protobuf parser accepts: a field tag whose varint never ends. */
@@ -148,7 +148,8 @@ describe("sidecar bad input (multi-process)", () => {
     const m = d.engine.events.length;
     await d.engine.call("send", { message: expectKv });
     expect((await d.refusal("dup-d", m)).code).toBe("ERR_DUPLICATE");
-    await sleep(300);
+    await p.barrier("dups");
+    await d.barrier("dups");
     for (const node of [p, d]) {
       const extra = node.engine.events
         .slice(node === p ? n : m)

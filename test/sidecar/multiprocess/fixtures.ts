@@ -214,6 +214,19 @@ export class KvNode {
   }
 
   /** The engine's `refused` event for `transferId` among its events after the first `since`. */
+  /**
+   * Proves the sidecar has handled every engine message sent before it: an Abort for a transfer
+   * nobody knows, whose refusal comes back on the same ordered link after whatever the earlier
+   * messages caused. A check that "nothing more happened" waits for this, not for a sleep.
+   */
+  async barrier(tag: string): Promise<void> {
+    const since = this.engine.events.length;
+    const transferId = `barrier-${tag}`;
+    await this.engine.call("send", { message: { abort: { transferId } } });
+    const r = await this.refusal(transferId, since);
+    if (r.code !== "ERR_UNKNOWN_TRANSFER") throw new Error(`barrier ${tag}: refused ${r.code}`);
+  }
+
   async refusal(transferId: string, since: number, timeoutMs = 10_000): Promise<SimEngineEvent> {
     let found: SimEngineEvent | undefined;
     await until(

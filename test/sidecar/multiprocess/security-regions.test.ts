@@ -348,7 +348,7 @@ describe("overlapping block claims of live transfers", () => {
     expect(r.code).toBe("ERR_BLOCKS_IN_USE");
     expect(String(r.message)).toContain("'p-first'");
     // No ReleaseBlocks for the refused message: the blocks are p-first's.
-    await sleep(200);
+    await P.barrier("intruder");
     expect(P.engine.events.some((e) => e.event === "bad-release")).toBe(false);
     // The first transfer is unaffected: D gets its KV byte-exact (pull, with P's block ids).
     await D.engine.expect({

@@ -131,11 +131,12 @@ describe("security: peers (multi-process, authenticated)", () => {
       ),
     );
     await waitError(d, since, /from 'p-.*' refused: ERR_UNAUTHENTICATED \(bad MAC\)/);
-    // Under its own name (a valid MAC): not the peer the transfer names, ignored.
+    // Under its own name (a valid MAC): not the peer the transfer names (nor the agent it sends
+    // from), refused by name.
     await r.send(
       r.seal({ case: "xferDone", value: { transferId: id, srcRank: 0, dstRank: 0, bytes } }),
     );
-    await sleep(300);
+    await waitError(d, since, /from 'forger'/);
     expect(d.terminal(id)).toHaveLength(0);
     expect(d.engine.events.some((e) => e.transferId === id && e.event === "verified")).toBe(false);
     // The real prefill arrives: ready once, byte-exact.
