@@ -102,6 +102,8 @@ export const ERROR_CODES = {
   ERR_LAYOUT_INCOMPATIBLE: "two valid layouts cannot exchange KV",
   ERR_LAYOUT_INVALID: "a layout is malformed on its own",
   ERR_LEASE_EXPIRED: "P's lease on the blocks ran out before D was done",
+  ERR_LISTEN:
+    "the sidecar cannot listen on --listen, --grpc or --metrics (port taken, not allowed, not this machine's address)",
   ERR_MALFORMED: "a frame or message that does not parse, or lacks a part it needs",
   ERR_NATIVE_MISSING: "the native addon is not built, or the package root is not found",
   ERR_NOTIFICATION_TOO_LARGE: "a notification above the agent's maxNotificationBytes",

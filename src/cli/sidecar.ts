@@ -9,7 +9,8 @@ import { X509Certificate } from "node:crypto";
 import { readFileSync, statSync } from "node:fs";
 import { totalmem } from "node:os";
 import { resolve } from "node:path";
-import { parseArgs } from "node:util";
+import { format, parseArgs } from "node:util";
+import * as grpc from "@grpc/grpc-js";
 import { pino, type Logger } from "pino";
 
 import { startApiServer, type ApiServer } from "../api/server.js";
@@ -398,6 +399,57 @@ export function readCa(flag: string, path: string): Buffer {
   return pem;
 }
 
+/** Why a listen failed, as an operator acts on it (by the errno in the error or its message). */
+const LISTEN_CAUSES: [RegExp, string][] = [
+  [
+    /EADDRINUSE/,
+    "the port is taken by another process (EADDRINUSE); choose another or stop that process",
+  ],
+  [
+    /EACCES/,
+    "not allowed to listen there (EACCES; ports below 1024 need privileges); choose a port above 1023",
+  ],
+  [
+    /EADDRNOTAVAIL/,
+    "the host is not an address of this machine (EADDRNOTAVAIL); use one of its addresses, 127.0.0.1 or 0.0.0.0",
+  ],
+];
+
+/**
+ * A listen of `--flag` that failed: one line naming the flag, the address and what to do.
+ * Its `cause` is the raw error (logged at debug level).
+ */
+export class ListenError extends KvxferError {
+  constructor(
+    readonly flag: string,
+    readonly address: string,
+    cause: unknown,
+  ) {
+    const raw = cause instanceof Error ? cause.message : String(cause);
+    const code = (cause as { code?: unknown } | undefined)?.code;
+    const text = `${typeof code === "string" ? code : ""} ${raw}`;
+    const why = LISTEN_CAUSES.find(([re]) => re.test(text))?.[1] ?? `cannot listen: ${raw}`;
+    super("ERR_LISTEN", `--${flag} ${address}: ${why}`, { cause });
+  }
+}
+
+/** Runs `start`; a failure to listen becomes a ListenError naming `--flag` and `address`. */
+async function listening<T>(flag: string, address: string, start: () => Promise<T>): Promise<T> {
+  try {
+    return await start();
+  } catch (err) {
+    const code = (err as { code?: unknown } | undefined)?.code;
+    const msg = err instanceof Error ? err.message : "";
+    // Node's listen errors carry `code`; grpc-js folds them into "No address added ... errors: [...]".
+    if (
+      (typeof code === "string" && /^E(ADDRINUSE|ACCES|ADDRNOTAVAIL)$/.test(code)) ||
+      msg.startsWith("No address added")
+    )
+      throw new ListenError(flag, address, err);
+    throw err;
+  }
+}
+
 /** Starts a sidecar from settings; returns once it listens on every channel. */
 export async function startSidecar(
   s: Record<SettingName, string>,
@@ -444,19 +496,25 @@ export async function startSidecar(
   await link.start();
   let metricsServer: MetricsServer | undefined;
   try {
-    await sidecar.start((msg) => void link.sendToRegistered(msg), events, metrics);
-    api = await startApiServer({
-      view: sidecar,
-      events,
-      address: s.grpc,
-      logger,
-      // Readiness: NOT_SERVING until the engine registers (an engine may have come first).
-      serving: sidecar.acceptsHandshakes,
-      ...(tls !== undefined ? { tls } : {}),
-    });
+    await listening("listen", s.listen, () =>
+      sidecar.start((msg) => void link.sendToRegistered(msg), events, metrics),
+    );
+    api = await listening("grpc", s.grpc, () =>
+      startApiServer({
+        view: sidecar,
+        events,
+        address: s.grpc,
+        logger,
+        // Readiness: NOT_SERVING until the engine registers (an engine may have come first).
+        serving: sidecar.acceptsHandshakes,
+        ...(tls !== undefined ? { tls } : {}),
+      }),
+    );
     api.setServing(sidecar.acceptsHandshakes);
     if (s.metrics !== "")
-      metricsServer = await startMetricsServer({ registry: metrics.registry, address: s.metrics });
+      metricsServer = await listening("metrics", s.metrics, () =>
+        startMetricsServer({ registry: metrics.registry, address: s.metrics }),
+      );
   } catch (err) {
     await api?.close(0);
     await sidecar.close();
@@ -520,7 +578,30 @@ export async function runSidecar(argv: string[]): Promise<number> {
     process.on("SIGINT", () => on("SIGINT"));
     process.on("SIGTERM", () => on("SIGTERM"));
   });
-  const running = await startSidecar(settings, logger);
+  // grpc-js logs to stderr on its own ("E No address added ..."): its lines go through this
+  // logger instead; a failed bind is reported once, below, as one line.
+  grpc.setLogger({
+    error: (m: unknown, ...p: unknown[]) => {
+      const msg = format(m, ...p);
+      if (msg.startsWith("No address added")) logger.debug({ component: "grpc-js" }, msg);
+      else logger.error({ component: "grpc-js" }, msg);
+    },
+    info: (m: unknown, ...p: unknown[]) => logger.info({ component: "grpc-js" }, format(m, ...p)),
+    debug: (m: unknown, ...p: unknown[]) => logger.debug({ component: "grpc-js" }, format(m, ...p)),
+  });
+  let running: RunningSidecar;
+  try {
+    running = await startSidecar(settings, logger);
+  } catch (err) {
+    // A port taken (or not allowed): one line naming the flag and the address, exit 1; the raw
+    // error is in the log at debug level. Everything started was closed (engine socket and lock
+    // removed) before the error got here.
+    if (!(err instanceof ListenError)) throw err;
+    logger.debug({ err: err.cause }, "listen failed");
+    await new Promise((r) => setTimeout(r, 20));
+    process.stderr.write(`kvxfer sidecar: ${err.message}\n`);
+    return 1;
+  }
   // Whatever ends the process from here (a second signal, the shutdown deadline, an uncaught
   // error), the engine socket and its lock go with it.
   process.once("exit", () => running.link.removeFiles());
