@@ -6,7 +6,11 @@
 //   bench/results/modes-ttft.svg        simulated TTFT p50 vs prompt length by mode and dispatch;
 //   bench/results/modes-kv-ready.svg    KV ready after prefill p50, the same way;
 //   bench/results/peers-bandwidth-<transport>.svg  kvxfer, NIXL and Mooncake bandwidth by request size.
-// `kvxfer bench native --json > bench/results/native.json` feeds the bandwidth plot too.
+// `kvxfer bench native` writes bench/results/native.json too (the bandwidth plot's input).
+// A results file missing, garbled or of another shape is named with why; `bench plot` exits 1
+// when it drew nothing.
+import { existsSync, readFileSync } from "node:fs";
+import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 
 import {
@@ -29,7 +33,7 @@ import {
   statusLines,
   writePeersCharts,
 } from "./peers.js";
-import { machineLine, readJsonResult, writeJsonResult, writeResult } from "./report.js";
+import { machineLine, resultsDir, writeJsonResult, writeResult } from "./report.js";
 import { lineChart, shortBytes } from "./svg.js";
 
 interface NativeResults {
@@ -69,22 +73,78 @@ export function bandwidthChart(native: NativeResults, memory: "ucx" | "host" = "
   });
 }
 
-/** Draws every plot whose results exist; returns the files written. */
+/** What `plots()` drew, and each results file it could not draw from (path and reason). */
+export interface PlotsOutcome {
+  files: string[];
+  problems: string[];
+}
+
+/**
+ * Draws every plot whose results exist. A results file that is missing, does not parse, or
+ * does not hold what its plot needs is a problem naming the file and why; the other plots are
+ * still drawn.
+ */
+export function plots(): PlotsOutcome {
+  const files: string[] = [];
+  const problems: string[] = [];
+  const from = <T>(suite: string, draw: (result: T) => string[], missing: string): void => {
+    const path = join(resultsDir(), `${suite}.json`);
+    if (!existsSync(path)) {
+      problems.push(`${path}: not there: ${missing}`);
+      return;
+    }
+    let result: T;
+    try {
+      result = JSON.parse(readFileSync(path, "utf8")) as T;
+    } catch (err) {
+      problems.push(`${path}: cannot read it: ${(err as Error).message}`);
+      return;
+    }
+    try {
+      files.push(...draw(result));
+    } catch (err) {
+      problems.push(
+        `${path}: not a \`kvxfer bench ${suite}\` result (${(err as Error).message}); run it again`,
+      );
+    }
+  };
+  from<NativeResults>(
+    "native",
+    (native) => {
+      if (!Array.isArray(native.rows)) throw new Error("no 'rows' list");
+      if (!native.rows.some((r) => r.memory === "ucx"))
+        throw new Error("no rows with memory 'ucx'");
+      return [writeResult("native-bandwidth.svg", bandwidthChart(native, "ucx"))];
+    },
+    "run `kvxfer bench native` first (its 'ucx' rows are plotted)",
+  );
+  from<ModesBenchResult>(
+    "modes",
+    (modes) => {
+      if (!Array.isArray(modes.cells)) throw new Error("no 'cells' list");
+      return [
+        writeResult("modes-ttft.svg", modesChart(modes, "ttftMs")),
+        writeResult("modes-kv-ready.svg", modesChart(modes, "kvReadyMs")),
+      ];
+    },
+    "run `kvxfer bench modes` first",
+  );
+  from<PeersBenchResult>(
+    "peers",
+    (peers) => {
+      if (!Array.isArray(peers.bw)) throw new Error("no 'bw' list");
+      return writePeersCharts(peers);
+    },
+    "run `kvxfer bench peers` first",
+  );
+  return { files, problems };
+}
+
+/** Draws every plot whose results exist (problems go to `log`); returns the files written. */
 export function runPlots(log: (line: string) => void = console.log): string[] {
-  const out: string[] = [];
-  const native = readJsonResult<NativeResults>("native");
-  if (native !== undefined && native.rows.some((r) => r.memory === "ucx"))
-    out.push(writeResult("native-bandwidth.svg", bandwidthChart(native, "ucx")));
-  else log("no bench/results/native.json with 'ucx' rows: run `kvxfer bench native` first");
-  const modes = readJsonResult<ModesBenchResult>("modes");
-  if (modes !== undefined) {
-    out.push(writeResult("modes-ttft.svg", modesChart(modes, "ttftMs")));
-    out.push(writeResult("modes-kv-ready.svg", modesChart(modes, "kvReadyMs")));
-  } else log("no bench/results/modes.json: run `kvxfer bench modes` first");
-  const peers = readJsonResult<PeersBenchResult>("peers");
-  if (peers !== undefined) out.push(...writePeersCharts(peers));
-  else log("no bench/results/peers.json: run `kvxfer bench peers` first");
-  return out;
+  const { files, problems } = plots();
+  for (const p of problems) log(p);
+  return files;
 }
 
 export async function main(argv: string[] = process.argv.slice(2)): Promise<void> {

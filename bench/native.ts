@@ -12,6 +12,7 @@ import { spawn } from "node:child_process";
 import { pathToFileURL } from "node:url";
 
 import { PeerProcess } from "./native/peer-client.js";
+import { writeJsonResult } from "./report.js";
 
 export type BenchMemory = "ucx" | "host";
 
@@ -233,10 +234,11 @@ export async function main(argv: string[]): Promise<void> {
     opts.log = (line): void => console.log(line);
   }
   const rows = await runNativeBench(opts);
-  if (json)
-    console.log(
-      JSON.stringify({ bench: "native", transports: opts.transports ?? "shm,self", rows }, null, 2),
-    );
+  const result = { bench: "native", transports: opts.transports ?? "shm,self", rows };
+  // bench/results/native.json (KVXFER_BENCH_RESULTS), where `kvxfer bench plot` reads it.
+  const file = writeJsonResult("native", result);
+  if (json) console.log(JSON.stringify(result, null, 2));
+  else console.log(`  results: ${file}`);
 }
 
 if (import.meta.url === pathToFileURL(process.argv[1] ?? "").href) {

@@ -149,9 +149,12 @@ async function bench(suite: string, argv: string[]): Promise<number> {
       await (await import("../../bench/all.js")).main(argv);
       return 0;
     case "plot": {
-      const mod = await import("../../bench/all.js");
-      for (const file of mod.runPlots()) console.log(file);
-      return 0;
+      // Each plot drawn on stdout; each results file it could not use on stderr, with why.
+      const { files, problems } = (await import("../../bench/all.js")).plots();
+      for (const file of files) console.log(file);
+      for (const p of problems) console.error(`kvxfer bench plot: ${p}`);
+      if (files.length === 0) console.error("kvxfer bench plot: no plot drawn");
+      return files.length === 0 ? 1 : 0;
     }
   }
   throw new Error(`unknown bench suite '${suite}'`);
@@ -162,6 +165,7 @@ function benchSpec(
   summary: string,
   options: OptSpec[],
   check?: (argv: string[]) => Promise<void>,
+  epilog?: string,
 ): CommandSpec {
   return {
     path: ["bench", suite],
@@ -169,6 +173,7 @@ function benchSpec(
     options,
     valueStyle: "space",
     ...(check !== undefined ? { check } : {}),
+    ...(epilog !== undefined ? { epilog } : {}),
     run: (argv) => bench(suite, argv),
   };
 }
@@ -405,12 +410,18 @@ export const COMMANDS: readonly CommandSpec[] = [
       return summary.verified ? 0 : 1;
     },
   },
-  benchSpec("native", "kvxfer vs ucx_perftest bandwidth and message rate", [
-    { name: "sizes", kind: { t: "sizes" }, help: "message sizes" },
-    { name: "memory", kind: list("ucx", "host"), help: "memory kinds" },
-    { name: "transports", kind: STR, arg: "UCX_TLS", help: "UCX transports", def: "shm,self" },
-    JSON_OPT,
-  ]),
+  benchSpec(
+    "native",
+    "kvxfer vs ucx_perftest bandwidth and message rate",
+    [
+      { name: "sizes", kind: { t: "sizes" }, help: "message sizes" },
+      { name: "memory", kind: list("ucx", "host"), help: "memory kinds" },
+      { name: "transports", kind: STR, arg: "UCX_TLS", help: "UCX transports", def: "shm,self" },
+      JSON_OPT,
+    ],
+    undefined,
+    "writes bench/results/native.json (or $KVXFER_BENCH_RESULTS/native.json), the input of `kvxfer bench plot`.",
+  ),
   benchSpec("plan", "time to build transfer plans at production scale", [
     { name: "runs", kind: POS_INT, help: "runs per case" },
     { name: "case", kind: STR, arg: "NAME", help: "only this case", multiple: true },
@@ -515,5 +526,14 @@ export const COMMANDS: readonly CommandSpec[] = [
     },
   ),
   benchSpec("all", "every suite in sequence, JSON and SVG plots in bench/results/", [QUICK]),
-  benchSpec("plot", "the SVG plots again from bench/results/*.json", []),
+  benchSpec(
+    "plot",
+    "the SVG plots again from bench/results/*.json",
+    [],
+    undefined,
+    "reads native.json, modes.json and peers.json in bench/results/ (or $KVXFER_BENCH_RESULTS),\n" +
+      "as `kvxfer bench native|modes|peers|all` write them; prints each plot written, and names on\n" +
+      "stderr each results file it could not use (missing, garbled, another shape) with why.\n" +
+      "exit 1 when it drew no plot.",
+  ),
 ];
