@@ -1,8 +1,10 @@
 // `kvxfer bench all`: every suite in sequence (native, plan, events, e2e, modes, control, peers), each
 // printing its table with its reference, each writing bench/results/<suite>.json; then the plots.
-// `kvxfer bench plot`: the plots alone, from the JSON files already there:
+// `kvxfer bench plot`: the plots alone, from the JSON files already there (each also as .png
+// next to it, rendered with resvg):
 //   bench/results/native-bandwidth.svg  kvxfer WRITE/READ vs ucx_perftest put/get by message size
 //                                       (memory allocated by UCX: ucx_perftest's default);
+//   bench/results/e2e-latency.svg       sidecar vs native p50 by request size, push and pull;
 //   bench/results/modes-ttft.svg        simulated TTFT p50 vs prompt length by mode and dispatch;
 //   bench/results/modes-kv-ready.svg    KV ready after prefill p50, the same way;
 //   bench/results/peers-bandwidth-<transport>.svg  kvxfer, NIXL and Mooncake bandwidth by request size.
@@ -19,7 +21,7 @@ import {
   CONTROL_NOTES,
   runControlBench,
 } from "./control.js";
-import { type E2eBenchResult, E2E_NOTES, formatE2eRows, runE2eBench } from "./e2e.js";
+import { type E2eBenchResult, E2E_NOTES, e2eChart, formatE2eRows, runE2eBench } from "./e2e.js";
 import { formatEventsBench, runEventsBench } from "./events.js";
 import { type ModesBenchResult, formatModesTables, modesChart, runModesBench } from "./modes.js";
 import { formatNativeTable, runNativeBench, type NativeBenchRow } from "./native.js";
@@ -33,7 +35,7 @@ import {
   statusLines,
   writePeersCharts,
 } from "./peers.js";
-import { machineLine, resultsDir, writeJsonResult, writeResult } from "./report.js";
+import { machineLine, resultsDir, writeChart, writeJsonResult } from "./report.js";
 import { lineChart, shortBytes } from "./svg.js";
 
 interface NativeResults {
@@ -114,17 +116,26 @@ export function plots(): PlotsOutcome {
       if (!Array.isArray(native.rows)) throw new Error("no 'rows' list");
       if (!native.rows.some((r) => r.memory === "ucx"))
         throw new Error("no rows with memory 'ucx'");
-      return [writeResult("native-bandwidth.svg", bandwidthChart(native, "ucx"))];
+      return [...writeChart("native-bandwidth.svg", bandwidthChart(native, "ucx"))];
     },
     "run `kvxfer bench native` first (its 'ucx' rows are plotted)",
+  );
+  from<E2eBenchResult>(
+    "e2e",
+    (e2e) => {
+      if (!Array.isArray(e2e.rows)) throw new Error("no 'rows' list");
+      if (e2e.rows.length === 0) throw new Error("no rows");
+      return writeChart("e2e-latency.svg", e2eChart(e2e));
+    },
+    "run `kvxfer bench e2e` first",
   );
   from<ModesBenchResult>(
     "modes",
     (modes) => {
       if (!Array.isArray(modes.cells)) throw new Error("no 'cells' list");
       return [
-        writeResult("modes-ttft.svg", modesChart(modes, "ttftMs")),
-        writeResult("modes-kv-ready.svg", modesChart(modes, "kvReadyMs")),
+        ...writeChart("modes-ttft.svg", modesChart(modes, "ttftMs")),
+        ...writeChart("modes-kv-ready.svg", modesChart(modes, "kvReadyMs")),
       ];
     },
     "run `kvxfer bench modes` first",

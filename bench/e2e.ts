@@ -49,6 +49,7 @@ import {
   table,
   runSuiteMain,
 } from "./report.js";
+import { lineChart, shortBytes, type ChartSeries } from "./svg.js";
 
 export type E2eMode = "push" | "pull";
 
@@ -104,6 +105,40 @@ export interface E2eBenchResult {
   ucx: string;
   shape: string;
   rows: E2eRow[];
+}
+
+/** Sidecar (router-timed) vs the native addon alone, p50 by KV bytes per request, push and pull. */
+export function e2eChart(r: E2eBenchResult): string {
+  const colors: Record<E2eMode, string> = { push: "#1f77b4", pull: "#d62728" };
+  const series: ChartSeries[] = [];
+  for (const mode of ["push", "pull"] as const) {
+    const rows = r.rows.filter((x) => x.mode === mode).sort((a, b) => a.bytes - b.bytes);
+    if (rows.length === 0) continue;
+    series.push(
+      {
+        name: `${mode}: sidecars`,
+        points: rows.map((x) => [x.bytes, x.sidecarMs.p50] as const),
+        color: colors[mode],
+      },
+      {
+        name: `${mode}: native alone (ref)`,
+        points: rows.map((x) => [x.bytes, x.nativeMs.p50] as const),
+        color: colors[mode],
+        dashed: true,
+      },
+    );
+  }
+  return lineChart({
+    title: "Request latency p50 vs KV size: full sidecars vs the native addon alone",
+    subtitle: `${r.shape.split(" (")[0]}, shm, one request in flight; ${r.machine.split(",").slice(0, 2).join(",")}`,
+    xLabel: "KV bytes per request",
+    yLabel: "p50 (ms)",
+    logX: true,
+    logY: true,
+    xTicks: [...new Set(r.rows.map((x) => x.bytes))].sort((a, b) => a - b),
+    xTickFormat: shortBytes,
+    series,
+  });
 }
 
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));

@@ -32,7 +32,7 @@ import {
   runSuiteMain,
   stats,
   table,
-  writeResult,
+  writeChart,
   type Stats,
 } from "./report.js";
 import { lineChart, shortBytes, type ChartSeries } from "./svg.js";
@@ -994,7 +994,7 @@ export function peersChart(r: PeersBenchResult, transport: PeerTransport): strin
 
 export function writePeersCharts(r: PeersBenchResult): string[] {
   const transports = [...new Set(r.bw.map((b) => b.transport))];
-  return transports.map((t) => writeResult(`peers-bandwidth-${t}.svg`, peersChart(r, t)));
+  return transports.flatMap((t) => writeChart(`peers-bandwidth-${t}.svg`, peersChart(r, t)));
 }
 
 export const PEERS_NOTES = [

@@ -7,6 +7,7 @@ import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
 import { cpus, loadavg, totalmem } from "node:os";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
+import { Resvg } from "@resvg/resvg-js";
 
 export interface Stats {
   p50: number;
@@ -88,10 +89,31 @@ export function resultsDir(): string {
 }
 
 /** Writes `bench/results/<name>` and returns its path. */
-export function writeResult(name: string, content: string): string {
+export function writeResult(name: string, content: string | Uint8Array): string {
   const path = join(resultsDir(), name);
   writeFileSync(path, content);
   return path;
+}
+
+/** An SVG rendered as PNG (resvg, this machine's fonts; twice the SVG's size, for screens). */
+export function svgToPng(svg: string): Buffer {
+  return new Resvg(svg, {
+    background: "#ffffff",
+    fitTo: { mode: "zoom", value: 2 },
+    font: {
+      loadSystemFonts: true,
+      defaultFontFamily: "DejaVu Sans",
+      sansSerifFamily: "DejaVu Sans",
+    },
+  })
+    .render()
+    .asPng();
+}
+
+/** Writes `bench/results/<name>.svg` and the same chart as `<name>.png`; returns both paths. */
+export function writeChart(name: string, svg: string): string[] {
+  const base = name.replace(/\.svg$/, "");
+  return [writeResult(`${base}.svg`, svg), writeResult(`${base}.png`, svgToPng(svg))];
 }
 
 export function writeJsonResult(suite: string, value: unknown): string {

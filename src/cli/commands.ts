@@ -525,14 +525,15 @@ export const COMMANDS: readonly CommandSpec[] = [
       (await import("../../bench/peers.js")).parsePeersArgs(argv);
     },
   ),
-  benchSpec("all", "every suite in sequence, JSON and SVG plots in bench/results/", [QUICK]),
+  benchSpec("all", "every suite in sequence, JSON and plots (SVG, PNG) in bench/results/", [QUICK]),
   benchSpec(
     "plot",
-    "the SVG plots again from bench/results/*.json",
+    "the plots (SVG and PNG) again from bench/results/*.json",
     [],
     undefined,
-    "reads native.json, modes.json and peers.json in bench/results/ (or $KVXFER_BENCH_RESULTS),\n" +
-      "as `kvxfer bench native|modes|peers|all` write them; prints each plot written, and names on\n" +
+    "reads native.json, e2e.json, modes.json and peers.json in bench/results/ (or $KVXFER_BENCH_RESULTS),\n" +
+      "as `kvxfer bench native|e2e|modes|peers|all` write them; writes each plot as SVG and PNG next\n" +
+      "to them, prints each file written, and names on\n" +
       "stderr each results file it could not use (missing, garbled, another shape) with why.\n" +
       "exit 1 when it drew no plot.",
   ),

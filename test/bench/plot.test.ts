@@ -1,8 +1,9 @@
 // `kvxfer bench plot` on a temporary results directory (KVXFER_BENCH_RESULTS): each results file
 // it cannot use is named with why, on stderr, and it exits 1 when it drew nothing; a good
-// native.json is drawn and the missing ones are still named. No benchmark runs here.
+// native.json or e2e.json is drawn, as SVG and PNG, and the missing ones are still named. No
+// benchmark runs here.
 import { spawn } from "node:child_process";
-import { existsSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
@@ -72,6 +73,7 @@ describe("kvxfer bench plot", () => {
       expect.stringMatching(
         new RegExp(`^kvxfer bench plot: ${join(dir, "native.json")}: cannot read it: .+`),
       ),
+      `kvxfer bench plot: ${join(dir, "e2e.json")}: not there: run \`kvxfer bench e2e\` first`,
       `kvxfer bench plot: ${join(dir, "modes.json")}: not a \`kvxfer bench modes\` result (no 'cells' list); run it again`,
       `kvxfer bench plot: ${join(dir, "peers.json")}: not there: run \`kvxfer bench peers\` first`,
       "kvxfer bench plot: no plot drawn",
@@ -91,11 +93,80 @@ describe("kvxfer bench plot", () => {
     const r = await plot(dir);
     expect(r.status).toBe(0);
     const svg = join(dir, "native-bandwidth.svg");
-    expect(lines(r.stdout)).toEqual([svg]);
+    const png = join(dir, "native-bandwidth.png");
+    expect(lines(r.stdout)).toEqual([svg, png]);
     expect(existsSync(svg)).toBe(true);
+    expectPng(png, svg);
     expect(lines(r.stderr)).toEqual([
+      expect.stringContaining(`${join(dir, "e2e.json")}: not there`),
       expect.stringContaining(`${join(dir, "modes.json")}: not there`),
       expect.stringContaining(`${join(dir, "peers.json")}: not there`),
     ]);
   }, 30_000);
+
+  it("draws the e2e plot (sidecar vs native p50 by size, push and pull) as SVG and PNG", async () => {
+    const st = (p50: number): Record<string, number> => ({
+      p50,
+      p99: p50,
+      mean: p50,
+      min: p50,
+      max: p50,
+      n: 3,
+    });
+    const row = (mode: string, tokens: number, sidecar: number, native: number): unknown => ({
+      mode,
+      tokens,
+      failed: 0,
+      failures: [],
+      bytes: tokens * 16384,
+      descriptors: 64,
+      sidecarMs: st(sidecar),
+      sidecarOwnMs: st(sidecar),
+      dataMs: st(native),
+      nativeMs: st(native),
+      ratio: sidecar / native,
+      ratioP99: sidecar / native,
+      sidecarGBps: 1,
+      nativeGBps: 2,
+    });
+    writeFileSync(
+      join(dir, "e2e.json"),
+      JSON.stringify({
+        bench: "e2e",
+        machine: "2026-11-23, 2 cores (test), 1 GiB",
+        ucx: "1.13.1",
+        shape: "llama3-8b shape with 4 layers (test); 3 measured requests",
+        rows: [
+          row("push", 128, 7, 0.7),
+          row("push", 2048, 15, 8),
+          row("pull", 128, 18, 0.5),
+          row("pull", 2048, 26, 7.5),
+        ],
+      }),
+    );
+    const r = await plot(dir);
+    expect(r.status).toBe(0);
+    const svg = join(dir, "e2e-latency.svg");
+    const png = join(dir, "e2e-latency.png");
+    expect(lines(r.stdout)).toEqual([svg, png]);
+    const text = readFileSync(svg, "utf8");
+    for (const name of [
+      "push: sidecars",
+      "push: native alone (ref)",
+      "pull: sidecars",
+      "pull: native alone (ref)",
+    ])
+      expect(text).toContain(name);
+    expectPng(png, svg);
+  }, 30_000);
 });
+
+/** `png` is a PNG twice the size of the SVG `svg` (its width and height attributes). */
+function expectPng(png: string, svg: string): void {
+  const b = readFileSync(png);
+  expect(b.subarray(0, 8)).toEqual(Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]));
+  const m = /<svg [^>]*width="(\d+)" height="(\d+)"/.exec(readFileSync(svg, "utf8"));
+  expect(m).not.toBeNull();
+  // IHDR: width and height, big-endian, at bytes 16 and 20.
+  expect([b.readUInt32BE(16), b.readUInt32BE(20)]).toEqual([2 * Number(m![1]), 2 * Number(m![2])]);
+}
