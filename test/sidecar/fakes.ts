@@ -17,7 +17,7 @@ import { kvLayout, type KvLayout } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import type { Clock } from "../../src/sidecar/clock.js";
 import type { EngineMessage, LifecycleSettings, SideContext } from "../../src/sidecar/context.js";
-import { PeerState } from "../../src/sidecar/peers.js";
+import { PeerState, PeerTable } from "../../src/sidecar/peers.js";
 import type { EventKind } from "../../src/sidecar/view.js";
 
 /** Time that moves only when the test says so; timers run in order as it passes them. */
@@ -263,4 +263,53 @@ export function expectKv(transferId: string, pull = false, token = "", blocks = 
 /** Lets promise callbacks run (the sides await their agents' operations). */
 export async function settle(): Promise<void> {
   for (let i = 0; i < 5; i++) await new Promise<void>((r) => setImmediate(r));
+}
+
+/** A peer table of P "p0" at epoch 11, with a fake host that records what the table tells it. */
+export class PeerTableWorld {
+  static readonly EPOCH = 11n;
+  readonly clock = new ManualClock();
+  readonly downs: { peer: string; epoch: bigint; why: string }[] = [];
+  readonly errors: string[] = [];
+  readonly events: string[] = [];
+  /** What the sides answer to "any live transfer with this peer?". */
+  live = true;
+  readonly table: PeerTable;
+
+  constructor(o: { notAccepting?: boolean; authenticated?: boolean } = {}) {
+    const agent = new FakeAgent() as unknown as Agent;
+    const kv = {
+      layout: SMALL,
+      agents: [agent],
+      regions: [SMALL.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region)],
+    };
+    this.table = new PeerTable(
+      {
+        engineId: "p0",
+        epoch: PeerTableWorld.EPOCH,
+        role: "prefill",
+        clock: this.clock,
+        log: pino({ level: "silent" }),
+        sideChannel: () => "127.0.0.1:2",
+        kv: () => kv,
+        notAccepting: () =>
+          o.notAccepting === true ? { code: "ERR_NOT_READY", message: "not yet" } : undefined,
+        authenticated: () => o.authenticated === true,
+        emit: (kind, peer) => this.events.push(`${kind} ${peer}`),
+        noteError: (text) => this.errors.push(text),
+        peerDown: (peer, why) => this.downs.push({ peer: peer.engineId, epoch: peer.epoch, why }),
+        busyWith: () => false,
+        liveWith: () => this.live,
+      },
+      {
+        errorMode: "none",
+        heartbeatMs: 1000,
+        handshakeTimeoutMs: 1000,
+        peerTimeoutMs: 5000,
+        tombstoneMs: 60_000,
+        abortGraceMs: 200,
+        peerCredentials: undefined,
+      },
+    );
+  }
 }

@@ -3,11 +3,10 @@
 // never reaches a transfer), a restarted peer drops the old one (its transfers fail), and the
 // peer cap holds. Keys, seals and epochs are the real ones; agents are fakes.
 import { create } from "@bufbuild/protobuf";
-import { pino } from "pino";
 import { describe, expect, it } from "vitest";
 
 import { HandshakeRequestSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
-import type { Agent, Notification, Region } from "../../src/native/index.js";
+import type { Notification } from "../../src/native/index.js";
 import {
   agentName,
   encodePeerMessage,
@@ -15,50 +14,14 @@ import {
   sealPeerMessage,
   type PeerBody,
 } from "../../src/peer/messages.js";
-import { MAX_PEERS, PeerTable, type PeerState } from "../../src/sidecar/peers.js";
-import { FakeAgent, ManualClock, SMALL, peerMetadata } from "./fakes.js";
+import { MAX_PEERS, type PeerState } from "../../src/sidecar/peers.js";
+import { PeerTableWorld, peerMetadata } from "./fakes.js";
 
-const OUR_EPOCH = 11n;
+const OUR_EPOCH = PeerTableWorld.EPOCH;
 
 function setup() {
-  const clock = new ManualClock();
-  const downs: { peer: string; epoch: bigint; why: string }[] = [];
-  const errors: string[] = [];
-  const events: string[] = [];
-  const agent = new FakeAgent() as unknown as Agent;
-  const kv = {
-    layout: SMALL,
-    agents: [agent],
-    regions: [SMALL.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region)],
-  };
-  let live = true;
-  const table = new PeerTable(
-    {
-      engineId: "p0",
-      epoch: OUR_EPOCH,
-      role: "prefill",
-      clock,
-      log: pino({ level: "silent" }),
-      sideChannel: () => "127.0.0.1:2",
-      kv: () => kv,
-      notAccepting: () => undefined,
-      authenticated: () => false,
-      emit: (kind, peer) => events.push(`${kind} ${peer}`),
-      noteError: (text) => errors.push(text),
-      peerDown: (peer, why) => downs.push({ peer: peer.engineId, epoch: peer.epoch, why }),
-      busyWith: () => false,
-      liveWith: () => live,
-    },
-    {
-      errorMode: "none",
-      heartbeatMs: 1000,
-      handshakeTimeoutMs: 1000,
-      peerTimeoutMs: 5000,
-      tombstoneMs: 60_000,
-      abortGraceMs: 200,
-      peerCredentials: undefined,
-    },
-  );
+  const world = new PeerTableWorld();
+  const { table, clock, downs, errors, events } = world;
   /** D introduces itself at `epoch` with a fresh key; returns the key it seals with. */
   const handshake = (engineId: string, epoch: bigint) => {
     const macKey = newMacKey();
@@ -90,7 +53,7 @@ function setup() {
     events,
     handshake,
     note,
-    setLive: (v: boolean) => (live = v),
+    setLive: (v: boolean) => (world.live = v),
   };
 }
 

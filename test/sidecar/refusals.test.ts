@@ -2,20 +2,15 @@
 // block claims, competing registrations and tokens, bad token counts; malformed, incompatible or
 // unauthenticated handshakes. Each costs only the message (or the transfer) it belongs to.
 import { create } from "@bufbuild/protobuf";
-import { pino } from "pino";
 import { describe, expect, it } from "vitest";
 
 import { HandshakeRequestSchema, PushRegSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
-import type { Agent, Region } from "../../src/native/index.js";
 import { newMacKey } from "../../src/peer/messages.js";
-import { PeerTable } from "../../src/sidecar/peers.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
 import {
-  FakeAgent,
   FakeWorld,
-  ManualClock,
+  PeerTableWorld,
   SETTINGS,
-  SMALL,
   peerMetadata,
   prefillDone,
   settle,
@@ -137,45 +132,6 @@ describe("P's refusals", () => {
 });
 
 describe("the peer table's refusals of a handshake", () => {
-  function table(o: { notAccepting?: boolean; authenticated?: boolean } = {}) {
-    const agent = new FakeAgent() as unknown as Agent;
-    const kv = {
-      layout: SMALL,
-      agents: [agent],
-      regions: [SMALL.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region)],
-    };
-    const errors: string[] = [];
-    const t = new PeerTable(
-      {
-        engineId: "p0",
-        epoch: 11n,
-        role: "prefill",
-        clock: new ManualClock(),
-        log: pino({ level: "silent" }),
-        sideChannel: () => "127.0.0.1:2",
-        kv: () => kv,
-        notAccepting: () =>
-          o.notAccepting === true ? { code: "ERR_NOT_READY", message: "not yet" } : undefined,
-        authenticated: () => o.authenticated === true,
-        emit: () => undefined,
-        noteError: (text) => errors.push(text),
-        peerDown: () => undefined,
-        busyWith: () => false,
-        liveWith: () => false,
-      },
-      {
-        errorMode: "none",
-        heartbeatMs: 1000,
-        handshakeTimeoutMs: 1000,
-        peerTimeoutMs: 5000,
-        tombstoneMs: 60_000,
-        abortGraceMs: 200,
-        peerCredentials: undefined,
-      },
-    );
-    return { t, errors };
-  }
-
   const good = () => ({ metadata: peerMetadata("d0", 7n), macKey: newMacKey() });
 
   const cases: [string, () => object, string, object?][] = [
@@ -216,7 +172,7 @@ describe("the peer table's refusals of a handshake", () => {
   ];
   for (const [what, req, code, opts] of cases) {
     it(`${what}: ${code}`, () => {
-      const { t, errors } = table(opts as never);
+      const { table: t, errors } = new PeerTableWorld(opts as never);
       const res = t.onHandshake(create(HandshakeRequestSchema, req() as never), "someone-else");
       expect(res.errorCode).toBe(code);
       expect(res.metadata).toBeUndefined();
