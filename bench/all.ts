@@ -11,7 +11,6 @@
 // `kvxfer bench native` writes bench/results/native.json too (the bandwidth plot's input).
 // A results file missing, garbled or of another shape is named with why; `bench plot` exits 1
 // when it drew nothing.
-import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 
@@ -35,7 +34,7 @@ import {
   statusLines,
   writePeersCharts,
 } from "./peers.js";
-import { machineLine, resultsDir, writeChart, writeJsonResult } from "./report.js";
+import { machineLine, readJsonResult, resultsDir, writeChart, writeJsonResult } from "./report.js";
 import { lineChart, shortBytes } from "./svg.js";
 
 interface NativeResults {
@@ -91,15 +90,15 @@ export function plots(): PlotsOutcome {
   const problems: string[] = [];
   const from = <T>(suite: string, draw: (result: T) => string[], missing: string): void => {
     const path = join(resultsDir(), `${suite}.json`);
-    if (!existsSync(path)) {
-      problems.push(`${path}: not there: ${missing}`);
-      return;
-    }
-    let result: T;
+    let result: T | undefined;
     try {
-      result = JSON.parse(readFileSync(path, "utf8")) as T;
+      result = readJsonResult<T>(suite);
     } catch (err) {
       problems.push(`${path}: cannot read it: ${(err as Error).message}`);
+      return;
+    }
+    if (result === undefined) {
+      problems.push(`${path}: not there: ${missing}`);
       return;
     }
     try {

@@ -409,7 +409,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       );
       return;
     }
-    if (t.peer !== peer || t.mode !== "push" || t.state !== "MOVING") {
+    if (t.peer === undefined || t.mode !== "push" || t.state !== "MOVING") {
       ctx.log.debug({ transferId: m.transferId }, "XferDone for no moving push transfer: ignored");
       return;
     }

@@ -106,7 +106,7 @@ export interface Lifecycle<S extends string, T extends Tracked<S>> {
   readonly next: Readonly<Record<S, readonly S[]>>;
   readonly log: Logger;
   /** Entry effects of `to` (timing stamps, the state's deadline), terminal states included. */
-  enter(t: T, to: S, from: S | undefined): void;
+  enter(t: T, to: S): void;
   /** The one exit, once, on reaching a terminal state: blocks back, the one event. */
   exit(t: T, kind: S & TerminalKind): void;
   /** A move the table does not allow: reported as an internal error (never thrown). */
@@ -126,7 +126,7 @@ export function begin<S extends string, T extends Tracked<S>>(
   }
   (t as { state: S }).state = state;
   lc.log.debug({ transferId: t.id, side: lc.side, to: state, why }, `-> ${state}`);
-  lc.enter(t, state, undefined);
+  lc.enter(t, state);
   return true;
 }
 
@@ -149,7 +149,7 @@ export function transition<S extends string, T extends Tracked<S>>(
   }
   (t as { state: S }).state = to;
   lc.log.debug({ transferId: t.id, side: lc.side, from, to, why }, `${from} -> ${to}`);
-  lc.enter(t, to, from);
+  lc.enter(t, to);
   if (isTerminal(to)) lc.exit(t, to);
   return true;
 }

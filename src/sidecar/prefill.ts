@@ -180,7 +180,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         value: {
           transferId: m.transferId,
           blockIds: existing.blocks,
-          reason: releaseReason(existing.state === "RELEASED" ? "FAILED" : existing.state),
+          reason: releaseReason(existing.state), // never RELEASED: that needs blocks
         },
       });
       return;

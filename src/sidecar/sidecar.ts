@@ -20,7 +20,6 @@ import {
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
 import { Agent, type ErrorMode, type Notification, type Region } from "../native/index.js";
-import type { KvLayout } from "../plan/index.js";
 import { checkEngineMessage, checkRegisterKvCache, engineIdProblem } from "../engine/validate.js";
 import { MAX_PEER_MESSAGE_BYTES, agentName } from "../peer/messages.js";
 import {
@@ -34,7 +33,7 @@ import { systemClock, type Clock } from "./clock.js";
 import type { EngineMessage, SideContext } from "./context.js";
 import { DecodeSide } from "./decode.js";
 import type { TransferMetrics } from "./metrics.js";
-import { PeerTable, type PeerTableHost } from "./peers.js";
+import { PeerTable, type PeerTableHost, type RegisteredKv } from "./peers.js";
 import { PrefillSide } from "./prefill.js";
 import type {
   EventKind,
@@ -146,11 +145,10 @@ export class Sidecar implements SidecarView {
   private metrics: TransferMetrics | undefined;
   private readonly clock: Clock;
 
-  private layout: KvLayout | undefined;
+  /** The engine's KV cache once registered: layout, one agent per rank, its regions. */
+  private kv: RegisteredKv | undefined;
   /** The accepted registration, and the identity (device, inode) of each file it mapped. */
   private registration: { msg: RegisterKvCache; files: string[] } | undefined;
-  private agents: Agent[] = [];
-  private regions: Region[][] = [];
   /** The KV directory with symbolic links resolved (the operator's setting may name a link). */
   private readonly kvDirResolved: string;
   /**
@@ -285,8 +283,11 @@ export class Sidecar implements SidecarView {
     clearInterval(this.heartbeatTimer);
     await this.side.close();
     this.peers.close();
-    for (const a of this.agents) a.close();
-    this.agents = [];
+    if (this.kv !== undefined) {
+      for (const a of this.kv.agents) a.close();
+      // Transfers ending during the stop notify no one (PeerTable.send finds no agent).
+      this.kv = { ...this.kv, agents: [] };
+    }
   }
 
   /**
@@ -294,7 +295,7 @@ export class Sidecar implements SidecarView {
    * answer peer handshakes (before, they get ERR_NOT_READY). gRPC health follows this.
    */
   get acceptsHandshakes(): boolean {
-    return this.layout !== undefined && !this.draining;
+    return this.kv !== undefined && !this.draining;
   }
 
   // --- the engine link ---------------------------------------------------------
@@ -312,7 +313,7 @@ export class Sidecar implements SidecarView {
         return;
       }
       // One place checks engine messages' fields; a problem costs only the message.
-      const problem = checkEngineMessage(msg, this.layout);
+      const problem = checkEngineMessage(msg, this.kv?.layout);
       if (problem !== undefined) {
         this.refuse(problem.transferId, problem.code, problem.message);
         return;
@@ -432,7 +433,7 @@ export class Sidecar implements SidecarView {
         value: { ok: false, error, sideChannel: this.sideChannel, epoch: this.epoch },
       });
     };
-    if (this.layout !== undefined) {
+    if (this.kv !== undefined) {
       if (conn === undefined || conn.isOwner)
         return fail("ERR_ALREADY_REGISTERED: the KV cache is already registered");
       if (conn.ownerConnected) {
@@ -530,9 +531,7 @@ export class Sidecar implements SidecarView {
       const e = KvxferError.from(err);
       return fail(`${e.code}: ${e.message}`);
     }
-    this.layout = layout;
-    this.agents = agents;
-    this.regions = regions;
+    this.kv = { layout, agents, regions };
     this.mappedBytes += bytes;
     this.registration = { msg: reg, files: Sidecar.fileIdentities(reg) };
     conn?.adopt();
@@ -545,19 +544,13 @@ export class Sidecar implements SidecarView {
 
   // --- the parts' contexts -----------------------------------------------------------
 
-  private registeredKv(): { layout: KvLayout; agents: Agent[]; regions: Region[][] } | undefined {
-    return this.layout === undefined
-      ? undefined
-      : { layout: this.layout, agents: this.agents, regions: this.regions };
-  }
-
   /** What PrefillSide and DecodeSide may do: the narrow context (context.ts). */
   private sideContext(): SideContext {
     return {
       clock: this.clock,
       settings: this.opts,
       log: this.log,
-      kv: () => this.registeredKv(),
+      kv: () => this.kv,
       toEngine: (msg) => this.send(msg),
       refuse: (transferId, code, message) => this.refuse(transferId, code, message),
       toPeer: (peer, body) => this.peers.send(peer, body),
@@ -582,9 +575,9 @@ export class Sidecar implements SidecarView {
       clock: this.clock,
       log: this.log,
       sideChannel: () => this.sideChannel,
-      kv: () => this.registeredKv(),
+      kv: () => this.kv,
       notAccepting: () =>
-        this.layout === undefined
+        this.kv === undefined
           ? { code: "ERR_NOT_READY", message: "the engine has not registered its KV cache" }
           : this.draining
             ? { code: "ERR_DRAINING", message: "the sidecar is draining" }
@@ -675,7 +668,7 @@ export class Sidecar implements SidecarView {
       this.metrics.setQueueDepth("decode_live", this.decode.live());
       this.metrics.setQueueDepth(
         "agents_inflight",
-        this.agents.reduce((n, a) => n + a.inflight, 0),
+        (this.kv?.agents ?? []).reduce((n, a) => n + a.inflight, 0),
       );
     }
     this.peers.expire(now);
@@ -710,7 +703,7 @@ export class Sidecar implements SidecarView {
       const key = `${t.side}:${t.state}`;
       byState[key] = (byState[key] ?? 0) + 1;
     }
-    const l = this.layout;
+    const l = this.kv?.layout;
     return {
       engineId: this.engineId,
       epoch: this.epoch,

@@ -4,7 +4,7 @@
  * bad value is refused with one line naming the flag, exit 2; --version is one
  * line; the client commands say "nothing listening" and "TLS" in one line.
  */
-import { execFileSync, spawn, spawnSync } from "node:child_process";
+import { execFileSync, spawnSync } from "node:child_process";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
@@ -16,34 +16,8 @@ import { type ApiServer, startApiServer } from "../../src/api/server.js";
 import { COMMANDS } from "../../src/cli/commands.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
 import { cliScript } from "../../src/sim/sidecar-process.js";
+import { kvxfer } from "./run.js";
 import { FixtureSidecar } from "../api/fixtures.js";
-
-interface Run {
-  status: number | null;
-  stdout: string;
-  stderr: string;
-  ms: number;
-}
-
-/** The CLI as a child process, without blocking this process (an in-process server must answer). */
-function kvxfer(args: string[], timeoutMs = 20_000): Promise<Run> {
-  const t0 = Date.now();
-  return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [cliScript(), ...args], {
-      stdio: ["ignore", "pipe", "pipe"],
-    });
-    let stdout = "";
-    let stderr = "";
-    child.stdout.on("data", (b: Buffer) => (stdout += b.toString()));
-    child.stderr.on("data", (b: Buffer) => (stderr += b.toString()));
-    const timer = setTimeout(() => child.kill("SIGKILL"), timeoutMs);
-    child.on("error", reject);
-    child.on("close", (status) => {
-      clearTimeout(timer);
-      resolve({ status, stdout, stderr, ms: Date.now() - t0 });
-    });
-  });
-}
 
 const ROOT = fileURLToPath(new URL("../..", import.meta.url));
 

@@ -3,37 +3,11 @@
  * flag, the address and what to do, exit 1 (failed; docs: 0 done, 1 failed, 2 usage), no stack
  * trace, and no engine socket or lock left behind.
  */
-import { spawn } from "node:child_process";
 import { existsSync } from "node:fs";
 import { createServer, type Server } from "node:net";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
-import { cliScript } from "../../src/sim/sidecar-process.js";
-
-interface Run {
-  status: number | null;
-  stdout: string;
-  stderr: string;
-}
-
-/** The built CLI as a child process; killed (SIGKILL) past `timeoutMs`. */
-function kvxfer(args: string[], timeoutMs = 20_000): Promise<Run> {
-  return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [cliScript(), ...args], {
-      stdio: ["ignore", "pipe", "pipe"],
-    });
-    let stdout = "";
-    let stderr = "";
-    child.stdout.on("data", (b: Buffer) => (stdout += b.toString()));
-    child.stderr.on("data", (b: Buffer) => (stderr += b.toString()));
-    const timer = setTimeout(() => child.kill("SIGKILL"), timeoutMs);
-    child.on("error", reject);
-    child.on("close", (status) => {
-      clearTimeout(timer);
-      resolve({ status, stdout, stderr });
-    });
-  });
-}
+import { kvxfer } from "./run.js";
 
 let taken: Server;
 let address: string;
