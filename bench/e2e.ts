@@ -36,6 +36,7 @@ import {
   planTransfer,
 } from "../src/plan/index.js";
 import type { TransferInfo } from "../src/sidecar/view.js";
+import { monoUs } from "../src/native/index.js";
 import { DEFAULT_DEMO, runDemo, type DemoRequestRecord } from "../src/sim/demo.js";
 import {
   BenchArgs,
@@ -71,6 +72,8 @@ export interface E2eBenchOptions {
   dTp?: number;
   pBlock?: number;
   dBlock?: number;
+  /** Extra flags for both sidecars (e.g. ["--spin-us", "200"]); default none. */
+  sidecarArgs?: string[];
   log?: (line: string) => void;
 }
 
@@ -97,6 +100,18 @@ export interface E2eRow {
   ratioP99: number;
   sidecarGBps: number;
   nativeGBps: number;
+  /** Where the time goes: each hop of both sidecars' traces, µs after P's engine.prefillDone. */
+  hops: HopStats[];
+}
+
+export interface HopStats {
+  /** "P <hop>" or "D <hop>" (the sidecars' traces), or "router heard KV_READY". */
+  hop: string;
+  /** µs after P's sidecar received PrefillDone. */
+  p50Us: number;
+  p99Us: number;
+  /** Measured requests whose trace has this hop. */
+  n: number;
 }
 
 export interface E2eBenchResult {
@@ -248,7 +263,7 @@ class NativePair {
         const ep = this.eps.get(key)!;
         if (this.mode === "push") {
           const a = this.pAgents[pair.srcRank]!;
-          const writes: Promise<void>[] = [];
+          const writes: Promise<unknown>[] = [];
           for (const rp of pair.regionPairs) {
             if (rp.count === 0) continue;
             writes.push(
@@ -277,7 +292,7 @@ class NativePair {
           await arrived;
         } else {
           const a = this.dAgents[pair.dstRank]!;
-          const reads: Promise<void>[] = [];
+          const reads: Promise<unknown>[] = [];
           pair.regionPairs.forEach((rp, j) => {
             if (rp.count === 0) return;
             reads.push(
@@ -313,6 +328,43 @@ interface Measured {
   plan: TransferPlan;
   own?: number;
   data?: number;
+  /** Hop -> µs after P's engine.prefillDone (both sidecars share this host's monotonic clock). */
+  hops?: Map<string, number>;
+}
+
+/** Both sides' traces on one time line, from P's receipt of PrefillDone to the router's KV_READY. */
+function hopOffsets(t: SidecarTimes, routerReadyUs: number): Map<string, number> | undefined {
+  const base = t.p?.trace.find((h) => h.hop === "engine.prefillDone")?.us;
+  if (base === undefined || t.d === undefined) return undefined;
+  const out = new Map<string, number>();
+  for (const [side, info] of [
+    ["P", t.p!],
+    ["D", t.d],
+  ] as const) {
+    for (const h of info.trace) {
+      const key = `${side} ${h.hop}`;
+      if (!out.has(key)) out.set(key, h.us - base);
+    }
+  }
+  out.set("router heard KV_READY", routerReadyUs - base);
+  return out;
+}
+
+/** p50/p99 of each hop over the requests, in the order of their p50. */
+function hopStats(ms: readonly Measured[]): HopStats[] {
+  const all = new Map<string, number[]>();
+  for (const m of ms)
+    for (const [hop, us] of m.hops ?? []) {
+      const list = all.get(hop) ?? [];
+      list.push(us);
+      all.set(hop, list);
+    }
+  return [...all]
+    .map(([hop, us]) => {
+      const st = stats(us);
+      return { hop, p50Us: st.p50, p99Us: st.p99, n: st.n };
+    })
+    .sort((a, b) => a.p50Us - b.p50Us);
 }
 
 async function runMode(
@@ -345,6 +397,7 @@ async function runMode(
     concurrency: 1,
     recordRequests: true,
     peerAuth: o.peerAuth ?? true,
+    ...(o.sidecarArgs.length > 0 ? { sidecarArgs: o.sidecarArgs } : {}),
     beforeStop: async (sidecars) => {
       await readTimings(
         sidecars.flatMap((s) => (s.grpc !== undefined ? [s.grpc] : [])),
@@ -377,6 +430,10 @@ async function runMode(
         m.own = t.d.timings.readyMs - t.p.timings.prefillDoneMs;
         const side = mode === "push" ? t.p : t.d;
         m.data = side.timings.dataDoneMs - side.timings.dataStartedMs;
+        // The router's clock (performance.now, this process) on the monotonic time line.
+        const routerReadyUs = monoUs() - (performance.now() - rec.readyMs) * 1000;
+        const hops = hopOffsets(t, routerReadyUs);
+        if (hops !== undefined) m.hops = hops;
       }
       return m;
     });
@@ -423,6 +480,7 @@ async function runMode(
       ratioP99: sidecar.p99 / ref.p99,
       sidecarGBps: bytes / (sidecar.p50 * 1e6),
       nativeGBps: bytes / (ref.p50 * 1e6),
+      hops: hopStats(ms),
     };
   });
 }
@@ -439,6 +497,7 @@ export async function runE2eBench(opts: E2eBenchOptions = {}): Promise<E2eBenchR
     peerAuth: opts.peerAuth ?? true,
     pBlock: opts.pBlock ?? 16,
     dBlock: opts.dBlock ?? 16,
+    sidecarArgs: opts.sidecarArgs ?? [],
   };
   const log = opts.log ?? ((): void => {});
   const rows: E2eRow[] = [];
@@ -506,6 +565,30 @@ export function formatE2eRows(rows: readonly E2eRow[]): string {
   return table(HEAD, rows.map(cells));
 }
 
+/** Where the time goes: one table per row, each hop's p50/p99 after PrefillDone and its step. */
+export function formatE2eHops(rows: readonly E2eRow[]): string {
+  const out: string[] = [];
+  for (const r of rows) {
+    if (r.hops.length === 0) continue;
+    out.push(
+      `\nwhere the time goes: ${r.mode} ${r.tokens} tokens (${fmt(r.bytes / 2 ** 20, 1)} MiB), ` +
+        `µs after P's sidecar received PrefillDone; native reference p50 ${fmt(r.nativeMs.p50 * 1000, 0)} µs`,
+    );
+    let prev = 0;
+    out.push(
+      table(
+        ["hop", "p50 µs", "step µs", "p99 µs", "n"],
+        r.hops.map((h) => {
+          const step = h.p50Us - prev;
+          prev = h.p50Us;
+          return [h.hop, fmt(h.p50Us, 0), fmt(step, 0), fmt(h.p99Us, 0), String(h.n)];
+        }),
+      ),
+    );
+  }
+  return out.join("\n");
+}
+
 /** One line: how far the sidecars are from the native addon, smallest and largest request. */
 export function e2eConclusion(rows: readonly E2eRow[]): string {
   const parts: string[] = [];
@@ -536,7 +619,7 @@ export const E2E_NOTES = [
 ].join("\n");
 
 const USAGE =
-  "usage: kvxfer bench e2e [--json] [--quick] [--modes push,pull] [--tokens 128,512,2048,8192] [--layers N] [--rounds N] [--reps N] [--peer-auth on|off]";
+  "usage: kvxfer bench e2e [--json] [--quick] [--modes push,pull] [--tokens 128,512,2048,8192] [--layers N] [--rounds N] [--reps N] [--peer-auth on|off] [--spin-us N]";
 
 export function parseE2eArgs(argv: readonly string[]): E2eBenchOptions & { json: boolean } {
   const a = new BenchArgs(argv, USAGE);
@@ -562,6 +645,8 @@ export function parseE2eArgs(argv: readonly string[]): E2eBenchOptions & { json:
   if (rounds !== undefined) o.rounds = rounds;
   const reps = a.number("--reps", 1);
   if (reps !== undefined) o.refReps = reps;
+  const spin = a.number("--spin-us", 0);
+  if (spin !== undefined) o.sidecarArgs = ["--spin-us", String(spin)];
   const auth = a.string("--peer-auth");
   if (auth !== undefined) {
     if (auth !== "on" && auth !== "off")
@@ -578,6 +663,7 @@ export function main(argv: string[] = process.argv.slice(2)): Promise<E2eBenchRe
     `  ${result.shape}`,
     formatE2eRows(result.rows),
     E2E_NOTES,
+    formatE2eHops(result.rows),
     e2eConclusion(result.rows),
   ]);
 }

@@ -701,7 +701,28 @@ void AgentWrap::UpdateRef(Napi::Env env) {
   }
 }
 
-void AgentWrap::Settle(Napi::Env env, const Event& ev) {
+namespace {
+
+// The operation's steps for JavaScript, in microseconds of CLOCK_MONOTONIC (0: not reached).
+Napi::Object TraceObject(Napi::Env env, const OpTrace& t, uint64_t delivered) {
+  Napi::Object o = Napi::Object::New(env);
+  auto set = [&](const char* key, uint64_t us) {
+    o.Set(key, Napi::Number::New(env, static_cast<double>(us)));
+  };
+  set("submittedUs", t.submitted);
+  set("startedUs", t.started);
+  set("firstPostUs", t.first_post);
+  set("postedUs", t.posted);
+  set("flushedUs", t.flushed);
+  set("notifiedUs", t.notified);
+  set("completedUs", t.completed);
+  set("deliveredUs", delivered);
+  return o;
+}
+
+}  // namespace
+
+void AgentWrap::Settle(Napi::Env env, const Event& ev, uint64_t delivered_us) {
   auto it = pending_.find(ev.id);
   if (it == pending_.end()) return;
   std::unique_ptr<Pending> p = std::move(it->second);
@@ -710,7 +731,7 @@ void AgentWrap::Settle(Napi::Env env, const Event& ev) {
   if (p->local) p->local->OpDone();
   if (p->remote) p->remote->OpDone();
   if (ev.status == UCS_OK) {
-    p->deferred.Resolve(env.Undefined());
+    p->deferred.Resolve(TraceObject(env, ev.trace, delivered_us));
   } else if (ev.status == UCS_ERR_CANCELED && state_ != HandleState::kOpen) {
     p->deferred.Reject(
         MakeError(env, "ERR_CLOSED", "transfer cancelled: the agent was closed").Value());
@@ -727,19 +748,22 @@ void AgentWrap::Deliver(Napi::Env env) {
   std::vector<Event> events;
   engine_->TakeEvents(&events);
   if (events.empty()) return;
+  const uint64_t delivered_us = MonoUs();
   Napi::HandleScope scope(env);
   Napi::Array batch = Napi::Array::New(env);
   uint32_t n = 0;
   for (const Event& ev : events) {
     switch (ev.kind) {
       case Event::Kind::kCompletion:
-        Settle(env, ev);
+        Settle(env, ev, delivered_us);
         break;
       case Event::Kind::kNotification: {
         Napi::Object o = Napi::Object::New(env);
         o.Set("type", "notification");
         o.Set("peer", Napi::String::New(env, ev.peer));
         o.Set("data", Napi::Buffer<uint8_t>::Copy(env, ev.bytes.data(), ev.bytes.size()));
+        o.Set("receivedUs", Napi::Number::New(env, static_cast<double>(ev.received_us)));
+        o.Set("deliveredUs", Napi::Number::New(env, static_cast<double>(delivered_us)));
         batch.Set(n++, o);
         break;
       }

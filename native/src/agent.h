@@ -70,7 +70,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   Napi::Value Submit(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,
                      RegionWrap* local, RemoteWrap* remote);
   void Deliver(Napi::Env env);
-  void Settle(Napi::Env env, const Event& ev);
+  void Settle(Napi::Env env, const Event& ev, uint64_t delivered_us);
   void UpdateRef(Napi::Env env);
 
   std::unique_ptr<ProgressEngine> engine_;

@@ -251,9 +251,11 @@ ucs_status_t ProgressEngine::RunSync(std::function<ucs_status_t()> fn) {
 }
 
 void ProgressEngine::Submit(std::unique_ptr<TransferOp> op) {
+  op->trace.submitted = MonoUs();
   TransferOp* raw = op.release();
   RunAsync([this, raw] {
     std::unique_ptr<TransferOp> owned(raw);
+    owned->trace.started = MonoUs();
     uint64_t id = owned->id;
     TransferOp* p = owned.get();
     ops_[id] = std::move(owned);
@@ -578,6 +580,7 @@ bool ProgressEngine::PostSome(TransferOp* op) {
   const size_t end = std::min(count, op->next + kPostChunk);
   const uint64_t* d = op->desc.data();
   uint64_t posted_bytes = 0;
+  if (op->next == 0) op->trace.first_post = MonoUs();
   for (; op->next < end && posted_bytes < kPostChunkBytes; ++op->next) {
     const uint64_t local = d[3 * op->next];
     const uint64_t remote = d[3 * op->next + 1];
@@ -596,6 +599,7 @@ bool ProgressEngine::PostSome(TransferOp* op) {
     if (req != nullptr) ucp_request_free(req);
   }
   if (op->status != UCS_OK || op->next == count) {
+    op->trace.posted = MonoUs();
     StartFlush(op);
     return false;
   }
@@ -629,6 +633,7 @@ void ProgressEngine::OnFlush(void* request, ucs_status_t status, void* user_data
 }
 
 void ProgressEngine::AfterFlush(TransferOp* op, ucs_status_t status) {
+  op->trace.flushed = MonoUs();
   if (op->abandoned) {
     Complete(op, status);  // no notification for a transfer JavaScript saw fail
     return;
@@ -659,6 +664,7 @@ void ProgressEngine::StartNotify(TransferOp* op) {
   ucs_status_ptr_t req = ucp_am_send_nbx(ep->ep, kNotifyAmId, opts_.name.data(), opts_.name.size(),
                                          op->notification.data(), op->notification.size(), &param);
   if (req == nullptr) {
+    op->trace.notified = MonoUs();
     Complete(op, UCS_OK);
   } else if (UCS_PTR_IS_ERR(req)) {
     Complete(op, UCS_PTR_STATUS(req));
@@ -668,6 +674,7 @@ void ProgressEngine::StartNotify(TransferOp* op) {
 void ProgressEngine::OnNotifySent(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<TransferOp*>(user_data);
   ucp_request_free(request);
+  op->trace.notified = MonoUs();
   op->ep->engine->Complete(op, status);
 }
 
@@ -684,6 +691,8 @@ void ProgressEngine::Complete(TransferOp* op, ucs_status_t status) {
   ev.kind = Event::Kind::kCompletion;
   ev.id = op->id;
   ev.status = status;
+  ev.trace = op->trace;
+  ev.trace.completed = MonoUs();
   ops_.erase(op->id);  // destroys op
   PushEvent(std::move(ev));
 }
@@ -709,6 +718,7 @@ ucs_status_t ProgressEngine::OnAm(void* arg, const void* header, size_t header_l
                                   size_t length, const ucp_am_recv_param_t* param) {
   auto* engine = static_cast<ProgressEngine*>(arg);
   Event ev;
+  ev.received_us = MonoUs();
   ev.peer.assign(static_cast<const char*>(header), std::min<size_t>(header_length, 256));
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ||
       length > engine->opts_.max_notification_bytes || header_length > 256) {

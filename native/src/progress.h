@@ -4,6 +4,7 @@
 // thread, and builds JavaScript results from Events back on the JS thread.
 #pragma once
 
+#include <time.h>
 #include <ucp/api/ucp.h>
 
 #include <atomic>
@@ -25,6 +26,26 @@ namespace kvxfer {
 constexpr uint16_t kNotifyAmId = 0x4b58;  // "KX"
 
 enum class OpKind { kWrite, kRead, kNotify };
+
+// Microseconds of CLOCK_MONOTONIC: Node's process.hrtime reads the same clock, so native and
+// JavaScript timestamps taken on one host compare, across processes too.
+inline uint64_t MonoUs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000u + static_cast<uint64_t>(ts.tv_nsec) / 1000u;
+}
+
+// When an operation passed each step (MonoUs; 0: not reached). Written by the JS thread
+// (submitted) before the hand-off, by the progress thread after it.
+struct OpTrace {
+  uint64_t submitted = 0;   // handed to the progress thread
+  uint64_t started = 0;     // the progress thread took it
+  uint64_t first_post = 0;  // first put/get posted
+  uint64_t posted = 0;      // last put/get posted
+  uint64_t flushed = 0;     // the flush completed: every byte remotely complete
+  uint64_t notified = 0;    // the notification's send completed
+  uint64_t completed = 0;   // the completion was queued for JavaScript
+};
 
 // One UCX endpoint. Touched by the progress thread only, except `failed`,
 // which the JS thread may read.
@@ -58,6 +79,7 @@ struct TransferOp {
   std::vector<uint64_t> desc;
   std::vector<uint8_t> notification;
   bool has_notification = false;
+  OpTrace trace;
 
   // Progress-thread state.
   size_t next = 0;
@@ -72,6 +94,8 @@ struct Event {
   ucs_status_t status = UCS_OK;
   std::string peer;            // notifications: the sender agent's name
   std::vector<uint8_t> bytes;  // notifications: the payload
+  OpTrace trace;               // completions: the operation's steps
+  uint64_t received_us = 0;    // notifications: when the progress thread received it
 };
 
 struct EngineOptions {

@@ -217,6 +217,7 @@ export function transferToProto(t: TransferInfo): Transfer {
       readyMs: big(t.timings.readyMs),
       endedMs: big(t.timings.endedMs),
     },
+    trace: t.trace.map((h) => ({ hop: h.hop, atUs: big(h.us) })),
   });
 }
 
@@ -239,5 +240,6 @@ export function transferFromProto(t: Transfer): TransferInfo {
       readyMs: num(tm?.readyMs ?? 0n),
       endedMs: num(tm?.endedMs ?? 0n),
     },
+    trace: t.trace.map((h) => ({ hop: h.hop, us: num(h.atUs) })),
   };
 }

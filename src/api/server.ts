@@ -357,6 +357,7 @@ class SidecarRpcs {
           onEvent: (ev) => {
             w.lastSentSeq = ev.seq;
             send(s.encodeEvent(ev));
+            if (ev.transferId !== "") s.view.traced?.(ev.transferId, ev.side, "event.written");
           },
           onCaughtUp: () => {
             w.lastSentSeq = Math.max(w.lastSentSeq, w.sub?.scannedSeq ?? 0);
@@ -415,8 +416,11 @@ class SidecarRpcs {
       })
       .then(
         (ev) => {
-          if (ev !== undefined)
-            return cb(null, create(AwaitTransferResponseSchema, { event: eventToProto(ev) }));
+          if (ev !== undefined) {
+            cb(null, create(AwaitTransferResponseSchema, { event: eventToProto(ev) }));
+            s.view.traced?.(ev.transferId, ev.side, "event.answered");
+            return;
+          }
           if (call.cancelled) return;
           if (s.closing) return cb(fail(grpc.status.UNAVAILABLE, "the sidecar is shutting down"));
           cb(

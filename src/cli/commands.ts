@@ -327,6 +327,12 @@ export const COMMANDS: readonly CommandSpec[] = [
         help: "per call",
         def: "10000",
       },
+      {
+        name: "trace",
+        kind: STR,
+        arg: "TRANSFER_ID",
+        help: "instead: that transfer's hops on this sidecar (µs, this host's monotonic clock)",
+      },
       ...CLIENT_OPTIONS,
     ],
     epilog: ADDRESS_EPILOG,
@@ -445,6 +451,11 @@ export const COMMANDS: readonly CommandSpec[] = [
       { name: "rounds", kind: POS_INT, help: "rounds per length" },
       { name: "reps", kind: POS_INT, help: "native reference repetitions" },
       PEER_AUTH,
+      {
+        name: "spin-us",
+        kind: NON_NEG_INT,
+        help: "both sidecars' --spin-us (default: the sidecar's own default)",
+      },
     ],
     async (argv) => {
       (await import("../../bench/e2e.js")).parseE2eArgs(argv);

@@ -1,5 +1,6 @@
 /**
- * kvxfer status <addr> [--json] [TLS flags]: what a sidecar is doing, as a table.
+ * kvxfer status <addr> [--json] [TLS flags]: what a sidecar is doing, as a table;
+ * with --trace ID, the hops of one transfer on that sidecar.
  */
 import {
   type CliIo,
@@ -11,7 +12,8 @@ import {
   table,
   toJson,
 } from "./grpc-client.js";
-import type { SidecarStatusReply } from "../api/client.js";
+import type { SidecarClient, SidecarStatusReply } from "../api/client.js";
+import type { TransferInfo } from "../sidecar/view.js";
 
 export function formatStatus(s: SidecarStatusReply, health: string, nowMs = Date.now()): string[] {
   const lines = [
@@ -71,6 +73,7 @@ export async function runStatus(argv: string[], io: CliIo = {}): Promise<number>
     options: {
       json: { type: "boolean", default: false },
       timeout: { type: "string" },
+      trace: { type: "string" },
     },
     positionals: 1,
     check: (values) => {
@@ -84,6 +87,10 @@ export async function runStatus(argv: string[], io: CliIo = {}): Promise<number>
   });
   if (cmd === undefined) return 2;
   const { client, values } = cmd;
+  if (values.trace !== undefined)
+    return showTrace(client, String(values.trace), values.json === true, out, err, (e) =>
+      cmd.explain(e),
+    );
   try {
     const [status, health] = await Promise.all([
       client.getStatus(),
@@ -94,6 +101,50 @@ export async function runStatus(argv: string[], io: CliIo = {}): Promise<number>
     return 0;
   } catch (e) {
     err(`kvxfer status: ${cmd.explain(e)}`);
+    return 1;
+  } finally {
+    client.close();
+  }
+}
+
+/** One transfer's trace on this sidecar: each hop, µs after its first, and the step before it. */
+export function formatTrace(t: TransferInfo): string[] {
+  const lines = [`${t.side} ${t.transferId}: ${t.state}${t.mode !== "" ? ` (${t.mode})` : ""}`];
+  if (t.trace.length === 0) return [...lines, "  no hops recorded"];
+  const first = t.trace[0]!.us;
+  const rows = t.trace.map((h, i) => {
+    const step = i === 0 ? 0 : h.us - t.trace[i - 1]!.us;
+    return [h.hop, String(h.us - first), String(step)];
+  });
+  const width = Math.max(3, ...rows.map((r) => r[0]!.length));
+  lines.push(`  ${"hop".padEnd(width)}  ${"µs".padStart(9)}  ${"step µs".padStart(9)}`);
+  for (const [hop, at, step] of rows)
+    lines.push(`  ${hop!.padEnd(width)}  ${at!.padStart(9)}  ${step!.padStart(9)}`);
+  return lines;
+}
+
+async function showTrace(
+  client: SidecarClient,
+  transferId: string,
+  json: boolean,
+  out: (l: string) => void,
+  err: (l: string) => void,
+  explain: (e: unknown) => string,
+): Promise<number> {
+  try {
+    const { transfers } = await client.listTransfers({ limit: 10_000 });
+    const mine = transfers.filter((t) => t.transferId === transferId);
+    if (mine.length === 0) {
+      err(
+        `kvxfer status: no transfer '${transferId}' on this sidecar (ended transfers are kept only while their tombstones last)`,
+      );
+      return 1;
+    }
+    if (json) out(toJson(mine.map((t) => ({ side: t.side, state: t.state, trace: t.trace }))));
+    else for (const t of mine) for (const l of formatTrace(t)) out(l);
+    return 0;
+  } catch (e) {
+    err(`kvxfer status: ${explain(e)}`);
     return 1;
   } finally {
     client.close();

@@ -10,6 +10,7 @@ import { EventEmitter } from "node:events";
 import { existsSync } from "node:fs";
 import { createRequire } from "node:module";
 import { dirname, join } from "node:path";
+import { performance } from "node:perf_hooks";
 import { fileURLToPath } from "node:url";
 
 import { KvxferError } from "../errors.js";
@@ -43,7 +44,7 @@ interface NativeEndpoint {
 }
 
 type NativeEvent =
-  | { type: "notification"; peer: string; data: Buffer }
+  | { type: "notification"; peer: string; data: Buffer; receivedUs: number; deliveredUs: number }
   | { type: "endpointFailed"; endpointId: number; code: string; ucsStatus: number }
   | { type: "notificationDropped"; peer: string; bytes: number };
 
@@ -67,8 +68,8 @@ interface NativeAgent {
     remote: NativeRemoteRegion,
     descriptors: Descriptors,
     notification?: Uint8Array,
-  ): Promise<void>;
-  notify(ep: NativeEndpoint, bytes: Uint8Array): Promise<void>;
+  ): Promise<OpTrace>;
+  notify(ep: NativeEndpoint, bytes: Uint8Array): Promise<OpTrace>;
   close(): void;
 }
 
@@ -171,6 +172,44 @@ export interface Notification {
   /** The sending agent's name. */
   peer: string;
   data: Buffer;
+  /** When this agent's progress thread received it (monoUs()). */
+  receivedUs: number;
+  /** When it reached JavaScript (monoUs()). */
+  deliveredUs: number;
+}
+
+/**
+ * When a write, read or notification passed each step, in microseconds of CLOCK_MONOTONIC
+ * (monoUs(); comparable between processes of one host); 0: the step did not happen (a
+ * notification posts nothing and flushes nothing; a write without one notifies nothing).
+ */
+export interface OpTrace {
+  /** Handed from the JavaScript thread to the progress thread. */
+  submittedUs: number;
+  /** Taken by the progress thread. */
+  startedUs: number;
+  /** First put/get posted. */
+  firstPostUs: number;
+  /** Last put/get posted. */
+  postedUs: number;
+  /** Flush complete: every byte remotely complete. */
+  flushedUs: number;
+  /** The notification's send completed. */
+  notifiedUs: number;
+  /** The completion queued for JavaScript. */
+  completedUs: number;
+  /** The completion reached JavaScript. */
+  deliveredUs: number;
+}
+
+const MONO_OFFSET_US = Number(process.hrtime.bigint() / 1000n) - performance.now() * 1000;
+
+/**
+ * Microseconds of CLOCK_MONOTONIC, the clock of OpTrace and Notification timestamps: comparable
+ * between processes of one host (not between hosts).
+ */
+export function monoUs(): number {
+  return Math.round(performance.now() * 1000 + MONO_OFFSET_US);
 }
 
 export interface AgentEvents {
@@ -202,9 +241,9 @@ function call<T>(fn: () => T): T {
 }
 
 /** Awaits a native promise; a rejection becomes a KvxferError with the caller's stack. */
-async function settle(promise: Promise<void>, site: Error): Promise<void> {
+async function settle<T>(promise: Promise<T>, site: Error): Promise<T> {
   try {
-    await promise;
+    return await promise;
   } catch (err) {
     throw KvxferError.from(err, site);
   }
@@ -437,7 +476,7 @@ export class Agent extends EventEmitter<AgentEvents> {
     remote: RemoteRegion,
     descriptors: Descriptors,
     notification?: Uint8Array,
-  ): Promise<void> {
+  ): Promise<OpTrace> {
     const site = new Error();
     this.checkTransfer(ep, local, remote, descriptors);
     if (notification !== undefined) {
@@ -450,7 +489,12 @@ export class Agent extends EventEmitter<AgentEvents> {
   }
 
   /** One-sided READ of every descriptor from `remote` into `local`; resolves when all data is local. */
-  read(ep: Endpoint, local: Region, remote: RemoteRegion, descriptors: Descriptors): Promise<void> {
+  read(
+    ep: Endpoint,
+    local: Region,
+    remote: RemoteRegion,
+    descriptors: Descriptors,
+  ): Promise<OpTrace> {
     const site = new Error();
     this.checkTransfer(ep, local, remote, descriptors);
     const p = call(() =>
@@ -460,7 +504,7 @@ export class Agent extends EventEmitter<AgentEvents> {
   }
 
   /** Sends a notification; it arrives after every write on `ep` that completed before this call. */
-  notify(ep: Endpoint, bytes: Uint8Array): Promise<void> {
+  notify(ep: Endpoint, bytes: Uint8Array): Promise<OpTrace> {
     const site = new Error();
     check(
       ep instanceof Endpoint && ep.agent === this,
@@ -510,7 +554,12 @@ export class Agent extends EventEmitter<AgentEvents> {
     let notes: Notification[] | undefined;
     for (const ev of batch) {
       if (ev.type === "notification") {
-        (notes ??= []).push({ peer: ev.peer, data: ev.data });
+        (notes ??= []).push({
+          peer: ev.peer,
+          data: ev.data,
+          receivedUs: ev.receivedUs,
+          deliveredUs: ev.deliveredUs,
+        });
       } else if (ev.type === "notificationDropped") {
         this.emit("notificationDropped", ev.peer, ev.bytes);
       } else {

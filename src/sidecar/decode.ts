@@ -7,6 +7,7 @@
  */
 import { FailureReason, ReleaseReason, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
 import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
+import type { Notification, OpTrace } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 
 import { descriptorsForSide, mapRanks, planTransfer, type TransferPlan } from "../plan/index.js";
@@ -23,6 +24,7 @@ import {
 import type { PeerState } from "./peers.js";
 import { SideTable } from "./side-table.js";
 import { newTimings, type Timings } from "./timings.js";
+import { markPairSteps, TransferTrace } from "./trace.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
 
 /** How a failing transfer ends once it is safe (decided when the failure began). */
@@ -63,6 +65,7 @@ export interface DecodeTransfer {
   descriptors: number;
   reason: string;
   t: Timings;
+  trace: TransferTrace;
 }
 
 /** How D reaches P: its metadata from the cache or by a handshake. */
@@ -122,11 +125,13 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const peer = t.peer?.engineId ?? "";
     if (kind === "KV_READY") {
       ctx.toEngine({ case: "kvReady", value: { transferId: t.id } });
+      t.trace.mark("engine.kvReady sent");
       // Prefill done -> ready: for push P reports its side; for pull the router sent
       // ExpectKv only once prefill was done, so registration stands in for it.
       const latency = t.mode === "push" ? t.sincePrefillDoneMs : ctx.clock.now() - t.t.registeredMs;
       ctx.metrics()?.transferReady(t.mode, latency, t.bytes, t.descriptors);
       ctx.emit("KV_READY", t.id, peer, "decode", "", t.bytes, t.mode);
+      t.trace.mark("event.appended");
       return;
     }
     const o = t.outcome!;
@@ -135,6 +140,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       value: { transferId: t.id, blockIds: t.dstBlocks, reason: o.release },
     });
     ctx.emit(kind, t.id, peer, "decode", o.code, t.bytes, t.mode);
+    t.trace.mark("event.appended");
   }
 
   protected info(t: DecodeTransfer): TransferInfo {
@@ -148,12 +154,14 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       descriptors: t.descriptors,
       reason: t.reason,
       timings: { ...t.t },
+      trace: [...t.trace.hops],
     };
   }
 
   // --- the engine ----------------------------------------------------------------
 
-  expectKv(m: ExpectKv, pullWanted: boolean): void {
+  /** `receivedUs`: when the engine's message arrived (monoUs). */
+  expectKv(m: ExpectKv, pullWanted: boolean, receivedUs?: number): void {
     const { ctx } = this;
     const existing = this.transfers.get(m.transferId);
     if (existing !== undefined) {
@@ -206,7 +214,9 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       descriptors: 0,
       reason: "",
       t: newTimings(),
+      trace: new TransferTrace(),
     };
+    t.trace.mark("engine.expectKv", receivedUs);
     this.transfers.set(t.id, t);
     this.claims.claim(written, t.id);
     begin(this.lc, t, "WAITING", "ExpectKv");
@@ -270,6 +280,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
           token: t.token,
         },
       });
+      t.trace.mark("peer.pushReg sent");
     } else {
       await this.pull(t, peer);
     }
@@ -300,10 +311,12 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       );
       return;
     }
+    t.trace.mark("planned");
     transition(this.lc, t, "MOVING", "pull planned");
     t.bytes = plan.bytes;
     t.descriptors = plan.descriptorCount;
-    const reads: Promise<void>[] = [];
+    const reads: Promise<OpTrace>[] = [];
+    const pairOf: string[] = [];
     try {
       for (const pair of plan.pairs) {
         const agent = kv.agents[pair.dstRank]!;
@@ -311,6 +324,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         for (const rp of pair.regionPairs) {
           if (rp.count === 0) continue;
           const remote = peer.remote(pair.dstRank, pair.srcRank, rp.srcRegion);
+          pairOf.push(`${pair.srcRank}>${pair.dstRank}`);
           reads.push(
             agent.read(
               ep,
@@ -328,6 +342,13 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const settled = await Promise.allSettled(reads);
     t.readsInFlight = 0;
     t.t.dataDoneMs = ctx.clock.now();
+    for (const name of new Set(pairOf)) {
+      const ops: OpTrace[] = [];
+      settled.forEach((r, i) => {
+        if (r.status === "fulfilled" && pairOf[i] === name) ops.push(r.value);
+      });
+      markPairSteps(t.trace, name, ops);
+    }
     if (t.state === "DRAINING") {
       // Aborted or timed out while reading: the reads are over, the blocks are safe now.
       this.settle(t);
@@ -361,13 +382,24 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       case: "readDone",
       value: { transferId: t.id, bytes: BigInt(t.bytes), token: t.token },
     });
+    t.trace.mark("peer.readDone sent");
   }
 
   // --- the prefill peer ------------------------------------------------------------
 
-  readAck(peer: PeerState, transferId: string, held: boolean, unknown: boolean): void {
+  readAck(
+    peer: PeerState,
+    transferId: string,
+    held: boolean,
+    unknown: boolean,
+    n?: Pick<Notification, "receivedUs" | "deliveredUs">,
+  ): void {
     const t = this.transfers.get(transferId);
     if (t === undefined || t.peer !== peer || t.state !== "CONFIRMING" || t.mode !== "pull") return;
+    if (n !== undefined) {
+      t.trace.mark("peer.readAck received", n.receivedUs);
+      t.trace.mark("peer.readAck delivered", n.deliveredUs);
+    }
     if (unknown) {
       // P has not seen PrefillDone yet, so it cannot have released the blocks: ask again
       // shortly (the watchdog bounds how long).
@@ -392,7 +424,13 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   }
 
   /** One pair's data is in D's blocks (push); the last one makes the KV ready. */
-  xferDone(peer: PeerState, fromRank: number, toRank: number, m: XferDone): void {
+  xferDone(
+    peer: PeerState,
+    fromRank: number,
+    toRank: number,
+    m: XferDone,
+    n?: Pick<Notification, "receivedUs" | "deliveredUs">,
+  ): void {
     const { ctx } = this;
     const t = this.transfers.get(m.transferId);
     if (t === undefined) {
@@ -423,6 +461,10 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const key = `${m.srcRank}:${m.dstRank}`;
     if (!t.expectedPairs.has(key)) return;
     if (t.t.dataStartedMs === 0) t.t.dataStartedMs = ctx.clock.now();
+    if (n !== undefined) {
+      t.trace.mark(`pair ${m.srcRank}>${m.dstRank} xferDone received`, n.receivedUs);
+      t.trace.mark(`pair ${m.srcRank}>${m.dstRank} xferDone delivered`, n.deliveredUs);
+    }
     t.donePairs.add(key);
     t.bytes += Number(m.bytes);
     t.sincePrefillDoneMs = Math.max(t.sincePrefillDoneMs, m.sincePrefillDoneMs);

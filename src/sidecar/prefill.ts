@@ -7,6 +7,7 @@
  */
 import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
 import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
+import type { OpTrace } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 
 import { tokensEqual } from "../peer/messages.js";
@@ -24,6 +25,7 @@ import {
 import type { PeerState } from "./peers.js";
 import { SideTable } from "./side-table.js";
 import { newTimings, type Timings } from "./timings.js";
+import { markPairSteps, TransferTrace } from "./trace.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
 
 /** D's push registration: where P writes, under D's lease. */
@@ -60,6 +62,7 @@ export interface PrefillTransfer {
   descriptors: number;
   reason: string;
   t: Timings;
+  trace: TransferTrace;
 }
 
 /** Registrations from decode engines other than the first, before PrefillDone, at most. */
@@ -114,8 +117,10 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         case: "releaseBlocks",
         value: { transferId: t.id, blockIds: t.blocks, reason: releaseReason(kind) },
       });
+      t.trace.mark("engine.releaseBlocks sent");
     }
     this.ctx.emit(kind, t.id, t.peer, "prefill", t.reason, t.bytes, t.mode);
+    t.trace.mark("event.appended");
   }
 
   protected info(t: PrefillTransfer): TransferInfo {
@@ -129,6 +134,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       descriptors: t.descriptors,
       reason: t.reason,
       timings: { ...t.t },
+      trace: [...t.trace.hops],
     };
   }
 
@@ -156,12 +162,14 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       descriptors: 0,
       reason: "",
       t: newTimings(),
+      trace: new TransferTrace(),
     };
   }
 
   // --- the engine ----------------------------------------------------------------
 
-  prefillDone(m: PrefillDone): void {
+  /** `receivedUs`: when the engine's message arrived (monoUs). */
+  prefillDone(m: PrefillDone, receivedUs?: number): void {
     const { ctx } = this;
     const s = ctx.settings;
     if (s.exclusivePrefillBlocks) {
@@ -210,6 +218,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     t.numTokens = m.numTokens;
     t.token = m.token;
     t.t.prefillDoneMs = ctx.clock.now();
+    t.trace.mark("engine.prefillDone", receivedUs);
     this.transfers.set(t.id, t);
     const reg = this.settleRegistrations(t);
     if (existing === undefined) begin(this.lc, t, "HELD", "PrefillDone");
@@ -236,7 +245,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
 
   // --- the decode peer -----------------------------------------------------------
 
-  pushReg(peer: PeerState, m: PushReg): void {
+  /** `receivedUs`: when our progress thread received D's notification (monoUs). */
+  pushReg(peer: PeerState, m: PushReg, receivedUs?: number): void {
     const { ctx } = this;
     const now = ctx.clock.now();
     const existing = this.transfers.get(m.transferId);
@@ -291,6 +301,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     t.peer = peer.engineId;
     t.mode = "push";
     t.t.registeredMs = now;
+    t.trace.mark("peer.pushReg", receivedUs);
     this.transfers.set(t.id, t);
     if (existing === undefined) begin(this.lc, t, "WAITING", "PushReg before PrefillDone");
     else void this.push(t); // HELD: prefill is done
@@ -358,13 +369,14 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       this.end(t, "FAILED", e.code);
       return;
     }
+    t.trace.mark("planned");
     const plannedAt = performance.now();
     // A registration whose lease ran out must not be written to: D may have released the blocks.
     const results = await Promise.allSettled(
       plan.pairs.map(async (pair) => {
         const agent = kv.agents[pair.srcRank]!;
         const ep = peer.endpoint(pair.srcRank, pair.dstRank);
-        const writes: Promise<void>[] = [];
+        const writes: Promise<OpTrace>[] = [];
         try {
           for (const rp of pair.regionPairs) {
             if (rp.count === 0) continue;
@@ -393,7 +405,13 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         const settled = await Promise.allSettled(writes);
         const bad = settled.find((s) => s.status === "rejected");
         if (bad !== undefined) throw (bad as PromiseRejectedResult).reason;
-        await agent.notify(
+        const name = `${pair.srcRank}>${pair.dstRank}`;
+        markPairSteps(
+          t.trace,
+          name,
+          settled.map((s) => (s as PromiseFulfilledResult<OpTrace>).value),
+        );
+        const sent = await agent.notify(
           ep,
           ctx.seal(peer, {
             case: "xferDone",
@@ -406,6 +424,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
             },
           }),
         );
+        markPairSteps(t.trace, `${name} xferDone`, [sent]);
       }),
     );
     t.t.dataDoneMs = ctx.clock.now();

@@ -5,9 +5,10 @@
  */
 import type { SideContext } from "./context.js";
 import { isTerminal, type Lifecycle, type Tracked } from "./lifecycle.js";
+import type { TransferTrace } from "./trace.js";
 import type { TerminalKind, TransferInfo, TransferSide } from "./view.js";
 
-export abstract class SideTable<S extends string, T extends Tracked<S>> {
+export abstract class SideTable<S extends string, T extends Tracked<S> & { trace: TransferTrace }> {
   protected readonly transfers = new Map<string, T>();
   protected readonly lc: Lifecycle<S, T>;
 
@@ -49,6 +50,11 @@ export abstract class SideTable<S extends string, T extends Tracked<S>> {
   protected atCapacity(): boolean {
     const max = this.ctx.settings.maxTransfers;
     return this.transfers.size >= max && this.live() >= max;
+  }
+
+  /** Adds a hop to a transfer's trace (now); unknown ids: nothing. */
+  mark(transferId: string, hop: string): void {
+    this.transfers.get(transferId)?.trace.mark(hop);
   }
 
   list(): TransferInfo[] {

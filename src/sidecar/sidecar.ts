@@ -35,6 +35,7 @@ import { DecodeSide } from "./decode.js";
 import type { TransferMetrics } from "./metrics.js";
 import { PeerTable, type PeerTableHost, type RegisteredKv } from "./peers.js";
 import { PrefillSide } from "./prefill.js";
+import { monoUs } from "./trace.js";
 import type {
   EventKind,
   SidecarEvent,
@@ -306,6 +307,7 @@ export class Sidecar implements SidecarView {
    * registered still hears why its message was refused), everything else to the registered engine.
    */
   onEngineMessage(msg: EngineToSidecar, reply?: EngineSender, conn?: EngineConnection): void {
+    const receivedUs = monoUs();
     this.replyTo = reply;
     try {
       if (msg.msg.case === "register") {
@@ -345,7 +347,7 @@ export class Sidecar implements SidecarView {
               "ERR_WRONG_ROLE",
               "PrefillDone sent to a decode sidecar",
             );
-          this.prefill.prefillDone(msg.msg.value);
+          this.prefill.prefillDone(msg.msg.value, receivedUs);
           break;
         case "expectKv":
           if (this.role === "prefill")
@@ -358,6 +360,7 @@ export class Sidecar implements SidecarView {
           this.decode.expectKv(
             msg.msg.value,
             this.mode === "pull" || (this.mode === "auto" && msg.msg.value.hasSourceBlockIds),
+            receivedUs,
           );
           break;
         case "abort":
@@ -621,17 +624,17 @@ export class Sidecar implements SidecarView {
               },
             });
           } else {
-            this.prefill.pushReg(peer, b.value);
+            this.prefill.pushReg(peer, b.value, n.receivedUs);
           }
           break;
         case "xferDone":
-          this.decode.xferDone(peer, v.fromRank, rank, b.value);
+          this.decode.xferDone(peer, v.fromRank, rank, b.value, n);
           break;
         case "readDone":
           this.prefill.readDone(peer, b.value.transferId, Number(b.value.bytes), b.value.token);
           break;
         case "readAck":
-          this.decode.readAck(peer, b.value.transferId, b.value.held, b.value.unknown);
+          this.decode.readAck(peer, b.value.transferId, b.value.held, b.value.unknown, n);
           break;
         case "heartbeat":
           this.prefill.renewLeases(peer, b.value.transferIds);
@@ -723,6 +726,11 @@ export class Sidecar implements SidecarView {
       leaseTableSize: this.prefill.leased(),
       lastErrors: [...this.lastErrors],
     };
+  }
+
+  traced(transferId: string, side: TransferSide | "", hop: string): void {
+    if (side !== "decode") this.prefill.mark(transferId, hop);
+    if (side !== "prefill") this.decode.mark(transferId, hop);
   }
 
   transfers(filter: TransferFilter = {}): TransferInfo[] {

@@ -4,6 +4,8 @@
  * `SidecarView`; `src/api/` only reads through it.
  */
 
+import type { TraceHop } from "./trace.js";
+
 export type SidecarRole = "prefill" | "decode" | "both";
 export type TransferMode = "push" | "pull" | "auto";
 /** Which side of a transfer this sidecar is on. */
@@ -62,6 +64,8 @@ export interface TransferInfo {
   readonly descriptors: number;
   readonly reason: string;
   readonly timings: TransferTimings;
+  /** The critical path's hops on this side, in order (monoUs; see trace.ts). */
+  readonly trace: readonly TraceHop[];
 }
 
 export interface PeerInfo {
@@ -100,4 +104,6 @@ export interface SidecarView {
   status(): SidecarStatus;
   /** Live and recently ended transfers (ended ones while their tombstones last). */
   transfers(filter?: TransferFilter): TransferInfo[];
+  /** Adds a hop to a transfer's trace (e.g. its event written to a watcher); unknown ids: nothing. */
+  traced?(transferId: string, side: TransferSide | "", hop: string): void;
 }

@@ -34,6 +34,7 @@ interface MutableTransfer {
     readyMs: number;
     endedMs: number;
   };
+  trace: { hop: string; us: number }[];
 }
 
 export class FixtureSidecar implements SidecarView {
@@ -81,7 +82,7 @@ export class FixtureSidecar implements SidecarView {
     for (const t of this.table.values()) {
       if (filter.states !== undefined && !filter.states.includes(t.state)) continue;
       if (filter.peer !== undefined && t.peer !== filter.peer) continue;
-      out.push({ ...t, timings: { ...t.timings } });
+      out.push({ ...t, timings: { ...t.timings }, trace: [...t.trace] });
     }
     return out;
   }
@@ -106,6 +107,7 @@ export class FixtureSidecar implements SidecarView {
         readyMs: 0,
         endedMs: 0,
       },
+      trace: [{ hop: "engine.expectKv", us: now * 1000 }],
     });
   }
 

@@ -44,7 +44,7 @@ afterEach(() => {
 });
 
 /** Twenty WRITEs of 20 000 descriptors of 256 bytes from `a` to `b`: far more than finish at once. */
-function twentyBigWrites(): { big: Region; r: RemoteRegion; pending: Promise<void>[] } {
+function twentyBigWrites(): { big: Region; r: RemoteRegion; pending: Promise<unknown>[] } {
   const big = a.registerMemory(new Uint8Array(8 << 20));
   const bigDst = b.registerMemory(new Uint8Array(8 << 20));
   const r = ep.importRemote(bigDst.remoteKey());
@@ -54,7 +54,7 @@ function twentyBigWrites(): { big: Region; r: RemoteRegion; pending: Promise<voi
 }
 
 /** Each transfer's outcome: "done", or its error code. */
-function outcomes(pending: Promise<void>[]): Promise<string[]> {
+function outcomes(pending: Promise<unknown>[]): Promise<string[]> {
   return Promise.all(
     pending.map((p) =>
       p.then(

@@ -6,6 +6,7 @@ import { afterEach, beforeEach, describe, expect, it } from "vitest";
 
 import {
   Agent,
+  monoUs,
   type Endpoint,
   type Notification,
   type Region,
@@ -181,6 +182,45 @@ describe("in-process transfers over shared memory", () => {
     expect(incomplete).toBe(0);
   });
 
+  it("times each step of a write with its notification, and the notification's arrival", async () => {
+    const x = side(a, 64 << 10, 5);
+    const y = side(b, 64 << 10);
+    const xy = link(x, y);
+    const notes: Notification[] = [];
+    b.on("notifications", (batch: Notification[]) => notes.push(...batch));
+    const before = monoUs();
+    const descs = new Float64Array([0, 0, 32 << 10, 32 << 10, 32 << 10, 32 << 10]);
+    const t = await a.write(xy.ep, x.region, xy.remote, descs, Buffer.from("done"));
+    const after = monoUs();
+    await until(() => notes.length === 1);
+    expect(Buffer.compare(y.mem, x.mem)).toBe(0);
+    // Every step happened, in order, between the call and its resolution (one clock: monoUs).
+    const steps = [
+      t.submittedUs,
+      t.startedUs,
+      t.firstPostUs,
+      t.postedUs,
+      t.flushedUs,
+      t.notifiedUs,
+      t.completedUs,
+      t.deliveredUs,
+    ];
+    expect(steps[0]).toBeGreaterThanOrEqual(before);
+    for (let i = 1; i < steps.length; i++) expect(steps[i]).toBeGreaterThanOrEqual(steps[i - 1]!);
+    expect(steps[steps.length - 1]).toBeLessThanOrEqual(after);
+    // The notification left after the flush, reached b's progress thread, then JavaScript.
+    const n = notes[0]!;
+    expect(n.receivedUs).toBeGreaterThanOrEqual(t.flushedUs);
+    expect(n.deliveredUs).toBeGreaterThanOrEqual(n.receivedUs);
+    // A notification alone posts and flushes nothing; a read notifies nothing.
+    const alone = await a.notify(xy.ep, Buffer.from("x"));
+    expect([alone.firstPostUs, alone.postedUs, alone.flushedUs]).toEqual([0, 0, 0]);
+    expect(alone.notifiedUs).toBeGreaterThanOrEqual(alone.startedUs);
+    const r = await a.read(xy.ep, x.region, xy.remote, descs);
+    expect(r.notifiedUs).toBe(0);
+    expect(r.flushedUs).toBeGreaterThanOrEqual(r.postedUs);
+  });
+
   it("sends standalone notifications in order, in batches", async () => {
     const x = side(a, 4096);
     const y = side(b, 4096);
@@ -191,7 +231,7 @@ describe("in-process transfers over shared memory", () => {
       batches++;
       for (const n of batch) got.push(n.data.readUInt32LE(0));
     });
-    const sends: Promise<void>[] = [];
+    const sends: Promise<unknown>[] = [];
     for (let i = 0; i < 2000; i++) {
       const buf = Buffer.alloc(4);
       buf.writeUInt32LE(i);

@@ -11,7 +11,7 @@ import {
   type PrefillDone,
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { AgentMetadataSchema, RankMetadataSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
-import type { Agent, Region } from "../../src/native/index.js";
+import type { Agent, OpTrace, Region } from "../../src/native/index.js";
 import type { PeerBody } from "../../src/peer/messages.js";
 import { kvLayout, type KvLayout } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
@@ -48,14 +48,32 @@ export class ManualClock implements Clock {
   }
 }
 
+/** What the addon resolves an operation with: its steps (here all at one made-up time). */
+function opTrace(): OpTrace {
+  const us = 1_000_000;
+  return {
+    submittedUs: us,
+    startedUs: us,
+    firstPostUs: us,
+    postedUs: us,
+    flushedUs: us,
+    notifiedUs: 0,
+    completedUs: us,
+    deliveredUs: us,
+  };
+}
+
 /** One operation the test settles: `resolve()` (landed) or `reject()` (failed). */
 export class PendingOp {
-  resolve!: () => void;
+  private res!: (t: OpTrace) => void;
   reject!: (err: Error) => void;
-  readonly promise = new Promise<void>((res, rej) => {
-    this.resolve = res;
+  readonly promise = new Promise<OpTrace>((res, rej) => {
+    this.res = res;
     this.reject = rej;
   });
+  resolve(): void {
+    this.res(opTrace());
+  }
 }
 
 /** An agent whose writes and reads wait for the test (or land at once with `autoLand`). */
@@ -76,7 +94,7 @@ export class FakeAgent {
     };
   }
 
-  private op(kind: "write" | "read"): Promise<void> {
+  private op(kind: "write" | "read"): Promise<OpTrace> {
     if (this.failToPost) throw Object.assign(new Error("refused"), { code: "ERR_OUT_OF_BOUNDS" });
     const op = new PendingOp();
     this.ops.push({ kind, op });
@@ -84,16 +102,16 @@ export class FakeAgent {
     return op.promise;
   }
 
-  write(): Promise<void> {
+  write(): Promise<OpTrace> {
     return this.op("write");
   }
 
-  read(): Promise<void> {
+  read(): Promise<OpTrace> {
     return this.op("read");
   }
 
-  notify(): Promise<void> {
-    return Promise.resolve();
+  notify(): Promise<OpTrace> {
+    return Promise.resolve({ ...opTrace(), flushedUs: 0, notifiedUs: 1_000_000 });
   }
 
   /** Settles every operation posted so far. */

@@ -14,7 +14,8 @@ import {
 } from "../../../src/sim/demo.js";
 import type { SimEngineProcess } from "../../../src/sim/engine-client.js";
 import type { SidecarProcess } from "../../../src/sim/sidecar-process.js";
-import type { TransferState } from "../../../src/sidecar/view.js";
+import type { TransferInfo, TransferState } from "../../../src/sidecar/view.js";
+import { kvxfer } from "../../cli/run.js";
 import { canCreateNetns, createNetnsPair, type NetnsPair } from "../../../bench/native/netns.js";
 
 /** Small shapes: the point is every pairing, not volume (2 cores). */
@@ -167,7 +168,75 @@ describe("push orderings, forced", () => {
     const v = await d.engine.waitTransfer(id, "verified", 20_000);
     expect(v.ok).toBe(true);
     expect((await pApi.awaitTransfer(id, 20_000, { side: "prefill" })).kind).toBe("RELEASED");
+    checkTraces(
+      (await pApi.listTransfers({})).transfers.find((t) => t.transferId === id)!,
+      (await dApi.listTransfers({})).transfers.find((t) => t.transferId === id)!,
+    );
+    // The same hops through the CLI.
+    const cli = await kvxfer(["status", d.ready.grpc!, "--trace", id]);
+    expect(cli.stderr).toBe("");
+    expect(cli.status).toBe(0);
+    expect(cli.stdout).toMatch(/^decode d-first-\d+: KV_READY \(push\)$/m);
+    expect(cli.stdout).toMatch(/^ {2}engine\.kvReady sent +\d+ +\d+$/m);
+    const missing = await kvxfer(["status", d.ready.grpc!, "--trace", "no-such-transfer"]);
+    expect(missing.status).toBe(1);
+    expect(missing.stderr).toMatch(/no transfer 'no-such-transfer' on this sidecar/);
   });
+
+  /**
+   * Both sidecars' traces of one push, P TP 2 -> D TP 2: each chain of hops in order, and across
+   * the two processes (one host, one monotonic clock) every XferDone reaches D after its pair's
+   * data was flushed on P.
+   */
+  function checkTraces(p: TransferInfo, d: TransferInfo): void {
+    const at = (t: TransferInfo, hop: string): number => {
+      const h = t.trace.find((x) => x.hop === hop);
+      if (h === undefined)
+        throw new Error(`${t.side} has no hop '${hop}': ${JSON.stringify(t.trace)}`);
+      return h.us;
+    };
+    const inOrder = (t: TransferInfo, hops: string[]): void => {
+      const times = hops.map((h) => at(t, h));
+      for (let i = 1; i < times.length; i++)
+        expect(times[i], `${t.side}: '${hops[i]}' before '${hops[i - 1]}'`).toBeGreaterThanOrEqual(
+          times[i - 1]!,
+        );
+    };
+    inOrder(d, ["engine.expectKv", "peer.pushReg sent"]);
+    inOrder(p, ["peer.pushReg", "engine.prefillDone", "planned"]);
+    expect(at(p, "peer.pushReg")).toBeGreaterThanOrEqual(at(d, "peer.pushReg sent"));
+    for (const pair of ["0>0", "1>1"]) {
+      const steps = [
+        "submitted",
+        "started",
+        "first put",
+        "posted",
+        "flushed",
+        "completed",
+        "delivered",
+      ];
+      inOrder(p, ["planned", ...steps.map((s) => `pair ${pair} ${s}`)]);
+      inOrder(p, [
+        `pair ${pair} delivered`,
+        ...["submitted", "started", "notified", "completed", "delivered"].map(
+          (s) => `pair ${pair} xferDone ${s}`,
+        ),
+        "engine.releaseBlocks sent",
+        "event.appended",
+      ]);
+      inOrder(d, [
+        "peer.pushReg sent",
+        `pair ${pair} xferDone received`,
+        `pair ${pair} xferDone delivered`,
+        "engine.kvReady sent",
+        "event.appended",
+        "event.answered",
+      ]);
+      expect(at(d, `pair ${pair} xferDone received`)).toBeGreaterThanOrEqual(
+        at(p, `pair ${pair} flushed`),
+      );
+    }
+  }
 
   it("P finishes prefill before D registers: P writes when the registration arrives", async () => {
     const id = `p-first-${process.pid}`;

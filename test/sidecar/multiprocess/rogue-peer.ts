@@ -130,7 +130,7 @@ export class RoguePeer {
 
   send(bytes: Uint8Array): Promise<void> {
     if (this.ep === undefined) throw new Error("no handshake yet");
-    return this.agent.notify(this.ep, bytes);
+    return this.agent.notify(this.ep, bytes).then(() => undefined);
   }
 
   /** True when no byte of its buffers was ever written. */

@@ -1,0 +1,62 @@
+/**
+ * A transfer's trace: every hop of its critical path on one side, in microseconds of the host's
+ * CLOCK_MONOTONIC (monoUs(), the clock the native addon stamps its steps with), so P's and D's
+ * hops on one host line up. Kept with the transfer (ListTransfers, `kvxfer status --trace`) and
+ * turned into OpenTelemetry spans when a tracer is configured (otel.ts).
+ */
+import { monoUs, type OpTrace } from "../native/index.js";
+
+export { monoUs };
+
+export interface TraceHop {
+  readonly hop: string;
+  readonly us: number;
+}
+
+/** Hops kept per transfer and side: a bound on memory, whatever the plan's size. */
+export const MAX_TRACE_HOPS = 64;
+
+export class TransferTrace {
+  readonly hops: TraceHop[] = [];
+
+  mark(hop: string, us: number = monoUs()): void {
+    if (this.hops.length < MAX_TRACE_HOPS) this.hops.push({ hop, us });
+  }
+
+  /** The earliest time of `hop`, or undefined. */
+  at(hop: string): number | undefined {
+    let best: number | undefined;
+    for (const h of this.hops)
+      if (h.hop === hop && (best === undefined || h.us < best)) best = h.us;
+    return best;
+  }
+}
+
+/**
+ * The native steps of a rank pair's operations as hops named `pair S>D <step>`: of several
+ * operations (a write per region pair), the first start and the last finish of each step.
+ */
+export function markPairSteps(trace: TransferTrace, pair: string, ops: readonly OpTrace[]): void {
+  if (ops.length === 0) return;
+  const first = (k: keyof OpTrace): number => {
+    let v = 0;
+    for (const o of ops) if (o[k] > 0 && (v === 0 || o[k] < v)) v = o[k];
+    return v;
+  };
+  const last = (k: keyof OpTrace): number => {
+    let v = 0;
+    for (const o of ops) if (o[k] > v) v = o[k];
+    return v;
+  };
+  const steps: [string, number][] = [
+    ["submitted", first("submittedUs")],
+    ["started", first("startedUs")],
+    ["first put", first("firstPostUs")],
+    ["posted", last("postedUs")],
+    ["flushed", last("flushedUs")],
+    ["notified", last("notifiedUs")],
+    ["completed", last("completedUs")],
+    ["delivered", last("deliveredUs")],
+  ];
+  for (const [step, us] of steps) if (us > 0) trace.mark(`pair ${pair} ${step}`, us);
+}
