@@ -81,7 +81,7 @@ export const SIDECAR_SETTINGS = {
   },
   "spin-us": {
     type: "string",
-    default: "0",
+    default: "200",
     help: "after any activity, progress threads keep polling this many microseconds before sleeping",
   },
   "lease-ms": {

@@ -7,7 +7,7 @@
  */
 import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
 import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
-import type { OpTrace } from "../native/index.js";
+import type { Notification, OpTrace } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 
 import { tokensEqual } from "../peer/messages.js";
@@ -459,9 +459,19 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   }
 
   /** D read P's blocks (pull): they were held throughout, or D must not use what it read. */
-  readDone(peer: PeerState, transferId: string, bytes: number, token: string): void {
+  readDone(
+    peer: PeerState,
+    transferId: string,
+    bytes: number,
+    token: string,
+    n?: Pick<Notification, "receivedUs" | "deliveredUs">,
+  ): void {
     const { ctx } = this;
     const t = this.transfers.get(transferId);
+    if (t !== undefined && n !== undefined) {
+      t.trace.mark("peer.readDone received", n.receivedUs);
+      t.trace.mark("peer.readDone delivered", n.deliveredUs);
+    }
     if (t !== undefined && t.blocks !== undefined && !tokensEqual(t.token, token)) {
       ctx.noteError(
         `ReadDone for '${transferId}' from '${peer.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
@@ -481,6 +491,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     // The router may have told D about the blocks before P's sidecar processed the
     // engine's PrefillDone: then P has no record at all, and D asks again.
     ctx.toPeer(peer, { case: "readAck", value: { transferId, held, unknown: t === undefined } });
+    t?.trace.mark("peer.readAck sent");
     if (held) {
       t.peer = peer.engineId;
       t.mode = "pull";

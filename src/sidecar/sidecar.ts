@@ -631,7 +631,7 @@ export class Sidecar implements SidecarView {
           this.decode.xferDone(peer, v.fromRank, rank, b.value, n);
           break;
         case "readDone":
-          this.prefill.readDone(peer, b.value.transferId, Number(b.value.bytes), b.value.token);
+          this.prefill.readDone(peer, b.value.transferId, Number(b.value.bytes), b.value.token, n);
           break;
         case "readAck":
           this.decode.readAck(peer, b.value.transferId, b.value.held, b.value.unknown, n);

@@ -51,7 +51,7 @@ export function markPairSteps(trace: TransferTrace, pair: string, ops: readonly 
   const steps: [string, number][] = [
     ["submitted", first("submittedUs")],
     ["started", first("startedUs")],
-    ["first put", first("firstPostUs")],
+    ["first post", first("firstPostUs")],
     ["posted", last("postedUs")],
     ["flushed", last("flushedUs")],
     ["notified", last("notifiedUs")],

@@ -209,7 +209,7 @@ describe("push orderings, forced", () => {
       const steps = [
         "submitted",
         "started",
-        "first put",
+        "first post",
         "posted",
         "flushed",
         "completed",
