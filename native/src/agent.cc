@@ -30,6 +30,7 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceMethod<&AgentWrap::Allocate>("allocate"),
                          InstanceMethod<&AgentWrap::Connect>("connect"),
                          InstanceMethod<&AgentWrap::Transfer>("transfer"),
+                         InstanceMethod<&AgentWrap::WriteParts>("writeParts"),
                          InstanceMethod<&AgentWrap::Notify>("notify"),
                          InstanceMethod<&AgentWrap::Close>("close"),
                      });
@@ -466,8 +467,9 @@ constexpr double kMaxSafe = 9007199254740992.0;  // 2^53
 // Reads and checks the descriptor array into `out`. The check and the use
 // must see the same bytes, so the progress thread gets a validated copy, not
 // a pointer into memory JavaScript could still change.
+// `where` leads every message (e.g. "writeParts part 2: "), naming the part of a call at fault.
 void ReadDescriptors(Napi::Env env, const Napi::Value& v, uint64_t local_len, uint64_t remote_len,
-                     std::vector<uint64_t>* out) {
+                     std::vector<uint64_t>* out, const std::string& where = "") {
   const double* doubles = nullptr;
   const uint64_t* words = nullptr;
   size_t count = 0;
@@ -487,13 +489,14 @@ void ReadDescriptors(Napi::Env env, const Napi::Value& v, uint64_t local_len, ui
         // Raw little-endian float64 triples, e.g. straight off a wire message.
         if (reinterpret_cast<uintptr_t>(p) % 8 != 0) {
           throw MakeError(env, "ERR_DESC_MISALIGNED",
-                          "descriptors: byte view must start on an 8-byte boundary (offset " +
+                          where +
+                              "descriptors: byte view must start on an 8-byte boundary (offset " +
                               std::to_string(ta.ByteOffset()) + ")",
                           UCS_OK, true);
         }
         if (ta.ByteLength() % 8 != 0) {
           throw MakeError(env, "ERR_DESC_TRUNCATED",
-                          "descriptors: byte length " + std::to_string(ta.ByteLength()) +
+                          where + "descriptors: byte length " + std::to_string(ta.ByteLength()) +
                               " is not a whole number of float64 values",
                           UCS_OK, true);
         }
@@ -502,21 +505,22 @@ void ReadDescriptors(Napi::Env env, const Napi::Value& v, uint64_t local_len, ui
         break;
       default:
         throw MakeError(env, "ERR_DESC_TYPE",
-                        "descriptors must be a Float64Array, BigUint64Array or Uint8Array of "
-                        "(localOffset, remoteOffset, length) triples",
+                        where +
+                            "descriptors must be a Float64Array, BigUint64Array or Uint8Array of "
+                            "(localOffset, remoteOffset, length) triples",
                         UCS_OK, true);
     }
   } else {
     throw MakeError(
         env, "ERR_DESC_TYPE",
-        "descriptors must be a Float64Array of (localOffset, remoteOffset, length) triples", UCS_OK,
-        true);
+        where + "descriptors must be a Float64Array of (localOffset, remoteOffset, length) triples",
+        UCS_OK, true);
   }
   if (count % 3 != 0) {
-    throw MakeError(
-        env, "ERR_DESC_TRUNCATED",
-        "descriptors: " + std::to_string(count) + " values is not a whole number of triples",
-        UCS_OK, true);
+    throw MakeError(env, "ERR_DESC_TRUNCATED",
+                    where + "descriptors: " + std::to_string(count) +
+                        " values is not a whole number of triples",
+                    UCS_OK, true);
   }
   out->resize(count);
   static const char* kField[3] = {"localOffset", "remoteOffset", "length"};
@@ -527,7 +531,7 @@ void ReadDescriptors(Napi::Env env, const Napi::Value& v, uint64_t local_len, ui
       if (!(d >= 0) || d > kMaxSafe || std::floor(d) != d) {
         bool len = i % 3 == 2;
         throw MakeError(env, len ? "ERR_INVALID_LENGTH" : "ERR_INVALID_OFFSET",
-                        "descriptor " + std::to_string(i / 3) + ": " + kField[i % 3] + " " +
+                        where + "descriptor " + std::to_string(i / 3) + ": " + kField[i % 3] + " " +
                             std::to_string(d) + " is not a non-negative integer",
                         UCS_OK, true);
       }
@@ -541,20 +545,20 @@ void ReadDescriptors(Napi::Env env, const Napi::Value& v, uint64_t local_len, ui
     uint64_t lo = (*out)[3 * t], ro = (*out)[3 * t + 1], len = (*out)[3 * t + 2];
     if (len == 0) {
       throw MakeError(env, "ERR_INVALID_LENGTH",
-                      "descriptor " + std::to_string(t) + ": length is zero", UCS_OK, true);
+                      where + "descriptor " + std::to_string(t) + ": length is zero", UCS_OK, true);
     }
     if (lo > local_len || len > local_len - lo) {
       throw MakeError(env, "ERR_OUT_OF_BOUNDS",
-                      "descriptor " + std::to_string(t) + ": local range [" + std::to_string(lo) +
-                          ", " + std::to_string(lo + len) + ") exceeds the local region (" +
-                          std::to_string(local_len) + " bytes)",
+                      where + "descriptor " + std::to_string(t) + ": local range [" +
+                          std::to_string(lo) + ", " + std::to_string(lo + len) +
+                          ") exceeds the local region (" + std::to_string(local_len) + " bytes)",
                       UCS_OK, true);
     }
     if (ro > remote_len || len > remote_len - ro) {
       throw MakeError(env, "ERR_OUT_OF_BOUNDS",
-                      "descriptor " + std::to_string(t) + ": remote range [" + std::to_string(ro) +
-                          ", " + std::to_string(ro + len) + ") exceeds the remote region (" +
-                          std::to_string(remote_len) + " bytes)",
+                      where + "descriptor " + std::to_string(t) + ": remote range [" +
+                          std::to_string(ro) + ", " + std::to_string(ro + len) +
+                          ") exceeds the remote region (" + std::to_string(remote_len) + " bytes)",
                       UCS_OK, true);
     }
   }
@@ -572,6 +576,57 @@ W* UnwrapHandle(Napi::Env env, const Napi::Value& v, Napi::FunctionReference& ct
 
 }  // namespace
 
+void AgentWrap::AddSegment(Napi::Env env, const char* what, const std::string& where,
+                           EndpointWrap* ep, const Napi::Value& local_v,
+                           const Napi::Value& remote_v, const Napi::Value& descs, TransferOp* op,
+                           std::vector<RegionWrap*>* locals, std::vector<RemoteWrap*>* remotes) {
+  auto* local = UnwrapHandle<RegionWrap>(env, local_v, data_->region_ctor, "local region");
+  auto* remote = UnwrapHandle<RemoteWrap>(env, remote_v, data_->remote_ctor, "remote region");
+  if (local->state_ != HandleState::kOpen)
+    throw MakeError(env, "ERR_CLOSED", std::string(what) + ": the local region is closed");
+  if (remote->state_ != HandleState::kOpen)
+    throw MakeError(env, "ERR_CLOSED", std::string(what) + ": the remote region is closed");
+  if (local->agent_ != this || remote->agent_ != this) {
+    throw MakeError(env, "ERR_WRONG_AGENT",
+                    std::string(what) + ": a handle belongs to another agent");
+  }
+  if (remote->ep_ != ep->core_) {
+    throw MakeError(env, "ERR_ENDPOINT_MISMATCH",
+                    std::string(what) + ": the remote region was imported on another endpoint");
+  }
+  std::vector<uint64_t> d;
+  ReadDescriptors(env, descs, local->length(), remote->length_, &d, where);
+  if (d.empty()) return;  // nothing to move for this pair: no segment (segments are never empty)
+  op->desc.insert(op->desc.end(), d.begin(), d.end());
+  TransferOp::Segment sg;
+  sg.local_base = local->base();
+  sg.local_memh = local->memh();
+  sg.remote_base = remote->address_;
+  sg.rkey = remote->rkey_;
+  sg.end = op->desc.size() / 3;
+  op->segs.push_back(sg);
+  locals->push_back(local);
+  remotes->push_back(remote);
+}
+
+void AgentWrap::SetNotification(Napi::Env env, const char* what, const Napi::Value& v,
+                                TransferOp* op) {
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+  if (!BytesOf(v, &data, &size)) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    std::string(what) + ": notification must be a Buffer or Uint8Array");
+  }
+  if (size > engine_->max_notification_bytes()) {
+    throw MakeError(env, "ERR_NOTIFICATION_TOO_LARGE",
+                    "notification of " + std::to_string(size) + " bytes exceeds the limit of " +
+                        std::to_string(engine_->max_notification_bytes()),
+                    UCS_OK, true);
+  }
+  op->notification.assign(data, data + size);
+  op->has_notification = true;
+}
+
 // transfer(kind: 0 write | 1 read, endpoint, localRegion, remoteRegion, descriptors, notification?)
 Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -584,51 +639,73 @@ Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
   if (kind != 0 && kind != 1)
     throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: kind must be 0 (write) or 1 (read)");
   auto* ep = UnwrapHandle<EndpointWrap>(env, info[1], data_->endpoint_ctor, "endpoint");
-  auto* local = UnwrapHandle<RegionWrap>(env, info[2], data_->region_ctor, "local region");
-  auto* remote = UnwrapHandle<RemoteWrap>(env, info[3], data_->remote_ctor, "remote region");
   if (ep->state_ != HandleState::kOpen)
     throw MakeError(env, "ERR_CLOSED", "transfer: the endpoint is closed");
-  if (local->state_ != HandleState::kOpen)
-    throw MakeError(env, "ERR_CLOSED", "transfer: the local region is closed");
-  if (remote->state_ != HandleState::kOpen)
-    throw MakeError(env, "ERR_CLOSED", "transfer: the remote region is closed");
-  if (ep->agent_ != this || local->agent_ != this || remote->agent_ != this) {
+  if (ep->agent_ != this)
     throw MakeError(env, "ERR_WRONG_AGENT", "transfer: a handle belongs to another agent");
-  }
-  if (remote->ep_ != ep->core_) {
-    throw MakeError(env, "ERR_ENDPOINT_MISMATCH",
-                    "transfer: the remote region was imported on another endpoint");
-  }
   auto op = std::make_unique<TransferOp>();
-  ReadDescriptors(env, info[4], local->length(), remote->length_, &op->desc);
+  std::vector<RegionWrap*> locals;
+  std::vector<RemoteWrap*> remotes;
+  AddSegment(env, "transfer", "", ep, info[2], info[3], info[4], op.get(), &locals, &remotes);
+  if (locals.empty()) {
+    // No descriptors: still one (empty) segment's handles, so the operation holds them.
+    auto* local = UnwrapHandle<RegionWrap>(env, info[2], data_->region_ctor, "local region");
+    auto* remote = UnwrapHandle<RemoteWrap>(env, info[3], data_->remote_ctor, "remote region");
+    locals.push_back(local);
+    remotes.push_back(remote);
+  }
   if (info.Length() >= 6 && !info[5].IsUndefined() && !info[5].IsNull()) {
     if (kind != 0)
       throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: only a write carries a notification");
-    const uint8_t* data = nullptr;
-    size_t size = 0;
-    if (!BytesOf(info[5], &data, &size)) {
-      throw MakeError(env, "ERR_INVALID_ARGUMENT",
-                      "transfer: notification must be a Buffer or Uint8Array");
-    }
-    if (size > engine_->max_notification_bytes()) {
-      throw MakeError(env, "ERR_NOTIFICATION_TOO_LARGE",
-                      "notification of " + std::to_string(size) + " bytes exceeds the limit of " +
-                          std::to_string(engine_->max_notification_bytes()),
-                      UCS_OK, true);
-    }
-    op->notification.assign(data, data + size);
-    op->has_notification = true;
+    SetNotification(env, "transfer", info[5], op.get());
   }
   if (ep->core_->failed.load()) {
     throw UcsError(env, "transfer: the endpoint has failed", ep->core_->fail_status);
   }
   op->kind = kind == 0 ? OpKind::kWrite : OpKind::kRead;
   op->ep = ep->core_;
-  op->local_base = local->base();
-  op->local_memh = local->memh();
-  op->remote_base = remote->address_;
-  op->rkey = remote->rkey_;
-  return Submit(env, std::move(op), ep, local, remote);
+  return Submit(env, std::move(op), ep, std::move(locals), std::move(remotes));
+}
+
+// writeParts(endpoint, [[localRegion, remoteRegion, descriptors], ...], notification?): every
+// part's puts in order, one flush, then the notification: one operation for all of a rank pair's
+// region pairs and its XferDone, with no return to JavaScript between them.
+Napi::Value AgentWrap::WriteParts(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "writeParts");
+  if (info.Length() < 2 || !info[1].IsArray()) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "writeParts(endpoint, [[local, remote, descriptors], ...], notification?)");
+  }
+  auto* ep = UnwrapHandle<EndpointWrap>(env, info[0], data_->endpoint_ctor, "endpoint");
+  if (ep->state_ != HandleState::kOpen)
+    throw MakeError(env, "ERR_CLOSED", "writeParts: the endpoint is closed");
+  if (ep->agent_ != this)
+    throw MakeError(env, "ERR_WRONG_AGENT", "writeParts: a handle belongs to another agent");
+  auto op = std::make_unique<TransferOp>();
+  std::vector<RegionWrap*> locals;
+  std::vector<RemoteWrap*> remotes;
+  Napi::Array parts = info[1].As<Napi::Array>();
+  for (uint32_t i = 0; i < parts.Length(); ++i) {
+    Napi::Value part = parts.Get(i);
+    if (!part.IsArray() || part.As<Napi::Array>().Length() != 3) {
+      throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                      "writeParts: part " + std::to_string(i) +
+                          " is not a [local, remote, descriptors] triple");
+    }
+    Napi::Array p = part.As<Napi::Array>();
+    const std::string what = "writeParts part " + std::to_string(i);
+    AddSegment(env, what.c_str(), what + ": ", ep, p.Get(0u), p.Get(1u), p.Get(2u), op.get(),
+               &locals, &remotes);
+  }
+  if (info.Length() >= 3 && !info[2].IsUndefined() && !info[2].IsNull())
+    SetNotification(env, "writeParts", info[2], op.get());
+  if (ep->core_->failed.load()) {
+    throw UcsError(env, "writeParts: the endpoint has failed", ep->core_->fail_status);
+  }
+  op->kind = OpKind::kWrite;
+  op->ep = ep->core_;
+  return Submit(env, std::move(op), ep, std::move(locals), std::move(remotes));
 }
 
 // notify(endpoint, bytes)
@@ -659,28 +736,29 @@ Napi::Value AgentWrap::Notify(const Napi::CallbackInfo& info) {
   op->ep = ep->core_;
   op->notification.assign(data, data + size);
   op->has_notification = true;
-  return Submit(env, std::move(op), ep, nullptr, nullptr);
+  return Submit(env, std::move(op), ep, {}, {});
 }
 
 Napi::Value AgentWrap::Submit(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,
-                              RegionWrap* local, RemoteWrap* remote) {
+                              std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes) {
   uint64_t id = next_op_id_++;
   op->id = id;
   auto pending = std::make_unique<Pending>(env);
   pending->kind = op->kind;
   pending->ep = ep;
-  pending->local = local;
-  pending->remote = remote;
-  pending->refs[0] = Napi::Persistent(ep->Value());
+  pending->refs.reserve(1 + locals.size() + remotes.size());
+  pending->refs.push_back(Napi::Persistent(ep->Value()));
   ep->inflight_++;
-  if (local) {
-    pending->refs[1] = Napi::Persistent(local->Value());
+  for (RegionWrap* local : locals) {
+    pending->refs.push_back(Napi::Persistent(local->Value()));
     local->inflight_++;
   }
-  if (remote) {
-    pending->refs[2] = Napi::Persistent(remote->Value());
+  for (RemoteWrap* remote : remotes) {
+    pending->refs.push_back(Napi::Persistent(remote->Value()));
     remote->inflight_++;
   }
+  pending->locals = std::move(locals);
+  pending->remotes = std::move(remotes);
   Napi::Promise promise = pending->deferred.Promise();
   pending_[id] = std::move(pending);
   UpdateRef(env);
@@ -728,8 +806,8 @@ void AgentWrap::Settle(Napi::Env env, const Event& ev, uint64_t delivered_us) {
   std::unique_ptr<Pending> p = std::move(it->second);
   pending_.erase(it);
   if (p->ep) p->ep->OpDone();
-  if (p->local) p->local->OpDone();
-  if (p->remote) p->remote->OpDone();
+  for (RegionWrap* local : p->locals) local->OpDone();
+  for (RemoteWrap* remote : p->remotes) remote->OpDone();
   if (ev.status == UCS_OK) {
     p->deferred.Resolve(TraceObject(env, ev.trace, delivered_us));
   } else if (ev.status == UCS_ERR_CANCELED && state_ != HandleState::kOpen) {

@@ -6,8 +6,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "endpoint.h"
 #include "handle.h"
@@ -50,9 +52,9 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
     Napi::Promise::Deferred deferred;
     OpKind kind = OpKind::kWrite;
     EndpointWrap* ep = nullptr;
-    RegionWrap* local = nullptr;
-    RemoteWrap* remote = nullptr;
-    Napi::ObjectReference refs[3];  // keep the handle objects alive while in flight
+    std::vector<RegionWrap*> locals;
+    std::vector<RemoteWrap*> remotes;
+    std::vector<Napi::ObjectReference> refs;  // keep the handle objects alive while in flight
   };
 
   Napi::Value Address(const Napi::CallbackInfo& info);
@@ -63,12 +65,20 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   Napi::Value Allocate(const Napi::CallbackInfo& info);
   Napi::Value Connect(const Napi::CallbackInfo& info);
   Napi::Value Transfer(const Napi::CallbackInfo& info);
+  Napi::Value WriteParts(const Napi::CallbackInfo& info);
+  // One region pair of a transfer: checks its handles and descriptors, appends them to `op`.
+  // `where` leads descriptor errors ("writeParts part 2: "; empty for transfer()).
+  void AddSegment(Napi::Env env, const char* what, const std::string& where, EndpointWrap* ep,
+                  const Napi::Value& local_v, const Napi::Value& remote_v, const Napi::Value& descs,
+                  TransferOp* op, std::vector<RegionWrap*>* locals,
+                  std::vector<RemoteWrap*>* remotes);
+  void SetNotification(Napi::Env env, const char* what, const Napi::Value& v, TransferOp* op);
   Napi::Value Notify(const Napi::CallbackInfo& info);
   Napi::Value Close(const Napi::CallbackInfo& info);
 
   void CheckOpen(Napi::Env env, const char* what);
   Napi::Value Submit(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,
-                     RegionWrap* local, RemoteWrap* remote);
+                     std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes);
   void Deliver(Napi::Env env);
   void Settle(Napi::Env env, const Event& ev, uint64_t delivered_us);
   void UpdateRef(Napi::Env env);

@@ -572,25 +572,29 @@ bool ProgressEngine::PostSome(TransferOp* op) {
   }
   ucp_request_param_t param;
   std::memset(&param, 0, sizeof(param));
-  if (op->local_memh != nullptr) {
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
-    param.memh = op->local_memh;
-  }
   const size_t count = op->desc.size() / 3;
   const size_t end = std::min(count, op->next + kPostChunk);
   const uint64_t* d = op->desc.data();
   uint64_t posted_bytes = 0;
   if (op->next == 0) op->trace.first_post = MonoUs();
   for (; op->next < end && posted_bytes < kPostChunkBytes; ++op->next) {
+    while (op->next >= op->segs[op->seg].end) ++op->seg;  // segments are never empty
+    const TransferOp::Segment& sg = op->segs[op->seg];
+    if (sg.local_memh != nullptr) {
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = sg.local_memh;
+    } else {
+      param.op_attr_mask = 0;
+    }
     const uint64_t local = d[3 * op->next];
     const uint64_t remote = d[3 * op->next + 1];
     const uint64_t length = d[3 * op->next + 2];
     posted_bytes += length;
     ucs_status_ptr_t req = op->kind == OpKind::kWrite
-                               ? ucp_put_nbx(ep->ep, op->local_base + local, length,
-                                             op->remote_base + remote, op->rkey, &param)
-                               : ucp_get_nbx(ep->ep, op->local_base + local, length,
-                                             op->remote_base + remote, op->rkey, &param);
+                               ? ucp_put_nbx(ep->ep, sg.local_base + local, length,
+                                             sg.remote_base + remote, sg.rkey, &param)
+                               : ucp_get_nbx(ep->ep, sg.local_base + local, length,
+                                             sg.remote_base + remote, sg.rkey, &param);
     if (UCS_PTR_IS_ERR(req)) {
       op->status = UCS_PTR_STATUS(req);
       break;

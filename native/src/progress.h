@@ -69,13 +69,19 @@ struct TransferOp {
   bool abandoned = false;
   OpKind kind = OpKind::kWrite;
   std::shared_ptr<EndpointCore> ep;
-  uint8_t* local_base = nullptr;
-  // The local region's registration, passed with every put/get: UCX then
-  // needs no registration cache (kvxfer runs without UCX memory hooks).
-  ucp_mem_h local_memh = nullptr;
-  uint64_t remote_base = 0;
-  ucp_rkey_h rkey = nullptr;
-  // (localOffset, remoteOffset, length) triples, validated.
+  // The region pairs the operation moves, in order: one for write()/read(), several for
+  // writeParts() (every region pair of a rank pair, then one flush and the notification).
+  struct Segment {
+    uint8_t* local_base = nullptr;
+    // The local region's registration, passed with every put/get: UCX then
+    // needs no registration cache (kvxfer runs without UCX memory hooks).
+    ucp_mem_h local_memh = nullptr;
+    uint64_t remote_base = 0;
+    ucp_rkey_h rkey = nullptr;
+    // One past this segment's last descriptor (index of a triple in `desc`).
+    size_t end = 0;
+  };
+  std::vector<Segment> segs;
   std::vector<uint64_t> desc;
   std::vector<uint8_t> notification;
   bool has_notification = false;
@@ -83,6 +89,7 @@ struct TransferOp {
 
   // Progress-thread state.
   size_t next = 0;
+  size_t seg = 0;
   ucs_status_t status = UCS_OK;
   enum class Phase { kPosting, kFlushing, kNotifying } phase = Phase::kPosting;
 };

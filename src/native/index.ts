@@ -69,6 +69,11 @@ interface NativeAgent {
     descriptors: Descriptors,
     notification?: Uint8Array,
   ): Promise<OpTrace>;
+  writeParts(
+    ep: NativeEndpoint,
+    parts: [NativeRegion, NativeRemoteRegion, Descriptors][],
+    notification?: Uint8Array,
+  ): Promise<OpTrace>;
   notify(ep: NativeEndpoint, bytes: Uint8Array): Promise<OpTrace>;
   close(): void;
 }
@@ -166,6 +171,13 @@ export interface AgentOptions {
    * 256 KiB than v2.
    */
   protocols?: "v1" | "v2";
+}
+
+/** One region pair of a writeParts() operation. */
+export interface WritePart {
+  local: Region;
+  remote: RemoteRegion;
+  descriptors: Descriptors;
 }
 
 export interface Notification {
@@ -488,6 +500,39 @@ export class Agent extends EventEmitter<AgentEvents> {
     return settle(p, site);
   }
 
+  /**
+   * One operation for several region pairs on one endpoint: every part's WRITEs in order, one
+   * flush, then (if given) the notification, which the peer receives only after every part's
+   * data has landed. Resolves when all of it is remotely complete. Parts with no descriptors are
+   * skipped; a bad part refuses the whole operation before anything is posted.
+   */
+  writeParts(
+    ep: Endpoint,
+    parts: readonly WritePart[],
+    notification?: Uint8Array,
+  ): Promise<OpTrace> {
+    const site = new Error();
+    check(ep instanceof Endpoint, "ERR_INVALID_ARGUMENT", "endpoint is not an Endpoint");
+    check(Array.isArray(parts), "ERR_INVALID_ARGUMENT", "writeParts: parts must be an array");
+    const native = parts.map((p, i) => {
+      this.checkTransfer(ep, p.local, p.remote, p.descriptors, `writeParts part ${i}: `);
+      return [p.local.native, p.remote.native, p.descriptors] as [
+        NativeRegion,
+        NativeRemoteRegion,
+        Descriptors,
+      ];
+    });
+    if (notification !== undefined) {
+      check(
+        isBytes(notification),
+        "ERR_INVALID_ARGUMENT",
+        "writeParts: notification must be a Buffer",
+      );
+    }
+    const p = call(() => this.native.writeParts(ep.native, native, notification));
+    return settle(p, site);
+  }
+
   /** One-sided READ of every descriptor from `remote` into `local`; resolves when all data is local. */
   read(
     ep: Endpoint,
@@ -537,16 +582,21 @@ export class Agent extends EventEmitter<AgentEvents> {
     local: Region,
     remote: RemoteRegion,
     descriptors: Descriptors,
+    where = "",
   ): void {
-    check(ep instanceof Endpoint, "ERR_INVALID_ARGUMENT", "endpoint is not an Endpoint");
-    check(local instanceof Region, "ERR_INVALID_ARGUMENT", "local is not a Region");
-    check(remote instanceof RemoteRegion, "ERR_INVALID_ARGUMENT", "remote is not a RemoteRegion");
+    check(ep instanceof Endpoint, "ERR_INVALID_ARGUMENT", `${where}endpoint is not an Endpoint`);
+    check(local instanceof Region, "ERR_INVALID_ARGUMENT", `${where}local is not a Region`);
+    check(
+      remote instanceof RemoteRegion,
+      "ERR_INVALID_ARGUMENT",
+      `${where}remote is not a RemoteRegion`,
+    );
     check(
       descriptors instanceof Float64Array ||
         descriptors instanceof BigUint64Array ||
         descriptors instanceof Uint8Array,
       "ERR_DESC_TYPE",
-      "descriptors must be a Float64Array, BigUint64Array or Uint8Array of (localOffset, remoteOffset, length) triples",
+      `${where}descriptors must be a Float64Array, BigUint64Array or Uint8Array of (localOffset, remoteOffset, length) triples`,
     );
   }
 

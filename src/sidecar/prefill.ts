@@ -7,7 +7,7 @@
  */
 import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
 import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
-import type { Notification, OpTrace } from "../native/index.js";
+import type { Notification, WritePart } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 
 import { tokensEqual } from "../peer/messages.js";
@@ -376,41 +376,26 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       plan.pairs.map(async (pair) => {
         const agent = kv.agents[pair.srcRank]!;
         const ep = peer.endpoint(pair.srcRank, pair.dstRank);
-        const writes: Promise<OpTrace>[] = [];
-        try {
-          for (const rp of pair.regionPairs) {
-            if (rp.count === 0) continue;
-            if (
-              ctx.clock.now() > t.regDeadline ||
-              t.state === "ABORTING" ||
-              peer.state !== "connected"
-            ) {
-              throw new KvxferError(
-                "ERR_ABORTED",
-                "registration expired, aborted, or peer down before the write",
-              );
-            }
-            const remote = peer.remote(pair.srcRank, pair.dstRank, rp.dstRegion);
-            writes.push(
-              agent.write(ep, kv.regions[pair.srcRank]![rp.srcRegion]!, remote, rp.descriptors),
-            );
-          }
-        } catch (err) {
-          // Writes already posted for this pair must settle before the failure is reported:
-          // D releases its blocks on our Failed / AbortAck.
-          await Promise.allSettled(writes);
-          throw err;
+        // One native operation for all of the pair's region pairs: one hand-off to the progress
+        // thread and one flush, whatever the number of layers.
+        const parts: WritePart[] = [];
+        for (const rp of pair.regionPairs) {
+          if (rp.count === 0) continue;
+          parts.push({
+            local: kv.regions[pair.srcRank]![rp.srcRegion]!,
+            remote: peer.remote(pair.srcRank, pair.dstRank, rp.dstRegion),
+            descriptors: rp.descriptors,
+          });
         }
+        if (ctx.clock.now() > t.regDeadline || t.state === "ABORTING" || peer.state !== "connected")
+          throw new KvxferError(
+            "ERR_ABORTED",
+            "registration expired, aborted, or peer down before the write",
+          );
         // The XferDone follows only once every write of the pair is remotely complete.
-        const settled = await Promise.allSettled(writes);
-        const bad = settled.find((s) => s.status === "rejected");
-        if (bad !== undefined) throw (bad as PromiseRejectedResult).reason;
+        const written = await agent.writeParts(ep, parts);
         const name = `${pair.srcRank}>${pair.dstRank}`;
-        markPairSteps(
-          t.trace,
-          name,
-          settled.map((s) => (s as PromiseFulfilledResult<OpTrace>).value),
-        );
+        markPairSteps(t.trace, name, [written]);
         const sent = await agent.notify(
           ep,
           ctx.seal(peer, {

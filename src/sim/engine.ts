@@ -12,6 +12,7 @@
  * `{ id, result }` or `{ id, error: { code, message } }`, events `{ event, ... }`. See
  * docs/engine-link.md.
  */
+import { performance } from "node:perf_hooks";
 import { closeSync, ftruncateSync, openSync, unlinkSync } from "node:fs";
 import { join } from "node:path";
 import { createInterface } from "node:readline";
@@ -634,6 +635,7 @@ class SimEngine {
     let checkedBytes = 0;
     let mismatches = 0;
     let first: string | undefined;
+    const checkStart = performance.now();
     for (let r = 0; r < this.layout.tpSize; r++) {
       const c = verifyKv(this.layout, r, this.memories[r]!, transferId, t.blockIds, 0, t.tokens);
       checkedBytes += c.checkedBytes;
@@ -650,6 +652,7 @@ class SimEngine {
       ok,
       checkedBytes,
       mismatches,
+      checkMs: Math.round((performance.now() - checkStart) * 100) / 100,
       ...(first === undefined ? {} : { first }),
     });
     // Decode is "done": the blocks go back to the engine's pool.

@@ -221,6 +221,81 @@ describe("in-process transfers over shared memory", () => {
     expect(r.flushedUs).toBeGreaterThanOrEqual(r.postedUs);
   });
 
+  it("writeParts: several region pairs in one operation, the notification after all of them", async () => {
+    const xs = [side(a, 64 << 10, 11), side(a, 32 << 10, 12), side(a, 16 << 10, 13)];
+    const ys = [side(b, 64 << 10), side(b, 32 << 10), side(b, 16 << 10)];
+    const ep = a.connect(b.address);
+    const remotes = ys.map((y) => ep.importRemote(y.region.remoteKey()));
+    const notes: Notification[] = [];
+    const landedAtNote: boolean[] = [];
+    b.on("notifications", (batch: Notification[]) => {
+      for (const n of batch) {
+        notes.push(n);
+        // Every part's bytes are there when the notification arrives.
+        landedAtNote.push(xs.every((x, i) => Buffer.compare(x.mem, ys[i]!.mem) === 0));
+      }
+    });
+    const whole = (len: number): Float64Array => {
+      const d = new Float64Array(3 * (len / 4096));
+      for (let i = 0; i < len / 4096; i++) d.set([i * 4096, i * 4096, 4096], 3 * i);
+      return d;
+    };
+    const t = await a.writeParts(
+      ep,
+      [
+        ...xs.map((x, i) => ({
+          local: x.region,
+          remote: remotes[i]!,
+          descriptors: whole(x.mem.length),
+        })),
+        // An empty part moves nothing and is allowed.
+        { local: xs[0]!.region, remote: remotes[0]!, descriptors: new Float64Array(0) },
+      ],
+      Buffer.from("all three"),
+    );
+    await until(() => notes.length === 1);
+    expect(notes[0]!.data.toString()).toBe("all three");
+    expect(landedAtNote).toEqual([true]);
+    expect(t.flushedUs).toBeGreaterThanOrEqual(t.postedUs);
+    expect(t.notifiedUs).toBeGreaterThanOrEqual(t.flushedUs);
+    expect(notes[0]!.receivedUs).toBeGreaterThanOrEqual(t.flushedUs);
+    expect(a.inflight).toBe(0);
+  });
+
+  it("writeParts: a bad part refuses the whole operation, naming the part; nothing moves", async () => {
+    const x = side(a, 8192, 21);
+    const y = side(b, 8192);
+    const ep = a.connect(b.address);
+    const r = ep.importRemote(y.region.remoteKey());
+    const good = { local: x.region, remote: r, descriptors: new Float64Array([0, 0, 4096]) };
+    const tooFar = { local: x.region, remote: r, descriptors: new Float64Array([0, 6000, 4096]) };
+    expect(() => a.writeParts(ep, [good, tooFar])).toThrow(
+      expect.objectContaining({
+        code: "ERR_OUT_OF_BOUNDS",
+        message: expect.stringMatching(
+          /^writeParts part 1: descriptor 0: remote range \[6000, 10096\)/,
+        ),
+      }),
+    );
+    const notRegion = { local: {} as Region, remote: r, descriptors: new Float64Array(3) };
+    expect(() => a.writeParts(ep, [good, good, notRegion])).toThrow(
+      expect.objectContaining({
+        code: "ERR_INVALID_ARGUMENT",
+        message: "writeParts part 2: local is not a Region",
+      }),
+    );
+    // The other agent's region in a part.
+    const foreign = side(b, 8192);
+    expect(() =>
+      a.writeParts(ep, [
+        { local: foreign.region, remote: r, descriptors: new Float64Array([0, 0, 1]) },
+      ]),
+    ).toThrow(expect.objectContaining({ code: "ERR_WRONG_AGENT" }));
+    await new Promise((res) => setTimeout(res, 20));
+    expect(y.mem.every((v) => v === 0)).toBe(true);
+    expect(a.inflight).toBe(0);
+  });
+
   it("sends standalone notifications in order, in batches", async () => {
     const x = side(a, 4096);
     const y = side(b, 4096);

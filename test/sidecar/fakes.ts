@@ -106,6 +106,11 @@ export class FakeAgent {
     return this.op("write");
   }
 
+  /** All of a rank pair's region pairs: one operation, as in the addon. */
+  writeParts(): Promise<OpTrace> {
+    return this.op("write");
+  }
+
   read(): Promise<OpTrace> {
     return this.op("read");
   }

@@ -30,10 +30,36 @@ const base: DemoSummary = {
 describe("demo summary", () => {
   it("uses binary units", () => {
     const text = formatDemoSummary(base);
-    expect(text).toContain("KV moved: 100.0 MiB in 2.00 s (0.05 GiB/s overall");
+    expect(text).toContain(
+      "wall clock: 100.0 MiB moved in 2.00 s (0.05 GiB/s, simulated compute and checking included)",
+    );
     expect(text).toContain("verified: every byte of every transfer checked on D (100.0 MiB)");
     expect(text).not.toMatch(/\bMB\b|\bGB\//);
     expect(text).not.toContain("prefix caching");
+  });
+
+  it("leads with what kvxfer did, and says apart what the simulation cost", () => {
+    const text = formatDemoSummary({
+      ...base,
+      dataPhase: { transfers: 24, bytes: 100 * 2 ** 20, p50Ms: 1.234, gbps: 3.5 },
+      simulation: { computeMsP50: 20, checkMsP50: 41.25 },
+    });
+    const lines = text.split("\n").filter((l) => l !== "");
+    const at = (prefix: string): number => lines.findIndex((l) => l.startsWith(prefix));
+    expect(lines[at("kvxfer: ")]).toBe(
+      "kvxfer: KV ready after prefill p50 10 ms, p99 20 ms (P's engine done -> the router heard KV_READY)",
+    );
+    expect(lines[at("kvxfer data phase: ")]).toBe(
+      "kvxfer data phase: p50 1.23 ms per transfer, 3.50 GB/s (100.0 MiB over 24 transfers: first write or read handed to UCX -> last flushed)",
+    );
+    expect(lines[at("the simulation")]).toBe(
+      "the simulation around it (not kvxfer): prefill compute p50 20 ms per request, D's check of every byte p50 41.3 ms per transfer",
+    );
+    // kvxfer's own figures come before the simulation's and the wall clock's.
+    expect(at("kvxfer: ")).toBeLessThan(at("the simulation"));
+    expect(at("kvxfer data phase: ")).toBeLessThan(at("wall clock: "));
+    // Without traces (sidecars out of the router's reach) there is no data-phase line.
+    expect(formatDemoSummary(base)).not.toContain("data phase");
   });
 
   it("after Ctrl-C counts what was sent, and the cut ones apart from failures", () => {
