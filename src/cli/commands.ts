@@ -57,7 +57,7 @@ const SIDECAR_KINDS: Partial<Record<SettingName, Kind>> = {
   "net-devices": STR,
   "error-mode": choice("none", "peer"),
   "busy-poll": BOOL_STR,
-  "spin-us": NON_NEG_INT,
+  "spin-us": STR, // "auto" or a non-negative integer: the sidecar checks it
   "lease-ms": POS_INT,
   "reg-lease-ms": POS_INT,
   "transfer-timeout-ms": POS_INT,

@@ -81,8 +81,8 @@ export const SIDECAR_SETTINGS = {
   },
   "spin-us": {
     type: "string",
-    default: "200",
-    help: "after any activity, progress threads keep polling this many microseconds before sleeping",
+    default: "auto",
+    help: "after any activity, progress threads keep polling this many microseconds before sleeping; auto: 200 when each rank's agent has two cores, else 0",
   },
   "lease-ms": {
     type: "string",
@@ -237,6 +237,17 @@ function oneOf<T extends string>(name: string, value: string, allowed: readonly 
   return value as T;
 }
 
+function spinUs(value: string): number | "auto" {
+  if (value === "auto") return "auto";
+  const n = Number(value);
+  if (value.trim() === "" || !Number.isSafeInteger(n) || n < 0)
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--spin-us must be auto or a non-negative integer (µs), got '${value}'`,
+    );
+  return n;
+}
+
 function nonNegativeInt(name: string, value: string): number {
   const n = Number(value);
   if (!Number.isSafeInteger(n) || n < 0) {
@@ -300,7 +311,7 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     netDevices: s["net-devices"] === "" ? [] : s["net-devices"].split(","),
     errorMode: oneOf("error-mode", s["error-mode"], ["none", "peer"] as const),
     busyPoll: oneOf("busy-poll", s["busy-poll"], ["true", "false"] as const) === "true",
-    spinUs: nonNegativeInt("spin-us", s["spin-us"]),
+    spinUs: spinUs(s["spin-us"]),
     leaseMs: positiveInt("lease-ms", s["lease-ms"]),
     regLeaseMs: positiveInt("reg-lease-ms", s["reg-lease-ms"]),
     transferTimeoutMs: positiveInt("transfer-timeout-ms", s["transfer-timeout-ms"]),

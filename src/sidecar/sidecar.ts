@@ -8,6 +8,7 @@
 import { create, equals } from "@bufbuild/protobuf";
 import { randomBytes } from "node:crypto";
 import { realpathSync, statSync } from "node:fs";
+import { availableParallelism } from "node:os";
 import type { Logger } from "pino";
 
 import {
@@ -61,8 +62,12 @@ export interface SidecarOptions {
   errorMode?: ErrorMode;
   /** Progress threads spin instead of sleeping on the worker's event fd. */
   busyPoll?: boolean;
-  /** After any activity, progress threads poll this long (µs) before sleeping. */
-  spinUs?: number;
+  /**
+   * After any activity, progress threads poll this long (µs) before sleeping. "auto" (the
+   * default): AUTO_SPIN_US when the registration's agents (one per rank) have two cores each,
+   * else 0: on an oversubscribed host the polling takes the cores the transfers need.
+   */
+  spinUs?: number | "auto";
   /** P holds finished blocks this long without a heartbeat from D. */
   leaseMs?: number;
   /** A push registration on P lives this long without renewal. */
@@ -123,6 +128,19 @@ export interface EngineConnection {
 /** Where terminal and peer events go (the event log). */
 export interface EventSink {
   append(ev: Omit<SidecarEvent, "seq">): unknown;
+}
+
+/** The spin after activity that "auto" gives a registration whose agents have two cores each. */
+export const AUTO_SPIN_US = 200;
+
+/** `--spin-us` for a registration of `agents` ranks ("auto": see SidecarOptions.spinUs). */
+export function spinFor(
+  spinUs: number | "auto",
+  agents: number,
+  cores = availableParallelism(),
+): number {
+  if (spinUs !== "auto") return spinUs;
+  return agents * 2 <= cores ? AUTO_SPIN_US : 0;
 }
 
 export class Sidecar implements SidecarView {
@@ -191,7 +209,7 @@ export class Sidecar implements SidecarView {
       netDevices: options.netDevices ?? [],
       errorMode: options.errorMode ?? "none",
       busyPoll: options.busyPoll ?? false,
-      spinUs: options.spinUs ?? 0,
+      spinUs: options.spinUs ?? "auto",
       leaseMs: options.leaseMs ?? 30_000,
       regLeaseMs: options.regLeaseMs ?? options.leaseMs ?? 30_000,
       transferTimeoutMs: options.transferTimeoutMs ?? 60_000,
@@ -498,7 +516,7 @@ export class Sidecar implements SidecarView {
           ...(netDevices !== undefined ? { netDevices } : {}),
           maxNotificationBytes: MAX_PEER_MESSAGE_BYTES,
           busyPoll: this.opts.busyPoll,
-          spinUs: this.opts.spinUs,
+          spinUs: spinFor(this.opts.spinUs, ranks.length),
         });
         agents.push(agent);
         regions.push(

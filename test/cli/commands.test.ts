@@ -1,4 +1,5 @@
 /** The `kvxfer` command as a user runs it. */
+import { AUTO_SPIN_US, spinFor } from "../../src/sidecar/sidecar.js";
 import { spawnSync } from "node:child_process";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -18,6 +19,17 @@ function kvxfer(
   });
   return { status: r.status, stdout: r.stdout, stderr: r.stderr };
 }
+
+describe("--spin-us auto", () => {
+  it("polls 200 µs after activity when each rank's agent has two cores, else sleeps at once", () => {
+    expect(spinFor("auto", 1, 2)).toBe(AUTO_SPIN_US);
+    expect(spinFor("auto", 2, 2)).toBe(0);
+    expect(spinFor("auto", 4, 8)).toBe(AUTO_SPIN_US);
+    expect(spinFor("auto", 5, 8)).toBe(0);
+    expect(spinFor(0, 1, 64)).toBe(0);
+    expect(spinFor(750, 8, 2)).toBe(750);
+  });
+});
 
 describe("kvxfer demo --json", () => {
   it("reports every byte verified for a non-default shape (MLA, P TP 2 -> D TP 4, pull)", () => {
@@ -123,6 +135,13 @@ describe("sidecar settings", () => {
       });
       expect(e.status).toBe(2);
       expect(e.stderr).toMatch(/ERR_CONFIG: --lease-ms must be a positive integer, got 'soon'/);
+      // --spin-us takes auto or a number of microseconds.
+      const sp = kvxfer(["sidecar", "--engine-id", "x", "--spin-us", "fast"], 20_000);
+      expect(sp.status).toBe(2);
+      expect(sp.stderr).toMatch(
+        /--spin-us must be auto or a non-negative integer \(µs\), got 'fast'/,
+      );
+      expect(resolveSettings(["--engine-id", "x"], {})["spin-us"]).toBe("auto");
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }

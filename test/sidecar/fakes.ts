@@ -116,7 +116,13 @@ export class FakeAgent {
   }
 
   notify(): Promise<OpTrace> {
-    return Promise.resolve({ ...opTrace(), flushedUs: 0, notifiedUs: 1_000_000 });
+    return Promise.resolve({
+      ...opTrace(),
+      firstPostUs: 0,
+      postedUs: 0,
+      flushedUs: 0,
+      notifiedUs: 1_000_000,
+    });
   }
 
   /** Settles every operation posted so far. */

@@ -82,6 +82,43 @@ describe("PrefillSide", () => {
     expect(w.eventsOf("t1")).toEqual(["RELEASED"]);
   });
 
+  it("traces the push: each hop once, in the order it happened; mark() adds one, unknown ids nothing", async () => {
+    const { w, p, d } = setup();
+    p.pushReg(d, pushReg("t1"), 100);
+    p.prefillDone(prefillDone("t1"), 200);
+    w.agent.landAll();
+    await settle();
+    const hops = (): string[] =>
+      p
+        .list()
+        .find((t) => t.transferId === "t1")!
+        .trace.map((h) => h.hop);
+    const names = hops();
+    // The pair's name comes from the plan (one rank pair here); its steps come from the addon.
+    const pair = names.find((h) => h.endsWith(" submitted") && !h.includes("xferDone"))!;
+    const prefix = pair.slice(0, -" submitted".length);
+    expect(names).toEqual([
+      "peer.pushReg",
+      "engine.prefillDone",
+      "planned",
+      ...["submitted", "started", "first post", "posted", "flushed", "completed", "delivered"].map(
+        (s) => `${prefix} ${s}`,
+      ),
+      ...["submitted", "started", "notified", "completed", "delivered"].map(
+        (s) => `${prefix} xferDone ${s}`,
+      ),
+      "engine.releaseBlocks sent",
+      "event.appended",
+    ]);
+    // The times given for the messages' arrival are kept as given.
+    const trace = p.list()[0]!.trace;
+    expect(trace.slice(0, 2).map((h) => h.us)).toEqual([100, 200]);
+    p.mark("t1", "event.written");
+    expect(hops().at(-1)).toBe("event.written");
+    p.mark("no-such-transfer", "event.written");
+    expect(p.list().map((t) => t.transferId)).toEqual(["t1"]);
+  });
+
   it("D aborts while writes are in flight: ABORTING, AbortAck once they settle, ABORTED", async () => {
     const { w, p, d, state } = setup();
     p.pushReg(d, pushReg("t1"));
