@@ -609,6 +609,16 @@ void AgentWrap::AddSegment(Napi::Env env, const char* what, const std::string& w
   remotes->push_back(remote);
 }
 
+EndpointWrap* AgentWrap::OpenEndpoint(Napi::Env env, const Napi::Value& v, const char* what) {
+  auto* ep = UnwrapHandle<EndpointWrap>(env, v, data_->endpoint_ctor, "endpoint");
+  if (ep->state_ != HandleState::kOpen)
+    throw MakeError(env, "ERR_CLOSED", std::string(what) + ": the endpoint is closed");
+  if (ep->agent_ != this)
+    throw MakeError(env, "ERR_WRONG_AGENT",
+                    std::string(what) + ": the endpoint belongs to another agent");
+  return ep;
+}
+
 void AgentWrap::SetNotification(Napi::Env env, const char* what, const Napi::Value& v,
                                 TransferOp* op) {
   const uint8_t* data = nullptr;
@@ -638,11 +648,7 @@ Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
   int kind = info[0].As<Napi::Number>().Int32Value();
   if (kind != 0 && kind != 1)
     throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: kind must be 0 (write) or 1 (read)");
-  auto* ep = UnwrapHandle<EndpointWrap>(env, info[1], data_->endpoint_ctor, "endpoint");
-  if (ep->state_ != HandleState::kOpen)
-    throw MakeError(env, "ERR_CLOSED", "transfer: the endpoint is closed");
-  if (ep->agent_ != this)
-    throw MakeError(env, "ERR_WRONG_AGENT", "transfer: a handle belongs to another agent");
+  EndpointWrap* ep = OpenEndpoint(env, info[1], "transfer");
   auto op = std::make_unique<TransferOp>();
   std::vector<RegionWrap*> locals;
   std::vector<RemoteWrap*> remotes;
@@ -668,8 +674,8 @@ Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
 }
 
 // writeParts(endpoint, [[localRegion, remoteRegion, descriptors], ...], notification?): every
-// part's puts in order, one flush, then the notification: one operation for all of a rank pair's
-// region pairs and its XferDone, with no return to JavaScript between them.
+// part's puts in order, one flush, then the notification if any: one operation (one hand-off to
+// the progress thread, one completion back) for all of a rank pair's region pairs.
 Napi::Value AgentWrap::WriteParts(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   CheckOpen(env, "writeParts");
@@ -677,11 +683,7 @@ Napi::Value AgentWrap::WriteParts(const Napi::CallbackInfo& info) {
     throw MakeError(env, "ERR_INVALID_ARGUMENT",
                     "writeParts(endpoint, [[local, remote, descriptors], ...], notification?)");
   }
-  auto* ep = UnwrapHandle<EndpointWrap>(env, info[0], data_->endpoint_ctor, "endpoint");
-  if (ep->state_ != HandleState::kOpen)
-    throw MakeError(env, "ERR_CLOSED", "writeParts: the endpoint is closed");
-  if (ep->agent_ != this)
-    throw MakeError(env, "ERR_WRONG_AGENT", "writeParts: a handle belongs to another agent");
+  EndpointWrap* ep = OpenEndpoint(env, info[0], "writeParts");
   auto op = std::make_unique<TransferOp>();
   std::vector<RegionWrap*> locals;
   std::vector<RemoteWrap*> remotes;
@@ -713,29 +715,13 @@ Napi::Value AgentWrap::Notify(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   CheckOpen(env, "notify");
   if (info.Length() < 2) throw MakeError(env, "ERR_INVALID_ARGUMENT", "notify(endpoint, bytes)");
-  auto* ep = UnwrapHandle<EndpointWrap>(env, info[0], data_->endpoint_ctor, "endpoint");
-  if (ep->state_ != HandleState::kOpen)
-    throw MakeError(env, "ERR_CLOSED", "notify: the endpoint is closed");
-  if (ep->agent_ != this)
-    throw MakeError(env, "ERR_WRONG_AGENT", "notify: the endpoint belongs to another agent");
-  const uint8_t* data = nullptr;
-  size_t size = 0;
-  if (!BytesOf(info[1], &data, &size)) {
-    throw MakeError(env, "ERR_INVALID_ARGUMENT", "notify: bytes must be a Buffer or Uint8Array");
-  }
-  if (size > engine_->max_notification_bytes()) {
-    throw MakeError(env, "ERR_NOTIFICATION_TOO_LARGE",
-                    "notification of " + std::to_string(size) + " bytes exceeds the limit of " +
-                        std::to_string(engine_->max_notification_bytes()),
-                    UCS_OK, true);
-  }
+  EndpointWrap* ep = OpenEndpoint(env, info[0], "notify");
+  auto op = std::make_unique<TransferOp>();
+  SetNotification(env, "notify", info[1], op.get());
   if (ep->core_->failed.load())
     throw UcsError(env, "notify: the endpoint has failed", ep->core_->fail_status);
-  auto op = std::make_unique<TransferOp>();
   op->kind = OpKind::kNotify;
   op->ep = ep->core_;
-  op->notification.assign(data, data + size);
-  op->has_notification = true;
   return Submit(env, std::move(op), ep, {}, {});
 }
 

@@ -73,6 +73,8 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
                   TransferOp* op, std::vector<RegionWrap*>* locals,
                   std::vector<RemoteWrap*>* remotes);
   void SetNotification(Napi::Env env, const char* what, const Napi::Value& v, TransferOp* op);
+  // An endpoint of this agent, open; otherwise ERR_CLOSED / ERR_WRONG_AGENT naming `what`.
+  EndpointWrap* OpenEndpoint(Napi::Env env, const Napi::Value& v, const char* what);
   Napi::Value Notify(const Napi::CallbackInfo& info);
   Napi::Value Close(const Napi::CallbackInfo& info);
 
