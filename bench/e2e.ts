@@ -27,6 +27,8 @@ import {
   type Endpoint,
   type Region,
   type RemoteRegion,
+  type WritePart,
+  monoUs,
   ucxVersion,
 } from "../src/native/index.js";
 import {
@@ -36,7 +38,6 @@ import {
   planTransfer,
 } from "../src/plan/index.js";
 import type { TransferInfo } from "../src/sidecar/view.js";
-import { monoUs } from "../src/native/index.js";
 import { DEFAULT_DEMO, runDemo, type DemoRequestRecord } from "../src/sim/demo.js";
 import {
   BenchArgs,
@@ -50,6 +51,7 @@ import {
   table,
   runSuiteMain,
 } from "./report.js";
+import { PeerProcess } from "./native/peer-client.js";
 import { lineChart, shortBytes, type ChartSeries } from "./svg.js";
 
 export type E2eMode = "push" | "pull";
@@ -185,18 +187,22 @@ async function readTimings(
   }
 }
 
-/** One agent per rank on each side, regions over shared-memory files of the engines' sizes. */
+/**
+ * The reference: the same plans moved by the native addon alone, with the two sides in two
+ * processes over the same kind of memory as the sidecars (shared-memory files of the engines'
+ * sizes, registered host memory). The moving side (P for push, D for pull) is in this process;
+ * the other side is a child process (bench/native/kv-side.ts) whose progress threads do their
+ * part, as a sidecar's do. One agent per rank on each side.
+ */
 class NativePair {
   private readonly files: string[] = [];
+  /** The moving side's agents and regions, by rank. */
   private readonly agents: Agent[] = [];
-  private readonly pRegions: Region[][] = [];
-  private readonly dRegions: Region[][] = [];
-  /** Push: [pRank][dRank]; pull: [dRank][pRank]. */
+  private readonly regions: Region[][] = [];
+  private peer: PeerProcess | undefined;
+  /** `${srcRank}:${dstRank}` -> the moving agent's endpoint to the other side's rank. */
   private readonly eps = new Map<string, Endpoint>();
   private readonly remotes = new Map<string, RemoteRegion>();
-  private readonly waiting = new Map<string, () => void>();
-  private pAgents: Agent[] = [];
-  private dAgents: Agent[] = [];
 
   constructor(
     private readonly pLayout: KvLayout,
@@ -204,115 +210,102 @@ class NativePair {
     private readonly mode: E2eMode,
   ) {}
 
-  open(): void {
-    const map = (agent: Agent, side: string, rank: number, layout: KvLayout, fill: number) =>
-      layout.regionBytes.map((len, g) => {
-        const path = `/dev/shm/kvxfer-bench-e2e-${process.pid}-${side}${rank}-g${g}.kv`;
-        const fd = openSync(path, "w+");
-        this.files.push(path);
-        try {
-          ftruncateSync(fd, len);
-        } finally {
-          closeSync(fd);
-        }
-        const region = agent.mapFile(path, { length: len });
-        // Touch every page first, as the engines' caches are in steady state.
-        region.bytes().fill(fill);
-        return region;
-      });
-    for (let r = 0; r < this.pLayout.tpSize; r++) {
-      const a = new Agent({ name: `e2e-p${r}`, transports: "shm,self" });
+  async open(): Promise<void> {
+    const push = this.mode === "push";
+    const [mine, theirs] = push ? [this.pLayout, this.dLayout] : [this.dLayout, this.pLayout];
+    for (let r = 0; r < mine.tpSize; r++) {
+      const a = new Agent({ name: `e2e-ref-${push ? "p" : "d"}${r}`, transports: "shm,self" });
       this.agents.push(a);
-      this.pAgents.push(a);
-      this.pRegions.push(map(a, "p", r, this.pLayout, 0x5a));
+      this.regions.push(
+        mine.regionBytes.map((len, g) => {
+          const path = `/dev/shm/kvxfer-bench-e2e-${process.pid}-r${r}-g${g}.kv`;
+          const fd = openSync(path, "w+");
+          this.files.push(path);
+          try {
+            ftruncateSync(fd, len);
+          } finally {
+            closeSync(fd);
+          }
+          const region = a.mapFile(path, { length: len });
+          // Touch every page first, as the engines' caches are in steady state.
+          region.bytes().fill(push ? 0x5a : 0);
+          return region;
+        }),
+      );
     }
-    for (let r = 0; r < this.dLayout.tpSize; r++) {
-      const a = new Agent({ name: `e2e-d${r}`, transports: "shm,self" });
-      this.agents.push(a);
-      this.dAgents.push(a);
-      this.dRegions.push(map(a, "d", r, this.dLayout, 0));
-      a.on("notifications", (batch) => {
-        for (const n of batch) {
-          const key = n.data.toString();
-          const w = this.waiting.get(key);
-          this.waiting.delete(key);
-          w?.();
-        }
-      });
-    }
-    for (let s = 0; s < this.pAgents.length; s++)
-      for (let d = 0; d < this.dAgents.length; d++) {
-        const [from, to, toRegions] =
-          this.mode === "push"
-            ? [this.pAgents[s]!, this.dAgents[d]!, this.dRegions[d]!]
-            : [this.dAgents[d]!, this.pAgents[s]!, this.pRegions[s]!];
-        const ep = from.connect(to.address);
+    this.peer = new PeerProcess([], {}, "kv-side.js");
+    const other = await this.peer.call<{ ranks: { address: string; keys: string[] }[] }>("init", {
+      name: `e2e-ref-${push ? "d" : "p"}`,
+      ranks: theirs.tpSize,
+      regionBytes: theirs.regionBytes,
+      transports: "shm,self",
+      fill: push ? 0 : 0x5a,
+    });
+    for (let s = 0; s < this.pLayout.tpSize; s++)
+      for (let d = 0; d < this.dLayout.tpSize; d++) {
+        const [me, them] = push ? [s, d] : [d, s];
+        const a = this.agents[me]!;
+        const remote = other.ranks[them]!;
+        const ep = a.connect(Buffer.from(remote.address, "base64"));
+        await this.peer.call("connect", { rank: them, address: a.address.toString("base64") });
         this.eps.set(`${s}:${d}`, ep);
-        toRegions.forEach((region, g) =>
-          this.remotes.set(`${s}:${d}:${g}`, ep.importRemote(region.remoteKey())),
+        remote.keys.forEach((k, g) =>
+          this.remotes.set(`${s}:${d}:${g}`, ep.importRemote(Buffer.from(k, "base64"))),
         );
+        // Both ways used once before anything is measured (UCX connects lazily).
+        await a.notify(ep, Buffer.from(`hello:${s}:${d}`));
+        await this.peer.call("waitNote", { key: `hello:${s}:${d}` });
       }
   }
 
-  /** Moves one plan; returns milliseconds. `pullDescs`: the plan's triples swapped for D. */
+  /**
+   * Moves one plan; returns milliseconds. Push: every pair's WRITEs and its notification as one
+   * operation (writeParts), until D's process has the notification in JavaScript (its monoUs,
+   * this host's clock); pull: every READ. `pullDescs`: the plan's triples swapped for D.
+   */
   async move(plan: TransferPlan, id: string, pullDescs: Float64Array[][]): Promise<number> {
-    const t0 = performance.now();
-    await Promise.all(
+    const t0 = monoUs();
+    const ends = await Promise.all(
       plan.pairs.map(async (pair, i) => {
         const key = `${pair.srcRank}:${pair.dstRank}`;
         const ep = this.eps.get(key)!;
         if (this.mode === "push") {
-          const a = this.pAgents[pair.srcRank]!;
-          const writes: Promise<unknown>[] = [];
-          for (const rp of pair.regionPairs) {
-            if (rp.count === 0) continue;
-            writes.push(
-              a.write(
-                ep,
-                this.pRegions[pair.srcRank]![rp.srcRegion]!,
-                this.remotes.get(`${key}:${rp.dstRegion}`)!,
-                rp.descriptors,
-              ),
-            );
-          }
-          await Promise.all(writes);
+          const a = this.agents[pair.srcRank]!;
           const note = `${id}:${key}`;
-          // Bounded, and the timer keeps the event loop alive: the addon does not while it waits.
-          const arrived = new Promise<void>((resolve, reject) => {
-            const timer = setTimeout(() => {
-              this.waiting.delete(note);
-              reject(new Error(`no notification '${note}' within 10 s`));
-            }, 10_000);
-            this.waiting.set(note, () => {
-              clearTimeout(timer);
-              resolve();
-            });
-          });
-          await a.notify(ep, Buffer.from(note));
-          await arrived;
-        } else {
-          const a = this.dAgents[pair.dstRank]!;
-          const reads: Promise<unknown>[] = [];
-          pair.regionPairs.forEach((rp, j) => {
-            if (rp.count === 0) return;
-            reads.push(
-              a.read(
-                ep,
-                this.dRegions[pair.dstRank]![rp.dstRegion]!,
-                this.remotes.get(`${key}:${rp.srcRegion}`)!,
-                pullDescs[i]![j]!,
-              ),
-            );
-          });
-          await Promise.all(reads);
+          const parts: WritePart[] = pair.regionPairs
+            .filter((rp) => rp.count > 0)
+            .map((rp) => ({
+              local: this.regions[pair.srcRank]![rp.srcRegion]!,
+              remote: this.remotes.get(`${key}:${rp.dstRegion}`)!,
+              descriptors: rp.descriptors,
+            }));
+          await a.writeParts(ep, parts, Buffer.from(note));
+          const r = await this.peer!.call<{ deliveredUs: number }>("waitNote", { key: note });
+          return r.deliveredUs;
         }
+        const a = this.agents[pair.dstRank]!;
+        const reads: Promise<unknown>[] = [];
+        pair.regionPairs.forEach((rp, j) => {
+          if (rp.count === 0) return;
+          reads.push(
+            a.read(
+              ep,
+              this.regions[pair.dstRank]![rp.dstRegion]!,
+              this.remotes.get(`${key}:${rp.srcRegion}`)!,
+              pullDescs[i]![j]!,
+            ),
+          );
+        });
+        await Promise.all(reads);
+        return monoUs();
       }),
     );
-    return performance.now() - t0;
+    return (Math.max(...ends) - t0) / 1000;
   }
 
-  close(): void {
+  async close(): Promise<void> {
     for (const a of this.agents) a.close();
+    await this.peer?.close();
     for (const f of this.files) {
       try {
         unlinkSync(f);
@@ -443,7 +436,7 @@ async function runMode(
   const native = new NativePair(layouts.prefill, layouts.decode, mode);
   const nativeMs = new Map<Measured, number[]>();
   try {
-    native.open();
+    await native.open();
     let n = 0;
     for (const m of measured) {
       const pull = m.plan.pairs.map((p) =>
@@ -456,7 +449,7 @@ async function runMode(
       await sleep(1);
     }
   } finally {
-    native.close();
+    await native.close();
   }
 
   return sizes.map((tokens) => {
@@ -612,8 +605,9 @@ export function formatE2eMarkdown(rows: readonly E2eRow[]): string {
 export const E2E_NOTES = [
   "  sidecar: P's engine answered prefill-done -> the router heard KV_READY from D's sidecar over gRPC (performance.now)",
   "  own: the sidecars' ListTransfers timings, P prefillDoneMs -> D readyMs (whole ms); data: dataStartedMs -> dataDoneMs on the moving side",
-  "  native (reference): the same plans (same layouts and block ids) moved by two native agents per rank pair in one process over shm;",
-  "    push = WRITEs + one notification per rank pair until the decode agent has it, pull = READs; no planning",
+  "  native (reference): the same plans (same layouts and block ids) moved by the native addon alone over shm, the two sides in two",
+  "    processes and registered shared-memory files as the sidecars; push = each rank pair's WRITEs and notification as one",
+  "    operation until D's process has the notification, pull = READs; no planning",
   "  ratio = sidecar / native (p50 and p99); GB/s = bytes / p50",
   `  p99 only from ${MIN_P99_SAMPLES} samples or more ("-" below; ok/failed counts the samples)`,
 ].join("\n");

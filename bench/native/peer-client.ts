@@ -14,23 +14,26 @@ export interface PeerError {
   message: string;
 }
 
-function peerScript(): string {
+function peerScript(script: string): string {
   // Works from src (vitest) and from dist (compiled bench): the compiled peer lives in dist/.
   let dir = dirname(fileURLToPath(import.meta.url));
   for (let i = 0; i < 6; i++) {
-    const candidate = join(dir, "dist", "bench", "native", "peer.js");
+    const candidate = join(dir, "dist", "bench", "native", script);
     if (existsSync(candidate)) return candidate;
     dir = dirname(dir);
   }
-  throw new Error("dist/bench/native/peer.js not found: run 'npm run build' first");
+  throw new Error(`dist/bench/native/${script} not found: run 'npm run build' first`);
 }
 
 export class PeerProcess {
   private readonly proc: JsonLinesChild;
 
-  /** `prefix`: a command to run node under, e.g. ["ip", "netns", "exec", "ns1"]. */
-  constructor(prefix: string[] = [], env: NodeJS.ProcessEnv = {}) {
-    this.proc = new JsonLinesChild([...prefix, process.execPath, peerScript()], {
+  /**
+   * `prefix`: a command to run node under, e.g. ["ip", "netns", "exec", "ns1"]; `script`: the
+   * peer to run (peer.js, or kv-side.js for bench e2e's reference).
+   */
+  constructor(prefix: string[] = [], env: NodeJS.ProcessEnv = {}, script = "peer.js") {
+    this.proc = new JsonLinesChild([...prefix, process.execPath, peerScript(script)], {
       name: "peer",
       env,
       makeError: (code, message) => Object.assign(new Error(message), { code }),

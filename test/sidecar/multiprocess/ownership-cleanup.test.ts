@@ -4,7 +4,7 @@
 // remains after a normal stop, SIGTERM, SIGINT, a failed start, a demo and a bench run.
 // Every path checked is one this test made (other tests make their own files concurrently).
 import { spawn } from "node:child_process";
-import { existsSync, lstatSync, mkdtempSync, readdirSync, rmSync } from "node:fs";
+import { existsSync, lstatSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 
@@ -375,4 +375,40 @@ describe("nothing left behind", () => {
       rmSync(results, { recursive: true, force: true });
     }
   }, 150_000);
+
+  it("bench e2e (small) moves every plan again in two processes, traces each hop, leaves nothing", async () => {
+    const results = mkdtempSync(join(tmpdir(), "kvxfer-own-e2e-"));
+    try {
+      const r = await run(
+        cliScript(),
+        ["bench", "e2e", "--tokens", "16,64", "--rounds", "2", "--reps", "1", "--layers", "1"],
+        150_000,
+        { KVXFER_BENCH_RESULTS: results },
+      );
+      expect(r.code, r.stderr.slice(-2000)).toBe(0);
+      const mark = `-${r.pid}-`;
+      expect(filesWith("/tmp", "kvxfer-").filter((f) => f.includes(mark))).toEqual([]);
+      expect(filesWith(SHM_ROOT, "kvxfer-").filter((f) => f.includes(mark))).toEqual([]);
+      const out = JSON.parse(readFileSync(join(results, "e2e.json"), "utf8")) as {
+        rows: {
+          mode: string;
+          failed: number;
+          nativeMs: { n: number; p50: number };
+          hops: { hop: string }[];
+        }[];
+      };
+      expect(out.rows.map((x) => x.mode)).toEqual(["push", "push", "pull", "pull"]);
+      for (const row of out.rows) {
+        expect(row.failed).toBe(0);
+        // The reference (the other side in its own process) moved every measured plan.
+        expect(row.nativeMs.n).toBe(2);
+        expect(row.nativeMs.p50).toBeGreaterThan(0);
+        const hops = row.hops.map((h) => h.hop);
+        expect(hops).toContain("router heard KV_READY");
+        expect(hops).toContain(row.mode === "push" ? "P pair 0>0 flushed" : "D pair 0>0 flushed");
+      }
+    } finally {
+      rmSync(results, { recursive: true, force: true });
+    }
+  }, 180_000);
 });
