@@ -74,6 +74,7 @@ const SIDECAR_KINDS: Partial<Record<SettingName, Kind>> = {
   "event-log-capacity": POS_INT,
   grpc: STR,
   metrics: STR,
+  "otlp-endpoint": STR,
   "tls-cert": STR,
   "tls-key": STR,
   "tls-ca": STR,

@@ -22,6 +22,7 @@ import { EventLog } from "../sidecar/event-log.js";
 import { stderrSink } from "../sidecar/log-sink.js";
 import { Sidecar, type SidecarOptions } from "../sidecar/sidecar.js";
 import type { SidecarRole, TransferMode } from "../sidecar/view.js";
+import { startOtlpTracing } from "./otel.js";
 
 /** Every setting: flag name, kind, default, help. The env name is KVXFER_ + flag in UPPER_SNAKE. */
 export const SIDECAR_SETTINGS = {
@@ -155,6 +156,11 @@ export const SIDECAR_SETTINGS = {
     type: "string",
     default: "",
     help: "Prometheus metrics host:port (GET /metrics); empty: off",
+  },
+  "otlp-endpoint": {
+    type: "string",
+    default: "",
+    help: "send each transfer's trace as OpenTelemetry spans over OTLP/HTTP to this URL (e.g. http://127.0.0.1:4318/v1/traces); empty: off",
   },
   "tls-cert": {
     type: "string",
@@ -466,7 +472,12 @@ export async function startSidecar(
   s: Record<SettingName, string>,
   logger: Logger,
 ): Promise<RunningSidecar> {
-  const sidecar = new Sidecar(sidecarOptions(s, logger));
+  const tracing =
+    s["otlp-endpoint"] !== "" ? startOtlpTracing(s["otlp-endpoint"], s["engine-id"]) : undefined;
+  const sidecar = new Sidecar({
+    ...sidecarOptions(s, logger),
+    ...(tracing !== undefined ? { tracer: tracing.tracer } : {}),
+  });
   const events = new EventLog({
     capacity: positiveInt("event-log-capacity", s["event-log-capacity"]),
   });
@@ -530,6 +541,7 @@ export async function startSidecar(
     await api?.close(0);
     await sidecar.close();
     await link.close();
+    await tracing?.shutdown(0);
     throw err;
   }
   const apiServer = api;
@@ -561,6 +573,8 @@ export async function startSidecar(
       closing = "engine link";
       await link.close();
       events.close();
+      closing = "OpenTelemetry export";
+      await tracing?.shutdown(2000);
       closing = "";
     },
     get closing() {

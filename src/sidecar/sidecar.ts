@@ -9,6 +9,7 @@ import { create, equals } from "@bufbuild/protobuf";
 import { randomBytes } from "node:crypto";
 import { realpathSync, statSync } from "node:fs";
 import { availableParallelism } from "node:os";
+import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
 
 import {
@@ -36,6 +37,8 @@ import { DecodeSide } from "./decode.js";
 import type { TransferMetrics } from "./metrics.js";
 import { PeerTable, type PeerTableHost, type RegisteredKv } from "./peers.js";
 import { PrefillSide } from "./prefill.js";
+import { isTerminal } from "./lifecycle.js";
+import { exportTransferSpans } from "./otel.js";
 import { monoUs } from "./trace.js";
 import type {
   EventKind,
@@ -62,6 +65,11 @@ export interface SidecarOptions {
   errorMode?: ErrorMode;
   /** Progress threads spin instead of sleeping on the worker's event fd. */
   busyPoll?: boolean;
+  /**
+   * Each transfer's trace as OpenTelemetry spans once it has ended on this side (otel.ts);
+   * default none.
+   */
+  tracer?: Tracer;
   /**
    * After any activity, progress threads poll this long (µs) before sleeping. "auto" (the
    * default): AUTO_SPIN_US when the registration's agents (one per rank) have two cores each,
@@ -150,7 +158,10 @@ export class Sidecar implements SidecarView {
   readonly mode: TransferMode;
   readonly startedMs = Date.now();
   private readonly opts: Required<
-    Omit<SidecarOptions, "netDevices" | "transports" | "logger" | "peerCredentials" | "clock">
+    Omit<
+      SidecarOptions,
+      "netDevices" | "transports" | "logger" | "peerCredentials" | "clock" | "tracer"
+    >
   > & {
     netDevices: readonly string[];
     transports: string;
@@ -163,6 +174,7 @@ export class Sidecar implements SidecarView {
   private events: EventSink = { append: () => undefined };
   private metrics: TransferMetrics | undefined;
   private readonly clock: Clock;
+  private readonly tracer: Tracer | undefined;
 
   /** The engine's KV cache once registered: layout, one agent per rank, its regions. */
   private kv: RegisteredKv | undefined;
@@ -200,6 +212,7 @@ export class Sidecar implements SidecarView {
     this.epoch = randomBytes(8).readBigUInt64BE() | 1n;
     this.log = options.logger.child({ component: "sidecar", engineId: options.engineId });
     this.clock = options.clock ?? systemClock;
+    this.tracer = options.tracer;
     this.opts = {
       engineId: options.engineId,
       role: options.role,
@@ -714,6 +727,20 @@ export class Sidecar implements SidecarView {
       bytes,
       mode,
     });
+    const tracer = this.tracer;
+    if (tracer !== undefined && side !== "" && transferId !== "" && isTerminal(kind)) {
+      // After the event's delivery to watchers (a microtask away), so its hops are in the span.
+      setImmediate(() => {
+        const info = (side === "prefill" ? this.prefill : this.decode)
+          .list()
+          .find((t) => t.transferId === transferId);
+        try {
+          if (info !== undefined) exportTransferSpans(tracer, this.engineId, info);
+        } catch (err) {
+          this.log.warn({ err, transferId }, "cannot export the transfer's spans");
+        }
+      });
+    }
   }
 
   // --- SidecarView -------------------------------------------------------------------
