@@ -459,7 +459,8 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       return;
     }
     const key = `${m.srcRank}:${m.dstRank}`;
-    if (!t.expectedPairs.has(key)) return;
+    // A pair counts once: a repeated XferDone (a misbehaving P) adds no bytes and no latency.
+    if (!t.expectedPairs.has(key) || t.donePairs.has(key)) return;
     if (t.t.dataStartedMs === 0) t.t.dataStartedMs = ctx.clock.now();
     if (n !== undefined) {
       t.trace.mark(`pair ${m.srcRank}>${m.dstRank} xferDone received`, n.receivedUs);

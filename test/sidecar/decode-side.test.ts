@@ -9,7 +9,7 @@ import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import type { PeerState } from "../../src/sidecar/peers.js";
-import { FakeWorld, SETTINGS, expectKv, settle } from "./fakes.js";
+import { FakeWorld, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
 
 function setup(opts: { reachable?: boolean } = {}) {
   const w = new FakeWorld();
@@ -219,5 +219,82 @@ describe("DecodeSide", () => {
     d.xferDone(p, 0, 0, xferDone("t1"));
     d.expectKv(expectKv("t2"), false);
     expect(w.refused).toHaveLength(1);
+  });
+
+  it("XferDone counts only for a moving push of its own peer: bytes summed, P's latency kept", async () => {
+    const w = new FakeWorld({}, smallTp(2));
+    const p = w.peer("p0");
+    const d = new DecodeSide(w.ctx, () => Promise.resolve(p));
+    const state = (id: string) => d.list().find((t) => t.transferId === id)?.state;
+    const done = (id: string, src: number, dst: number, bytes: bigint, ms: number) =>
+      create(XferDoneSchema, {
+        transferId: id,
+        srcRank: src,
+        dstRank: dst,
+        bytes,
+        sincePrefillDoneMs: ms,
+      });
+    // A pull never takes an XferDone, however well formed.
+    d.expectKv(expectKv("pull1", true), true);
+    await settle();
+    d.xferDone(p, 0, 0, done("pull1", 0, 0, 1n, 1));
+    d.xferDone(p, 1, 1, done("pull1", 1, 1, 1n, 1));
+    expect(state("pull1")).toBe("MOVING");
+    expect(w.engineSaid("pull1")).toEqual([]);
+    // A push over two rank pairs: ready at the second, not before; a repeat of the first is no pair.
+    d.expectKv(expectKv("t1", false, "", [6, 7]), false);
+    await settle();
+    const startedBefore = d.list().find((t) => t.transferId === "t1")!.timings.dataStartedMs;
+    expect(startedBefore).toBe(0);
+    w.clock.advance(5);
+    d.xferDone(p, 0, 0, done("t1", 0, 0, 3000n, 7));
+    const started = d.list().find((t) => t.transferId === "t1")!.timings.dataStartedMs;
+    expect(started).toBe(w.clock.now());
+    w.clock.advance(5);
+    d.xferDone(p, 0, 0, done("t1", 0, 0, 3000n, 7));
+    expect(state("t1")).toBe("MOVING");
+    expect(d.list().find((t) => t.transferId === "t1")!.timings.dataStartedMs, "set once").toBe(
+      started,
+    );
+    d.xferDone(p, 1, 1, done("t1", 1, 1, 5000n, 4));
+    expect(state("t1")).toBe("KV_READY");
+    // The bytes of each pair once, and P's longest time from PrefillDone (not the last one's).
+    expect(w.ready).toEqual([{ mode: "push", latencyMs: 7, bytes: 8000 }]);
+    expect(d.list().find((t) => t.transferId === "t1")!.bytes).toBe(8000);
+  });
+
+  it("P's ReadAck counts only for a confirming pull of its own peer", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    d.readAck(p, "t1", true, false); // reads still in flight: not confirming yet
+    expect(state("t1")).toBe("MOVING");
+    w.agent.landAll();
+    await settle();
+    expect(state("t1")).toBe("CONFIRMING");
+    d.readAck(w.peer("intruder"), "t1", true, false); // another engine's answer
+    expect(state("t1")).toBe("CONFIRMING");
+    d.readAck(p, "no-such", true, false);
+    d.readAck(p, "t1", true, false);
+    expect(state("t1")).toBe("KV_READY");
+    expect(w.ready.map((r) => r.mode)).toEqual(["pull"]);
+  });
+
+  it("P's AbortAck and Failed count only for their own peer's live transfer", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    d.abort("t1"); // DRAINING: blocks wait for P's AbortAck
+    expect(state("t1")).toBe("DRAINING");
+    d.abortAck(w.peer("intruder"), "t1");
+    expect(state("t1"), "another engine's AbortAck").toBe("DRAINING");
+    expect(d.peerFailed(w.peer("intruder"), "t1", "ERR_X", "x")).toBe(false);
+    expect(state("t1")).toBe("DRAINING");
+    d.abortAck(p, "t1");
+    expect(state("t1")).toBe("ABORTED");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.ABORTED}`]);
+    // Ended: P's late Failed is not this transfer's any more.
+    expect(d.peerFailed(p, "t1", "ERR_X", "x")).toBe(false);
+    expect(w.eventsOf("t1")).toEqual(["ABORTED"]);
   });
 });

@@ -184,6 +184,9 @@ export class FakeWorld {
   readonly sealed: PeerBody[] = [];
   readonly events: Recorded[] = [];
   readonly errors: string[] = [];
+  /** What the side reported as metrics: ready transfers and failures, in order. */
+  readonly ready: { mode: string; latencyMs: number; bytes: number }[] = [];
+  readonly failures: string[] = [];
   moved = 0;
   readonly ctx: SideContext;
 
@@ -217,7 +220,11 @@ export class FakeWorld {
         this.events.push({ kind, transferId, side, reason }),
       moved: (bytes) => (this.moved += bytes),
       noteError: (text) => this.errors.push(text),
-      metrics: () => undefined,
+      metrics: () => ({
+        transferReady: (mode, latencyMs, bytes) => this.ready.push({ mode, latencyMs, bytes }),
+        transferFailed: (reason) => this.failures.push(reason),
+        setQueueDepth: () => undefined,
+      }),
     };
   }
 

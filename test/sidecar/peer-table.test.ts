@@ -15,7 +15,7 @@ import {
   type PeerBody,
 } from "../../src/peer/messages.js";
 import { MAX_PEERS, type PeerState } from "../../src/sidecar/peers.js";
-import { PeerTableWorld, peerMetadata } from "./fakes.js";
+import { FakeWorld, PeerTableWorld, peerMetadata, smallTp } from "./fakes.js";
 
 const OUR_EPOCH = PeerTableWorld.EPOCH;
 
@@ -174,5 +174,47 @@ describe("PeerTable", () => {
       { peer: "d0", epoch: 7n, why: "endpoint failed: UCS_ERR_ENDPOINT_TIMEOUT" },
     ]);
     expect(table.list()).toEqual([]);
+  });
+});
+
+describe("one peer's state", () => {
+  it("accepts its current key and the one before (notifications sealed before a re-handshake), no older", () => {
+    const w = new FakeWorld();
+    const peer = w.peer("p0");
+    const k = (b: number): Uint8Array => new Uint8Array(32).fill(b);
+    const accepts = (key: Uint8Array): boolean =>
+      peer.verifies((tried) => Buffer.from(tried).equals(Buffer.from(key)));
+    expect(accepts(new Uint8Array(0)), "no key yet: nothing verifies").toBe(false);
+    peer.setRecvKey(k(1));
+    expect([accepts(k(1)), accepts(k(2))]).toEqual([true, false]);
+    peer.setRecvKey(k(1)); // the same key again is no rotation
+    peer.setRecvKey(k(2));
+    expect([accepts(k(1)), accepts(k(2))]).toEqual([true, true]);
+    peer.setRecvKey(k(3));
+    expect([accepts(k(1)), accepts(k(2)), accepts(k(3))]).toEqual([false, true, true]);
+  });
+
+  it("makes each rank pair's endpoint and remote region once, again only after a close; names a pair it lacks", () => {
+    const w = new FakeWorld({}, smallTp(2));
+    let connects = 0;
+    const connect = w.agent.connect.bind(w.agent);
+    w.agent.connect = () => {
+      connects++;
+      return connect();
+    };
+    const peer = w.peer("p0");
+    const ep = peer.endpoint(0, 1);
+    expect(peer.endpoint(0, 1)).toBe(ep);
+    expect(connects).toBe(1);
+    const r = peer.remote(0, 1, 0);
+    expect(peer.remote(0, 1, 0)).toBe(r);
+    expect(peer.remote(0, 1, 1)).not.toBe(r);
+    expect(connects).toBe(1);
+    (ep as { state: string }).state = "closed";
+    expect(peer.endpoint(0, 1)).not.toBe(ep);
+    expect(connects).toBe(2);
+    expect(() => peer.endpoint(0, 2)).toThrow("peer p0: no rank pair 0 -> 2");
+    expect(() => peer.endpoint(2, 0)).toThrow("peer p0: no rank pair 2 -> 0");
+    expect(() => peer.remote(0, 1, 99)).toThrow("peer p0: rank 1 has no region 99");
   });
 });

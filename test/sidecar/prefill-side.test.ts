@@ -229,4 +229,57 @@ describe("PrefillSide", () => {
     expect(state("t1")).toBe("RELEASED");
     expect(w.eventsOf("t1")).toEqual(["RELEASED"]);
   });
+
+  it("a registration's lease is clamped to 100 ms .. 10 min; the same engine registering again is one registration", () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("short", "", 1)); // asks for 1 ms: gets 100
+    w.clock.advance(99);
+    p.expire(w.clock.now());
+    expect(state("short")).toBe("WAITING");
+    w.clock.advance(1);
+    p.expire(w.clock.now());
+    expect(state("short")).toBe("EXPIRED");
+    expect(w.peerSaid("short")).toEqual(["failed:ERR_TIMEOUT"]);
+    p.pushReg(d, pushReg("long", "", 24 * 3600_000)); // asks for a day: gets 10 min
+    p.pushReg(d, pushReg("long", "", 24 * 3600_000)); // the same engine again: nothing new
+    expect(w.peerSaid("long")).toEqual([]);
+    w.clock.advance(10 * 60_000 - 1);
+    p.expire(w.clock.now());
+    expect(state("long")).toBe("WAITING");
+    w.clock.advance(1);
+    p.expire(w.clock.now());
+    expect(state("long")).toBe("EXPIRED");
+    expect(w.peerSaid("long")).toEqual(["failed:ERR_TIMEOUT"]);
+  });
+
+  it("which decode engine may act: only the registered one, or (no registration) the token's holder", async () => {
+    const { w, p, d } = setup();
+    const other = w.peer("d1");
+    p.pushReg(d, pushReg("t1"));
+    expect(p.liveWith(d)).toBe(true);
+    expect(p.liveWith(other)).toBe(false);
+    expect([...p.livePeers()].map((x) => x.engineId)).toEqual(["d0"]);
+    p.prefillDone(prefillDone("t1"));
+    expect(p.writingTo(d)).toBe(true);
+    expect(p.writingTo(other)).toBe(false);
+    // Another engine's abort or failure of a registered transfer changes nothing.
+    p.peerAbort(other, "t1", "");
+    expect(p.list()[0]!.state).toBe("MOVING");
+    expect(p.peerFailed(other, "t1", "ERR_X", "")).toBe(false); // writes in flight: not now anyway
+    // Another engine going down is not this transfer's business.
+    p.peerDown(other);
+    expect(p.list()[0]!.state).toBe("MOVING");
+    w.agent.landAll();
+    await settle();
+    expect(p.list()[0]!.state).toBe("RELEASED");
+    expect(p.writingTo(d)).toBe(false);
+    expect(p.liveWith(d)).toBe(false);
+    expect(p.livePeers().size).toBe(0);
+    // Held for a pull (no registration): the token's holder may fail it, anyone else not.
+    p.prefillDone(prefillDone("t2", "tok"));
+    expect(p.peerFailed(other, "t2", "ERR_X", "wrong")).toBe(true);
+    expect(p.list().find((t) => t.transferId === "t2")!.state).toBe("HELD");
+    p.peerAbort(other, "t2", "tok");
+    expect(p.list().find((t) => t.transferId === "t2")!.state).toBe("ABORTED");
+  });
 });
