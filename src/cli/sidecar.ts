@@ -15,6 +15,7 @@ import { pino, type Logger } from "pino";
 
 import { startApiServer, type ApiServer } from "../api/server.js";
 import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/metrics.js";
+import { ZmqNotifier } from "../api/zmq-notify.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
 import { KvxferError } from "../errors.js";
 import type { PeerCredentials } from "../peer/side-channel.js";
@@ -156,6 +157,11 @@ export const SIDECAR_SETTINGS = {
     type: "string",
     default: "",
     help: "Prometheus metrics host:port (GET /metrics); empty: off",
+  },
+  "notify-zmq": {
+    type: "string",
+    default: "",
+    help: "on each KV_READY (decode side), push production-stack's ZMQ message (msgpack {req_id: transfer id}) to this endpoint, e.g. tcp://router:7500; empty: off",
   },
   "otlp-endpoint": {
     type: "string",
@@ -483,6 +489,14 @@ export async function startSidecar(
   });
   const metrics = new SidecarMetrics();
   metrics.watchEventLog(events);
+  if (s["notify-zmq"] !== "" && s.role === "prefill")
+    throw new KvxferError(
+      "ERR_CONFIG",
+      "--notify-zmq announces KV_READY, which only a decode side has: --role decode or both",
+    );
+  const notifier =
+    s["notify-zmq"] !== "" ? new ZmqNotifier(s["notify-zmq"], metrics.registry) : undefined;
+  notifier?.start(events);
   if ((s["tls-cert"] === "") !== (s["tls-key"] === ""))
     throw new KvxferError("ERR_CONFIG", "--tls-cert and --tls-key go together");
   if (s["tls-ca"] !== "" && s["tls-cert"] === "")
@@ -541,6 +555,7 @@ export async function startSidecar(
     await api?.close(0);
     await sidecar.close();
     await link.close();
+    notifier?.close();
     await tracing?.shutdown(0);
     throw err;
   }
@@ -572,6 +587,7 @@ export async function startSidecar(
       await sidecar.close();
       closing = "engine link";
       await link.close();
+      notifier?.close();
       events.close();
       closing = "OpenTelemetry export";
       await tracing?.shutdown(2000);

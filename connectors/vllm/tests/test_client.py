@@ -21,9 +21,9 @@ TOKENS = 40  # two blocks of 32
 class Pair:
     """A prefill and a decode engine (vLLM's CPU layout, TP 1) with their sidecars."""
 
-    def __init__(self, sidecars, shm_dir) -> None:
+    def __init__(self, sidecars, shm_dir, d_flags: tuple[str, ...] = ()) -> None:
         self.p_sc = sidecars("prefill")
-        self.d_sc = sidecars("decode")
+        self.d_sc = sidecars("decode", *d_flags)
         self.p = KvEngine(str(shm_dir), self.p_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
         self.d = KvEngine(str(shm_dir), self.d_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
         self.pw = self.p.connect(self.p_sc.socket)
@@ -56,8 +56,8 @@ class Pair:
 
 
 @contextlib.contextmanager
-def pair(sidecars, shm_dir):
-    pr = Pair(sidecars, shm_dir)
+def pair(sidecars, shm_dir, d_flags: tuple[str, ...] = ()):
+    pr = Pair(sidecars, shm_dir, d_flags)
     try:
         yield pr
     finally:
