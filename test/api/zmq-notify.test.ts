@@ -7,25 +7,12 @@ import { afterEach, describe, expect, it } from "vitest";
 import { MetricsRegistry } from "../../src/api/metrics.js";
 import { ZmqNotifier, encodeReqId } from "../../src/api/zmq-notify.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
-import type { SidecarEvent } from "../../src/sidecar/view.js";
+import { logEvent } from "../sidecar/fakes.js";
 
 const open: { close(): void }[] = [];
 afterEach(() => {
   for (const o of open.splice(0)) o.close();
 });
-
-function ev(kind: SidecarEvent["kind"], transferId: string, side: "prefill" | "decode" = "decode") {
-  return {
-    kind,
-    timeMs: Date.now(),
-    transferId,
-    peer: "p",
-    side,
-    reason: "",
-    bytes: 1,
-    mode: "push",
-  };
-}
 
 async function until(pred: () => boolean, ms = 5000): Promise<void> {
   const end = Date.now() + ms;
@@ -66,16 +53,16 @@ describe("--notify-zmq", () => {
       for await (const [msg] of pull) got.push(msg!.toString("latin1"));
     })();
     for (let i = 0; i < 200 && got.length === 0; i++) {
-      log.append(ev("KV_READY", `warm-${i}`));
+      log.append(logEvent(`warm-${i}`, "KV_READY"));
       await new Promise((r) => setTimeout(r, 10));
     }
     await until(() => got.length > 0);
     await new Promise((r) => setTimeout(r, 50));
     const warm = got.length;
-    log.append(ev("KV_READY", "a"));
-    log.append(ev("FAILED", "b"));
-    log.append(ev("RELEASED", "c", "prefill"));
-    log.append(ev("KV_READY", "d"));
+    log.append(logEvent("a", "KV_READY"));
+    log.append(logEvent("b", "FAILED"));
+    log.append(logEvent("c", "RELEASED", "prefill"));
+    log.append(logEvent("d", "KV_READY"));
     await until(() => got.length === warm + 2);
     expect(got.slice(warm)).toEqual([
       encodeReqId("a").toString("latin1"),
@@ -99,7 +86,7 @@ describe("--notify-zmq", () => {
     const log = new EventLog({ capacity: 100 });
     n.start(log);
     const t0 = Date.now();
-    for (let i = 0; i < 5; i++) log.append(ev("KV_READY", `t${i}`));
+    for (let i = 0; i < 5; i++) log.append(logEvent(`t${i}`, "KV_READY"));
     await until(() => n.counts.dropped_no_router === 5, 2000);
     expect(Date.now() - t0).toBeLessThan(2000);
     expect(n.counts.sent).toBe(0);

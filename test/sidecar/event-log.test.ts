@@ -3,20 +3,10 @@
 import { describe, expect, it } from "vitest";
 import { KvxferError } from "../../src/errors.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
+import { logEvent } from "./fakes.js";
 import type { EventKind, SidecarEvent, TransferSide } from "../../src/sidecar/view.js";
 
-function ev(transferId: string, kind: EventKind = "KV_READY", side: TransferSide | "" = "decode") {
-  return {
-    kind,
-    timeMs: Date.now(),
-    transferId,
-    peer: "p",
-    side,
-    reason: "",
-    bytes: 1,
-    mode: "push",
-  };
-}
+const ev = logEvent;
 
 const flush = () => new Promise<void>((r) => setImmediate(r));
 

@@ -18,7 +18,7 @@ import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import type { Clock } from "../../src/sidecar/clock.js";
 import type { EngineMessage, LifecycleSettings, SideContext } from "../../src/sidecar/context.js";
 import { PeerState, PeerTable } from "../../src/sidecar/peers.js";
-import type { EventKind } from "../../src/sidecar/view.js";
+import type { EventKind, SidecarEvent, TransferSide } from "../../src/sidecar/view.js";
 
 /** Time that moves only when the test says so; timers run in order as it passes them. */
 export class ManualClock implements Clock {
@@ -348,4 +348,22 @@ export class PeerTableWorld {
       },
     );
   }
+}
+
+/** An event as the sides append it to the event log (the log assigns its seq). */
+export function logEvent(
+  transferId: string,
+  kind: EventKind = "KV_READY",
+  side: TransferSide | "" = "decode",
+): Omit<SidecarEvent, "seq"> {
+  return {
+    kind,
+    timeMs: Date.now(),
+    transferId,
+    peer: "p",
+    side,
+    reason: "",
+    bytes: 1,
+    mode: "push",
+  };
 }
