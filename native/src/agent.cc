@@ -33,6 +33,7 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceMethod<&AgentWrap::WriteParts>("writeParts"),
                          InstanceMethod<&AgentWrap::Notify>("notify"),
                          InstanceMethod<&AgentWrap::Close>("close"),
+                         InstanceMethod<&AgentWrap::BeginClose>("beginClose"),
                      });
 }
 
@@ -796,7 +797,8 @@ void AgentWrap::Settle(Napi::Env env, const Event& ev, uint64_t delivered_us) {
   for (RemoteWrap* remote : p->remotes) remote->OpDone();
   if (ev.status == UCS_OK) {
     p->deferred.Resolve(TraceObject(env, ev.trace, delivered_us));
-  } else if (ev.status == UCS_ERR_CANCELED && state_ != HandleState::kOpen) {
+  } else if (ev.status == UCS_ERR_CANCELED &&
+             (state_ != HandleState::kOpen || engine_->shutdown_requested())) {
     p->deferred.Reject(
         MakeError(env, "ERR_CLOSED", "transfer cancelled: the agent was closed").Value());
   } else {
@@ -885,6 +887,13 @@ void AgentWrap::CloseAll(Napi::Env env, bool deliver) {
 
 Napi::Value AgentWrap::Close(const Napi::CallbackInfo& info) {
   CloseAll(info.Env(), true);
+  return info.Env().Undefined();
+}
+
+// beginClose(): starts the shutdown (cancels what is queued, starts the deadline) without
+// waiting; close() then waits for it.
+Napi::Value AgentWrap::BeginClose(const Napi::CallbackInfo& info) {
+  if (state_ == HandleState::kOpen && engine_) engine_->RequestShutdown();
   return info.Env().Undefined();
 }
 

@@ -77,6 +77,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   EndpointWrap* OpenEndpoint(Napi::Env env, const Napi::Value& v, const char* what);
   Napi::Value Notify(const Napi::CallbackInfo& info);
   Napi::Value Close(const Napi::CallbackInfo& info);
+  Napi::Value BeginClose(const Napi::CallbackInfo& info);
 
   void CheckOpen(Napi::Env env, const char* what);
   Napi::Value Submit(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,

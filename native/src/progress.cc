@@ -403,10 +403,9 @@ void ProgressEngine::DestroyRkey(ucp_rkey_h rkey) {
   }
 }
 
-void ProgressEngine::Shutdown() {
-  if (shut_down_) return;
-  shut_down_ = true;
-  if (!started_) return;
+void ProgressEngine::RequestShutdown() {
+  if (shutdown_requested_ || !started_ || stopped_.load()) return;
+  shutdown_requested_ = true;
   RunAsync([this] {
     stopping_ = true;
     deadline_ = std::chrono::steady_clock::now() + kShutdownDeadline;
@@ -418,6 +417,13 @@ void ProgressEngine::Shutdown() {
     }
     posting_.clear();
   });
+}
+
+void ProgressEngine::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (!started_) return;
+  RequestShutdown();
   thread_.join();
   stopped_.store(true);
 }

@@ -163,6 +163,10 @@ class ProgressEngine {
   // and joins the thread. Idempotent. Completions for failed transfers are
   // left in the event queue for the caller to deliver.
   void Shutdown();
+  // Starts Shutdown() without waiting: the deadline starts now. Several engines closed together
+  // (a sidecar's ranks) then wait out one deadline, not one each. Idempotent.
+  void RequestShutdown();
+  bool shutdown_requested() const { return shutdown_requested_; }
   // Stops the thread and destroys the worker (which purges its pending requests): call it before
   // the regions' memory is unmapped, since a pending request may still point at a region's
   // memory handle (UCX 1.13 re-registers it while purging; measured: a segfault in
@@ -207,6 +211,7 @@ class ProgressEngine {
   std::thread thread_;
   bool started_ = false;
   bool shut_down_ = false;            // JS thread
+  bool shutdown_requested_ = false;   // JS thread
   std::atomic<bool> stopped_{false};  // set once the thread has been joined
 
   std::mutex cmd_mu_;

@@ -76,6 +76,7 @@ interface NativeAgent {
   ): Promise<OpTrace>;
   notify(ep: NativeEndpoint, bytes: Uint8Array): Promise<OpTrace>;
   close(): void;
+  beginClose(): void;
 }
 
 interface NativeAddon {
@@ -359,6 +360,7 @@ export class Agent extends EventEmitter<AgentEvents> {
   private readonly native: NativeAgent;
   private readonly endpoints = new Map<number, Endpoint>();
   private closedFlag = false;
+  private closingFlag = false;
 
   constructor(options: AgentOptions = {}) {
     super();
@@ -490,6 +492,7 @@ export class Agent extends EventEmitter<AgentEvents> {
     notification?: Uint8Array,
   ): Promise<OpTrace> {
     const site = new Error();
+    this.checkNotClosing("write");
     this.checkTransfer(ep, local, remote, descriptors);
     if (notification !== undefined) {
       check(isBytes(notification), "ERR_INVALID_ARGUMENT", "write: notification must be a Buffer");
@@ -512,6 +515,7 @@ export class Agent extends EventEmitter<AgentEvents> {
     notification?: Uint8Array,
   ): Promise<OpTrace> {
     const site = new Error();
+    this.checkNotClosing("writeParts");
     check(ep instanceof Endpoint, "ERR_INVALID_ARGUMENT", "endpoint is not an Endpoint");
     check(Array.isArray(parts), "ERR_INVALID_ARGUMENT", "writeParts: parts must be an array");
     const native = parts.map((p, i) => {
@@ -541,6 +545,7 @@ export class Agent extends EventEmitter<AgentEvents> {
     descriptors: Descriptors,
   ): Promise<OpTrace> {
     const site = new Error();
+    this.checkNotClosing("read");
     this.checkTransfer(ep, local, remote, descriptors);
     const p = call(() =>
       this.native.transfer(1, ep.native, local.native, remote.native, descriptors),
@@ -551,6 +556,7 @@ export class Agent extends EventEmitter<AgentEvents> {
   /** Sends a notification; it arrives after every write on `ep` that completed before this call. */
   notify(ep: Endpoint, bytes: Uint8Array): Promise<OpTrace> {
     const site = new Error();
+    this.checkNotClosing("notify");
     check(
       ep instanceof Endpoint && ep.agent === this,
       "ERR_INVALID_ARGUMENT",
@@ -570,6 +576,23 @@ export class Agent extends EventEmitter<AgentEvents> {
     this.closedFlag = true;
     this.native.close();
     this.endpoints.clear();
+  }
+
+  /**
+   * Starts closing without waiting: what is queued is cancelled and the shutdown deadline starts
+   * now; new operations are refused (ERR_CLOSED). `close()` then waits for the rest. Closing
+   * several agents (a sidecar's ranks): `beginClose()` each, then `close()` each, so they wait
+   * out one deadline together instead of one after another. Idempotent.
+   */
+  beginClose(): void {
+    if (this.closedFlag || this.closingFlag) return;
+    this.closingFlag = true;
+    this.native.beginClose();
+  }
+
+  private checkNotClosing(what: string): void {
+    if (this.closingFlag && !this.closedFlag)
+      throw new KvxferError("ERR_CLOSED", `${what}: the agent is closing`);
   }
 
   /** @internal */

@@ -316,6 +316,8 @@ export class Sidecar implements SidecarView {
     await this.side.close();
     this.peers.close();
     if (this.kv !== undefined) {
+      // Every rank's shutdown starts at once: a stop waits out one deadline, not one per rank.
+      for (const a of this.kv.agents) a.beginClose();
       for (const a of this.kv.agents) a.close();
       // Transfers ending during the stop notify no one (PeerTable.send finds no agent).
       this.kv = { ...this.kv, agents: [] };

@@ -297,6 +297,26 @@ describe("bad handles and addresses", () => {
     expect(a.inflight).toBe(0);
   });
 
+  it("beginClose() refuses new work at once and cancels what is queued; close() settles the rest", async () => {
+    const { big, r, pending } = twentyBigWrites();
+    a.beginClose();
+    a.beginClose(); // idempotent
+    const refused = await expectCode(
+      () => a.write(ep, big, r, new Float64Array([0, 0, 8])),
+      "ERR_CLOSED",
+    );
+    expect(refused.message).toBe("write: the agent is closing");
+    await expectCode(() => a.notify(ep, Buffer.from("x")), "ERR_CLOSED");
+    expect(a.closed).toBe(false);
+    a.close();
+    const results = await outcomes(pending);
+    for (const x of results) expect(["done", "ERR_CLOSED"]).toContain(x);
+    expect(results).toContain("ERR_CLOSED");
+    expect(a.inflight).toBe(0);
+    expect(a.closed).toBe(true);
+    a.beginClose(); // after close: nothing
+  });
+
   it("abandon() settles every transfer on an endpoint now and fails the endpoint", async () => {
     const { big, r, pending } = twentyBigWrites();
     ep.abandon();
