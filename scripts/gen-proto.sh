@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Regenerates the protobuf code from proto/, the one place it comes from:
 #   src/gen                                  TypeScript (buf + protoc-gen-es)
-#   connectors/vllm/kvxfer_vllm/_gen         Python, for the vLLM connector and the router client
-#                                            (kvxfer_vllm.client: the Sidecar service's gRPC stubs);
-#                                            grpcio-tools' protoc from the project's .venv
+#   connectors/vllm/kvxfer_vllm/_gen         Python messages, for the vLLM connector and the router
+#                                            client (kvxfer_vllm.client reads the Sidecar service's
+#                                            methods from sidecar_pb2's descriptor); grpcio-tools'
+#                                            protoc from the project's .venv
 # With --check, generates into a temporary folder and fails when either differs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/node_modules/.bin:$PATH"
 
 PY_PROTOS=(kvxfer/v1/layout.proto kvxfer/v1/engine.proto kvxfer/v1/peer.proto kvxfer/v1/sidecar.proto)
-PY_GRPC_PROTOS=(kvxfer/v1/sidecar.proto)
 PY_GEN=connectors/vllm/kvxfer_vllm/_gen
 
 gen_python() { # $1: output folder (replaced)
@@ -22,7 +22,6 @@ gen_python() { # $1: output folder (replaced)
   rm -rf "$out"
   mkdir -p "$out"
   "$venv_py" -m grpc_tools.protoc -I proto --python_out="$out" --pyi_out="$out" "${PY_PROTOS[@]}"
-  "$venv_py" -m grpc_tools.protoc -I proto --grpc_python_out="$out" "${PY_GRPC_PROTOS[@]}"
   # protoc writes absolute imports (`from kvxfer.v1 import layout_pb2`); the package lives
   # under kvxfer_vllm._gen, so point them there.
   find "$out" -name '*.py' -o -name '*.pyi' | while read -r f; do

@@ -597,6 +597,9 @@ void AgentWrap::AddSegment(Napi::Env env, const char* what, const std::string& w
   }
   std::vector<uint64_t> d;
   ReadDescriptors(env, descs, local->length(), remote->length_, &d, where);
+  // The operation holds every handle it names, even one with nothing to move.
+  locals->push_back(local);
+  remotes->push_back(remote);
   if (d.empty()) return;  // nothing to move for this pair: no segment (segments are never empty)
   op->desc.insert(op->desc.end(), d.begin(), d.end());
   TransferOp::Segment sg;
@@ -606,8 +609,6 @@ void AgentWrap::AddSegment(Napi::Env env, const char* what, const std::string& w
   sg.rkey = remote->rkey_;
   sg.end = op->desc.size() / 3;
   op->segs.push_back(sg);
-  locals->push_back(local);
-  remotes->push_back(remote);
 }
 
 EndpointWrap* AgentWrap::OpenEndpoint(Napi::Env env, const Napi::Value& v, const char* what) {
@@ -654,13 +655,6 @@ Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
   std::vector<RegionWrap*> locals;
   std::vector<RemoteWrap*> remotes;
   AddSegment(env, "transfer", "", ep, info[2], info[3], info[4], op.get(), &locals, &remotes);
-  if (locals.empty()) {
-    // No descriptors: still one (empty) segment's handles, so the operation holds them.
-    auto* local = UnwrapHandle<RegionWrap>(env, info[2], data_->region_ctor, "local region");
-    auto* remote = UnwrapHandle<RemoteWrap>(env, info[3], data_->remote_ctor, "remote region");
-    locals.push_back(local);
-    remotes.push_back(remote);
-  }
   if (info.Length() >= 6 && !info[5].IsUndefined() && !info[5].IsNull()) {
     if (kind != 0)
       throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: only a write carries a notification");

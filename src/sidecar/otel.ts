@@ -7,12 +7,9 @@
  */
 import { SpanStatusCode, context, trace, type Tracer } from "@opentelemetry/api";
 
-import { monoUs } from "./trace.js";
+import { dataPhase, monoUs } from "./trace.js";
 import { isTerminal } from "./lifecycle.js";
 import type { TransferInfo } from "./view.js";
-
-const DATA_START = /^pair \S+ submitted$/;
-const DATA_END = /^pair \S+ flushed$/;
 
 /** Spans for one transfer on one side (`t` as ListTransfers shows it, once it has ended). */
 export function exportTransferSpans(tracer: Tracer, engineId: string, t: TransferInfo): void {
@@ -35,15 +32,15 @@ export function exportTransferSpans(tracer: Tracer, engineId: string, t: Transfe
     },
   });
   for (const h of t.trace) span.addEvent(h.hop, at(h.us));
-  const starts = t.trace.filter((h) => DATA_START.test(h.hop)).map((h) => h.us);
-  const ends = t.trace.filter((h) => DATA_END.test(h.hop)).map((h) => h.us);
-  if (starts.length > 0 && ends.length > 0) {
-    const data = tracer.startSpan(
-      "kvxfer.data",
-      { startTime: at(Math.min(...starts)), attributes: { "kvxfer.bytes": t.bytes } },
-      trace.setSpan(context.active(), span),
-    );
-    data.end(at(Math.max(...ends)));
+  const data = dataPhase(t.trace);
+  if (data !== undefined) {
+    tracer
+      .startSpan(
+        "kvxfer.data",
+        { startTime: at(data.startUs), attributes: { "kvxfer.bytes": t.bytes } },
+        trace.setSpan(context.active(), span),
+      )
+      .end(at(data.endUs));
   }
   if (isTerminal(t.state) && t.state !== "KV_READY" && t.state !== "RELEASED")
     span.setStatus({ code: SpanStatusCode.ERROR, message: `${t.state}: ${t.reason}` });

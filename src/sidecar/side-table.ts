@@ -57,6 +57,12 @@ export abstract class SideTable<S extends string, T extends Tracked<S> & { trace
     this.transfers.get(transferId)?.trace.mark(hop);
   }
 
+  /** One transfer as listed, or undefined. */
+  infoOf(transferId: string): TransferInfo | undefined {
+    const t = this.transfers.get(transferId);
+    return t === undefined ? undefined : this.info(t);
+  }
+
   list(): TransferInfo[] {
     return [...this.transfers.values()].map((t) => this.info(t));
   }

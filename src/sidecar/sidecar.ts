@@ -733,9 +733,7 @@ export class Sidecar implements SidecarView {
     if (tracer !== undefined && side !== "" && transferId !== "" && isTerminal(kind)) {
       // After the event's delivery to watchers (a microtask away), so its hops are in the span.
       setImmediate(() => {
-        const info = (side === "prefill" ? this.prefill : this.decode)
-          .list()
-          .find((t) => t.transferId === transferId);
+        const info = (side === "prefill" ? this.prefill : this.decode).infoOf(transferId);
         try {
           if (info !== undefined) exportTransferSpans(tracer, this.engineId, info);
         } catch (err) {

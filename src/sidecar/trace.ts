@@ -22,19 +22,11 @@ export class TransferTrace {
   mark(hop: string, us: number = monoUs()): void {
     if (this.hops.length < MAX_TRACE_HOPS) this.hops.push({ hop, us });
   }
-
-  /** The earliest time of `hop`, or undefined. */
-  at(hop: string): number | undefined {
-    let best: number | undefined;
-    for (const h of this.hops)
-      if (h.hop === hop && (best === undefined || h.us < best)) best = h.us;
-    return best;
-  }
 }
 
 /**
  * The native steps of a rank pair's operations as hops named `pair S>D <step>`: of several
- * operations (a write per region pair), the first start and the last finish of each step.
+ * operations (a read per region pair), the first start and the last finish of each step.
  */
 export function markPairSteps(trace: TransferTrace, pair: string, ops: readonly OpTrace[]): void {
   if (ops.length === 0) return;
@@ -59,4 +51,22 @@ export function markPairSteps(trace: TransferTrace, pair: string, ops: readonly 
     ["delivered", last("deliveredUs")],
   ];
   for (const [step, us] of steps) if (us > 0) trace.mark(`pair ${pair} ${step}`, us);
+}
+
+/**
+ * The data phase in a side's hops: its first operation handed to the addon -> its last flushed
+ * (µs, monoUs), or undefined when the side moved nothing itself.
+ */
+export function dataPhase(
+  hops: readonly TraceHop[],
+): { startUs: number; endUs: number } | undefined {
+  let startUs = Infinity;
+  let endUs = -Infinity;
+  for (const h of hops) {
+    if (/^pair \S+ submitted$/.test(h.hop)) startUs = Math.min(startUs, h.us);
+    else if (/^pair \S+ flushed$/.test(h.hop)) endUs = Math.max(endUs, h.us);
+  }
+  return Number.isFinite(startUs) && Number.isFinite(endUs) && endUs >= startUs
+    ? { startUs, endUs }
+    : undefined;
 }

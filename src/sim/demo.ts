@@ -15,6 +15,7 @@ import {
   type KvLayout,
   type KvRegionScheme,
 } from "../plan/index.js";
+import { dataPhase } from "../sidecar/trace.js";
 import type { SidecarEvent, TransferMode } from "../sidecar/view.js";
 import { SimEngineProcess, type SimEngineOptions } from "./engine-client.js";
 import { SIM_MODELS, type SimModel } from "./engine.js";
@@ -197,14 +198,9 @@ async function readDataPhase(
         const moving = t.mode === "push" ? "prefill" : "decode";
         const b = bytesOf.get(t.transferId);
         if (t.side !== moving || b === undefined || b === 0) continue;
-        const start = Math.min(
-          ...t.trace.filter((h) => /^pair \S+ submitted$/.test(h.hop)).map((h) => h.us),
-        );
-        const end = Math.max(
-          ...t.trace.filter((h) => /^pair \S+ flushed$/.test(h.hop)).map((h) => h.us),
-        );
-        if (!Number.isFinite(start) || !Number.isFinite(end) || end < start) continue;
-        times.push((end - start) / 1000);
+        const data = dataPhase(t.trace);
+        if (data === undefined) continue;
+        times.push((data.endUs - data.startUs) / 1000);
         bytes += b;
       }
     } catch {

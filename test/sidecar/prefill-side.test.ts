@@ -88,11 +88,7 @@ describe("PrefillSide", () => {
     p.prefillDone(prefillDone("t1"), 200);
     w.agent.landAll();
     await settle();
-    const hops = (): string[] =>
-      p
-        .list()
-        .find((t) => t.transferId === "t1")!
-        .trace.map((h) => h.hop);
+    const hops = (): string[] => p.infoOf("t1")!.trace.map((h) => h.hop);
     const names = hops();
     // The pair's name comes from the plan (one rank pair here); its steps come from the addon.
     const pair = names.find((h) => h.endsWith(" submitted") && !h.includes("xferDone"))!;
@@ -116,6 +112,7 @@ describe("PrefillSide", () => {
     p.mark("t1", "event.written");
     expect(hops().at(-1)).toBe("event.written");
     p.mark("no-such-transfer", "event.written");
+    expect(p.infoOf("no-such-transfer")).toBeUndefined();
     expect(p.list().map((t) => t.transferId)).toEqual(["t1"]);
   });
 

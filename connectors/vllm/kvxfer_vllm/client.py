@@ -12,8 +12,9 @@ finished request ids that only grows):
   was missed: the events were dropped from its log (OUT_OF_RANGE), or it restarted and numbers
   its events from 1 again (FAILED_PRECONDITION: the epoch changed).
 
-The stubs are generated from ``proto/`` (``scripts/gen-proto.sh``; ``npm test`` fails when they
-are stale). Needs ``grpcio`` (the ``client`` extra).
+The messages are generated from ``proto/`` (``scripts/gen-proto.sh``; ``npm test`` fails when
+they are stale), and each call's path and types are read from the generated ``Sidecar`` service
+descriptor, so nothing here restates the proto. Needs ``grpcio`` (the ``client`` extra).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from google.protobuf import message_factory
+
 from kvxfer_vllm._gen.kvxfer.v1 import sidecar_pb2 as pb
-from kvxfer_vllm._gen.kvxfer.v1 import sidecar_pb2_grpc as rpc
 
 TERMINAL = ("KV_READY", "FAILED", "EXPIRED", "ABORTED", "RELEASED")
 
@@ -39,6 +41,16 @@ _FINAL = {
     grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.NOT_FOUND,
 }
+
+
+def _method(channel: grpc.aio.Channel, name: str, streaming: bool):
+    """The ``Sidecar`` service's method ``name`` on ``channel``, as the generated descriptor says."""
+    m = pb.DESCRIPTOR.services_by_name["Sidecar"].methods_by_name[name]
+    response = message_factory.GetMessageClass(m.output_type)
+    make = channel.unary_stream if streaming else channel.unary_unary
+    return make(f"/{m.containing_service.full_name}/{m.name}",
+                request_serializer=lambda r: r.SerializeToString(),
+                response_deserializer=response.FromString)
 
 
 def _name(enum, value: int, prefix: str) -> str:
@@ -123,7 +135,7 @@ class EventWatch:
         while True:
             req = pb.WatchEventsRequest(after_seq=self.last_seq, kinds=self._kinds, transfer_ids=self._ids,
                                         epoch=self.epoch)
-            self._call = self._client._stub.WatchEvents(req)
+            self._call = self._client._watch_events(req)
             healthy = False
             try:
                 async for res in self._call:
@@ -161,7 +173,8 @@ class SidecarClient:
         self.timeout = timeout
         self._channel = (grpc.aio.secure_channel(address, credentials) if credentials is not None
                          else grpc.aio.insecure_channel(address))
-        self._stub = rpc.SidecarStub(self._channel)
+        self._await_transfer = _method(self._channel, "AwaitTransfer", streaming=False)
+        self._watch_events = _method(self._channel, "WatchEvents", streaming=True)
 
     async def __aenter__(self) -> SidecarClient:
         return self
@@ -193,7 +206,7 @@ class SidecarClient:
             if left <= 0:
                 raise TimeoutError(f"transfer '{transfer_id}' has not ended within {deadline} s")
             try:
-                res = await self._stub.AwaitTransfer(req, timeout=left, wait_for_ready=True)
+                res = await self._await_transfer(req, timeout=left, wait_for_ready=True)
                 return Event.from_proto(res.event)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
