@@ -1,12 +1,10 @@
 /**
  * `--otlp-endpoint URL`: the sidecar's transfers as OpenTelemetry spans, sent over OTLP/HTTP
  * (JSON) to a collector, batched (at most 2048 spans queued; more are dropped, never waited for).
- * The SDK lives here, in the composition root; the sidecar sees only a Tracer (src/sidecar/otel.ts).
+ * The SDK lives here, in the composition root, and is loaded only when the flag is given (about
+ * 20 MiB of a sidecar's memory otherwise); the sidecar sees only a Tracer (src/sidecar/otel.ts).
  */
 import type { Tracer } from "@opentelemetry/api";
-import { OTLPTraceExporter } from "@opentelemetry/exporter-trace-otlp-http";
-import { resourceFromAttributes } from "@opentelemetry/resources";
-import { BasicTracerProvider, BatchSpanProcessor } from "@opentelemetry/sdk-trace-base";
 
 import { KvxferError } from "../errors.js";
 
@@ -16,7 +14,7 @@ export interface OtlpTracing {
   shutdown(timeoutMs: number): Promise<void>;
 }
 
-export function startOtlpTracing(endpoint: string, engineId: string): OtlpTracing {
+export async function startOtlpTracing(endpoint: string, engineId: string): Promise<OtlpTracing> {
   let url: URL;
   try {
     url = new URL(endpoint);
@@ -31,6 +29,15 @@ export function startOtlpTracing(endpoint: string, engineId: string): OtlpTracin
       "ERR_CONFIG",
       `--otlp-endpoint must be http:// or https://, got '${endpoint}'`,
     );
+  const [
+    { OTLPTraceExporter },
+    { resourceFromAttributes },
+    { BasicTracerProvider, BatchSpanProcessor },
+  ] = await Promise.all([
+    import("@opentelemetry/exporter-trace-otlp-http"),
+    import("@opentelemetry/resources"),
+    import("@opentelemetry/sdk-trace-base"),
+  ]);
   const provider = new BasicTracerProvider({
     resource: resourceFromAttributes({
       "service.name": "kvxfer-sidecar",

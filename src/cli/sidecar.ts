@@ -479,7 +479,9 @@ export async function startSidecar(
   logger: Logger,
 ): Promise<RunningSidecar> {
   const tracing =
-    s["otlp-endpoint"] !== "" ? startOtlpTracing(s["otlp-endpoint"], s["engine-id"]) : undefined;
+    s["otlp-endpoint"] !== ""
+      ? await startOtlpTracing(s["otlp-endpoint"], s["engine-id"])
+      : undefined;
   const sidecar = new Sidecar({
     ...sidecarOptions(s, logger),
     ...(tracing !== undefined ? { tracer: tracing.tracer } : {}),

@@ -24,7 +24,7 @@ import {
 import type { PeerState } from "./peers.js";
 import { SideTable } from "./side-table.js";
 import { newTimings, type Timings } from "./timings.js";
-import { markPairSteps, TransferTrace } from "./trace.js";
+import { markPairSteps, stepName, TransferTrace } from "./trace.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
 
 /** How a failing transfer ends once it is safe (decided when the failure began). */
@@ -154,7 +154,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       descriptors: t.descriptors,
       reason: t.reason,
       timings: { ...t.t },
-      trace: [...t.trace.hops],
+      trace: t.trace.hops,
     };
   }
 
@@ -463,8 +463,8 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     if (!t.expectedPairs.has(key) || t.donePairs.has(key)) return;
     if (t.t.dataStartedMs === 0) t.t.dataStartedMs = ctx.clock.now();
     if (n !== undefined) {
-      t.trace.mark(`pair ${m.srcRank}>${m.dstRank} xferDone received`, n.receivedUs);
-      t.trace.mark(`pair ${m.srcRank}>${m.dstRank} xferDone delivered`, n.deliveredUs);
+      t.trace.mark(stepName(`${m.srcRank}>${m.dstRank}`, "xferDone received"), n.receivedUs);
+      t.trace.mark(stepName(`${m.srcRank}>${m.dstRank}`, "xferDone delivered"), n.deliveredUs);
     }
     t.donePairs.add(key);
     t.bytes += Number(m.bytes);

@@ -134,7 +134,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       descriptors: t.descriptors,
       reason: t.reason,
       timings: { ...t.t },
-      trace: [...t.trace.hops],
+      trace: t.trace.hops,
     };
   }
 

@@ -16,12 +16,38 @@ export interface TraceHop {
 /** Hops kept per transfer and side: a bound on memory, whatever the plan's size. */
 export const MAX_TRACE_HOPS = 64;
 
+/**
+ * Kept compactly, as ended transfers keep their trace while their tombstones last (thousands at
+ * a time): names (shared strings) and times in an unboxed array; `hops` builds the objects when
+ * the transfer is listed.
+ */
 export class TransferTrace {
-  readonly hops: TraceHop[] = [];
+  private readonly names: string[] = [];
+  private readonly times: number[] = [];
 
   mark(hop: string, us: number = monoUs()): void {
-    if (this.hops.length < MAX_TRACE_HOPS) this.hops.push({ hop, us });
+    if (this.names.length >= MAX_TRACE_HOPS) return;
+    this.names.push(hop);
+    this.times.push(us);
   }
+
+  get hops(): TraceHop[] {
+    return this.names.map((hop, i) => ({ hop, us: this.times[i]! }));
+  }
+}
+
+/** One string per pair step name (`pair 0>1 flushed`), not one per transfer. */
+const stepNames = new Map<string, string>();
+const MAX_STEP_NAMES = 4096;
+
+export function stepName(pair: string, step: string): string {
+  const key = `${pair}\u0000${step}`;
+  let name = stepNames.get(key);
+  if (name === undefined) {
+    name = `pair ${pair} ${step}`;
+    if (stepNames.size < MAX_STEP_NAMES) stepNames.set(key, name);
+  }
+  return name;
 }
 
 /**
@@ -50,7 +76,7 @@ export function markPairSteps(trace: TransferTrace, pair: string, ops: readonly 
     ["completed", last("completedUs")],
     ["delivered", last("deliveredUs")],
   ];
-  for (const [step, us] of steps) if (us > 0) trace.mark(`pair ${pair} ${step}`, us);
+  for (const [step, us] of steps) if (us > 0) trace.mark(stepName(pair, step), us);
 }
 
 /**
