@@ -8,10 +8,9 @@
  * at most `maxSeries` label sets and folds the rest into `_other`, so a
  * misbehaving peer cannot grow the registry without bound.
  */
-import * as http from "node:http";
-import type { AddressInfo } from "node:net";
-
 import type { TransferMetrics } from "../sidecar/metrics.js";
+
+import { serveGets, type HttpServer } from "./http.js";
 
 type Labels = Readonly<Record<string, string>>;
 
@@ -345,50 +344,17 @@ export class SidecarMetrics implements TransferMetrics {
   }
 }
 
-export interface MetricsServer {
-  readonly port: number;
-  readonly address: string;
-  close(): Promise<void>;
-}
+export type MetricsServer = HttpServer;
 
 /** Serves `GET /metrics` in Prometheus text format on `address` ("host:port", default "127.0.0.1:0"). */
-export async function startMetricsServer(opts: {
+export function startMetricsServer(opts: {
   readonly registry: MetricsRegistry;
   readonly address?: string;
 }): Promise<MetricsServer> {
-  const address = opts.address ?? "127.0.0.1:0";
-  const colon = address.lastIndexOf(":");
-  const host = address.slice(0, colon).replace(/^\[|\]$/g, "");
-  const port = Number(address.slice(colon + 1));
-  if (colon < 0 || !Number.isInteger(port)) throw new Error(`bad metrics address '${address}'`);
-  const server = http.createServer((req, res) => {
-    const path = (req.url ?? "").split("?")[0];
-    if (req.method !== "GET" || path !== "/metrics") {
-      res.writeHead(404, { "content-type": "text/plain" }).end("not found: try GET /metrics\n");
-      return;
-    }
-    try {
-      const body = opts.registry.expose();
-      res.writeHead(200, { "content-type": "text/plain; version=0.0.4; charset=utf-8" }).end(body);
-    } catch (err) {
-      res.writeHead(500, { "content-type": "text/plain" }).end(String(err));
-    }
+  return serveGets("metrics", opts.address ?? "127.0.0.1:0", {
+    "/metrics": {
+      contentType: "text/plain; version=0.0.4; charset=utf-8",
+      body: () => opts.registry.expose(),
+    },
   });
-  await new Promise<void>((resolve, reject) => {
-    server.once("error", reject);
-    server.listen(port, host, () => {
-      server.off("error", reject);
-      resolve();
-    });
-  });
-  const bound = (server.address() as AddressInfo).port;
-  return {
-    port: bound,
-    address: `${host.includes(":") ? `[${host}]` : host}:${bound}`,
-    close: () =>
-      new Promise<void>((resolve) => {
-        server.closeAllConnections();
-        server.close(() => resolve());
-      }),
-  };
 }

@@ -14,6 +14,8 @@ import * as grpc from "@grpc/grpc-js";
 import { pino, type Logger } from "pino";
 
 import { startApiServer, type ApiServer } from "../api/server.js";
+import { startBootstrapServer } from "../api/bootstrap.js";
+import type { HttpServer } from "../api/http.js";
 import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/metrics.js";
 import { ZmqNotifier } from "../api/zmq-notify.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
@@ -157,6 +159,11 @@ export const SIDECAR_SETTINGS = {
     type: "string",
     default: "",
     help: "Prometheus metrics host:port (GET /metrics); empty: off",
+  },
+  bootstrap: {
+    type: "string",
+    default: "",
+    help: "serve this prefill engine's id and side channel at GET /query on host:port, for a router that asks for them up front (vllm-router --kv-connector mooncake: --prefill URL PORT); empty: off",
   },
   "notify-zmq": {
     type: "string",
@@ -376,6 +383,8 @@ export interface RunningSidecar {
   events: EventLog;
   api: ApiServer;
   metrics: MetricsServer | undefined;
+  /** `--bootstrap`'s server, when asked for. */
+  bootstrap: HttpServer | undefined;
   /** NOT_SERVING, refuse new transfers, wait (bounded) for in-flight ones to end. */
   drain(deadlineMs: number): Promise<number>;
   close(): Promise<void>;
@@ -491,6 +500,11 @@ export async function startSidecar(
   });
   const metrics = new SidecarMetrics();
   metrics.watchEventLog(events);
+  if (s.bootstrap !== "" && s.role === "decode")
+    throw new KvxferError(
+      "ERR_CONFIG",
+      "--bootstrap serves a prefill engine's coordinates: --role prefill or both",
+    );
   if (s["notify-zmq"] !== "" && s.role === "prefill")
     throw new KvxferError(
       "ERR_CONFIG",
@@ -533,6 +547,7 @@ export async function startSidecar(
   });
   await link.start();
   let metricsServer: MetricsServer | undefined;
+  let bootstrap: HttpServer | undefined;
   try {
     await listening("listen", s.listen, () =>
       sidecar.start((msg) => void link.sendToRegistered(msg), events, metrics),
@@ -553,7 +568,16 @@ export async function startSidecar(
       metricsServer = await listening("metrics", s.metrics, () =>
         startMetricsServer({ registry: metrics.registry, address: s.metrics }),
       );
+    if (s.bootstrap !== "")
+      bootstrap = await listening("bootstrap", s.bootstrap, () =>
+        startBootstrapServer({
+          address: s.bootstrap,
+          engineId: sidecar.engineId,
+          sideChannel: sidecar.sideChannelAddress,
+        }),
+      );
   } catch (err) {
+    await metricsServer?.close();
     await api?.close(0);
     await sidecar.close();
     await link.close();
@@ -570,6 +594,7 @@ export async function startSidecar(
     events,
     api: apiServer,
     metrics: metricsServer,
+    bootstrap,
     drain: async (deadlineMs) => {
       sidecar.draining = true;
       apiServer.setServing(false);
@@ -585,6 +610,8 @@ export async function startSidecar(
       await apiServer.close(1000);
       closing = "metrics";
       await metricsServer?.close();
+      closing = "bootstrap";
+      await bootstrap?.close();
       closing = "sidecar (side channel, peers, UCX agents)";
       await sidecar.close();
       closing = "engine link";
@@ -657,6 +684,7 @@ export async function runSidecar(argv: string[]): Promise<number> {
       engineSocket: running.link.endpoint,
       grpc: running.api.address,
       ...(running.metrics !== undefined ? { metrics: running.metrics.address } : {}),
+      ...(running.bootstrap !== undefined ? { bootstrap: running.bootstrap.address } : {}),
     }) + "\n",
   );
   const sig = await signal;

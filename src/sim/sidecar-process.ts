@@ -28,6 +28,7 @@ export interface SidecarReady {
   engineSocket: string;
   grpc?: string;
   metrics?: string;
+  bootstrap?: string;
 }
 
 /**

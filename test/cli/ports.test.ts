@@ -23,7 +23,7 @@ afterAll(async () => {
 });
 
 describe("kvxfer sidecar with a taken port", () => {
-  it.each(["grpc", "listen", "metrics"])(
+  it.each(["grpc", "listen", "metrics", "bootstrap"])(
     "--%s: one line naming the flag and the address, exit 1, nothing left behind",
     async (flag) => {
       const engineId = `ports-${flag}-${process.pid}`;

@@ -1,0 +1,65 @@
+/**
+ * The sidecar's small HTTP endpoints (Prometheus metrics, the router bootstrap): GET only, one
+ * handler per path, anything else 404 naming what is served. Bodies are built per request;
+ * nothing is read from the request but its method and path.
+ */
+import * as http from "node:http";
+import type { AddressInfo } from "node:net";
+
+export interface HttpServer {
+  readonly port: number;
+  /** "host:port" as bound (IPv6 hosts in brackets). */
+  readonly address: string;
+  close(): Promise<void>;
+}
+
+export interface GetRoute {
+  readonly contentType: string;
+  body(): string;
+}
+
+/** Serves `routes` (path → body) on `address` ("host:port"; port 0 picks one). */
+export async function serveGets(
+  what: string,
+  address: string,
+  routes: Readonly<Record<string, GetRoute>>,
+): Promise<HttpServer> {
+  const colon = address.lastIndexOf(":");
+  const host = address.slice(0, colon).replace(/^\[|\]$/g, "");
+  const port = Number(address.slice(colon + 1));
+  if (colon < 0 || !Number.isInteger(port) || port < 0 || port > 65535)
+    throw new Error(`bad ${what} address '${address}' (want host:port)`);
+  const served = Object.keys(routes)
+    .map((p) => `GET ${p}`)
+    .join(", ");
+  const server = http.createServer((req, res) => {
+    const path = (req.url ?? "").split("?")[0] ?? "";
+    const route = req.method === "GET" && Object.hasOwn(routes, path) ? routes[path] : undefined;
+    if (route === undefined) {
+      res.writeHead(404, { "content-type": "text/plain" }).end(`not found: try ${served}\n`);
+      return;
+    }
+    try {
+      res.writeHead(200, { "content-type": route.contentType }).end(route.body());
+    } catch (err) {
+      res.writeHead(500, { "content-type": "text/plain" }).end(String(err));
+    }
+  });
+  await new Promise<void>((resolve, reject) => {
+    server.once("error", reject);
+    server.listen(port, host, () => {
+      server.off("error", reject);
+      resolve();
+    });
+  });
+  const bound = (server.address() as AddressInfo).port;
+  return {
+    port: bound,
+    address: `${host.includes(":") ? `[${host}]` : host}:${bound}`,
+    close: () =>
+      new Promise<void>((resolve) => {
+        server.closeAllConnections();
+        server.close(() => resolve());
+      }),
+  };
+}
