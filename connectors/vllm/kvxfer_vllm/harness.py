@@ -266,23 +266,80 @@ class VllmServer(Proc):
 
     def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
                  timeout: float = 120.0) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.spec.model, "prompt": prompt, "max_tokens": max_tokens,
-                                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-        if kv_transfer_params is not None:
-            body["kv_transfer_params"] = kv_transfer_params
-        r = requests.post(f"{self.url}/v1/completions", json=body, timeout=timeout)
-        if r.status_code != 200:
-            raise RuntimeError(f"{self.url}: HTTP {r.status_code}: {r.text[:500]}")
-        return r.json()
+        return complete(self.url, self.spec.model, prompt, max_tokens, kv_transfer_params, timeout)
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus metric's samples on /metrics (0 when absent)."""
-        text = requests.get(f"{self.url}/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name) and (line[len(name)] in " {"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric(f"{self.url}/metrics", name)
+
+
+def complete(url: str, model: str, prompt: list[int], max_tokens: int,
+             kv_transfer_params: dict[str, Any] | None = None, timeout: float = 120.0) -> dict[str, Any]:
+    """A greedy completion of token ids, answered with token ids, from an OpenAI server at ``url``."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples at ``url`` whose labels include ``labels`` (0 when absent)."""
+    text = requests.get(url, timeout=10).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {" and all(w in line for w in want):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class VllmRouter(Proc):
+    """vLLM's router (``vllm-router``, PyPI) in its prefill/decode mode in front of engines.
+
+    ``connector="nixl"``: prefill on a P with ``max_tokens=1``, then P's ``kv_transfer_params``
+    to a D (kvxfer: pull). ``"mooncake"``: P and D at once, D told the transfer id, P's engine id
+    and P's bootstrap URL, the P sidecar's ``--bootstrap`` (kvxfer: push). ``prefills`` pairs
+    each P with its bootstrap port (mooncake) or None.
+    """
+
+    def __init__(self, prefills: list[tuple[VllmServer, int | None]], decodes: list[VllmServer], log_dir: Path,
+                 *, connector: str = "nixl", policy: str = "round_robin") -> None:
+        self.port, self.metrics_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = decodes[0].spec.model
+        args = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+                "--kv-connector", connector, "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+                # One attempt per request, so the router's counts are the requests sent.
+                "--disable-retries", "--request-timeout-secs", "120", "--log-level", "warning"]
+        for p, boot in prefills:
+            args += ["--prefill", p.url, *([str(boot)] if boot is not None else [])]
+        for d in decodes:
+            args += ["--decode", d.url]
+        super().__init__(args, log_dir / f"vllm-router-{connector}-{self.port}.log")
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"vllm-router exited while starting:\n{self.tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"vllm-router not ready within {timeout} s:\n{self.tail()}")
+
+    def complete(self, prompt: list[int], max_tokens: int, timeout: float = 180.0) -> dict[str, Any]:
+        return complete(self.url, self.model, prompt, max_tokens, None, timeout)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(f"http://127.0.0.1:{self.metrics_port}/metrics", name, **labels)
 
 
 def output_ids(resp: dict[str, Any]) -> list[int]:
@@ -304,7 +361,9 @@ class PdRouter:
         self.p_port = int(port)
 
     def pull(self, prompt: list[int], max_tokens: int, transfer_id: str) -> tuple[list[int], dict[str, Any]]:
-        pr = self.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id})
+        # The router names the transfer, so it gives the token too (P's answer takes it to D).
+        pr = self.p.complete(prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id,
+                                         "kvxfer_token": secrets.token_hex(16)})
         params = pr.get("kv_transfer_params")
         if not params:
             raise RuntimeError(f"P answered no kv_transfer_params: {pr}")

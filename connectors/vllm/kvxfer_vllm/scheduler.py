@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from .bootstrap import BootstrapResolver, fill_source
 from .messages import AbortMsg, ExpectMsg, PrefillDoneMsg, StepMessages
 from .params import (
     BadParams,
@@ -34,9 +35,17 @@ class _Waiting:
     sent: bool
 
 
+def _router_named(params: dict[str, Any]) -> bool:
+    tid = params.get("transfer_id")
+    return isinstance(tid, str) and tid != ""
+
+
 class SchedulerLogic:
-    def __init__(self, *, engine_id: str, tp_size: int, advertise: str = "") -> None:
+    def __init__(self, *, engine_id: str, tp_size: int, advertise: str = "",
+                 resolver: BootstrapResolver | None = None) -> None:
         self.engine_id = engine_id
+        #: D: P's side channel from a router's bootstrap URL (vllm-router's mooncake mode).
+        self._resolver = resolver or BootstrapResolver()
         self.tp_size = tp_size
         #: P's side channel as D must dial it; set from the worker's handshake metadata.
         self.side_channel = advertise
@@ -68,6 +77,7 @@ class SchedulerLogic:
             return 0, False
         assert params is not None
         try:
+            fill_source(params, self._resolver)
             remote = parse_remote_prefill(params, request_id)
         except BadParams as err:
             if request_id not in self._warned:
@@ -147,9 +157,11 @@ class SchedulerLogic:
         assert params is not None
         tid = transfer_id_of(params, request_id)
         try:
-            # The router's token when it gave one (push: it told D too), else a fresh one that
-            # reaches D in this answer.
-            token = token_of(params) or secrets.token_hex(16)
+            # The router's token when it gave one (push: it told D too). A router that names the
+            # transfer itself (transfer_id) without a token may have told D already (vllm-router's
+            # mooncake mode sends both at once): no token, the transfer binds to the first
+            # authenticated D that registers. Else a fresh one, which reaches D in this answer.
+            token = token_of(params) or ("" if _router_named(params) else secrets.token_hex(16))
         except BadParams as err:
             log.error("kvxfer: request %s: %s; D will compute it", request_id, err)
             return False, None
