@@ -75,6 +75,7 @@ const SIDECAR_KINDS: Partial<Record<SettingName, Kind>> = {
   grpc: STR,
   metrics: STR,
   "otlp-endpoint": STR,
+  advertise: STR,
   bootstrap: STR,
   "notify-zmq": STR,
   "tls-cert": STR,

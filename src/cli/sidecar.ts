@@ -160,6 +160,11 @@ export const SIDECAR_SETTINGS = {
     default: "",
     help: "Prometheus metrics host:port (GET /metrics); empty: off",
   },
+  advertise: {
+    type: "string",
+    default: "",
+    help: "the side channel's address as others must dial it (host:port), for --bootstrap; empty: --listen as bound",
+  },
   bootstrap: {
     type: "string",
     default: "",
@@ -482,6 +487,35 @@ async function listening<T>(flag: string, address: string, start: () => Promise<
   }
 }
 
+/**
+ * The side channel as a router or peer must dial it: `--advertise`, else the bound address, which
+ * must then name a host (a wildcard bind would send D to 0.0.0.0).
+ */
+export function advertisedSideChannel(advertise: string, bound: string): string {
+  if (advertise !== "") {
+    const colon = advertise.lastIndexOf(":");
+    const port = Number(advertise.slice(colon + 1));
+    const host = advertise.slice(0, colon).replace(/^\[|\]$/g, "");
+    if (colon <= 0 || !Number.isInteger(port) || port < 1 || port > 65535 || isWildcard(host))
+      throw new KvxferError(
+        "ERR_CONFIG",
+        `--advertise must be the host:port peers dial, got '${advertise}'`,
+      );
+    return advertise;
+  }
+  const host = bound.slice(0, bound.lastIndexOf(":")).replace(/^\[|\]$/g, "");
+  if (isWildcard(host))
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--bootstrap would tell routers and D to dial ${bound} (the side channel listens on every address): give --advertise HOST:PORT`,
+    );
+  return bound;
+}
+
+function isWildcard(host: string): boolean {
+  return host === "" || host === "0.0.0.0" || host === "::";
+}
+
 /** Starts a sidecar from settings; returns once it listens on every channel. */
 export async function startSidecar(
   s: Record<SettingName, string>,
@@ -573,7 +607,7 @@ export async function startSidecar(
         startBootstrapServer({
           address: s.bootstrap,
           engineId: sidecar.engineId,
-          sideChannel: sidecar.sideChannelAddress,
+          sideChannel: advertisedSideChannel(s.advertise, sidecar.sideChannelAddress),
         }),
       );
   } catch (err) {

@@ -1,6 +1,8 @@
 // --bootstrap: a real sidecar process answers GET /query with what vllm-router's mooncake mode
 // reads (vLLM's bootstrap form: data-parallel rank → engine id and workers), naming its own side
 // channel; other paths and methods get 404; a decode-only sidecar refuses the flag.
+import { existsSync } from "node:fs";
+
 import { afterEach, describe, expect, it } from "vitest";
 
 import { bootstrapAnswer } from "../../src/api/bootstrap.js";
@@ -56,6 +58,62 @@ describe("--bootstrap", () => {
       "0": { engine_id: 'e"1\\x', worker_addr: { "0": { "0": "[::1]:7000" } } },
     });
   });
+
+  it("answers --advertise when the side channel listens on every address", async () => {
+    const engineId = `boot-adv-${process.pid}`;
+    const sc = new SidecarProcess([
+      "--engine-id",
+      engineId,
+      "--role",
+      "both",
+      "--engine-socket",
+      `ipc:///tmp/kvxfer-${engineId}.sock`,
+      "--listen",
+      "0.0.0.0:0",
+      "--advertise",
+      "10.1.2.3:7600",
+      "--bootstrap",
+      "127.0.0.1:0",
+    ]);
+    started.push(sc);
+    const ready = await sc.ready;
+    const res = await fetch(`http://${ready.bootstrap}/query`, {
+      signal: AbortSignal.timeout(5000),
+    });
+    expect(await res.json()).toEqual({
+      "0": { engine_id: engineId, worker_addr: { "0": { "0": "10.1.2.3:7600" } } },
+    });
+  }, 30_000);
+
+  it.each([
+    [["--listen=0.0.0.0:0"], "ERR_CONFIG: --bootstrap would tell routers and D to dial 0.0.0.0:"],
+    [
+      ["--listen=0.0.0.0:0", "--advertise=0.0.0.0:7600"],
+      "ERR_CONFIG: --advertise must be the host:port peers dial, got '0.0.0.0:7600'",
+    ],
+    [
+      ["--advertise=pod-ip"],
+      "ERR_CONFIG: --advertise must be the host:port peers dial, got 'pod-ip'",
+    ],
+  ])(
+    "refuses to answer an address nobody can dial: %j",
+    async (flags, message) => {
+      const engineId = `boot-bad-${process.pid}`;
+      const r = await kvxfer([
+        "sidecar",
+        `--engine-id=${engineId}`,
+        "--role=prefill",
+        "--bootstrap=127.0.0.1:0",
+        "--insecure-peers=true",
+        ...flags,
+      ]);
+      expect(r.status).toBe(2);
+      expect(r.stdout).toBe("");
+      expect(r.stderr).toContain(message);
+      expect(existsSync(`/tmp/kvxfer-${engineId}.sock`)).toBe(false);
+    },
+    30_000,
+  );
 
   it("a decode-only sidecar refuses it: it has no prefill coordinates to give", async () => {
     const r = await kvxfer([
