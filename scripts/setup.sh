@@ -2,7 +2,8 @@
 # Installs what kvxfer needs on a Debian machine that has only Node and npm:
 # UCX (libucx-dev, ucx-utils), the native toolchain (cmake, g++, pkg-config),
 # clang-format, iproute2 and openssl for the tests, the npm dependencies, the build,
-# and the Python side (scripts/setup-python.sh: .venv with vLLM and the connector).
+# the Python side (scripts/setup-python.sh: .venv with vLLM and the connector) and helm
+# for the chart's tests (scripts/setup-helm.sh: .tools/bin/helm, built with Go).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,3 +50,5 @@ fi
 
 # The vLLM connector, the vLLM engine the tests run, and the Python test tools.
 bash scripts/setup-python.sh
+# helm, for the Helm chart's tests (deploy/tests).
+bash scripts/setup-helm.sh
