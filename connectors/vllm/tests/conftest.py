@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxfer_vllm.harness import REPO, SidecarProc
+from kvxfer_vllm.harness import REPO, Proc, SidecarProc, _group_alive
 
 _ids = itertools.count()
 
@@ -66,3 +66,24 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def stop_deployment(front: list[Proc], sidecars: list[SidecarProc], shm: Path) -> None:
+    """Stops a real deployment and checks it left nothing: ``front`` (routers, then engines) first,
+    then the sidecars; no process of any of them, no KV file in ``shm`` (removed), no socket."""
+    for proc in front:
+        proc.stop(60)
+    for sc in sidecars:
+        sc.stop()
+    # vLLM force-kills its workers at shutdown; the connector's watchers remove their files
+    # within half a second of the worker's death.
+    deadline = time.monotonic() + 10
+    while os.listdir(shm) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left_files = sorted(os.listdir(shm))
+    shutil.rmtree(shm, ignore_errors=True)
+    for proc in [*front, *sidecars]:
+        assert not _group_alive(proc.pid), f"{proc.args[:4]} left processes behind"
+    assert not left_files, f"shared-memory files left behind: {left_files}"
+    for sc in sidecars:
+        assert not os.path.exists(sc.socket.removeprefix("ipc://")), f"{sc.socket} left behind"

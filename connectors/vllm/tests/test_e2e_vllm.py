@@ -11,16 +11,13 @@ shared-memory file is left.
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import unique, wait_for
+from conftest import stop_deployment, unique, wait_for
 
-from kvxfer_vllm.harness import EngineSpec, PdRouter, SidecarProc, VllmServer, _group_alive, output_ids
+from kvxfer_vllm.harness import EngineSpec, PdRouter, SidecarProc, VllmServer, output_ids
 from kvxfer_vllm.tiny_model import make_tiny_model
 
 BLOCK = 32
@@ -62,23 +59,7 @@ def pd(tmp_path_factory):
     finally:
         # Tests may replace a sidecar (a restart): stop the current ones and the originals.
         sidecars = {id(s): s for s in (p_sc, d_sc, *((dep.p_sc, dep.d_sc) if dep else ()))}.values()
-        procs = [p, d, *sidecars]
-        for proc in (p, d):
-            proc.stop(60)
-        for sc in sidecars:
-            sc.stop()
-        # vLLM force-kills its workers at shutdown; the connector's watchers remove their files
-        # within half a second of the worker's death.
-        deadline = time.monotonic() + 10
-        while os.listdir(shm) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left_files = sorted(os.listdir(shm))
-        shutil.rmtree(shm, ignore_errors=True)
-        for proc in procs:
-            assert not _group_alive(proc.pid), f"{proc.args[:4]} left processes behind"
-        assert not left_files, f"shared-memory files left behind: {left_files}"
-        for sc in sidecars:
-            assert not os.path.exists(sc.socket.removeprefix("ipc://")), f"{sc.socket} left behind"
+        stop_deployment([p, d], list(sidecars), shm)
 
 
 def reference(pd: Deployment, ids: list[int]) -> list[int]:

@@ -14,16 +14,13 @@ The fixture stops every process and checks nothing is left (processes, sockets, 
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import unique
+from conftest import stop_deployment, unique
 
-from kvxfer_vllm.harness import EngineSpec, SidecarProc, VllmRouter, VllmServer, _group_alive, metric, output_ids
+from kvxfer_vllm.harness import EngineSpec, SidecarProc, VllmRouter, VllmServer, metric, output_ids
 from kvxfer_vllm.tiny_model import make_tiny_model
 
 BLOCK = 32
@@ -50,11 +47,12 @@ def cluster(tmp_path_factory):
     model = make_tiny_model(str(work / "model"))
     shm = Path("/dev/shm") / unique("kvxfer-router")
     shm.mkdir()
-    procs: list = []
+    sidecars: list[SidecarProc] = []
+    front: list = []  # routers first, then engines: stopped in this order, before the sidecars
     try:
         def sidecar(role: str, *flags: str) -> SidecarProc:
             sc = SidecarProc(unique(role[0]), role, f"ipc:///tmp/{unique('kvxfer-router')}.sock", work, *flags)
-            procs.append(sc)
+            sidecars.append(sc)
             return sc
 
         p_scs = [sidecar("prefill", "--bootstrap", "127.0.0.1:0") for _ in range(2)]
@@ -64,7 +62,7 @@ def cluster(tmp_path_factory):
         def engine(sc: SidecarProc, cores: str) -> VllmServer:
             e = VllmServer(EngineSpec(model, sc.engine_id, sc.socket, str(shm), block_size=BLOCK, cores=cores,
                                       extra=extra), work)
-            procs.append(e)
+            front.append(e)
             return e
 
         ps = [engine(sc, str(i % 2)) for i, sc in enumerate(p_scs)]
@@ -76,23 +74,12 @@ def cluster(tmp_path_factory):
             "nixl": VllmRouter([(p, None) for p in ps], ds, work, connector="nixl"),
             "mooncake": VllmRouter(list(zip(ps, boot)), ds, work, connector="mooncake"),
         }
-        procs += routers.values()
+        front[:0] = routers.values()
         for r in routers.values():
             r.wait_ready()
         yield Cluster(ps, ds, p_scs, d_scs, routers)
     finally:
-        for proc in reversed(procs):  # routers, engines, then sidecars
-            proc.stop(60)
-        # vLLM force-kills its workers at shutdown; the connector's watchers remove their files
-        # within half a second of the worker's death.
-        deadline = time.monotonic() + 10
-        while os.listdir(shm) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left_files = sorted(os.listdir(shm))
-        shutil.rmtree(shm, ignore_errors=True)
-        for proc in procs:
-            assert not _group_alive(proc.pid), f"{proc.args[:4]} left processes behind"
-        assert not left_files, f"shared-memory files left behind: {left_files}"
+        stop_deployment(front, sidecars, shm)
 
 
 def counts(c: Cluster, router: VllmRouter) -> dict[str, float]:
