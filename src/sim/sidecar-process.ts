@@ -79,9 +79,15 @@ export class SidecarProcess {
       args.includes("--insecure-peers")
         ? []
         : (options.pki ?? sharedPki()).sidecarFlags(engineId);
+    // KVXFER_SIDECAR_NODE_ARGS: flags for node itself (e.g. "--cpu-prof --cpu-prof-dir=/tmp/p"),
+    // which NODE_OPTIONS does not take; for profiling the sidecars of a demo or benchmark.
+    const nodeArgs = (process.env.KVXFER_SIDECAR_NODE_ARGS ?? "")
+      .split(/\s+/)
+      .filter((a) => a !== "");
     const argv = [
       ...(options.prefix ?? []),
       process.execPath,
+      ...nodeArgs,
       cliScript(),
       "sidecar",
       ...args,
