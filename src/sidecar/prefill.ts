@@ -290,6 +290,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       }
       // Before PrefillDone nobody knows whose token is right: keep it until then.
       existing.otherRegs.push(reg);
+      existing.trace.mark("peer.pushReg kept aside", receivedUs);
       return;
     }
     if (existing === undefined && this.atCapacity()) {

@@ -71,6 +71,11 @@ describe("P's refusals", () => {
     await settle();
     expect(p.list()[0]!.state).toBe("RELEASED");
     expect(p.list()[0]!.peer).toBe("d1");
+    // The trace shows the first registration and each one kept aside (d1 to d4; d1's repeat
+    // and the refused d5 leave none).
+    const hops = p.list()[0]!.trace.map((h) => h.hop);
+    expect(hops.filter((h) => h === "peer.pushReg")).toHaveLength(1);
+    expect(hops.filter((h) => h === "peer.pushReg kept aside")).toHaveLength(4);
     expect(by("d0")).toEqual(["ERR_BAD_TRANSFER_TOKEN"]);
     expect(by("d2")).toEqual(["ERR_BAD_TRANSFER_TOKEN"]);
     expect(by("d1")).toEqual([]);

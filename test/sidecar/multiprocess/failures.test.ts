@@ -76,17 +76,7 @@ async function oneTerminal(node: KvNode, transferId: string): Promise<SidecarEve
 
 /** Waits until P lists `transferId` in `state` (e.g. WAITING: D's registration arrived). */
 async function pState(p: KvNode, transferId: string, state: string): Promise<void> {
-  await until(
-    async () => {
-      const { transfers } = await p.client.listTransfers();
-      return transfers.some(
-        (t) => t.transferId === transferId && t.side === "prefill" && t.state === state,
-      );
-    },
-    10_000,
-    `${transferId} ${state} on P`,
-    20,
-  );
+  await p.waitTransfer(transferId, "prefill", (t) => t.state === state, state);
 }
 
 function hashFiles(node: KvNode): string {

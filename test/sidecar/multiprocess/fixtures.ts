@@ -6,7 +6,13 @@ import { createServer } from "node:net";
 
 import { SidecarClient, type EventWatch } from "../../../src/api/client.js";
 import { isTerminal } from "../../../src/sidecar/lifecycle.js";
-import type { SidecarEvent, TerminalKind, TransferMode } from "../../../src/sidecar/view.js";
+import type {
+  SidecarEvent,
+  TerminalKind,
+  TransferInfo,
+  TransferMode,
+  TransferSide,
+} from "../../../src/sidecar/view.js";
 import {
   SimEngineProcess,
   type SimEngineEvent,
@@ -194,6 +200,31 @@ export class KvNode {
   /** Terminal events of one transfer on this sidecar (as watched over gRPC). */
   terminal(transferId: string): SidecarEvent[] {
     return this.events.filter((e) => e.transferId === transferId && isTerminal(e.kind));
+  }
+
+  /**
+   * Waits (bounded) until this sidecar lists `transferId` on `side` and `pred` accepts it (its
+   * state, peer, trace hops): the state a test goes on from, instead of a sleep.
+   */
+  async waitTransfer(
+    transferId: string,
+    side: TransferSide,
+    pred: (t: TransferInfo) => boolean,
+    what: string,
+    timeoutMs = 10_000,
+  ): Promise<TransferInfo> {
+    let found: TransferInfo | undefined;
+    await until(
+      async () => {
+        const { transfers } = await this.client.listTransfers();
+        found = transfers.find((t) => t.transferId === transferId && t.side === side && pred(t));
+        return found !== undefined;
+      },
+      timeoutMs,
+      `${transferId} on ${this.engineId}'s ${side} side: ${what}`,
+      20,
+    );
+    return found!;
   }
 
   /** The first sidecar event (already seen or still to come) that `pred` accepts; bounded. */

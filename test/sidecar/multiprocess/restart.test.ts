@@ -100,7 +100,8 @@ describe("sidecar kill -9 and restart, engine stays up (multi-process)", () => {
       const late = [0, 1].map((j) => `${victim}-${mode}-late-${j}`);
       const lateBlocks = new Map<string, number[]>();
       for (const id of late) lateBlocks.set(id, (await p.engine.prefill(id, TOKENS, 0)).blockIds);
-      await sleep(350);
+      for (const id of late)
+        await p.waitTransfer(id, "prefill", (t) => t.state === "HELD", "HELD (P holds the blocks)");
       const { killedAt, upAt } = await node.restartSidecar(300);
       expect(node.ready.epoch).not.toBe(oldEpoch);
 
@@ -129,9 +130,12 @@ describe("sidecar kill -9 and restart, engine stays up (multi-process)", () => {
       expect(stats.restarts).toBeGreaterThanOrEqual(1);
       // The restarted sidecar refuses a transfer id it never saw, by name (not silence, not a
       // crash).
+      // Only refusals after this call count: messages the engine sent before it registered again
+      // were refused ERR_NOT_REGISTERED, possibly for this very id.
+      const earlier = new Set(node.engine.events);
       await node.engine.call("abort", { transferId: ids[0]! });
       const stale = await node.engine.waitEvent(
-        (e) => e.event === "refused" && e.transferId === ids[0],
+        (e) => !earlier.has(e) && e.event === "refused" && e.transferId === ids[0],
         10_000,
       );
       expect(stale.code).toBe("ERR_UNKNOWN_TRANSFER");

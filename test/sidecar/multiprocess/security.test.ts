@@ -10,7 +10,7 @@ import type { PeerCredentials } from "../../../src/peer/side-channel.js";
 import { Pki, sharedPki } from "../../../src/sim/pki.js";
 import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
-import { KvNode, type Pair, goodTransfer, sleep, startPair, until } from "./fixtures.js";
+import { KvNode, type Pair, goodTransfer, startPair, until } from "./fixtures.js";
 
 const WAIT = 10_000;
 
@@ -169,14 +169,24 @@ describe("security: peers (multi-process, authenticated)", () => {
     // Before PrefillDone: the thief registers first (no token), the real D second.
     const early = "stolen-early";
     await r.send(reg(early, ""));
-    await sleep(200);
+    await p.waitTransfer(
+      early,
+      "prefill",
+      (t) => t.state === "WAITING" && t.peer === "thief",
+      "the thief's registration first",
+    );
     await d.engine.expect({
       transferId: early,
       tokens: 40,
       source: p.sideChannel,
       token: `tok-${early}`,
     });
-    await sleep(200);
+    await p.waitTransfer(
+      early,
+      "prefill",
+      (t) => t.trace.some((h) => h.hop === "peer.pushReg kept aside"),
+      "the real D's registration kept aside",
+    );
     await p.engine.prefill(early, 40, 0, WAIT, `tok-${early}`);
     expect((await d.engineEvent(early, "verified", WAIT)).ok).toBe(true);
     expect((await p.engineEvent(early, "released", WAIT)).reason).toBe("TRANSFERRED");
