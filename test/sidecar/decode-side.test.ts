@@ -5,14 +5,16 @@
 import { create } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
-import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
+import { FailureReason, ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import type { PeerState } from "../../src/sidecar/peers.js";
 import { FakeWorld, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
 
-function setup(opts: { reachable?: boolean } = {}) {
-  const w = new FakeWorld();
+function setup(opts: { reachable?: boolean; maxTransfers?: number } = {}) {
+  const w = new FakeWorld(
+    opts.maxTransfers !== undefined ? { maxTransfers: opts.maxTransfers } : {},
+  );
   const p = w.peer("p0");
   let answer: ((peer: PeerState) => void) | undefined;
   const resolver = (): Promise<PeerState> =>
@@ -296,5 +298,122 @@ describe("DecodeSide", () => {
     // Ended: P's late Failed is not this transfer's any more.
     expect(d.peerFailed(p, "t1", "ERR_X", "x")).toBe(false);
     expect(w.eventsOf("t1")).toEqual(["ABORTED"]);
+  });
+
+  // --- cases aimed at mutants that survived the mutation run (docs/testing.md) ---------------
+
+  it("a duplicate ExpectKv is refused and leaves the first transfer as it was; its tombstone outlives a sweep", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    d.expectKv(expectKv("t1", false, "", [4, 5]), false); // live: refused, not replaced
+    expect(w.refused).toEqual([{ transferId: "t1", code: "ERR_DUPLICATE" }]);
+    expect(state("t1")).toBe("MOVING");
+    expect(d.list().find((t) => t.transferId === "t1")!.peer).toBe("p0");
+    d.xferDone(p, 0, 0, xferDone("t1"));
+    expect(state("t1")).toBe("KV_READY");
+    // Ended: remembered for tombstoneMs, across sweeps, then forgotten.
+    w.clock.advance(1);
+    d.expire(w.clock.now());
+    d.expectKv(expectKv("t1"), false);
+    expect(w.refused.at(-1)).toEqual({ transferId: "t1", code: "ERR_DUPLICATE" });
+    w.clock.advance(SETTINGS.tombstoneMs - 2);
+    d.expire(w.clock.now());
+    expect(state("t1")).toBe("KV_READY");
+    w.clock.advance(1);
+    d.expire(w.clock.now());
+    expect(state("t1")).toBeUndefined();
+    d.expectKv(expectKv("t1"), false); // a new transfer under the old id
+    expect(w.refused).toHaveLength(2);
+    expect(state("t1")).toBe("WAITING");
+  });
+
+  it("a failed transfer's tombstone also outlives a sweep", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    expect(d.peerFailed(p, "t1", "ERR_X", "x")).toBe(true);
+    expect(state("t1")).toBe("FAILED");
+    w.clock.advance(1);
+    d.expire(w.clock.now());
+    expect(state("t1")).toBe("FAILED");
+    w.clock.advance(SETTINGS.tombstoneMs);
+    d.expire(w.clock.now());
+    expect(state("t1")).toBeUndefined();
+  });
+
+  it("blocks of a cached prefix are not claimed: two transfers sharing only prefix blocks both go on", async () => {
+    const { w, d, state } = setup({ maxTransfers: 8 });
+    // Block size 16: 20 tokens with 16 cached write block 1 only (block 0 holds the prefix).
+    const a = expectKv("a", false, "", [7, 8]);
+    a.prefixTokens = 16;
+    const b = expectKv("b", false, "", [7, 9]);
+    b.prefixTokens = 16;
+    d.expectKv(a, false);
+    d.expectKv(b, false);
+    expect(w.refused).toEqual([]);
+    await settle();
+    expect([state("a"), state("b")]).toEqual(["MOVING", "MOVING"]);
+    // A block past the prefix is claimed: a third transfer writing block 8 is refused.
+    const c = expectKv("c", false, "", [8, 10]);
+    d.expectKv(c, false);
+    expect(w.refused).toEqual([{ transferId: "c", code: "ERR_BLOCKS_IN_USE" }]);
+  });
+
+  it("heartbeats name every live transfer with a peer, per peer, and none that is draining or ended", async () => {
+    const { w, d, p } = setup({ maxTransfers: 8 });
+    for (const id of ["t1", "t2", "t3"])
+      d.expectKv(expectKv(id, false, "", [10 + 2 * Number(id[1]), 11 + 2 * Number(id[1])]), false);
+    await settle();
+    expect([...d.heartbeatIds(w.clock.now())].map(([peer, ids]) => [peer.engineId, ids])).toEqual([
+      ["p0", ["t1", "t2", "t3"]],
+    ]);
+    d.abort("t2"); // DRAINING: its lease must run out, not be renewed
+    d.xferDone(p, 0, 0, xferDone("t3")); // ended
+    expect([...d.heartbeatIds(w.clock.now())].map(([peer, ids]) => [peer.engineId, ids])).toEqual([
+      ["p0", ["t1"]],
+    ]);
+  });
+
+  it("P's Failed names the reason D reports: a lapsed lease is LEASE_EXPIRED, anything else PEER_FAILED", async () => {
+    const { w, d, p } = setup();
+    d.expectKv(expectKv("t1"), false);
+    d.expectKv(expectKv("t2", false, "", [6, 7]), false);
+    await settle();
+    expect(d.peerFailed(p, "t1", "ERR_LEASE_EXPIRED", "lease over")).toBe(true);
+    expect(d.peerFailed(p, "t2", "ERR_TRANSFER", "write failed")).toBe(true);
+    const failed = (id: string) =>
+      w.engine.find((m) => m.case === "kvFailed" && m.value.transferId === id)!.value as {
+        reason: number;
+      };
+    expect(failed("t1").reason).toBe(FailureReason.LEASE_EXPIRED);
+    expect(failed("t2").reason).toBe(FailureReason.PEER_FAILED);
+  });
+
+  it("P's Failed during a pull's reads: KvFailed at once, blocks back only once the reads settle; a push's at once", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    expect(state("t1")).toBe("MOVING"); // reads posted, not landed
+    expect(d.peerFailed(p, "t1", "ERR_TRANSFER", "P gave up")).toBe(true);
+    expect(w.engineSaid("t1")).toEqual(["kvFailed"]);
+    expect(state("t1"), "the reads may still write D's blocks").toBe("DRAINING");
+    w.agent.failAll();
+    await settle();
+    expect(state("t1")).toBe("FAILED");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
+    // A pull whose reads all landed (waiting for P's ReadAck): nothing can write, blocks back at once.
+    d.expectKv(expectKv("t3", true, "", [6, 7]), true);
+    await settle();
+    w.agent.landAll();
+    await settle();
+    expect(state("t3")).toBe("CONFIRMING");
+    expect(d.peerFailed(p, "t3", "ERR_TRANSFER", "P gave up")).toBe(true);
+    expect(w.engineSaid("t3")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
+    // A push: P's Failed means its writes are over, so the blocks go back at once.
+    d.expectKv(expectKv("t2", false, "", [4, 5]), false);
+    await settle();
+    expect(d.peerFailed(p, "t2", "ERR_TRANSFER", "P gave up")).toBe(true);
+    expect(w.engineSaid("t2")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
   });
 });
