@@ -279,4 +279,76 @@ describe("PrefillSide", () => {
     p.peerAbort(other, "t2", "tok");
     expect(p.list().find((t) => t.transferId === "t2")!.state).toBe("ABORTED");
   });
+
+  // --- cases aimed at mutants that survived the mutation run (docs/testing.md) ---------------
+
+  it("a registration waiting for prefill lives on its own lease, renewed only by its D's heartbeat", () => {
+    const { w, p, d, state } = setup();
+    const other = w.peer("d1");
+    p.pushReg(d, pushReg("t1", "", 1000));
+    expect(state("t1")).toBe("WAITING");
+    expect(p.leased()).toBe(1);
+    expect([...p.livePeers()].map((x) => x.engineId)).toEqual(["d0"]);
+    w.clock.advance(900);
+    p.renewLeases(other, ["t1"]); // not the registered D: changes nothing
+    w.clock.advance(101);
+    p.expire(w.clock.now());
+    expect(state("t1"), "the other engine's heartbeat did not renew it").toBe("EXPIRED");
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_TIMEOUT"]); // D is told, the registration is over
+    expect(p.leased()).toBe(0);
+    expect(p.livePeers().size).toBe(0);
+
+    p.pushReg(d, pushReg("t2", "", 1000));
+    w.clock.advance(900);
+    p.renewLeases(d, ["t2", "unknown", "t1"]); // its own D: renewed; unknown and ended ids skipped
+    w.clock.advance(900);
+    p.expire(w.clock.now());
+    expect(state("t2"), "renewed 900 ms ago for 1000 ms").toBe("WAITING");
+    w.clock.advance(101);
+    p.expire(w.clock.now());
+    expect(state("t2")).toBe("EXPIRED");
+  });
+
+  it("a held transfer's lease is renewed by a heartbeat only for a D that registered it, or any D before one did", () => {
+    const { w, p, d, state } = setup();
+    p.prefillDone(prefillDone("t1"));
+    p.prefillDone(prefillDone("t2", "", [2, 3]));
+    expect(p.leased()).toBe(2);
+    w.clock.advance(SETTINGS.leaseMs - 10);
+    p.renewLeases(d, ["t1"]); // pull: no registration, D's heartbeat renews the hold
+    w.clock.advance(20);
+    p.expire(w.clock.now());
+    expect([state("t1"), state("t2")]).toEqual(["HELD", "EXPIRED"]);
+    expect(p.leased()).toBe(1);
+  });
+
+  it("D going down fails only what that D registered; others' and unregistered held transfers go on", () => {
+    const { w, p, d, state } = setup({ maxTransfers: 8 });
+    const other = w.peer("d1");
+    p.pushReg(d, pushReg("mine"));
+    p.pushReg(other, pushReg("theirs"));
+    p.prefillDone(prefillDone("held", "", [6, 7]));
+    expect(p.liveWith(d)).toBe(true);
+    p.peerDown(d);
+    expect([state("mine"), state("theirs"), state("held")]).toEqual(["FAILED", "WAITING", "HELD"]);
+    expect(p.liveWith(d)).toBe(false);
+    expect(p.liveWith(other)).toBe(true);
+    expect([...p.livePeers()].map((x) => x.engineId)).toEqual(["d1"]);
+  });
+
+  it("an ended transfer's tombstone outlives sweeps until tombstoneMs: a late PrefillDone is no new transfer", () => {
+    const { w, p, d, state } = setup();
+    p.prefillDone(prefillDone("t1"));
+    p.readDone(d, "t1", 100, "");
+    expect(state("t1")).toBe("RELEASED");
+    w.clock.advance(1);
+    p.expire(w.clock.now());
+    expect(state("t1")).toBe("RELEASED");
+    w.clock.advance(SETTINGS.tombstoneMs - 2);
+    p.expire(w.clock.now());
+    expect(state("t1")).toBe("RELEASED");
+    w.clock.advance(1);
+    p.expire(w.clock.now());
+    expect(state("t1")).toBeUndefined();
+  });
 });
