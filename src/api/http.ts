@@ -18,17 +18,23 @@ export interface GetRoute {
   body(): string;
 }
 
+/** "host:port" (IPv6 hosts in brackets) → host without brackets and port 0..65535; else undefined. */
+export function splitHostPort(address: string): { host: string; port: number } | undefined {
+  const colon = address.lastIndexOf(":");
+  const port = Number(address.slice(colon + 1));
+  if (colon < 0 || !Number.isInteger(port) || port < 0 || port > 65535) return undefined;
+  return { host: address.slice(0, colon).replace(/^\[|\]$/g, ""), port };
+}
+
 /** Serves `routes` (path → body) on `address` ("host:port"; port 0 picks one). */
 export async function serveGets(
   what: string,
   address: string,
   routes: Readonly<Record<string, GetRoute>>,
 ): Promise<HttpServer> {
-  const colon = address.lastIndexOf(":");
-  const host = address.slice(0, colon).replace(/^\[|\]$/g, "");
-  const port = Number(address.slice(colon + 1));
-  if (colon < 0 || !Number.isInteger(port) || port < 0 || port > 65535)
-    throw new Error(`bad ${what} address '${address}' (want host:port)`);
+  const parsed = splitHostPort(address);
+  if (parsed === undefined) throw new Error(`bad ${what} address '${address}' (want host:port)`);
+  const { host, port } = parsed;
   const served = Object.keys(routes)
     .map((p) => `GET ${p}`)
     .join(", ");

@@ -15,7 +15,7 @@ import { pino, type Logger } from "pino";
 
 import { startApiServer, type ApiServer } from "../api/server.js";
 import { startBootstrapServer } from "../api/bootstrap.js";
-import type { HttpServer } from "../api/http.js";
+import { splitHostPort, type HttpServer } from "../api/http.js";
 import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/metrics.js";
 import { ZmqNotifier } from "../api/zmq-notify.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
@@ -493,18 +493,15 @@ async function listening<T>(flag: string, address: string, start: () => Promise<
  */
 export function advertisedSideChannel(advertise: string, bound: string): string {
   if (advertise !== "") {
-    const colon = advertise.lastIndexOf(":");
-    const port = Number(advertise.slice(colon + 1));
-    const host = advertise.slice(0, colon).replace(/^\[|\]$/g, "");
-    if (colon <= 0 || !Number.isInteger(port) || port < 1 || port > 65535 || isWildcard(host))
+    const at = splitHostPort(advertise);
+    if (at === undefined || at.port < 1 || isWildcard(at.host))
       throw new KvxferError(
         "ERR_CONFIG",
         `--advertise must be the host:port peers dial, got '${advertise}'`,
       );
     return advertise;
   }
-  const host = bound.slice(0, bound.lastIndexOf(":")).replace(/^\[|\]$/g, "");
-  if (isWildcard(host))
+  if (isWildcard(splitHostPort(bound)?.host ?? ""))
     throw new KvxferError(
       "ERR_CONFIG",
       `--bootstrap would tell routers and D to dial ${bound} (the side channel listens on every address): give --advertise HOST:PORT`,

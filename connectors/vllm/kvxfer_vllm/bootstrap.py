@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from .params import BadParams
+from .params import BadParams, split_host_port
 
 #: Largest /query answer read (one entry per data-parallel rank: a few hundred bytes each).
 MAX_ANSWER_BYTES = 1 << 16
@@ -105,6 +105,8 @@ def fill_source(params: dict[str, Any], resolver: BootstrapResolver) -> None:
         raise BadParams("remote_bootstrap_addr", f"must be P's bootstrap URL, got {base!r}")
     if not isinstance(engine_id, str) or not engine_id:
         raise BadParams("remote_engine_id", f"must name P's engine (with remote_bootstrap_addr), got {engine_id!r}")
-    host, _, port = resolver.side_channel(base, engine_id).rpartition(":")
-    params["remote_host"] = host.strip("[]")
-    params["remote_port"] = int(port) if port.isdigit() else port
+    address = resolver.side_channel(base, engine_id)
+    try:
+        params["remote_host"], params["remote_port"] = split_host_port(address)
+    except ValueError as err:
+        raise BadParams("remote_bootstrap_addr", f"{base}/query names side channel {address!r}") from err

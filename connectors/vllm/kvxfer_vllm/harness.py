@@ -91,6 +91,20 @@ class Proc:
         except ProcessLookupError:
             pass
 
+    def wait_healthy(self, url: str, what: str, timeout: float, interval: float) -> None:
+        """Until ``url`` answers 200 (bounded); fails naming ``what`` if the process exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{what} exited while starting:\n{self.tail()}")
+            try:
+                if requests.get(url, timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(interval)
+        raise RuntimeError(f"{what} not ready within {timeout} s:\n{self.tail()}")
+
     def tail(self, n: int = 3000) -> str:
         try:
             return self.log_path.read_text()[-n:]
@@ -252,17 +266,7 @@ class VllmServer(Proc):
         super().__init__(args, log_dir / f"vllm-{spec.engine_id}-{spec.port}.log", env=env)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"vLLM {self.spec.engine_id} exited while starting:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM {self.spec.engine_id} not ready within {timeout} s:\n{self.tail()}")
+        self.wait_healthy(f"{self.url}/health", f"vLLM {self.spec.engine_id}", timeout, 0.5)
 
     def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
                  timeout: float = 120.0) -> dict[str, Any]:
@@ -323,17 +327,7 @@ class VllmRouter(Proc):
         super().__init__(args, log_dir / f"vllm-router-{connector}-{self.port}.log")
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"vllm-router exited while starting:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"vllm-router not ready within {timeout} s:\n{self.tail()}")
+        self.wait_healthy(f"{self.url}/health", "vllm-router", timeout, 0.3)
 
     def complete(self, prompt: list[int], max_tokens: int, timeout: float = 180.0) -> dict[str, Any]:
         return complete(self.url, self.model, prompt, max_tokens, None, timeout)
