@@ -84,13 +84,21 @@ export class FakeAgent {
   /** Posting throws (as the addon does for a request it refuses before it starts). */
   failToPost = false;
   inflight = 0;
+  /** Notifications sent, as sealed. */
+  readonly notified: Uint8Array[] = [];
+  /** How a notification fails: the promise rejects, or the call throws. */
+  notifyFails: "reject" | "throw" | undefined = undefined;
+  /** Endpoints whose operations were given up (`abandon`). */
+  abandoned = 0;
 
   connect(): unknown {
     return {
       state: "connected",
       importRemote: () => ({ close: () => undefined }),
       close: () => undefined,
-      abandon: () => undefined,
+      abandon: () => {
+        this.abandoned++;
+      },
     };
   }
 
@@ -115,7 +123,10 @@ export class FakeAgent {
     return this.op("read");
   }
 
-  notify(): Promise<OpTrace> {
+  notify(_ep: unknown, data: Uint8Array): Promise<OpTrace> {
+    if (this.notifyFails === "throw") throw new Error("endpoint closed");
+    if (this.notifyFails === "reject") return Promise.reject(new Error("UCS_ERR_CANCELED"));
+    this.notified.push(data);
     return Promise.resolve({
       ...opTrace(),
       firstPostUs: 0,
@@ -310,31 +321,47 @@ export class PeerTableWorld {
   readonly events: string[] = [];
   /** What the sides answer to "any live transfer with this peer?". */
   live = true;
+  /** What the sides answer to "reads or writes in flight with this peer?". */
+  busy = false;
+  /** The engine's KV is registered (false: the sidecar has stopped and its agents are gone). */
+  registered = true;
+  readonly agent = new FakeAgent();
   readonly table: PeerTable;
 
-  constructor(o: { notAccepting?: boolean; authenticated?: boolean } = {}) {
-    const agent = new FakeAgent() as unknown as Agent;
+  constructor(
+    o: {
+      notAccepting?: boolean;
+      authenticated?: boolean;
+      engineId?: string;
+      role?: "prefill" | "decode";
+      layout?: KvLayout;
+    } = {},
+  ) {
+    const layout = o.layout ?? SMALL;
+    const agent = this.agent as unknown as Agent;
     const kv = {
-      layout: SMALL,
-      agents: [agent],
-      regions: [SMALL.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region)],
+      layout,
+      agents: Array.from({ length: layout.tpSize }, () => agent),
+      regions: Array.from({ length: layout.tpSize }, () =>
+        layout.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region),
+      ),
     };
     this.table = new PeerTable(
       {
-        engineId: "p0",
+        engineId: o.engineId ?? "p0",
         epoch: PeerTableWorld.EPOCH,
-        role: "prefill",
+        role: o.role ?? "prefill",
         clock: this.clock,
         log: pino({ level: "silent" }),
         sideChannel: () => "127.0.0.1:2",
-        kv: () => kv,
+        kv: () => (this.registered ? kv : undefined),
         notAccepting: () =>
           o.notAccepting === true ? { code: "ERR_NOT_READY", message: "not yet" } : undefined,
         authenticated: () => o.authenticated === true,
         emit: (kind, peer) => this.events.push(`${kind} ${peer}`),
         noteError: (text) => this.errors.push(text),
         peerDown: (peer, why) => this.downs.push({ peer: peer.engineId, epoch: peer.epoch, why }),
-        busyWith: () => false,
+        busyWith: () => this.busy,
         liveWith: () => this.live,
       },
       {

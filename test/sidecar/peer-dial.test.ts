@@ -1,0 +1,418 @@
+// D's side of the peer table (peers.ts resolve/dial) over a real side channel on loopback: the
+// P side is another PeerTable behind a real SideChannelServer, or a handler that answers what
+// the test wants. What D installs, what it caches and for how long, one handshake for many
+// callers, the key it keeps across a re-handshake, each refusal of a bad answer by name, and the
+// rest of the table's bookkeeping (drop, abandon, expire, send) with the manual clock.
+import { create } from "@bufbuild/protobuf";
+import { pino } from "pino";
+import { afterEach, describe, expect, it } from "vitest";
+
+import {
+  HandshakeResponseSchema,
+  type HandshakeRequest,
+  type HandshakeResponse,
+} from "../../src/gen/kvxfer/v1/peer_pb.js";
+import type { Notification } from "../../src/native/index.js";
+import { agentName, openPeerMessage } from "../../src/peer/messages.js";
+import { SideChannelServer, refusal } from "../../src/peer/side-channel.js";
+import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
+import type { PeerState } from "../../src/sidecar/peers.js";
+import { PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
+
+const servers: SideChannelServer[] = [];
+afterEach(async () => {
+  await Promise.all(servers.splice(0).map((s) => s.close()));
+});
+
+/** A side channel on a free loopback port answering with `handler`; its address. */
+async function serve(handler: (req: HandshakeRequest) => HandshakeResponse): Promise<string> {
+  const s = new SideChannelServer((req) => handler(req), pino({ level: "silent" }));
+  servers.push(s);
+  return s.bind("127.0.0.1:0");
+}
+
+/** P (a prefill peer table) behind a real side channel, and D (a decode one) dialling it. */
+async function pair() {
+  const p = new PeerTableWorld({ engineId: "p0", role: "prefill" });
+  const d = new PeerTableWorld({ engineId: "d0", role: "decode" });
+  const requests: HandshakeRequest[] = [];
+  const address = await serve((req) => {
+    requests.push(req);
+    return p.table.onHandshake(req, undefined);
+  });
+  return { p, d, address, requests };
+}
+
+/** `from`'s last notification as its agent `sender` sends it, for `to` to verify. */
+function lastNote(from: PeerTableWorld, sender: string): Notification {
+  return {
+    peer: agentName(sender, PeerTableWorld.EPOCH, 0),
+    data: from.agent.notified.at(-1)!,
+  } as Notification;
+}
+
+function peerOf(w: PeerTableWorld, engineId: string): PeerState {
+  return (w.table as unknown as { peers: Map<string, PeerState> }).peers.get(engineId)!;
+}
+
+describe("D resolves P over the side channel", () => {
+  it("installs P at its epoch and both sides accept each other's sealed notifications", async () => {
+    const { p, d, address, requests } = await pair();
+    const peer = await d.table.resolve(address);
+    expect([peer.engineId, peer.epoch, peer.state, peer.dialedAddress]).toEqual([
+      "p0",
+      PeerTableWorld.EPOCH,
+      "connected",
+      address,
+    ]);
+    expect(requests).toHaveLength(1);
+    expect(requests[0]!.expectedEpoch).toBe(0n);
+    expect(requests[0]!.metadata?.engineId).toBe("d0");
+    expect(d.events).toEqual(["PEER_UP p0"]);
+    expect(p.events).toEqual(["PEER_UP d0"]);
+
+    d.table.send(peer, { case: "heartbeat", value: { transferIds: ["t1"] } });
+    const atP = p.table.verify(lastNote(d, "d0"));
+    expect(atP?.peer.engineId).toBe("d0");
+    expect(atP?.body).toEqual({
+      case: "heartbeat",
+      value: expect.objectContaining({ transferIds: ["t1"] }),
+    });
+    p.table.send(peerOf(p, "d0"), { case: "heartbeat", value: { transferIds: ["t2"] } });
+    expect(d.table.verify(lastNote(p, "p0"))?.peer).toBe(peer);
+    expect(p.errors).toEqual([]);
+    expect(d.errors).toEqual([]);
+  });
+
+  it("uses the cached peer for less than two heartbeats since it was last heard; then handshakes again, keeping its key", async () => {
+    const { p, d, address, requests } = await pair();
+    const peer = await d.table.resolve(address);
+    const key = peer.sendKey;
+    d.clock.advance(1999); // heartbeatMs is 1000
+    expect(await d.table.resolve(address)).toBe(peer);
+    expect(requests).toHaveLength(1);
+    d.clock.advance(1);
+    const again = await d.table.resolve(address);
+    expect(requests).toHaveLength(2);
+    expect(requests[1]!.expectedEpoch).toBe(PeerTableWorld.EPOCH);
+    expect(again).toBe(peer);
+    expect(again.sendKey).toBe(key);
+    expect(Buffer.from(requests[1]!.macKey)).toEqual(Buffer.from(key));
+    // A notification sealed before the re-handshake is still accepted by P.
+    expect(p.table.verify(lastNoteSealed(d, peer))).toBeDefined();
+  });
+
+  it("one handshake serves every caller waiting for it; the next one dials again", async () => {
+    const { d, address, requests } = await pair();
+    const [a, b, c] = await Promise.all([
+      d.table.resolve(address),
+      d.table.resolve(address),
+      d.table.resolve(address),
+    ]);
+    expect(requests).toHaveLength(1);
+    expect(b).toBe(a);
+    expect(c).toBe(a);
+    d.table.drop(a, "test");
+    const fresh = await d.table.resolve(address);
+    expect(requests).toHaveLength(2);
+    expect(fresh).not.toBe(a);
+    // A peer that failed gets a new key: what was sealed for the old one is not valid for it.
+    expect(Buffer.from(fresh.sendKey)).not.toEqual(Buffer.from(a.sendKey));
+    expect(requests[1]!.expectedEpoch).toBe(0n);
+  });
+
+  it("a forgotten idle peer is dialled again; one still live is not forgotten", async () => {
+    const { d, address, requests } = await pair();
+    const peer = await d.table.resolve(address);
+    d.live = false;
+    d.clock.advance(60_001); // past peerTimeoutMs and tombstoneMs
+    d.table.expire(d.clock.now());
+    expect(d.table.list()).toEqual([]);
+    expect(peer.state).toBe("connected"); // forgotten, not failed: no PEER_DOWN
+    expect(d.events).toEqual(["PEER_UP p0"]);
+    const again = await d.table.resolve(address);
+    expect(requests).toHaveLength(2);
+    expect(again).not.toBe(peer);
+    expect(d.table.list().map((x) => [x.engineId, x.sideChannel, x.state])).toEqual([
+      ["p0", "127.0.0.1:2", "connected"],
+    ]);
+  });
+
+  it("P being full refuses with its own code, and D installs nothing", async () => {
+    const p = new PeerTableWorld({ engineId: "p0", notAccepting: true });
+    const d = new PeerTableWorld({ engineId: "d0", role: "decode" });
+    const address = await serve((req) => p.table.onHandshake(req, undefined));
+    await expect(d.table.resolve(address)).rejects.toMatchObject({
+      code: "ERR_NOT_READY",
+      message: `handshake with ${address} refused: not yet`,
+    });
+    expect(d.table.list()).toEqual([]);
+    expect(d.events).toEqual([]);
+    expect(p.errors).toEqual(["handshake refused: ERR_NOT_READY: not yet"]);
+  });
+
+  it("a layout D cannot pair with is refused on D's side too", async () => {
+    const d = new PeerTableWorld({ engineId: "d0", role: "decode" });
+    const address = await serve(() =>
+      create(HandshakeResponseSchema, {
+        metadata: peerMetadata("p0", 3n, smallTp(1, 32)),
+        macKey: new Uint8Array(32),
+      }),
+    );
+    const err = await d.table.resolve(address).catch((e: unknown) => e);
+    expect(err).toMatchObject({ code: "ERR_LAYOUT_INCOMPATIBLE" });
+    expect(d.table.list()).toEqual([]);
+  });
+});
+
+/** D's last sealed notification to `peer`, sent now. */
+function lastNoteSealed(d: PeerTableWorld, peer: PeerState): Notification {
+  d.table.send(peer, { case: "heartbeat", value: { transferIds: ["t9"] } });
+  return lastNote(d, "d0");
+}
+
+describe("D refuses a bad handshake answer, naming what was wrong", () => {
+  const good = () => peerMetadata("p0", 3n);
+  const cases: [string, () => HandshakeResponse, string, string][] = [
+    [
+      "no metadata",
+      () => create(HandshakeResponseSchema, { macKey: new Uint8Array(32) }),
+      "ERR_MALFORMED",
+      "handshake carries no metadata",
+    ],
+    [
+      "a bad engine id",
+      () => {
+        const md = good();
+        md.engineId = "p 0";
+        return create(HandshakeResponseSchema, { metadata: md, macKey: new Uint8Array(32) });
+      },
+      "ERR_MALFORMED",
+      "metadata.engine_id",
+    ],
+    [
+      "epoch 0",
+      () =>
+        create(HandshakeResponseSchema, {
+          metadata: peerMetadata("p0", 0n),
+          macKey: new Uint8Array(32),
+        }),
+      "ERR_MALFORMED",
+      "metadata.epoch is 0",
+    ],
+    [
+      "no layout",
+      () => {
+        const md = good();
+        md.layout = undefined;
+        return create(HandshakeResponseSchema, { metadata: md, macKey: new Uint8Array(32) });
+      },
+      "ERR_MALFORMED",
+      "metadata.layout is missing",
+    ],
+    [
+      "an invalid layout",
+      () => {
+        const md = good();
+        md.layout = kvLayoutToProto({ ...SMALL, blockSize: 0 });
+        return create(HandshakeResponseSchema, { metadata: md, macKey: new Uint8Array(32) });
+      },
+      "ERR_LAYOUT_INVALID",
+      "",
+    ],
+    [
+      "fewer ranks than tp_size",
+      () => {
+        const md = good();
+        md.ranks = [];
+        return create(HandshakeResponseSchema, { metadata: md, macKey: new Uint8Array(32) });
+      },
+      "ERR_MALFORMED",
+      "metadata has 0 ranks for tp_size 1",
+    ],
+    [
+      "a rank numbered out of range",
+      () => {
+        const md = good();
+        md.ranks[0]!.rank = 1;
+        return create(HandshakeResponseSchema, { metadata: md, macKey: new Uint8Array(32) });
+      },
+      "ERR_MALFORMED",
+      "metadata has no rank 0",
+    ],
+    [
+      "a key missing for a region",
+      () => {
+        const md = good();
+        md.ranks[0]!.remoteKeys.pop();
+        return create(HandshakeResponseSchema, { metadata: md, macKey: new Uint8Array(32) });
+      },
+      "ERR_MALFORMED",
+      `rank 0 has ${SMALL.regionBytes.length - 1} keys for ${SMALL.regionBytes.length} regions`,
+    ],
+    [
+      "a short mac key",
+      () => create(HandshakeResponseSchema, { metadata: good(), macKey: new Uint8Array(31) }),
+      "ERR_MALFORMED",
+      "has no mac_key",
+    ],
+    [
+      "a refusal",
+      () => refusal("ERR_DRAINING", "going away"),
+      "ERR_DRAINING",
+      "refused: going away",
+    ],
+  ];
+  for (const [what, answer, code, text] of cases) {
+    it(what, async () => {
+      const d = new PeerTableWorld({ engineId: "d0", role: "decode" });
+      const address = await serve(answer);
+      const err = (await d.table.resolve(address).catch((e: unknown) => e)) as {
+        code: string;
+        message: string;
+      };
+      expect(err.code).toBe(code);
+      expect(err.message).toContain(text);
+      expect(d.table.list()).toEqual([]);
+      expect(d.events).toEqual([]);
+    });
+  }
+});
+
+describe("dropping a peer", () => {
+  it("tells the sides once; an old peer dropped again after its replacement changes nothing", () => {
+    const w = new PeerTableWorld();
+    w.table.onHandshake(
+      { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
+      undefined,
+    );
+    const old = peerOf(w, "d0");
+    w.table.onHandshake(
+      { metadata: peerMetadata("d0", 8n), macKey: new Uint8Array(32) } as HandshakeRequest,
+      undefined,
+    );
+    expect(w.downs).toHaveLength(1);
+    w.table.drop(old, "again");
+    expect(w.downs).toHaveLength(1);
+    expect(w.events).toEqual(["PEER_UP d0", "PEER_DOWN d0", "PEER_UP d0"]);
+    expect(w.table.list().map((p) => p.epoch)).toEqual([8n]);
+    // The current one, dropped, goes.
+    w.table.drop(peerOf(w, "d0"), "gone");
+    expect(w.downs.map((x) => [x.epoch, x.why])).toEqual([
+      [7n, "peer restarted (new epoch)"],
+      [8n, "gone"],
+    ]);
+    expect(w.table.list()).toEqual([]);
+  });
+
+  it("a peer failed at the same epoch that handshakes again is replaced, not reused", () => {
+    const w = new PeerTableWorld();
+    const hs = () =>
+      w.table.onHandshake(
+        { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
+        undefined,
+      );
+    hs();
+    const first = peerOf(w, "d0");
+    first.markFailed();
+    hs();
+    expect(peerOf(w, "d0")).not.toBe(first);
+    expect(w.downs).toEqual([{ peer: "d0", epoch: 7n, why: "peer failed" }]);
+  });
+
+  it("gives up reads and writes still in flight to it after the abort grace, not before", () => {
+    const w = new PeerTableWorld();
+    w.table.onHandshake(
+      { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
+      undefined,
+    );
+    const peer = peerOf(w, "d0");
+    peer.endpoint(0, 0);
+    w.busy = true;
+    w.table.drop(peer, "silent");
+    w.clock.advance(199); // abortGraceMs is 200
+    expect(w.agent.abandoned).toBe(0);
+    w.clock.advance(1);
+    expect(w.agent.abandoned).toBe(1);
+  });
+
+  it("abandons nothing when nothing is in flight, or when the table has closed meanwhile", () => {
+    const idle = new PeerTableWorld();
+    const closing = new PeerTableWorld();
+    for (const w of [idle, closing]) {
+      w.table.onHandshake(
+        { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
+        undefined,
+      );
+      peerOf(w, "d0").endpoint(0, 0);
+    }
+    idle.busy = false;
+    idle.table.drop(peerOf(idle, "d0"), "silent");
+    closing.busy = true;
+    closing.table.drop(peerOf(closing, "d0"), "silent");
+    closing.table.close();
+    idle.clock.advance(1000);
+    closing.clock.advance(1000);
+    expect([idle.agent.abandoned, closing.agent.abandoned]).toEqual([0, 0]);
+  });
+
+  it("an endpoint no peer owns drops nobody", () => {
+    const w = new PeerTableWorld();
+    w.table.onHandshake(
+      { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
+      undefined,
+    );
+    peerOf(w, "d0").endpoint(0, 0);
+    const stranger = w.agent.connect() as Parameters<typeof w.table.endpointFailed>[0];
+    w.table.endpointFailed(stranger, "UCS_ERR_CONNECTION_RESET");
+    expect(w.downs).toEqual([]);
+    expect(w.table.list()).toHaveLength(1);
+  });
+});
+
+describe("sending to a peer", () => {
+  function connected() {
+    const w = new PeerTableWorld();
+    w.table.onHandshake(
+      { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
+      undefined,
+    );
+    return { w, peer: peerOf(w, "d0") };
+  }
+  const hb = { case: "heartbeat", value: { transferIds: ["t"] } } as const;
+
+  it("numbers each notification, names both epochs and seals it with the peer's key", () => {
+    const { w, peer } = connected();
+    w.table.send(peer, hb);
+    w.table.send(peer, hb);
+    const opened = w.agent.notified.map((n) => openPeerMessage(n));
+    expect(opened.map((m) => [m.seq, m.senderEngineId, m.senderEpoch, m.receiverEpoch])).toEqual([
+      [1n, "p0", PeerTableWorld.EPOCH, 7n],
+      [2n, "p0", PeerTableWorld.EPOCH, 7n],
+    ]);
+    expect(opened.every((m) => m.verify(peer.sendKey))).toBe(true);
+    expect(opened[0]!.verify(new Uint8Array(32))).toBe(false);
+  });
+
+  it("sends nothing to a failed peer, or once the agents are gone", () => {
+    const { w, peer } = connected();
+    w.registered = false;
+    w.table.send(peer, hb);
+    w.registered = true;
+    peer.markFailed();
+    w.table.send(peer, hb);
+    expect(w.agent.notified).toEqual([]);
+    expect(peer.sendSeq).toBe(0n);
+  });
+
+  it("a notification that fails, by rejecting or by throwing, is logged and costs nothing else", async () => {
+    const { w, peer } = connected();
+    w.agent.notifyFails = "reject";
+    w.table.send(peer, hb);
+    w.agent.notifyFails = "throw";
+    expect(() => w.table.send(peer, hb)).not.toThrow();
+    await new Promise((r) => setImmediate(r));
+    expect(peer.state).toBe("connected");
+    expect(w.downs).toEqual([]);
+  });
+});
