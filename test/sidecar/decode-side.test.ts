@@ -417,3 +417,236 @@ describe("DecodeSide", () => {
     expect(w.engineSaid("t2")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
   });
 });
+
+describe("DecodeSide: each failure path by name, and the timings it reports", () => {
+  /** The KvFailed D sent for `id`. */
+  const kvFailed = (w: FakeWorld, id: string) => {
+    const m = w.engine.find((x) => x.case === "kvFailed" && x.value.transferId === id);
+    return m?.value as { reason: FailureReason; message: string };
+  };
+
+  it("a pull without source block ids is refused ERR_NO_SOURCE_BLOCKS and claims nothing", async () => {
+    const { w, d, state } = setup();
+    const m = expectKv("t1", true);
+    m.hasSourceBlockIds = false;
+    m.sourceBlockIds = [];
+    d.expectKv(m, true);
+    expect(w.refused).toEqual([{ transferId: "t1", code: "ERR_NO_SOURCE_BLOCKS" }]);
+    expect(state("t1")).toBeUndefined();
+    // The same blocks are free for the next transfer; a push needs no source blocks.
+    d.expectKv(m, false);
+    await settle();
+    expect(state("t1")).toBe("MOVING");
+    expect(w.refused).toHaveLength(1);
+  });
+
+  it("a handshake that fails: FAILED at once, INCOMPATIBLE for a layout D cannot pair with, else UNREACHABLE", async () => {
+    const w = new FakeWorld();
+    const codes = ["ERR_LAYOUT_INCOMPATIBLE", "ERR_UNREACHABLE", "ERR_TIMEOUT"];
+    let i = 0;
+    const d = new DecodeSide(w.ctx, () =>
+      Promise.reject(Object.assign(new Error(`no: ${codes[i]}`), { code: codes[i++] })),
+    );
+    d.expectKv(expectKv("a", false, "", [2, 3]), false);
+    await settle();
+    d.expectKv(expectKv("b", true, "", [4, 5]), true);
+    await settle();
+    d.expectKv(expectKv("c", false, "", [6, 7]), false);
+    await settle();
+    expect(d.list().map((t) => [t.transferId, t.state, t.reason])).toEqual([
+      ["a", "FAILED", "ERR_LAYOUT_INCOMPATIBLE"],
+      ["b", "FAILED", "ERR_UNREACHABLE"],
+      ["c", "FAILED", "ERR_TIMEOUT"],
+    ]);
+    expect([kvFailed(w, "a").reason, kvFailed(w, "b").reason, kvFailed(w, "c").reason]).toEqual([
+      FailureReason.INCOMPATIBLE,
+      FailureReason.UNREACHABLE,
+      FailureReason.UNREACHABLE,
+    ]);
+    expect(kvFailed(w, "b").message).toBe("no: ERR_UNREACHABLE");
+    for (const id of ["a", "b", "c"])
+      expect(w.engineSaid(id)).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
+    expect(w.toPeer).toEqual([]);
+    expect(w.failures).toEqual(["ERR_LAYOUT_INCOMPATIBLE", "ERR_UNREACHABLE", "ERR_TIMEOUT"]);
+  });
+
+  it("aborted while the handshake runs: a pull tells P to let go once it is reached, a push tells P nothing", async () => {
+    const w = new FakeWorld();
+    const p = w.peer("p0");
+    const waiting: (() => void)[] = [];
+    const d = new DecodeSide(
+      w.ctx,
+      () => new Promise<PeerState>((res) => waiting.push(() => res(p))),
+    );
+    const state = (id: string) => d.list().find((t) => t.transferId === id)?.state;
+    d.expectKv(expectKv("pull", true, "tok", [2, 3]), true);
+    d.expectKv(expectKv("push", false, "", [4, 5]), false);
+    d.abort("pull");
+    d.abort("push");
+    expect([state("pull"), state("push")]).toEqual(["ABORTED", "ABORTED"]);
+    expect(w.engineSaid("pull")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.ABORTED}`]);
+    for (const go of waiting) go();
+    await settle();
+    expect(w.toPeer).toEqual([
+      {
+        peer: "p0",
+        body: {
+          case: "abort",
+          value: { transferId: "pull", reason: "ERR_ABORTED", token: "tok" },
+        },
+      },
+    ]);
+    expect(w.agent.ops).toEqual([]);
+    expect([state("pull"), state("push")]).toEqual(["ABORTED", "ABORTED"]);
+  });
+
+  it("a pull D cannot plan (fewer source blocks than tokens): FAILED BAD_REQUEST, P told to let go, no read posted", async () => {
+    const { w, d, state } = setup();
+    const m = expectKv("t1", true);
+    m.sourceBlockIds = [0];
+    d.expectKv(m, true);
+    await settle();
+    expect(state("t1")).toBe("FAILED");
+    expect(kvFailed(w, "t1").reason).toBe(FailureReason.BAD_REQUEST);
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
+    expect(w.peerSaid("t1")).toEqual(["abort"]);
+    expect(w.agent.ops).toEqual([]);
+  });
+
+  it("a read the addon refuses to post, or one that fails: FAILED TRANSFER_ERROR, P told why, blocks back at once", async () => {
+    const { w, d, state } = setup();
+    w.agent.failToPost = true;
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    expect(state("t1")).toBe("FAILED");
+    expect(kvFailed(w, "t1").reason).toBe(FailureReason.TRANSFER_ERROR);
+    // P hears why, then (as for any pull D gives up on) that it may let go of its blocks.
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_OUT_OF_BOUNDS", "abort"]);
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
+    w.agent.failToPost = false;
+    d.expectKv(expectKv("t2", true, "", [4, 5]), true);
+    await settle();
+    expect(state("t2")).toBe("MOVING");
+    expect(d.readingFrom(w.peer("p0"))).toBe(false); // another PeerState of the same engine
+    w.agent.failAll("UCS_ERR_IO_ERROR");
+    await settle();
+    expect(state("t2")).toBe("FAILED");
+    expect(w.peerSaid("t2")).toEqual(["failed:ERR_TRANSFER", "abort"]);
+    expect(kvFailed(w, "t2").message).toBe("UCS_ERR_IO_ERROR");
+  });
+
+  it("the watchdog during a pull's reads: KvFailed at once, EXPIRED only once the reads settle", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    expect(d.readingFrom(p)).toBe(true);
+    w.clock.advance(SETTINGS.transferTimeoutMs);
+    d.expire(w.clock.now());
+    expect(state("t1")).toBe("DRAINING");
+    expect(kvFailed(w, "t1").reason).toBe(FailureReason.TIMEOUT);
+    expect(w.peerSaid("t1")).toEqual(["abort"]);
+    w.agent.landAll();
+    await settle();
+    expect(state("t1")).toBe("EXPIRED");
+    expect(d.readingFrom(p)).toBe(false);
+    expect(w.peerSaid("t1"), "no ReadDone for reads of a transfer given up").toEqual(["abort"]);
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.EXPIRED}`]);
+  });
+
+  it("P's Failed while D drains: a push ends at once (P's writes are over), a pull still waits for its reads", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("push"), false);
+    d.expectKv(expectKv("pull", true, "", [4, 5]), true);
+    await settle();
+    d.abort("push");
+    d.abort("pull");
+    expect([state("push"), state("pull")]).toEqual(["DRAINING", "DRAINING"]);
+    expect(d.peerFailed(p, "push", "ERR_ABORTED", "ok")).toBe(true);
+    expect(d.peerFailed(p, "pull", "ERR_ABORTED", "ok")).toBe(true);
+    expect([state("push"), state("pull")]).toEqual(["ABORTED", "DRAINING"]);
+    expect(d.peerFailed(p, "push", "ERR_ABORTED", "again")).toBe(false);
+    w.agent.landAll();
+    await settle();
+    expect(state("pull")).toBe("ABORTED");
+  });
+
+  it("a push's timings and metrics: registered, data from the first XferDone to the last, P's latency", async () => {
+    const w = new FakeWorld({}, smallTp(2));
+    const p = w.peer("p0");
+    const d = new DecodeSide(w.ctx, () => Promise.resolve(p));
+    const t0 = w.clock.now();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    w.clock.advance(5);
+    const done = (src: number, dst: number, ms: number) =>
+      create(XferDoneSchema, {
+        transferId: "t1",
+        srcRank: src,
+        dstRank: dst,
+        bytes: 100n,
+        sincePrefillDoneMs: ms,
+      });
+    d.xferDone(p, 0, 0, done(0, 0, 9), { receivedUs: 11, deliveredUs: 12 });
+    w.clock.advance(3);
+    d.xferDone(p, 1, 1, done(1, 1, 4));
+    const info = d.list()[0]!;
+    expect(info.timings).toMatchObject({
+      registeredMs: t0,
+      dataStartedMs: t0 + 5,
+      dataDoneMs: t0 + 8,
+      readyMs: t0 + 8,
+      endedMs: t0 + 8,
+    });
+    expect(info.bytes).toBe(200);
+    expect(info.trace).toEqual(
+      expect.arrayContaining([
+        { hop: "pair 0>0 xferDone received", us: 11 },
+        { hop: "pair 0>0 xferDone delivered", us: 12 },
+      ]),
+    );
+    expect(w.ready).toEqual([{ mode: "push", latencyMs: 9, bytes: 200 }]);
+    expect(w.moved).toBe(200);
+  });
+
+  it("a pull's timings and metrics: data from the reads' start to their end, latency from registration", async () => {
+    const { w, d, p } = setup();
+    const t0 = w.clock.now();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    w.clock.advance(4);
+    w.agent.landAll();
+    await settle();
+    w.clock.advance(2);
+    d.readAck(p, "t1", true, false, { receivedUs: 21, deliveredUs: 22 });
+    const info = d.list()[0]!;
+    expect(info.timings).toMatchObject({
+      registeredMs: t0,
+      dataStartedMs: t0,
+      dataDoneMs: t0 + 4,
+      readyMs: t0 + 6,
+      endedMs: t0 + 6,
+    });
+    expect(info.bytes).toBeGreaterThan(0);
+    expect(info.descriptors).toBeGreaterThan(0);
+    expect(info.trace).toEqual(
+      expect.arrayContaining([
+        { hop: "peer.readAck received", us: 21 },
+        { hop: "peer.readAck delivered", us: 22 },
+      ]),
+    );
+    expect(w.ready).toEqual([{ mode: "pull", latencyMs: 6, bytes: info.bytes }]);
+  });
+
+  it("an ended transfer is forgotten after the tombstone time, not before", async () => {
+    const { w, d, p } = setup();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    d.xferDone(p, 0, 0, xferDone("t1"));
+    w.clock.advance(SETTINGS.tombstoneMs - 1);
+    d.expire(w.clock.now());
+    expect(d.list()).toHaveLength(1);
+    w.clock.advance(1);
+    d.expire(w.clock.now());
+    expect(d.list()).toEqual([]);
+  });
+});
