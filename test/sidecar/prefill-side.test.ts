@@ -7,7 +7,7 @@ import { describe, expect, it } from "vitest";
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { PushRegSchema, type PushReg } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
-import { FakeWorld, SETTINGS, prefillDone, settle } from "./fakes.js";
+import { FakeWorld, SETTINGS, prefillDone, settle, smallTp } from "./fakes.js";
 
 function pushReg(transferId: string, token = "", leaseMs = SETTINGS.regLeaseMs): PushReg {
   return create(PushRegSchema, {
@@ -350,5 +350,105 @@ describe("PrefillSide", () => {
     w.clock.advance(1);
     p.expire(w.clock.now());
     expect(state("t1")).toBeUndefined();
+  });
+});
+
+describe("PrefillSide: what it reports", () => {
+  it("a push's XferDone: the pair, its bytes, and the time since PrefillDone; timings, bytes and descriptors exact", async () => {
+    const w = new FakeWorld({}, smallTp(2));
+    const p = new PrefillSide(w.ctx);
+    const d = w.peer("d0");
+    const t0 = w.clock.now();
+    p.pushReg(d, pushReg("t1"));
+    w.clock.advance(7);
+    p.prefillDone(prefillDone("t1"));
+    w.clock.advance(3);
+    w.agent.landAll();
+    await settle();
+    const done = w.sealed.map((b) => (b.case === "xferDone" ? b.value : undefined));
+    expect(done.map((x) => [x?.transferId, x?.srcRank, x?.dstRank, x?.sincePrefillDoneMs])).toEqual(
+      [
+        ["t1", 0, 0, 3],
+        ["t1", 1, 1, 3],
+      ],
+    );
+    const info = p.infoOf("t1")!;
+    const perPair = done.map((x) => Number(x!.bytes));
+    expect(perPair[0]).toBeGreaterThan(0);
+    expect(info.bytes).toBe(perPair[0]! + perPair[1]!);
+    expect(info.descriptors).toBeGreaterThan(0);
+    expect([info.peer, info.mode, info.state, info.reason]).toEqual([
+      "d0",
+      "push",
+      "RELEASED",
+      "transferred",
+    ]);
+    expect(info.timings).toMatchObject({
+      registeredMs: t0,
+      prefillDoneMs: t0 + 7,
+      dataStartedMs: t0 + 7,
+      dataDoneMs: t0 + 10,
+      endedMs: t0 + 10,
+    });
+    expect(w.moved).toBe(info.bytes);
+  });
+
+  it("a pull's ReadDone: the reader becomes the peer, its bytes the transfer's", () => {
+    const { w, p, d } = setup();
+    p.prefillDone(prefillDone("t1"));
+    w.clock.advance(4);
+    p.readDone(d, "t1", 4096, "", { receivedUs: 31, deliveredUs: 32 });
+    const info = p.infoOf("t1")!;
+    expect([info.peer, info.mode, info.bytes, info.state]).toEqual([
+      "d0",
+      "pull",
+      4096,
+      "RELEASED",
+    ]);
+    expect(info.timings.endedMs).toBe(info.timings.prefillDoneMs + 4);
+    expect(info.trace.map((h) => [h.hop, h.us]).slice(1, 3)).toEqual([
+      ["peer.readDone received", 31],
+      ["peer.readDone delivered", 32],
+    ]);
+  });
+
+  it("each terminal state hands the blocks back with its own reason", async () => {
+    const { w, p, d, state } = setup({ maxTransfers: 10 });
+    p.prefillDone(prefillDone("released", "", [0, 1]));
+    p.readDone(d, "released", 1, "");
+    p.prefillDone(prefillDone("aborted", "", [2, 3]));
+    p.abort("aborted");
+    p.prefillDone(prefillDone("expired", "", [4, 5]));
+    p.pushReg(d, { ...pushReg("failed"), numTokens: 40 });
+    p.prefillDone(prefillDone("failed", "", [6, 7])); // D expects 40 tokens, P has 20
+    await settle();
+    w.clock.advance(SETTINGS.leaseMs);
+    p.expire(w.clock.now());
+    expect(["released", "aborted", "expired", "failed"].map(state)).toEqual([
+      "RELEASED",
+      "ABORTED",
+      "EXPIRED",
+      "FAILED",
+    ]);
+    expect(w.engineSaid("released")).toEqual([`releaseBlocks:${ReleaseReason.TRANSFERRED}`]);
+    expect(w.engineSaid("aborted")).toEqual([`releaseBlocks:${ReleaseReason.ABORTED}`]);
+    expect(w.engineSaid("expired")).toEqual([`releaseBlocks:${ReleaseReason.EXPIRED}`]);
+    expect(w.engineSaid("failed")).toEqual([`releaseBlocks:${ReleaseReason.FAILED}`]);
+    expect(w.peerSaid("failed")).toEqual(["failed:ERR_BAD_TOKENS"]);
+    expect(p.infoOf("failed")!.reason).toBe("ERR_BAD_TOKENS");
+    expect(w.agent.ops).toEqual([]);
+  });
+
+  it("a write the addon refuses to post: D hears Failed with its code, the transfer FAILED, blocks back", async () => {
+    const { w, p, d, state } = setup();
+    w.agent.failToPost = true;
+    p.pushReg(d, pushReg("t1"));
+    p.prefillDone(prefillDone("t1"));
+    await settle();
+    expect(state("t1")).toBe("FAILED");
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_OUT_OF_BOUNDS"]);
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.FAILED}`]);
+    expect(w.sealed).toEqual([]);
+    expect(w.moved).toBe(0);
   });
 });
