@@ -4,6 +4,9 @@ export default {
   testRunner: "vitest",
   vitest: { configFile: "vitest.mutation.config.ts" },
   checkers: ["typescript"],
+  // No mutants inside logger calls (scripts/mutation/log-ignorer.mjs): log texts and fields.
+  appendPlugins: ["./scripts/mutation/log-ignorer.mjs"],
+  ignorers: ["log-calls"],
   tsconfigFile: "tsconfig.json",
   mutate: [
     "src/sidecar/lifecycle.ts",

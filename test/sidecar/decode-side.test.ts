@@ -650,3 +650,15 @@ describe("DecodeSide: each failure path by name, and the timings it reports", ()
     expect(d.list()).toEqual([]);
   });
 });
+
+describe("DecodeSide: the edges", () => {
+  it("an XferDone for a transfer D never had is noted by name and changes nothing", async () => {
+    const { w, d, p } = setup();
+    d.xferDone(p, 0, 0, xferDone("nobody"));
+    expect(w.errors).toEqual([
+      "XferDone from 'p0' for unknown transfer 'nobody': ERR_UNKNOWN_TRANSFER",
+    ]);
+    expect(d.list()).toEqual([]);
+    expect(w.engine).toEqual([]);
+  });
+});

@@ -452,3 +452,56 @@ describe("PrefillSide: what it reports", () => {
     expect(w.moved).toBe(0);
   });
 });
+
+describe("PrefillSide: the edges", () => {
+  it("the transfer cap also refuses a registration: D hears ERR_OVERLOADED, P records nothing", () => {
+    const { w, p, d, state } = setup(); // maxTransfers 2
+    p.prefillDone(prefillDone("a", "", [0, 1]));
+    p.prefillDone(prefillDone("b", "", [2, 3]));
+    p.pushReg(d, pushReg("c"));
+    expect(w.peerSaid("c")).toEqual(["failed:ERR_OVERLOADED"]);
+    expect(state("c")).toBeUndefined();
+    // A registration for a transfer P already has is no new transfer: not refused by the cap.
+    p.pushReg(d, pushReg("a"));
+    expect(w.peerSaid("a")).toEqual([]);
+    expect(state("a")).toBe("MOVING");
+  });
+
+  it("an abort from D for a transfer P does not have, or has ended, is acknowledged at once", () => {
+    const { w, p, d } = setup();
+    p.peerAbort(d, "never", "");
+    p.prefillDone(prefillDone("t1"));
+    p.readDone(d, "t1", 1, "");
+    p.peerAbort(d, "t1", "");
+    expect(w.peerSaid("never")).toEqual(["abortAck"]);
+    expect(w.peerSaid("t1")).toEqual(["readAck", "abortAck"]);
+    expect(w.eventsOf("t1")).toEqual(["RELEASED"]);
+  });
+
+  it("the engine aborting twice while writes are in flight: nothing more until they settle, one end", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.prefillDone(prefillDone("t1"));
+    p.abort("t1");
+    p.abort("t1");
+    expect(state("t1")).toBe("ABORTING");
+    expect(w.peerSaid("t1")).toEqual([]);
+    w.agent.failAll();
+    await settle();
+    expect(state("t1")).toBe("ABORTED");
+    expect(w.eventsOf("t1")).toEqual(["ABORTED"]);
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.ABORTED}`]);
+  });
+
+  it("the engine aborting a transfer D registered before prefill ended: D hears Failed ERR_ABORTED", () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.abort("t1");
+    expect(state("t1")).toBe("ABORTED");
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_ABORTED"]);
+    // No blocks were ever given: nothing goes back to the engine until its late PrefillDone.
+    expect(w.engineSaid("t1")).toEqual([]);
+    p.prefillDone(prefillDone("t1"));
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.ABORTED}`]);
+  });
+});
