@@ -662,3 +662,148 @@ describe("DecodeSide: the edges", () => {
     expect(w.engine).toEqual([]);
   });
 });
+
+describe("DecodeSide: traces, peers and words", () => {
+  it("traces a push and a pull: each hop once, in order, the pull's reads named by their pair", async () => {
+    const { w, d, p } = setup();
+    d.expectKv(expectKv("push"), false, 100);
+    await settle();
+    d.xferDone(p, 0, 0, xferDone("push"), { receivedUs: 200, deliveredUs: 300 });
+    const hops = (id: string) => d.infoOf(id)!.trace.map((h) => h.hop);
+    expect(hops("push")).toEqual([
+      "engine.expectKv",
+      "peer.pushReg sent",
+      "pair 0>0 xferDone received",
+      "pair 0>0 xferDone delivered",
+      "engine.kvReady sent",
+      "event.appended",
+    ]);
+    expect(d.infoOf("push")!.trace[0]!.us).toBe(100);
+    d.expectKv(expectKv("pull", true, "", [4, 5]), true, 400);
+    await settle();
+    w.agent.landAll();
+    await settle();
+    d.readAck(p, "pull", true, false);
+    const pull = hops("pull");
+    expect(pull.slice(0, 2)).toEqual(["engine.expectKv", "planned"]);
+    expect(pull).toContain("pair 0>0 submitted");
+    expect(pull).toContain("pair 0>0 flushed");
+    expect(pull.slice(-3)).toEqual(["peer.readDone sent", "engine.kvReady sent", "event.appended"]);
+    // A failed transfer's trace ends with its event too.
+    d.expectKv(expectKv("aborted", false, "", [6, 7]), false);
+    d.abort("aborted");
+    expect(hops("aborted")).toEqual(["engine.expectKv", "event.appended"]);
+  });
+
+  it("one P going down fails only its own transfers; a pull's reads in flight keep the blocks", async () => {
+    const w = new FakeWorld({ maxTransfers: 10 });
+    const p1 = w.peer("p1");
+    const p2 = w.peer("p2");
+    const d = new DecodeSide(w.ctx, (src) => Promise.resolve(src === "p1" ? p1 : p2));
+    const state = (id: string) => d.infoOf(id)?.state;
+    const ek = (id: string, src: string, pull: boolean, blocks: number[]) => {
+      const m = expectKv(id, pull, "", blocks);
+      m.source = src;
+      d.expectKv(m, pull);
+    };
+    ek("a", "p1", true, [0, 1]);
+    ek("b", "p2", true, [2, 3]);
+    ek("c", "p2", false, [4, 5]);
+    await settle();
+    d.peerDown(p1, "gone");
+    expect([state("a"), state("b"), state("c")]).toEqual(["DRAINING", "MOVING", "MOVING"]);
+    expect(w.engineSaid("a")).toEqual(["kvFailed"]);
+    expect(w.peerSaid("a"), "P is gone: no abort sent to it").toEqual([]);
+    expect(d.readingFrom(p1)).toBe(true);
+    expect(d.readingFrom(p2)).toBe(true);
+    expect(d.liveWith(p2)).toBe(true);
+    w.agent.failAll();
+    await settle();
+    expect(state("a")).toBe("FAILED");
+    expect(d.infoOf("a")!.reason).toBe("ERR_PEER_DOWN");
+    expect(w.engineSaid("a")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
+  });
+
+  it("P's Failed for a pull: no abort sent back; the engine aborting a draining transfer changes nothing", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    w.agent.landAll();
+    await settle();
+    expect(d.peerFailed(p, "t1", "ERR_LEASE_EXPIRED", "lease")).toBe(true);
+    expect(w.peerSaid("t1")).toEqual(["readDone"]);
+    d.expectKv(expectKv("t2", false, "", [4, 5]), false);
+    await settle();
+    d.abort("t2");
+    expect(state("t2")).toBe("DRAINING");
+    d.abort("t2");
+    d.expire(w.clock.now());
+    expect(w.engineSaid("t2")).toEqual(["kvFailed"]);
+    expect(w.peerSaid("t2")).toEqual(["pushReg", "abort"]);
+    expect(state("t2")).toBe("DRAINING");
+  });
+
+  it("refusals and failures say what was wrong", async () => {
+    const { w, d, p } = setup({ maxTransfers: 2 });
+    d.expectKv(expectKv("t1"), false);
+    d.expectKv(expectKv("t1"), false);
+    const m = expectKv("t3", true, "", [4, 5]);
+    m.hasSourceBlockIds = false;
+    d.expectKv(m, true);
+    d.expectKv(expectKv("t2", false, "", [2, 6]), false);
+    d.expectKv(expectKv("t4", false, "", [6, 7]), false);
+    d.expectKv(expectKv("t5", false, "", [0, 1]), false);
+    expect(w.refusedText).toEqual([
+      "ERR_DUPLICATE: ExpectKv for transfer 't1' already received",
+      "ERR_NO_SOURCE_BLOCKS: pull mode needs ExpectKv.source_block_ids",
+      "ERR_BLOCKS_IN_USE: block_ids[0] = 2 is held by live transfer 't1' (two live transfers may not claim one block; retry once it ends)",
+      "ERR_OVERLOADED: 2 transfers live",
+    ]);
+    await settle();
+    w.clock.advance(SETTINGS.transferTimeoutMs);
+    d.expire(w.clock.now());
+    const failed = w.engine.filter((x) => x.case === "kvFailed").map((x) => x.value);
+    expect(failed.map((v) => [v.transferId, (v as { message: string }).message])).toEqual([
+      ["t1", `no KV within ${SETTINGS.transferTimeoutMs} ms`],
+      ["t4", `no KV within ${SETTINGS.transferTimeoutMs} ms`],
+    ]);
+    expect(w.events.filter((e) => e.kind !== "KV_READY").map((e) => e.reason)).toEqual([]);
+    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs);
+    d.expire(w.clock.now());
+    expect(w.events.map((e) => `${e.transferId} ${e.kind} ${e.reason}`)).toEqual([
+      "t1 EXPIRED ERR_TIMEOUT",
+      "t4 EXPIRED ERR_TIMEOUT",
+    ]);
+    d.expectKv(expectKv("t6", true, "", [0, 1]), true);
+    await settle();
+    w.agent.landAll();
+    await settle();
+    d.readAck(p, "t6", false, false);
+    expect(w.engine.at(-2)).toMatchObject({
+      case: "kvFailed",
+      value: { transferId: "t6", message: "P released the blocks before D's read was confirmed" },
+    });
+    expect(d.infoOf("t6")!.reason).toBe("ERR_LEASE_EXPIRED");
+    d.expectKv(expectKv("t7", false, "", [0, 1]), false);
+    await settle();
+    d.peerFailed(p, "t7", "ERR_TRANSFER", "disk on fire");
+    expect(w.engine.at(-2)).toMatchObject({
+      case: "kvFailed",
+      value: { transferId: "t7", message: "prefill side: disk on fire" },
+    });
+  });
+});
+
+describe("DecodeSide: block claims", () => {
+  it("a clash names the position in block_ids, counted past the cached prefix", () => {
+    const { w, d } = setup({ maxTransfers: 5 });
+    d.expectKv(expectKv("t1", false, "", [2, 3]), false);
+    const m = expectKv("t2", false, "", [0, 5, 3]);
+    m.numTokens = 40;
+    m.prefixTokens = 16; // block 0 is a cached prefix: read, not written, not claimed
+    d.expectKv(m, false);
+    expect(w.refusedText).toEqual([
+      "ERR_BLOCKS_IN_USE: block_ids[2] = 3 is held by live transfer 't1' (two live transfers may not claim one block; retry once it ends)",
+    ]);
+  });
+});

@@ -190,6 +190,8 @@ export class FakeWorld {
   readonly agent = new FakeAgent();
   readonly engine: EngineMessage[] = [];
   readonly refused: { transferId: string; code: string }[] = [];
+  /** The refusals' texts, as `code: message`. */
+  readonly refusedText: string[] = [];
   readonly toPeer: { peer: string; body: PeerBody }[] = [];
   /** Notifications a side sealed to post itself (P's XferDone on each pair's endpoint). */
   readonly sealed: PeerBody[] = [];
@@ -221,7 +223,10 @@ export class FakeWorld {
       log,
       kv: () => kv,
       toEngine: (msg) => this.engine.push(msg),
-      refuse: (transferId, code) => this.refused.push({ transferId, code }),
+      refuse: (transferId, code, message) => {
+        this.refused.push({ transferId, code });
+        this.refusedText.push(`${code}: ${message}`);
+      },
       toPeer: (peer, body) => this.toPeer.push({ peer: peer.engineId, body }),
       seal: (_peer, body) => {
         this.sealed.push(body);

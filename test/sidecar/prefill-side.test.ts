@@ -505,3 +505,177 @@ describe("PrefillSide: the edges", () => {
     expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.ABORTED}`]);
   });
 });
+
+describe("PrefillSide: the words it ends and refuses with", () => {
+  /** The reason of `id`'s one terminal event. */
+  const reasonOf = (w: FakeWorld, id: string) => {
+    const evs = w.events.filter((e) => e.transferId === id);
+    expect(evs).toHaveLength(1);
+    return `${evs[0]!.kind} ${evs[0]!.reason}`;
+  };
+  /** The Failed message D was sent about `id` (code: message). */
+  const failedTo = (w: FakeWorld, id: string) =>
+    w.toPeer
+      .filter((m) => m.body.case === "failed" && m.body.value.transferId === id)
+      .map((m) => {
+        const v = m.body.value as { code: string; message: string };
+        return `${v.code}: ${v.message}`;
+      });
+
+  it("each way a transfer ends names its reason in the event", async () => {
+    const { w, p, d } = setup({ maxTransfers: 20 });
+    const blocks = (i: number) => [2 * i, 2 * i + 1];
+    p.prefillDone(prefillDone("pull", "", blocks(0)));
+    p.readDone(d, "pull", 1, "");
+    p.pushReg(d, pushReg("push"));
+    p.prefillDone(prefillDone("push", "", blocks(1)));
+    w.agent.landAll();
+    await settle();
+    p.prefillDone(prefillDone("engine-abort", "", blocks(2)));
+    p.abort("engine-abort");
+    p.pushReg(d, pushReg("engine-abort-registered"));
+    p.abort("engine-abort-registered");
+    p.prefillDone(prefillDone("decode-abort", "", blocks(3)));
+    p.peerAbort(d, "decode-abort", "");
+    p.pushReg(d, pushReg("decode-failed"));
+    p.peerFailed(d, "decode-failed", "ERR_TIMEOUT", "");
+    p.pushReg(d, pushReg("peer-down"));
+    p.peerDown(d);
+    p.prefillDone(prefillDone("held", "", blocks(4)));
+    p.pushReg(d, pushReg("registered"));
+    w.clock.advance(SETTINGS.leaseMs);
+    p.expire(w.clock.now());
+    expect(
+      [
+        "pull",
+        "push",
+        "engine-abort",
+        "engine-abort-registered",
+        "decode-abort",
+        "decode-failed",
+        "peer-down",
+        "held",
+        "registered",
+      ].map((id) => `${id}: ${reasonOf(w, id)}`),
+    ).toEqual([
+      "pull: RELEASED transferred",
+      "push: RELEASED transferred",
+      "engine-abort: ABORTED aborted by the engine",
+      "engine-abort-registered: ABORTED aborted by the engine",
+      "decode-abort: ABORTED aborted by decode",
+      "decode-failed: FAILED ERR_TIMEOUT",
+      "peer-down: FAILED ERR_PEER_DOWN",
+      "held: EXPIRED lease expired",
+      "registered: EXPIRED registration lease expired",
+    ]);
+    expect(failedTo(w, "engine-abort-registered")).toEqual([
+      "ERR_ABORTED: aborted by the prefill engine",
+    ]);
+    expect(failedTo(w, "registered")).toEqual([
+      "ERR_TIMEOUT: no prefill before the registration lease ran out",
+    ]);
+    expect(w.toPeer.filter((m) => m.body.case === "abortAck").map((m) => m.body.value)).toEqual([
+      { transferId: "decode-abort" },
+    ]);
+  });
+
+  it("a push's writes that fail, or an abort during them, end with the reason they had", async () => {
+    const { w, p, d, state } = setup({ maxTransfers: 20 });
+    p.pushReg(d, pushReg("fails"));
+    p.prefillDone(prefillDone("fails", "", [0, 1]));
+    w.agent.failAll("UCS_ERR_IO_ERROR");
+    await settle();
+    expect(w.events.at(-1)).toMatchObject({ transferId: "fails", reason: "ERR_TRANSFER" });
+    expect(failedTo(w, "fails")).toEqual(["ERR_TRANSFER: UCS_ERR_IO_ERROR"]);
+    // D aborts while the writes are in flight and they fail: ABORTED, AbortAck, no Failed.
+    w.agent.ops.length = 0;
+    p.pushReg(d, pushReg("d-abort"));
+    p.prefillDone(prefillDone("d-abort", "", [2, 3]));
+    p.peerAbort(d, "d-abort", "");
+    p.peerAbort(d, "d-abort", ""); // again while ABORTING: still one AbortAck, later
+    expect(w.peerSaid("d-abort")).toEqual([]);
+    w.agent.failAll();
+    await settle();
+    expect(state("d-abort")).toBe("ABORTED");
+    expect(w.events.at(-1)).toMatchObject({ transferId: "d-abort", reason: "ERR_ABORTED" });
+    expect(w.peerSaid("d-abort")).toEqual(["abortAck"]);
+    // The engine aborts while they are in flight and they fail: ABORTED with the write's code.
+    w.agent.ops.length = 0;
+    p.pushReg(d, pushReg("e-abort"));
+    p.prefillDone(prefillDone("e-abort", "", [4, 5]));
+    p.abort("e-abort");
+    w.agent.failAll();
+    await settle();
+    expect(w.events.at(-1)).toMatchObject({
+      transferId: "e-abort",
+      kind: "ABORTED",
+      reason: "ERR_TRANSFER",
+    });
+    expect(failedTo(w, "e-abort")).toEqual(["ERR_TRANSFER: UCS_ERR_CANCELED"]);
+  });
+
+  it("refusals say what was wrong: D's registration, a late one, P's duplicates and its cap", async () => {
+    const { w, p, d, state } = setup({ maxTransfers: 3 });
+    const d2 = w.peer("d2");
+    p.pushReg(d, { ...pushReg("t0"), numTokens: 0 });
+    p.pushReg(d, { ...pushReg("t0"), prefixTokens: 21 });
+    p.pushReg(d, { ...pushReg("t0"), prefixTokens: 20 }); // all tokens cached: accepted
+    expect(failedTo(w, "t0")).toEqual([
+      "ERR_BAD_TOKENS: bad token counts in PushReg",
+      "ERR_BAD_TOKENS: bad token counts in PushReg",
+    ]);
+    expect(state("t0")).toBe("WAITING");
+    p.prefillDone(prefillDone("t1", "tok", [0, 1]));
+    p.pushReg(d2, pushReg("t1", "wrong"));
+    expect(failedTo(w, "t1")).toEqual([
+      "ERR_BAD_TRANSFER_TOKEN: the transfer's token does not match",
+    ]);
+    expect(w.errors.at(-1)).toBe("PushReg for 't1' from 'd2' refused: ERR_BAD_TRANSFER_TOKEN");
+    p.pushReg(d, pushReg("t1", "tok"));
+    p.pushReg(d2, pushReg("t1", "tok"));
+    expect(failedTo(w, "t1").at(-1)).toBe(
+      "ERR_DUPLICATE: another decode engine registered for this transfer",
+    );
+    expect(w.errors.at(-1)).toBe(
+      "PushReg for 't1' from 'd2' refused: ERR_DUPLICATE (registered by 'd0')",
+    );
+    p.prefillDone(prefillDone("t1", "tok", [0, 1]));
+    expect(w.refused.at(-1)).toEqual({ transferId: "t1", code: "ERR_DUPLICATE" });
+    p.prefillDone(prefillDone("t2", "", [2, 3]));
+    p.prefillDone(prefillDone("t3", "", [4, 5]));
+    expect(w.refused.at(-1)).toEqual({ transferId: "t3", code: "ERR_OVERLOADED" });
+    expect(w.engine.at(-1)).toMatchObject({
+      case: "releaseBlocks",
+      value: { transferId: "t3", blockIds: [4, 5], reason: ReleaseReason.FAILED },
+    });
+    // A registration for a transfer that ended: refused with how it ended.
+    w.agent.landAll();
+    await settle();
+    expect(state("t1")).toBe("RELEASED");
+    p.pushReg(d2, pushReg("t1", "tok"));
+    expect(failedTo(w, "t1").at(-1)).toBe("ERR_ENDED: transfer ended on P as RELEASED");
+  });
+
+  it("a ReadDone or an Abort with the wrong token is refused by name and changes nothing", () => {
+    const { w, p, d, state } = setup();
+    p.prefillDone(prefillDone("t1", "tok"));
+    p.readDone(d, "t1", 1, "bad");
+    expect(w.errors).toEqual(["ReadDone for 't1' from 'd0' refused: ERR_BAD_TRANSFER_TOKEN"]);
+    expect(failedTo(w, "t1")).toEqual([
+      "ERR_BAD_TRANSFER_TOKEN: the transfer's token does not match",
+    ]);
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_BAD_TRANSFER_TOKEN"]); // no ReadAck
+    p.peerAbort(d, "t1", "bad");
+    expect(w.errors.at(-1)).toBe("Abort for 't1' from 'd0' refused: ERR_BAD_TRANSFER_TOKEN");
+    p.peerFailed(d, "t1", "ERR_TIMEOUT", "bad");
+    expect(w.errors.at(-1)).toBe("Failed for 't1' from 'd0' refused: ERR_BAD_TRANSFER_TOKEN");
+    expect(state("t1")).toBe("HELD");
+    // A ReadDone for a transfer P has not seen yet: unknown, not held, and nothing recorded.
+    p.readDone(d, "later", 1, "");
+    expect(w.toPeer.at(-1)?.body).toEqual({
+      case: "readAck",
+      value: { transferId: "later", held: false, unknown: true },
+    });
+    expect(state("later")).toBeUndefined();
+  });
+});
