@@ -13,7 +13,7 @@ import {
   type HandshakeResponse,
 } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import type { Notification } from "../../src/native/index.js";
-import { agentName, openPeerMessage } from "../../src/peer/messages.js";
+import { agentName, openPeerMessage, type PeerBody } from "../../src/peer/messages.js";
 import { SideChannelServer, refusal } from "../../src/peer/side-channel.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import type { PeerState } from "../../src/sidecar/peers.js";
@@ -379,7 +379,7 @@ describe("sending to a peer", () => {
     );
     return { w, peer: peerOf(w, "d0") };
   }
-  const hb = { case: "heartbeat", value: { transferIds: ["t"] } } as const;
+  const hb: PeerBody = { case: "heartbeat", value: { transferIds: ["t"] } };
 
   it("numbers each notification, names both epochs and seals it with the peer's key", () => {
     const { w, peer } = connected();
