@@ -90,12 +90,20 @@ export class FakeAgent {
   notifyFails: "reject" | "throw" | undefined = undefined;
   /** Endpoints whose operations were given up (`abandon`). */
   abandoned = 0;
+  /** Each connect's worker address and options; keys imported; closes of endpoints and remotes. */
+  readonly connects: { address: Uint8Array; options: unknown }[] = [];
+  readonly imported: Uint8Array[] = [];
+  closed = 0;
 
-  connect(): unknown {
+  connect(address?: Uint8Array, options?: unknown): unknown {
+    if (address !== undefined) this.connects.push({ address, options });
     return {
       state: "connected",
-      importRemote: () => ({ close: () => undefined }),
-      close: () => undefined,
+      importRemote: (key: Uint8Array) => {
+        this.imported.push(key);
+        return { close: () => void this.closed++ };
+      },
+      close: () => void this.closed++,
       abandon: () => {
         this.abandoned++;
       },
@@ -324,6 +332,8 @@ export class PeerTableWorld {
   readonly downs: { peer: string; epoch: bigint; why: string }[] = [];
   readonly errors: string[] = [];
   readonly events: string[] = [];
+  /** The same events with their reasons. */
+  readonly reasons: string[] = [];
   /** What the sides answer to "any live transfer with this peer?". */
   live = true;
   /** What the sides answer to "reads or writes in flight with this peer?". */
@@ -338,7 +348,7 @@ export class PeerTableWorld {
       notAccepting?: boolean;
       authenticated?: boolean;
       engineId?: string;
-      role?: "prefill" | "decode";
+      role?: "prefill" | "decode" | "both";
       layout?: KvLayout;
     } = {},
   ) {
@@ -363,7 +373,10 @@ export class PeerTableWorld {
         notAccepting: () =>
           o.notAccepting === true ? { code: "ERR_NOT_READY", message: "not yet" } : undefined,
         authenticated: () => o.authenticated === true,
-        emit: (kind, peer) => this.events.push(`${kind} ${peer}`),
+        emit: (kind, peer, reason) => {
+          this.events.push(`${kind} ${peer}`);
+          this.reasons.push(`${kind} ${peer}: ${reason}`);
+        },
         noteError: (text) => this.errors.push(text),
         peerDown: (peer, why) => this.downs.push({ peer: peer.engineId, epoch: peer.epoch, why }),
         busyWith: () => this.busy,

@@ -9,14 +9,22 @@ import { afterEach, describe, expect, it } from "vitest";
 
 import {
   HandshakeResponseSchema,
+  Role,
   type HandshakeRequest,
   type HandshakeResponse,
 } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import type { Notification } from "../../src/native/index.js";
-import { agentName, openPeerMessage, type PeerBody } from "../../src/peer/messages.js";
+import {
+  agentName,
+  encodePeerMessage,
+  newMacKey,
+  openPeerMessage,
+  sealPeerMessage,
+  type PeerBody,
+} from "../../src/peer/messages.js";
 import { SideChannelServer, refusal } from "../../src/peer/side-channel.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
-import type { PeerState } from "../../src/sidecar/peers.js";
+import { MAX_PEERS, type PeerState } from "../../src/sidecar/peers.js";
 import { PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 
 const servers: SideChannelServer[] = [];
@@ -414,5 +422,143 @@ describe("sending to a peer", () => {
     await new Promise((r) => setImmediate(r));
     expect(peer.state).toBe("connected");
     expect(w.downs).toEqual([]);
+  });
+});
+
+describe("the peer table's words and edges", () => {
+  const hs = (w: PeerTableWorld, id: string, epoch: bigint, key = new Uint8Array(32)) =>
+    w.table.onHandshake(
+      { metadata: peerMetadata(id, epoch), macKey: key } as HandshakeRequest,
+      undefined,
+    );
+
+  it("each side's metadata names its role; PEER_UP names the epoch", async () => {
+    const { p, d, address, requests } = await pair();
+    const peer = await d.table.resolve(address);
+    expect(requests[0]!.metadata?.role).toBe(Role.DECODE);
+    expect(peer.metadata.role).toBe(Role.PREFILL);
+    expect(p.reasons).toEqual([`PEER_UP d0: epoch ${PeerTableWorld.EPOCH}`]);
+    const both = new PeerTableWorld({ engineId: "b0", role: "both" });
+    const addr2 = await serve((req) => both.table.onHandshake(req, undefined));
+    expect((await d.table.resolve(addr2)).metadata.role).toBe(Role.BOTH);
+  });
+
+  it("refusals of a handshake say what was wrong", () => {
+    const w = new PeerTableWorld({ authenticated: true });
+    const say = (res: HandshakeResponse) => `${res.errorCode}: ${res.error}`;
+    expect(
+      say(
+        w.table.onHandshake(
+          { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
+          "d9",
+        ),
+      ),
+    ).toBe("ERR_UNAUTHENTICATED: metadata claims engine 'd0' but the certificate names 'd9'");
+    expect(
+      say(
+        w.table.onHandshake(
+          { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
+          undefined,
+        ),
+      ),
+    ).toBe("ERR_UNAUTHENTICATED: metadata claims engine 'd0' but the certificate names ''");
+    expect(
+      say(
+        w.table.onHandshake(
+          { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(8) } as HandshakeRequest,
+          "d0",
+        ),
+      ),
+    ).toBe("ERR_MALFORMED: mac_key must be 32 bytes");
+    expect(
+      say(
+        w.table.onHandshake(
+          {
+            metadata: peerMetadata("d0", 7n, smallTp(1, 32)),
+            macKey: new Uint8Array(32),
+          } as HandshakeRequest,
+          "d0",
+        ),
+      ),
+    ).toMatch(/^ERR_LAYOUT_INCOMPATIBLE: [a-zA-Z_.]+: .+/);
+  });
+
+  it("the peer cap's refusal names the cap", () => {
+    const w = new PeerTableWorld();
+    for (let i = 0; i < MAX_PEERS; i++) hs(w, `d${i}`, 7n);
+    const res = hs(w, "more", 7n);
+    expect(`${res.errorCode}: ${res.error}`).toBe(
+      `ERR_OVERLOADED: ${MAX_PEERS} peers known; refusing another`,
+    );
+  });
+
+  it("a re-handshake with the same key keeps the replay window: a message seen before is still a replay", () => {
+    const w = new PeerTableWorld();
+    const key = newMacKey();
+    hs(w, "d0", 7n, key);
+    const note = (seq: bigint): Notification =>
+      ({
+        peer: agentName("d0", 7n, 0),
+        data: sealPeerMessage(
+          key,
+          encodePeerMessage("d0", 7n, PeerTableWorld.EPOCH, { case: "heartbeat", value: {} }, seq),
+        ),
+      }) as Notification;
+    expect(w.table.verify(note(1n))).toBeDefined();
+    hs(w, "d0", 7n, key);
+    expect(w.table.verify(note(1n))).toBeUndefined();
+    expect(w.errors.at(-1)).toBe("peer message from 'd0' refused: ERR_REPLAY (sequence 1 seen)");
+  });
+
+  it("a message from an agent of another epoch of the sender is stale; a garbage sender name is cut short", () => {
+    const w = new PeerTableWorld();
+    const key = newMacKey();
+    hs(w, "d0", 7n, key);
+    const data = sealPeerMessage(
+      key,
+      encodePeerMessage("d0", 7n, PeerTableWorld.EPOCH, { case: "heartbeat", value: {} }, 1n),
+    );
+    expect(w.table.verify({ peer: agentName("d0", 6n, 0), data } as Notification)).toBeUndefined();
+    expect(w.errors.at(-1)).toBe("peer message from 'd0' (epoch 7) refused: ERR_STALE_EPOCH");
+    const long = "x".repeat(1000);
+    expect(
+      w.table.verify({ peer: long, data: new Uint8Array([1, 2, 3]) } as Notification),
+    ).toBeUndefined();
+    expect(w.errors.at(-1)).toBe(`peer message from '${"x".repeat(200)}' refused: ERR_MALFORMED`);
+    // The right agent still gets through.
+    expect(w.table.verify({ peer: agentName("d0", 7n, 0), data } as Notification)).toBeDefined();
+  });
+
+  it("endpoints go to the named rank's worker with the table's error mode; remotes import that rank's key; dropping closes them", () => {
+    const w = new PeerTableWorld({ layout: smallTp(2) });
+    const md = peerMetadata("d0", 7n, smallTp(2));
+    md.ranks[1]!.remoteKeys = md.ranks[1]!.remoteKeys.map((_, i) => new Uint8Array([7, i]));
+    w.table.onHandshake(
+      { metadata: md, macKey: new Uint8Array(32) } as HandshakeRequest,
+      undefined,
+    );
+    const peer = peerOf(w, "d0");
+    peer.remote(0, 1, 1);
+    expect(w.agent.connects).toEqual([
+      { address: new Uint8Array([9, 1]), options: { errorMode: "none" } },
+    ]);
+    expect(w.agent.imported).toEqual([new Uint8Array([7, 1])]);
+    w.table.drop(peer, "gone");
+    expect(w.agent.closed).toBe(2); // the remote and the endpoint
+  });
+
+  it("an idle peer is forgotten only past the tombstone time, and its address with it", async () => {
+    const { d, address } = await pair();
+    await d.table.resolve(address);
+    d.live = false;
+    const byAddress = (d.table as unknown as { byAddress: Map<string, string> }).byAddress;
+    expect(byAddress.size).toBe(1);
+    d.clock.advance(60_000); // tombstoneMs
+    d.table.expire(d.clock.now());
+    expect(d.table.list()).toHaveLength(1);
+    d.clock.advance(1);
+    d.table.expire(d.clock.now());
+    expect(d.table.list()).toEqual([]);
+    expect(byAddress.size, "no entry left behind (invariant 5)").toBe(0);
   });
 });
