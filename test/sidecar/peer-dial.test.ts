@@ -426,7 +426,7 @@ describe("sending to a peer", () => {
 });
 
 describe("the peer table's words and edges", () => {
-  const hs = (w: PeerTableWorld, id: string, epoch: bigint, key = new Uint8Array(32)) =>
+  const hs = (w: PeerTableWorld, id: string, epoch: bigint, key: Uint8Array = new Uint8Array(32)) =>
     w.table.onHandshake(
       { metadata: peerMetadata(id, epoch), macKey: key } as HandshakeRequest,
       undefined,
