@@ -807,3 +807,16 @@ describe("DecodeSide: block claims", () => {
     ]);
   });
 });
+
+describe("DecodeSide: what a live transfer lists", () => {
+  it("no peer and no reason while the handshake runs; the ready event has no reason", async () => {
+    const { d, w, p, answer } = setup({ reachable: false });
+    d.expectKv(expectKv("t1"), false);
+    expect(d.infoOf("t1")).toMatchObject({ state: "WAITING", peer: "", reason: "", mode: "push" });
+    answer();
+    await settle();
+    expect(d.infoOf("t1")).toMatchObject({ state: "MOVING", peer: "p0", reason: "" });
+    d.xferDone(p, 0, 0, xferDone("t1"));
+    expect(w.events).toEqual([{ kind: "KV_READY", transferId: "t1", side: "decode", reason: "" }]);
+  });
+});

@@ -679,3 +679,18 @@ describe("PrefillSide: the words it ends and refuses with", () => {
     expect(state("later")).toBeUndefined();
   });
 });
+
+describe("PrefillSide: what a live transfer lists", () => {
+  it("a held transfer has no peer, mode or reason yet; a registration names its D and push", () => {
+    const { p, d } = setup();
+    p.prefillDone(prefillDone("t1"));
+    expect(p.infoOf("t1")).toMatchObject({ state: "HELD", peer: "", mode: "", reason: "" });
+    p.pushReg(d, pushReg("t2"));
+    expect(p.infoOf("t2")).toMatchObject({
+      state: "WAITING",
+      peer: "d0",
+      mode: "push",
+      reason: "",
+    });
+  });
+});
