@@ -19,7 +19,10 @@ const ts = require("typescript");
 
 const args = process.argv.slice(2);
 const list = args.includes("--list");
-const reportPath = resolve(ROOT, args.find((a) => !a.startsWith("--")) ?? "reports/mutation/mutation.json");
+const reportPath = resolve(
+  ROOT,
+  args.find((a) => !a.startsWith("--")) ?? "reports/mutation/mutation.json",
+);
 const report = JSON.parse(readFileSync(reportPath, "utf8"));
 
 const configPath = resolve(ROOT, "tsconfig.json");
@@ -65,7 +68,7 @@ function errorsIn(file) {
 }
 
 const rows = [];
-const tally = { mutants: 0, detected: 0, survived: 0, noCoverage: 0, compileErrors: 0 };
+const tally = { mutants: 0, ignored: 0, detected: 0, survived: 0, noCoverage: 0, compileErrors: 0 };
 for (const [rel, entry] of Object.entries(report.files)) {
   const file = resolve(ROOT, rel);
   const source = entry.source;
@@ -77,6 +80,7 @@ for (const [rel, entry] of Object.entries(report.files)) {
   let survived = 0;
   let noCoverage = 0;
   let compileErrors = 0;
+  let ignored = 0;
   const compiling = [];
   for (const m of entry.mutants) {
     if (m.status === "Killed" || m.status === "Timeout") {
@@ -85,6 +89,7 @@ for (const [rel, entry] of Object.entries(report.files)) {
     }
     if (m.status !== "Survived" && m.status !== "NoCoverage") {
       if (m.status === "CompileError") compileErrors++;
+      if (m.status === "Ignored") ignored++;
       continue; // runtime errors and ignored mutants count in no score
     }
     const start = offsetOf(lineStarts, m.location.start);
@@ -102,8 +107,18 @@ for (const [rel, entry] of Object.entries(report.files)) {
   }
   setText(file, source);
   const score = (100 * detected) / (detected + survived + noCoverage || 1);
-  rows.push({ rel, mutants: entry.mutants.length, detected, survived, noCoverage, compileErrors, score });
+  rows.push({
+    rel,
+    mutants: entry.mutants.length,
+    ignored,
+    detected,
+    survived,
+    noCoverage,
+    compileErrors,
+    score,
+  });
   tally.mutants += entry.mutants.length;
+  tally.ignored += ignored;
   tally.detected += detected;
   tally.survived += survived;
   tally.noCoverage += noCoverage;
@@ -121,13 +136,15 @@ for (const [rel, entry] of Object.entries(report.files)) {
     }
   }
 }
-console.log("| file | mutants | killed or timed out | survived | no coverage | do not compile | score |");
-console.log("|---|---|---|---|---|---|---|");
+console.log(
+  "| file | mutants | ignored | killed or timed out | survived | no coverage | do not compile | score |",
+);
+console.log("|---|---|---|---|---|---|---|---|");
 for (const r of rows)
   console.log(
-    `| \`${r.rel}\` | ${r.mutants} | ${r.detected} | ${r.survived} | ${r.noCoverage} | ${r.compileErrors} | ${r.score.toFixed(1)} % |`,
+    `| \`${r.rel}\` | ${r.mutants} | ${r.ignored} | ${r.detected} | ${r.survived} | ${r.noCoverage} | ${r.compileErrors} | ${r.score.toFixed(1)} % |`,
   );
 const all = (100 * tally.detected) / (tally.detected + tally.survived + tally.noCoverage || 1);
 console.log(
-  `| all | ${tally.mutants} | ${tally.detected} | ${tally.survived} | ${tally.noCoverage} | ${tally.compileErrors} | ${all.toFixed(1)} % |`,
+  `| all | ${tally.mutants} | ${tally.ignored} | ${tally.detected} | ${tally.survived} | ${tally.noCoverage} | ${tally.compileErrors} | ${all.toFixed(1)} % |`,
 );
