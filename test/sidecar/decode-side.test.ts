@@ -820,3 +820,122 @@ describe("DecodeSide: what a live transfer lists", () => {
     expect(w.events).toEqual([{ kind: "KV_READY", transferId: "t1", side: "decode", reason: "" }]);
   });
 });
+
+describe("DecodeSide: late and stray messages", () => {
+  it("blocks past the tokens are not claimed: another transfer may write them", () => {
+    const { w, d } = setup({ maxTransfers: 5 });
+    d.expectKv(expectKv("t1", false, "", [2, 3, 4]), false); // 20 tokens: two blocks written
+    d.expectKv(expectKv("t2", false, "", [4, 5]), false);
+    expect(w.refused).toEqual([]);
+  });
+
+  it("the engine's abort tells the engine why; a failed transfer's end is stamped and its event names its peer", async () => {
+    const { w, d } = setup();
+    d.expectKv(expectKv("t1"), false);
+    await settle();
+    w.clock.advance(3);
+    d.abort("t1");
+    expect(w.engine[0]).toMatchObject({
+      case: "kvFailed",
+      value: { transferId: "t1", reason: FailureReason.ABORTED, message: "aborted by the engine" },
+    });
+    const abortedAt = w.clock.now();
+    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs);
+    d.expire(w.clock.now());
+    expect(d.infoOf("t1")).toMatchObject({ state: "ABORTED" });
+    expect(d.infoOf("t1")!.timings.endedMs).toBe(w.clock.now());
+    expect(d.infoOf("t1")!.timings.endedMs).toBeGreaterThan(abortedAt);
+    // The tombstone lasts tombstoneMs from the end, not from an earlier deadline.
+    w.clock.advance(SETTINGS.tombstoneMs - 1);
+    d.expire(w.clock.now());
+    expect(d.infoOf("t1")).toBeDefined();
+    expect(w.eventPeers).toEqual(["t1 p0"]);
+    // A transfer that failed before it had a peer names none.
+    const u = setup({ reachable: false });
+    u.d.expectKv(expectKv("t2"), false);
+    u.d.abort("t2");
+    expect(u.w.eventPeers).toEqual(["t2 "]);
+  });
+
+  it("the exact trace of a pull: no hop for a pair that did not read", async () => {
+    const { w, d, p } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    w.agent.landAll();
+    await settle();
+    d.readAck(p, "t1", true, false);
+    const steps = [
+      "submitted",
+      "started",
+      "first post",
+      "posted",
+      "flushed",
+      "completed",
+      "delivered",
+    ];
+    expect(d.infoOf("t1")!.trace.map((h) => h.hop)).toEqual([
+      "engine.expectKv",
+      "planned",
+      ...steps.map((s) => `pair 0>0 ${s}`),
+      "peer.readDone sent",
+      "engine.kvReady sent",
+      "event.appended",
+    ]);
+  });
+
+  it("a ReadAck 'unknown' asks again only while D still waits for it", async () => {
+    const { w, d, p } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    w.agent.landAll();
+    await settle();
+    d.readAck(p, "t1", false, true);
+    d.abort("t1");
+    w.clock.advance(10);
+    expect(w.peerSaid("t1")).toEqual(["readDone", "abort"]);
+  });
+
+  it("an XferDone before the handshake ends, or while draining, is ignored quietly; one arriving at the wrong D rank is refused", async () => {
+    const { w, d, p, state, answer } = setup({ reachable: false });
+    d.expectKv(expectKv("t1"), false);
+    d.xferDone(p, 0, 0, xferDone("t1"));
+    expect(state("t1")).toBe("WAITING");
+    answer();
+    await settle();
+    d.abort("t1");
+    d.xferDone(p, 0, 0, xferDone("t1"));
+    expect(state("t1")).toBe("DRAINING");
+    expect(w.errors).toEqual([]);
+    const w2 = new FakeWorld({}, smallTp(2));
+    const p2 = w2.peer("p0");
+    const d2 = new DecodeSide(w2.ctx, () => Promise.resolve(p2));
+    d2.expectKv(expectKv("t2"), false);
+    await settle();
+    d2.xferDone(p2, 0, 1, xferDone("t2")); // names 0->0, came 0->1
+    expect(w2.errors).toEqual(["XferDone for t2 names ranks 0->0 but came 0->1"]);
+  });
+
+  it("P's AbortAck does not end a draining pull whose reads are in flight", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    d.abort("t1");
+    d.abortAck(p, "t1");
+    expect(state("t1")).toBe("DRAINING");
+    w.agent.landAll();
+    await settle();
+    expect(state("t1")).toBe("ABORTED");
+  });
+
+  it("liveWith follows each peer's own transfers", async () => {
+    const w = new FakeWorld({ maxTransfers: 10 });
+    const p1 = w.peer("p1");
+    const p2 = w.peer("p2");
+    const d = new DecodeSide(w.ctx, (src) => Promise.resolve(src === "p1" ? p1 : p2));
+    const m = expectKv("b", false, "", [2, 3]);
+    m.source = "p2";
+    d.expectKv(m, false);
+    await settle();
+    expect([d.liveWith(p1), d.liveWith(p2)]).toEqual([false, true]);
+  });
+});

@@ -204,6 +204,8 @@ export class FakeWorld {
   /** Notifications a side sealed to post itself (P's XferDone on each pair's endpoint). */
   readonly sealed: PeerBody[] = [];
   readonly events: Recorded[] = [];
+  /** Each event's transfer id and peer. */
+  readonly eventPeers: string[] = [];
   readonly errors: string[] = [];
   /** What the side reported as metrics: ready transfers and failures, in order. */
   readonly ready: { mode: string; latencyMs: number; bytes: number }[] = [];
@@ -240,8 +242,10 @@ export class FakeWorld {
         this.sealed.push(body);
         return new Uint8Array(0);
       },
-      emit: (kind, transferId, _peer, side, reason) =>
-        this.events.push({ kind, transferId, side, reason }),
+      emit: (kind, transferId, peer, side, reason) => {
+        this.events.push({ kind, transferId, side, reason });
+        this.eventPeers.push(`${transferId} ${peer}`);
+      },
       moved: (bytes) => (this.moved += bytes),
       noteError: (text) => this.errors.push(text),
       metrics: () => ({
