@@ -84,6 +84,8 @@ export class FakeAgent {
   /** Posting throws (as the addon does for a request it refuses before it starts). */
   failToPost = false;
   inflight = 0;
+  /** How many region pairs each writeParts carried. */
+  readonly partCounts: number[] = [];
   /** Notifications sent, as sealed. */
   readonly notified: Uint8Array[] = [];
   /** How a notification fails: the promise rejects, or the call throws. */
@@ -123,7 +125,8 @@ export class FakeAgent {
   }
 
   /** All of a rank pair's region pairs: one operation, as in the addon. */
-  writeParts(): Promise<OpTrace> {
+  writeParts(_ep?: unknown, parts?: readonly unknown[]): Promise<OpTrace> {
+    if (parts !== undefined) this.partCounts.push(parts.length);
     return this.op("write");
   }
 

@@ -7,7 +7,7 @@ import { describe, expect, it } from "vitest";
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { PushRegSchema, type PushReg } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
-import { FakeWorld, SETTINGS, prefillDone, settle, smallTp } from "./fakes.js";
+import { FakeWorld, SETTINGS, SMALL, prefillDone, settle, smallTp } from "./fakes.js";
 
 function pushReg(transferId: string, token = "", leaseMs = SETTINGS.regLeaseMs): PushReg {
   return create(PushRegSchema, {
@@ -691,6 +691,159 @@ describe("PrefillSide: what a live transfer lists", () => {
       peer: "d0",
       mode: "push",
       reason: "",
+    });
+  });
+});
+
+describe("PrefillSide: races the multi-process tests leave to chance", () => {
+  it("writes in flight hold the transfer: past every deadline, D down, D's Failed, nothing ends it until they settle", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.prefillDone(prefillDone("t1"));
+    expect(state("t1")).toBe("MOVING");
+    w.clock.advance(SETTINGS.leaseMs + SETTINGS.regLeaseMs + 1);
+    p.expire(w.clock.now());
+    expect(state("t1")).toBe("MOVING");
+    expect(w.toPeer).toEqual([]);
+    p.abort("t1");
+    expect(state("t1")).toBe("ABORTING");
+    expect(p.writingTo(d)).toBe(true);
+    expect(p.peerFailed(d, "t1", "ERR_TIMEOUT", "")).toBe(false);
+    p.peerDown(d);
+    p.peerAbort(d, "t1", "");
+    p.peerAbort(d, "t1", "");
+    expect(state("t1")).toBe("ABORTING");
+    expect(w.errors).toEqual([]);
+    expect(w.engineSaid("t1")).toEqual([]);
+    w.agent.landAll();
+    await settle();
+    expect(state("t1")).toBe("RELEASED"); // every write landed: the KV is there
+    expect(w.peerSaid("t1")).toEqual(["abortAck"]);
+    expect(p.writingTo(d)).toBe(false);
+  });
+
+  it("a write exactly at the registration's deadline is still allowed; one past it is not, and D hears why", async () => {
+    const { w, p, d } = setup();
+    p.pushReg(d, pushReg("t1"));
+    w.clock.advance(SETTINGS.regLeaseMs);
+    p.prefillDone(prefillDone("t1"));
+    expect(w.agent.ops).toHaveLength(1);
+    const late = setup();
+    late.p.pushReg(late.d, pushReg("t2"));
+    late.w.clock.advance(SETTINGS.regLeaseMs + 1);
+    late.p.prefillDone(prefillDone("t2"));
+    await settle();
+    expect(late.w.toPeer.at(-1)?.body.value).toMatchObject({
+      code: "ERR_ABORTED",
+      message: "registration expired, aborted, or peer down before the write",
+    });
+  });
+
+  it("each rank pair's writes are one operation carrying every region pair", async () => {
+    const { w, p, d } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.prefillDone(prefillDone("t1"));
+    expect(w.agent.partCounts).toEqual([SMALL.regionBytes.length]);
+    w.agent.landAll();
+    await settle();
+    const hops = p.infoOf("t1")!.trace.map((h) => h.hop);
+    expect(hops).toContain("pair 0>0 submitted");
+    expect(hops).toContain("pair 0>0 xferDone notified");
+  });
+
+  it("the same D registering twice before prefill is one registration: it is never refused", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.pushReg(d, pushReg("t1"));
+    p.prefillDone(prefillDone("t1"));
+    w.agent.landAll();
+    await settle();
+    expect(state("t1")).toBe("RELEASED");
+    expect(w.peerSaid("t1")).toEqual([]);
+    expect(w.errors).toEqual([]);
+  });
+
+  it("a second D withdrawing its waiting registration is acknowledged, and not refused later", async () => {
+    const { w, p, d } = setup();
+    const d2 = w.peer("d2");
+    p.pushReg(d, pushReg("t1"));
+    p.pushReg(d2, pushReg("t1"));
+    p.peerAbort(d2, "t1", "");
+    expect(w.toPeer.at(-1)).toEqual({
+      peer: "d2",
+      body: { case: "abortAck", value: { transferId: "t1" } },
+    });
+    p.prefillDone(prefillDone("t1"));
+    expect(w.toPeer.filter((m) => m.peer === "d2").map((m) => m.body.case)).toEqual(["abortAck"]);
+  });
+
+  it("a registration with a token for a transfer without one: refused ERR_BAD_TRANSFER_TOKEN at PrefillDone, and P holds for a pull", () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1", "x"));
+    p.prefillDone(prefillDone("t1", ""));
+    expect(w.toPeer.map((m) => m.body)).toEqual([
+      {
+        case: "failed",
+        value: {
+          transferId: "t1",
+          code: "ERR_BAD_TRANSFER_TOKEN",
+          message: "not the decode engine this transfer names",
+        },
+      },
+    ]);
+    expect(w.errors).toEqual(["PushReg for 't1' from 'd0' refused: ERR_BAD_TRANSFER_TOKEN"]);
+    expect(state("t1")).toBe("HELD");
+    expect(p.infoOf("t1")).toMatchObject({ peer: "", mode: "" });
+  });
+
+  it("a ReadDone while only a registration waits (no blocks yet) is answered: not held, not unknown", () => {
+    const { w, p, d } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.readDone(d, "t1", 1, "x");
+    expect(w.toPeer.at(-1)?.body).toEqual({
+      case: "readAck",
+      value: { transferId: "t1", held: false, unknown: false },
+    });
+    expect(w.errors).toEqual([]);
+  });
+
+  it("blocks shared by two live transfers are fine by default (vLLM shares prefix blocks)", () => {
+    const { w, p, state } = setup();
+    p.prefillDone(prefillDone("t1", "", [0, 1]));
+    p.prefillDone(prefillDone("t2", "", [1, 2]));
+    expect(w.refused).toEqual([]);
+    expect([state("t1"), state("t2")]).toEqual(["HELD", "HELD"]);
+  });
+
+  it("refusal texts: a duplicate PrefillDone, the cap, a second late PrefillDone; the late one's blocks go back by id", () => {
+    const { w, p, d } = setup({ maxTransfers: 2 });
+    p.pushReg(d, pushReg("late"));
+    w.clock.advance(SETTINGS.regLeaseMs);
+    p.expire(w.clock.now());
+    p.prefillDone(prefillDone("late", "", [6, 7]));
+    expect(w.engine.at(-1)).toMatchObject({
+      case: "releaseBlocks",
+      value: { transferId: "late", blockIds: [6, 7], reason: ReleaseReason.EXPIRED },
+    });
+    p.prefillDone(prefillDone("late", "", [6, 7]));
+    p.prefillDone(prefillDone("a", "", [0, 1]));
+    p.prefillDone(prefillDone("a", "", [0, 1]));
+    p.prefillDone(prefillDone("b", "", [2, 3]));
+    p.prefillDone(prefillDone("c", "", [4, 5]));
+    expect(w.refusedText).toEqual([
+      "ERR_DUPLICATE: PrefillDone for transfer 'late' already received",
+      "ERR_DUPLICATE: PrefillDone for transfer 'a' already received",
+      "ERR_OVERLOADED: 2 transfers live",
+    ]);
+    p.pushReg(w.peer("d9"), pushReg("d"));
+    expect(w.toPeer.at(-1)?.body.value).toMatchObject({
+      code: "ERR_OVERLOADED",
+      message: "2 transfers live on P",
+    });
+    p.pushReg(d, { ...pushReg("a"), numTokens: 40 });
+    expect(w.toPeer.at(-1)?.body.value).toMatchObject({
+      code: "ERR_BAD_TOKENS",
+      message: "D expects 40 tokens, P prefilled 20",
     });
   });
 });
