@@ -13,6 +13,7 @@ export default defineConfig({
       "test/sidecar/orderings.test.ts",
       "test/sidecar/peer-table.test.ts",
       "test/sidecar/peer-dial.test.ts",
+      "test/sidecar/claims.test.ts",
       "test/sidecar/refusals.test.ts",
       "test/plan/*.test.ts",
       "test/engine/link.test.ts",

@@ -28,8 +28,4 @@ export class BlockClaims {
   release(ids: readonly number[], transferId: string): void {
     for (const id of ids) if (this.holders.get(id) === transferId) this.holders.delete(id);
   }
-
-  get size(): number {
-    return this.holders.size;
-  }
 }
