@@ -108,6 +108,8 @@ describe("lifecycle tables", () => {
         expect(ok, s).toBe(side.initial.includes(s as never));
         expect(t.state).toBe(ok ? s : "");
         expect(refused).toHaveLength(ok ? 0 : 1);
+        if (!ok)
+          expect(refused[0]).toBe(`${side.name} transfer '${t.id}' cannot start in ${s} (test)`);
       }
     });
   }

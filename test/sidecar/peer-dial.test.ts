@@ -169,6 +169,7 @@ describe("D resolves P over the side channel", () => {
     );
     const err = await d.table.resolve(address).catch((e: unknown) => e);
     expect(err).toMatchObject({ code: "ERR_LAYOUT_INCOMPATIBLE" });
+    expect((err as Error).message).toMatch(/^[A-Za-z_.]+: \S/);
     expect(d.table.list()).toEqual([]);
   });
 });

@@ -410,6 +410,11 @@ describe("PrefillSide: what it reports", () => {
       ["peer.readDone received", 31],
       ["peer.readDone delivered", 32],
     ]);
+    expect(info.trace.map((h) => h.hop).slice(3)).toEqual([
+      "peer.readAck sent",
+      "engine.releaseBlocks sent",
+      "event.appended",
+    ]);
   });
 
   it("each terminal state hands the blocks back with its own reason", async () => {
