@@ -109,7 +109,7 @@ describe("lifecycle tables", () => {
         expect(t.state).toBe(ok ? s : "");
         expect(refused).toHaveLength(ok ? 0 : 1);
         if (!ok)
-          expect(refused[0]).toBe(`${side.name} transfer '${t.id}' cannot start in ${s} (test)`);
+          expect(refused[0]).toBe(`${lc.side} transfer '${t.id}' cannot start in ${s} (test)`);
       }
     });
   }
