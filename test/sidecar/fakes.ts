@@ -13,6 +13,7 @@ import {
 import { AgentMetadataSchema, RankMetadataSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import type { Agent, OpTrace, Region } from "../../src/native/index.js";
 import type { PeerBody } from "../../src/peer/messages.js";
+import type { PeerCredentials } from "../../src/peer/side-channel.js";
 import { kvLayout, type KvLayout } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import type { Clock } from "../../src/sidecar/clock.js";
@@ -357,6 +358,7 @@ export class PeerTableWorld {
       engineId?: string;
       role?: "prefill" | "decode" | "both";
       layout?: KvLayout;
+      peerCredentials?: PeerCredentials;
     } = {},
   ) {
     const layout = o.layout ?? SMALL;
@@ -396,7 +398,7 @@ export class PeerTableWorld {
         peerTimeoutMs: 5000,
         tombstoneMs: 60_000,
         abortGraceMs: 200,
-        peerCredentials: undefined,
+        peerCredentials: o.peerCredentials,
       },
     );
   }

@@ -5,7 +5,9 @@
 // rest of the table's bookkeeping (drop, abandon, expire, send) with the manual clock.
 import { create } from "@bufbuild/protobuf";
 import { pino } from "pino";
-import { afterEach, describe, expect, it } from "vitest";
+import { readFileSync } from "node:fs";
+
+import { afterAll, afterEach, describe, expect, it } from "vitest";
 
 import {
   HandshakeResponseSchema,
@@ -22,9 +24,10 @@ import {
   sealPeerMessage,
   type PeerBody,
 } from "../../src/peer/messages.js";
-import { SideChannelServer, refusal } from "../../src/peer/side-channel.js";
+import { SideChannelServer, refusal, type PeerCredentials } from "../../src/peer/side-channel.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import { MAX_PEERS, type PeerState } from "../../src/sidecar/peers.js";
+import { Pki } from "../../src/sim/pki.js";
 import { PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 
 const servers: SideChannelServer[] = [];
@@ -561,5 +564,45 @@ describe("the peer table's words and edges", () => {
     d.table.expire(d.clock.now());
     expect(d.table.list()).toEqual([]);
     expect(byAddress.size, "no entry left behind (invariant 5)").toBe(0);
+  });
+});
+
+describe("D's side of an authenticated handshake", () => {
+  const pki = new Pki("peer-dial test CA");
+  afterAll(() => pki.close());
+  const creds = (id: string): PeerCredentials => {
+    const f = pki.issue(id);
+    return { cert: readFileSync(f.cert), key: readFileSync(f.key), ca: readFileSync(f.ca) };
+  };
+  /** P's table answering behind a TLS side channel whose certificate names `certId`. */
+  async function tlsP(certId: string) {
+    const p = new PeerTableWorld({ engineId: "p0", authenticated: true });
+    const s = new SideChannelServer(
+      (req, identity) => p.table.onHandshake(req, identity),
+      pino({ level: "silent" }),
+      undefined,
+      creds(certId),
+    );
+    servers.push(s);
+    return { p, address: await s.bind("127.0.0.1:0") };
+  }
+
+  it("a P whose certificate names the engine its metadata claims is installed", async () => {
+    const { p, address } = await tlsP("p0");
+    const d = new PeerTableWorld({ engineId: "d0", role: "decode", peerCredentials: creds("d0") });
+    expect((await d.table.resolve(address)).engineId).toBe("p0");
+    expect(p.events).toEqual(["PEER_UP d0"]);
+  });
+
+  it("a P claiming an engine its certificate does not name is refused ERR_UNAUTHENTICATED", async () => {
+    const { address } = await tlsP("p-evil");
+    const d = new PeerTableWorld({ engineId: "d0", role: "decode", peerCredentials: creds("d0") });
+    const err = (await d.table.resolve(address).catch((e: unknown) => e)) as {
+      code: string;
+      message: string;
+    };
+    expect(err.code).toBe("ERR_UNAUTHENTICATED");
+    expect(err.message).toBe(`${address} claims engine 'p0' but its certificate names 'p-evil'`);
+    expect(d.table.list()).toEqual([]);
   });
 });
