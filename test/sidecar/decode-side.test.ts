@@ -9,7 +9,7 @@ import { FailureReason, ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.
 import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import type { PeerState } from "../../src/sidecar/peers.js";
-import { FakeWorld, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
+import { FakeWorld, OP_STEPS, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
 
 function setup(opts: { reachable?: boolean; maxTransfers?: number } = {}) {
   const w = new FakeWorld(
@@ -864,19 +864,10 @@ describe("DecodeSide: late and stray messages", () => {
     w.agent.landAll();
     await settle();
     d.readAck(p, "t1", true, false);
-    const steps = [
-      "submitted",
-      "started",
-      "first post",
-      "posted",
-      "flushed",
-      "completed",
-      "delivered",
-    ];
     expect(d.infoOf("t1")!.trace.map((h) => h.hop)).toEqual([
       "engine.expectKv",
       "planned",
-      ...steps.map((s) => `pair 0>0 ${s}`),
+      ...OP_STEPS.map((s) => `pair 0>0 ${s}`),
       "peer.readDone sent",
       "engine.kvReady sent",
       "event.appended",

@@ -49,6 +49,17 @@ export class ManualClock implements Clock {
   }
 }
 
+/** The steps of one native write or read, as a pair's trace names them (`pair S>D <step>`). */
+export const OP_STEPS = [
+  "submitted",
+  "started",
+  "first post",
+  "posted",
+  "flushed",
+  "completed",
+  "delivered",
+] as const;
+
 /** What the addon resolves an operation with: its steps (here all at one made-up time). */
 function opTrace(): OpTrace {
   const us = 1_000_000;

@@ -7,7 +7,7 @@ import { describe, expect, it } from "vitest";
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { PushRegSchema, type PushReg } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
-import { FakeWorld, SETTINGS, SMALL, prefillDone, settle, smallTp } from "./fakes.js";
+import { FakeWorld, OP_STEPS, SETTINGS, SMALL, prefillDone, settle, smallTp } from "./fakes.js";
 
 function pushReg(transferId: string, token = "", leaseMs = SETTINGS.regLeaseMs): PushReg {
   return create(PushRegSchema, {
@@ -97,9 +97,7 @@ describe("PrefillSide", () => {
       "peer.pushReg",
       "engine.prefillDone",
       "planned",
-      ...["submitted", "started", "first post", "posted", "flushed", "completed", "delivered"].map(
-        (s) => `${prefix} ${s}`,
-      ),
+      ...OP_STEPS.map((s) => `${prefix} ${s}`),
       ...["submitted", "started", "notified", "completed", "delivered"].map(
         (s) => `${prefix} xferDone ${s}`,
       ),
