@@ -90,6 +90,28 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
     blocks_per_block: int = 1
 
 
+def _allow_amx_tiles() -> None:
+    """Asks Linux for the AMX tile state for this process, where the CPU has AMX tiles.
+
+    vLLM's CPU attention takes its AMX kernel for bfloat16 KV in blocks of 32 whenever the CPU
+    reports AMX tiles, but vLLM 0.32 never requests the tile state (``arch_prctl`` with
+    ``ARCH_REQ_XCOMP_PERM``); Linux then kills the first tile instruction with SIGILL unless
+    something else in the process asked first (oneDNN does, for a large enough bfloat16 matrix
+    product). A decode engine whose first step follows a KV transfer runs one token through
+    attention before any such product: measured here, its worker died with SIGILL in
+    ``cpu_attention_with_kv_cache`` on a Xeon with ``amx_tile``, and asking first fixed it.
+    Asking is harmless where AMX is absent or already allowed.
+    """
+    cpu = getattr(torch, "cpu", None)
+    supported = getattr(cpu, "_is_amx_tile_supported", None)
+    request = getattr(cpu, "_init_amx", None)
+    if supported is None or request is None or not supported():
+        return
+    if not request():
+        log.warning("kvxfer: the CPU has AMX tiles but Linux refused their state; "
+                       "vLLM's AMX attention may fail with SIGILL")
+
+
 class KvxferConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -111,6 +133,8 @@ class KvxferConnector(KVConnectorBase_V1):
         self._host: HostBuffer | None = None
         self._rank = 0
         self._blocks_per_block = 1
+        if role == KVConnectorRole.WORKER and current_platform.device_type == "cpu":
+            _allow_amx_tiles()
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerLogic(engine_id=self.cfg.engine_id, tp_size=self.tp_size, advertise=self.cfg.advertise)
 
