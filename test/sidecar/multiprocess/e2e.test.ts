@@ -16,6 +16,7 @@ import type { SimEngineProcess } from "../../../src/sim/engine-client.js";
 import type { SidecarProcess } from "../../../src/sim/sidecar-process.js";
 import type { TransferInfo, TransferState } from "../../../src/sidecar/view.js";
 import { kvxfer } from "../../cli/run.js";
+import { OP_STEPS } from "../fakes.js";
 import { canCreateNetns, createNetnsPair, type NetnsPair } from "../../../bench/native/netns.js";
 
 /** Small shapes: the point is every pairing, not volume (2 cores). */
@@ -206,16 +207,7 @@ describe("push orderings, forced", () => {
     inOrder(p, ["peer.pushReg", "engine.prefillDone", "planned"]);
     expect(at(p, "peer.pushReg")).toBeGreaterThanOrEqual(at(d, "peer.pushReg sent"));
     for (const pair of ["0>0", "1>1"]) {
-      const steps = [
-        "submitted",
-        "started",
-        "first post",
-        "posted",
-        "flushed",
-        "completed",
-        "delivered",
-      ];
-      inOrder(p, ["planned", ...steps.map((s) => `pair ${pair} ${s}`)]);
+      inOrder(p, ["planned", ...OP_STEPS.map((s) => `pair ${pair} ${s}`)]);
       inOrder(p, [
         `pair ${pair} delivered`,
         ...["submitted", "started", "notified", "completed", "delivered"].map(
