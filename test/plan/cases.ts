@@ -165,6 +165,16 @@ export interface Model {
   dtypeBytes: number;
 }
 
+/** Llama 3 8B's KV: 32 layers, 8 KV heads of 128, bfloat16. */
+export const llama8b: Model = {
+  numLayers: 32,
+  mla: false,
+  totalKvHeads: 8,
+  headDim: 128,
+  dtype: "bfloat16",
+  dtypeBytes: 2,
+};
+
 export function shape(
   model: Model,
   side: {

@@ -17,17 +17,8 @@ import {
   validateKvLayout,
 } from "../../src/plan/index.js";
 import { kvLayoutFromProto, kvLayoutToProto } from "../../src/plan/layout-proto.js";
-import { type Model, SCHEMES, TP_COMBOS, makeLayout, shape } from "./cases.js";
+import { type Model, SCHEMES, TP_COMBOS, llama8b, makeLayout, shape } from "./cases.js";
 import { headsOf } from "./reference.js";
-
-const llama8b: Model = {
-  numLayers: 32,
-  mla: false,
-  totalKvHeads: 8,
-  headDim: 128,
-  dtype: "bfloat16",
-  dtypeBytes: 2,
-};
 
 function base(over: Partial<KvLayout> = {}, tpSize = 2): KvLayout {
   const l = kvLayout(shape(llama8b, { tpSize, blockSize: 16, numBlocks: 100, order: "HND" }));

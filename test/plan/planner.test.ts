@@ -13,21 +13,13 @@ import {
   type PlanCase,
   blockIds,
   checkByteExact,
+  llama8b,
   makeLayout,
   planCaseArb,
   shape,
   stridedLayout,
 } from "./cases.js";
 import { addressOf } from "./reference.js";
-
-const llama8b: Model = {
-  numLayers: 32,
-  mla: false,
-  totalKvHeads: 8,
-  headDim: 128,
-  dtype: "bfloat16",
-  dtypeBytes: 2,
-};
 
 const deepseekMla: Model = {
   numLayers: 61,

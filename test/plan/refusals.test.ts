@@ -3,21 +3,11 @@
 import { describe, expect, it } from "vitest";
 
 import { kvLayout, planTransfer, type KvLayout, type PlanRequest } from "../../src/plan/index.js";
+import { llama8b, shape } from "./cases.js";
 
-const base = {
-  numLayers: 2,
-  mla: false,
-  totalKvHeads: 2,
-  headDim: 16,
-  dtype: "bfloat16",
-  dtypeBytes: 2,
-  blockSize: 16,
-  numBlocks: 8,
-  order: "HND",
-  tpSize: 1,
-  tpRank: 0,
-} as const;
-const L: KvLayout = kvLayout(base);
+const L: KvLayout = kvLayout(
+  shape(llama8b, { tpSize: 1, blockSize: 16, numBlocks: 8, order: "HND" }),
+);
 const OPAQUE: KvLayout = { ...L, opaqueBlocks: true };
 
 /** `field: message` of the planner's refusal, or "planned" when it plans. */

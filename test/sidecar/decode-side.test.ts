@@ -7,13 +7,15 @@ import { describe, expect, it } from "vitest";
 
 import { FailureReason, ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
+import type { KvLayout } from "../../src/plan/index.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import type { PeerState } from "../../src/sidecar/peers.js";
 import { FakeWorld, OP_STEPS, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
 
-function setup(opts: { reachable?: boolean; maxTransfers?: number } = {}) {
+function setup(opts: { reachable?: boolean; maxTransfers?: number; layout?: KvLayout } = {}) {
   const w = new FakeWorld(
     opts.maxTransfers !== undefined ? { maxTransfers: opts.maxTransfers } : {},
+    opts.layout,
   );
   const p = w.peer("p0");
   let answer: ((peer: PeerState) => void) | undefined;
@@ -24,6 +26,21 @@ function setup(opts: { reachable?: boolean; maxTransfers?: number } = {}) {
   const d = new DecodeSide(w.ctx, resolver);
   const state = (id: string) => d.list().find((t) => t.transferId === id)?.state;
   return { w, d, p, state, answer: () => answer!(p) };
+}
+
+/** D with two prefill peers, p1 and p2, each reached at the side channel named like it. */
+function twoPeers() {
+  const w = new FakeWorld({ maxTransfers: 10 });
+  const p1 = w.peer("p1");
+  const p2 = w.peer("p2");
+  const d = new DecodeSide(w.ctx, (src) => Promise.resolve(src === "p1" ? p1 : p2));
+  /** ExpectKv for `id` from the peer at `src`. */
+  const expectFrom = (id: string, src: string, pull: boolean, blocks: number[]) => {
+    const m = expectKv(id, pull, "", blocks);
+    m.source = src;
+    d.expectKv(m, pull);
+  };
+  return { w, d, p1, p2, expectFrom };
 }
 
 const xferDone = (transferId: string) =>
@@ -571,9 +588,7 @@ describe("DecodeSide: each failure path by name, and the timings it reports", ()
   });
 
   it("a push's timings and metrics: registered, data from the first XferDone to the last, P's latency", async () => {
-    const w = new FakeWorld({}, smallTp(2));
-    const p = w.peer("p0");
-    const d = new DecodeSide(w.ctx, () => Promise.resolve(p));
+    const { w, d, p } = setup({ layout: smallTp(2) });
     const t0 = w.clock.now();
     d.expectKv(expectKv("t1"), false);
     await settle();
@@ -696,19 +711,11 @@ describe("DecodeSide: traces, peers and words", () => {
   });
 
   it("one P going down fails only its own transfers; a pull's reads in flight keep the blocks", async () => {
-    const w = new FakeWorld({ maxTransfers: 10 });
-    const p1 = w.peer("p1");
-    const p2 = w.peer("p2");
-    const d = new DecodeSide(w.ctx, (src) => Promise.resolve(src === "p1" ? p1 : p2));
+    const { w, d, p1, p2, expectFrom } = twoPeers();
     const state = (id: string) => d.infoOf(id)?.state;
-    const ek = (id: string, src: string, pull: boolean, blocks: number[]) => {
-      const m = expectKv(id, pull, "", blocks);
-      m.source = src;
-      d.expectKv(m, pull);
-    };
-    ek("a", "p1", true, [0, 1]);
-    ek("b", "p2", true, [2, 3]);
-    ek("c", "p2", false, [4, 5]);
+    expectFrom("a", "p1", true, [0, 1]);
+    expectFrom("b", "p2", true, [2, 3]);
+    expectFrom("c", "p2", false, [4, 5]);
     await settle();
     d.peerDown(p1, "gone");
     expect([state("a"), state("b"), state("c")]).toEqual(["DRAINING", "MOVING", "MOVING"]);
@@ -897,9 +904,7 @@ describe("DecodeSide: late and stray messages", () => {
     d.xferDone(p, 0, 0, xferDone("t1"));
     expect(state("t1")).toBe("DRAINING");
     expect(w.errors).toEqual([]);
-    const w2 = new FakeWorld({}, smallTp(2));
-    const p2 = w2.peer("p0");
-    const d2 = new DecodeSide(w2.ctx, () => Promise.resolve(p2));
+    const { w: w2, d: d2, p: p2 } = setup({ layout: smallTp(2) });
     d2.expectKv(expectKv("t2"), false);
     await settle();
     d2.xferDone(p2, 0, 1, xferDone("t2")); // names 0->0, came 0->1
@@ -919,13 +924,8 @@ describe("DecodeSide: late and stray messages", () => {
   });
 
   it("liveWith follows each peer's own transfers", async () => {
-    const w = new FakeWorld({ maxTransfers: 10 });
-    const p1 = w.peer("p1");
-    const p2 = w.peer("p2");
-    const d = new DecodeSide(w.ctx, (src) => Promise.resolve(src === "p1" ? p1 : p2));
-    const m = expectKv("b", false, "", [2, 3]);
-    m.source = "p2";
-    d.expectKv(m, false);
+    const { d, p1, p2, expectFrom } = twoPeers();
+    expectFrom("b", "p2", false, [2, 3]);
     await settle();
     expect([d.liveWith(p1), d.liveWith(p2)]).toEqual([false, true]);
   });

@@ -18,7 +18,7 @@ import { kvLayout, type KvLayout } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import type { Clock } from "../../src/sidecar/clock.js";
 import type { EngineMessage, LifecycleSettings, SideContext } from "../../src/sidecar/context.js";
-import { PeerState, PeerTable } from "../../src/sidecar/peers.js";
+import { PeerState, PeerTable, type RegisteredKv } from "../../src/sidecar/peers.js";
 import type { EventKind, SidecarEvent, TransferSide } from "../../src/sidecar/view.js";
 
 /** Time that moves only when the test says so; timers run in order as it passes them. */
@@ -207,6 +207,18 @@ export interface Recorded {
   reason: string;
 }
 
+/** `layout`'s registered KV: one fake agent serving every rank (its operations are recorded
+ * together), and regions whose remote keys are all `[5]`. */
+function fakeKv(layout: KvLayout, agent: FakeAgent): RegisteredKv {
+  return {
+    layout,
+    agents: Array.from({ length: layout.tpSize }, () => agent as unknown as Agent),
+    regions: Array.from({ length: layout.tpSize }, () =>
+      layout.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region),
+    ),
+  };
+}
+
 /** A side's world: the context it is built with, and everything it said, as recorded. */
 export class FakeWorld {
   readonly clock = new ManualClock();
@@ -233,15 +245,7 @@ export class FakeWorld {
     readonly layout: KvLayout = SMALL,
   ) {
     const log = pino({ level: "silent" });
-    const ranks = Array.from({ length: layout.tpSize }, (_, r) => r);
-    const kv = {
-      layout,
-      // One fake agent serves every rank: its operations are recorded together.
-      agents: ranks.map(() => this.agent as unknown as Agent),
-      regions: ranks.map(() =>
-        layout.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region),
-      ),
-    };
+    const kv = fakeKv(layout, this.agent);
     this.ctx = {
       clock: this.clock,
       settings: { ...SETTINGS, ...settings },
@@ -372,15 +376,7 @@ export class PeerTableWorld {
       peerCredentials?: PeerCredentials;
     } = {},
   ) {
-    const layout = o.layout ?? SMALL;
-    const agent = this.agent as unknown as Agent;
-    const kv = {
-      layout,
-      agents: Array.from({ length: layout.tpSize }, () => agent),
-      regions: Array.from({ length: layout.tpSize }, () =>
-        layout.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region),
-      ),
-    };
+    const kv = fakeKv(o.layout ?? SMALL, this.agent);
     this.table = new PeerTable(
       {
         engineId: o.engineId ?? "p0",

@@ -5,13 +5,12 @@
 // rest of the table's bookkeeping (drop, abandon, expire, send) with the manual clock.
 import { create } from "@bufbuild/protobuf";
 import { pino } from "pino";
-import { readFileSync } from "node:fs";
-
 import { afterAll, afterEach, describe, expect, it } from "vitest";
 
 import {
   HandshakeResponseSchema,
   Role,
+  type AgentMetadata,
   type HandshakeRequest,
   type HandshakeResponse,
 } from "../../src/gen/kvxfer/v1/peer_pb.js";
@@ -29,17 +28,37 @@ import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import { MAX_PEERS, type PeerState } from "../../src/sidecar/peers.js";
 import { Pki } from "../../src/sim/pki.js";
 import { PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
+import { credentials } from "./multiprocess/rogue-peer.js";
 
 const servers: SideChannelServer[] = [];
 afterEach(async () => {
   await Promise.all(servers.splice(0).map((s) => s.close()));
 });
 
-/** A side channel on a free loopback port answering with `handler`; its address. */
-async function serve(handler: (req: HandshakeRequest) => HandshakeResponse): Promise<string> {
-  const s = new SideChannelServer((req) => handler(req), pino({ level: "silent" }));
+/** A side channel on a free loopback port answering with `handler` (TLS with `creds`). */
+async function serve(
+  handler: (req: HandshakeRequest, identity: string | undefined) => HandshakeResponse,
+  creds?: PeerCredentials,
+): Promise<string> {
+  const s = new SideChannelServer(handler, pino({ level: "silent" }), undefined, creds);
   servers.push(s);
   return s.bind("127.0.0.1:0");
+}
+
+/** `engineId` at `epoch` introduces itself to `w`'s table, as D does to P over the side channel. */
+function introduce(
+  w: PeerTableWorld,
+  engineId: string,
+  epoch: bigint,
+  o: { key?: Uint8Array; identity?: string; metadata?: AgentMetadata } = {},
+): HandshakeResponse {
+  return w.table.onHandshake(
+    {
+      metadata: o.metadata ?? peerMetadata(engineId, epoch),
+      macKey: o.key ?? new Uint8Array(32),
+    } as HandshakeRequest,
+    o.identity,
+  );
 }
 
 /** P (a prefill peer table) behind a real side channel, and D (a decode one) dialling it. */
@@ -294,15 +313,9 @@ describe("D refuses a bad handshake answer, naming what was wrong", () => {
 describe("dropping a peer", () => {
   it("tells the sides once; an old peer dropped again after its replacement changes nothing", () => {
     const w = new PeerTableWorld();
-    w.table.onHandshake(
-      { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
-      undefined,
-    );
+    introduce(w, "d0", 7n);
     const old = peerOf(w, "d0");
-    w.table.onHandshake(
-      { metadata: peerMetadata("d0", 8n), macKey: new Uint8Array(32) } as HandshakeRequest,
-      undefined,
-    );
+    introduce(w, "d0", 8n);
     expect(w.downs).toHaveLength(1);
     w.table.drop(old, "again");
     expect(w.downs).toHaveLength(1);
@@ -319,25 +332,17 @@ describe("dropping a peer", () => {
 
   it("a peer failed at the same epoch that handshakes again is replaced, not reused", () => {
     const w = new PeerTableWorld();
-    const hs = () =>
-      w.table.onHandshake(
-        { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
-        undefined,
-      );
-    hs();
+    introduce(w, "d0", 7n);
     const first = peerOf(w, "d0");
     first.markFailed();
-    hs();
+    introduce(w, "d0", 7n);
     expect(peerOf(w, "d0")).not.toBe(first);
     expect(w.downs).toEqual([{ peer: "d0", epoch: 7n, why: "peer failed" }]);
   });
 
   it("gives up reads and writes still in flight to it after the abort grace, not before", () => {
     const w = new PeerTableWorld();
-    w.table.onHandshake(
-      { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
-      undefined,
-    );
+    introduce(w, "d0", 7n);
     const peer = peerOf(w, "d0");
     peer.endpoint(0, 0);
     w.busy = true;
@@ -352,10 +357,7 @@ describe("dropping a peer", () => {
     const idle = new PeerTableWorld();
     const closing = new PeerTableWorld();
     for (const w of [idle, closing]) {
-      w.table.onHandshake(
-        { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
-        undefined,
-      );
+      introduce(w, "d0", 7n);
       peerOf(w, "d0").endpoint(0, 0);
     }
     idle.busy = false;
@@ -370,10 +372,7 @@ describe("dropping a peer", () => {
 
   it("an endpoint no peer owns drops nobody", () => {
     const w = new PeerTableWorld();
-    w.table.onHandshake(
-      { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
-      undefined,
-    );
+    introduce(w, "d0", 7n);
     peerOf(w, "d0").endpoint(0, 0);
     const stranger = w.agent.connect() as Parameters<typeof w.table.endpointFailed>[0];
     w.table.endpointFailed(stranger, "UCS_ERR_CONNECTION_RESET");
@@ -385,10 +384,7 @@ describe("dropping a peer", () => {
 describe("sending to a peer", () => {
   function connected() {
     const w = new PeerTableWorld();
-    w.table.onHandshake(
-      { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
-      undefined,
-    );
+    introduce(w, "d0", 7n);
     return { w, peer: peerOf(w, "d0") };
   }
   const hb: PeerBody = { case: "heartbeat", value: { transferIds: ["t"] } };
@@ -430,12 +426,6 @@ describe("sending to a peer", () => {
 });
 
 describe("the peer table's words and edges", () => {
-  const hs = (w: PeerTableWorld, id: string, epoch: bigint, key: Uint8Array = new Uint8Array(32)) =>
-    w.table.onHandshake(
-      { metadata: peerMetadata(id, epoch), macKey: key } as HandshakeRequest,
-      undefined,
-    );
-
   it("each side's metadata names its role; PEER_UP names the epoch", async () => {
     const { p, d, address, requests } = await pair();
     const peer = await d.table.resolve(address);
@@ -450,47 +440,29 @@ describe("the peer table's words and edges", () => {
   it("refusals of a handshake say what was wrong", () => {
     const w = new PeerTableWorld({ authenticated: true });
     const say = (res: HandshakeResponse) => `${res.errorCode}: ${res.error}`;
+    expect(say(introduce(w, "d0", 7n, { identity: "d9" }))).toBe(
+      "ERR_UNAUTHENTICATED: metadata claims engine 'd0' but the certificate names 'd9'",
+    );
+    expect(say(introduce(w, "d0", 7n))).toBe(
+      "ERR_UNAUTHENTICATED: metadata claims engine 'd0' but the certificate names ''",
+    );
+    expect(say(introduce(w, "d0", 7n, { key: new Uint8Array(8), identity: "d0" }))).toBe(
+      "ERR_MALFORMED: mac_key must be 32 bytes",
+    );
     expect(
       say(
-        w.table.onHandshake(
-          { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
-          "d9",
-        ),
-      ),
-    ).toBe("ERR_UNAUTHENTICATED: metadata claims engine 'd0' but the certificate names 'd9'");
-    expect(
-      say(
-        w.table.onHandshake(
-          { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(32) } as HandshakeRequest,
-          undefined,
-        ),
-      ),
-    ).toBe("ERR_UNAUTHENTICATED: metadata claims engine 'd0' but the certificate names ''");
-    expect(
-      say(
-        w.table.onHandshake(
-          { metadata: peerMetadata("d0", 7n), macKey: new Uint8Array(8) } as HandshakeRequest,
-          "d0",
-        ),
-      ),
-    ).toBe("ERR_MALFORMED: mac_key must be 32 bytes");
-    expect(
-      say(
-        w.table.onHandshake(
-          {
-            metadata: peerMetadata("d0", 7n, smallTp(1, 32)),
-            macKey: new Uint8Array(32),
-          } as HandshakeRequest,
-          "d0",
-        ),
+        introduce(w, "d0", 7n, {
+          metadata: peerMetadata("d0", 7n, smallTp(1, 32)),
+          identity: "d0",
+        }),
       ),
     ).toMatch(/^ERR_LAYOUT_INCOMPATIBLE: [a-zA-Z_.]+: .+/);
   });
 
   it("the peer cap's refusal names the cap", () => {
     const w = new PeerTableWorld();
-    for (let i = 0; i < MAX_PEERS; i++) hs(w, `d${i}`, 7n);
-    const res = hs(w, "more", 7n);
+    for (let i = 0; i < MAX_PEERS; i++) introduce(w, `d${i}`, 7n);
+    const res = introduce(w, "more", 7n);
     expect(`${res.errorCode}: ${res.error}`).toBe(
       `ERR_OVERLOADED: ${MAX_PEERS} peers known; refusing another`,
     );
@@ -499,7 +471,7 @@ describe("the peer table's words and edges", () => {
   it("a re-handshake with the same key keeps the replay window: a message seen before is still a replay", () => {
     const w = new PeerTableWorld();
     const key = newMacKey();
-    hs(w, "d0", 7n, key);
+    introduce(w, "d0", 7n, { key });
     const note = (seq: bigint): Notification =>
       ({
         peer: agentName("d0", 7n, 0),
@@ -509,7 +481,7 @@ describe("the peer table's words and edges", () => {
         ),
       }) as Notification;
     expect(w.table.verify(note(1n))).toBeDefined();
-    hs(w, "d0", 7n, key);
+    introduce(w, "d0", 7n, { key });
     expect(w.table.verify(note(1n))).toBeUndefined();
     expect(w.errors.at(-1)).toBe("peer message from 'd0' refused: ERR_REPLAY (sequence 1 seen)");
   });
@@ -517,7 +489,7 @@ describe("the peer table's words and edges", () => {
   it("a message from an agent of another epoch of the sender is stale; a garbage sender name is cut short", () => {
     const w = new PeerTableWorld();
     const key = newMacKey();
-    hs(w, "d0", 7n, key);
+    introduce(w, "d0", 7n, { key });
     const data = sealPeerMessage(
       key,
       encodePeerMessage("d0", 7n, PeerTableWorld.EPOCH, { case: "heartbeat", value: {} }, 1n),
@@ -537,10 +509,7 @@ describe("the peer table's words and edges", () => {
     const w = new PeerTableWorld({ layout: smallTp(2) });
     const md = peerMetadata("d0", 7n, smallTp(2));
     md.ranks[1]!.remoteKeys = md.ranks[1]!.remoteKeys.map((_, i) => new Uint8Array([7, i]));
-    w.table.onHandshake(
-      { metadata: md, macKey: new Uint8Array(32) } as HandshakeRequest,
-      undefined,
-    );
+    introduce(w, "d0", 7n, { metadata: md });
     const peer = peerOf(w, "d0");
     peer.remote(0, 1, 1);
     expect(w.agent.connects).toEqual([
@@ -570,21 +539,15 @@ describe("the peer table's words and edges", () => {
 describe("D's side of an authenticated handshake", () => {
   const pki = new Pki("peer-dial test CA");
   afterAll(() => pki.close());
-  const creds = (id: string): PeerCredentials => {
-    const f = pki.issue(id);
-    return { cert: readFileSync(f.cert), key: readFileSync(f.key), ca: readFileSync(f.ca) };
-  };
+  const creds = (id: string): PeerCredentials => credentials(pki, id);
   /** P's table answering behind a TLS side channel whose certificate names `certId`. */
   async function tlsP(certId: string) {
     const p = new PeerTableWorld({ engineId: "p0", authenticated: true });
-    const s = new SideChannelServer(
+    const address = await serve(
       (req, identity) => p.table.onHandshake(req, identity),
-      pino({ level: "silent" }),
-      undefined,
       creds(certId),
     );
-    servers.push(s);
-    return { p, address: await s.bind("127.0.0.1:0") };
+    return { p, address };
   }
 
   it("a P whose certificate names the engine its metadata claims is installed", async () => {
