@@ -99,6 +99,8 @@ class WorkerLogic:
         self._lost_since: float | None = None
         self._ever_connected = False
         self.restarts = 0
+        # An ERR_NOT_REGISTERED already counted the restart the next registration answer confirms.
+        self._restart_counted = False
         #: Re-registrations refused in a row because the sidecar still saw the old connection.
         self._already_retries = 0
         #: The latest failures the sidecar reported, (transfer id, reason, message), newest last.
@@ -336,12 +338,14 @@ class WorkerLogic:
         # A re-registration after a reconnect.
         with self._lock:
             self._lost_since = None
+        counted, self._restart_counted = self._restart_counted, False
         if ans.ok:
             self._already_retries = 0
         if ans.ok and ans.epoch != self.epoch:
             log.warning("kvxfer: the sidecar restarted (epoch %d -> %d): failing the transfers it forgot", self.epoch, ans.epoch)
             self.epoch = ans.epoch
-            self.restarts += 1
+            if not counted:  # one restart, however many ways it was noticed
+                self.restarts += 1
             self._fail_all_in_flight()
         elif not ans.ok and ans.epoch == self.epoch:
             # The same sidecar still holds this registration (ERR_ALREADY_REGISTERED). After a
@@ -364,9 +368,12 @@ class WorkerLogic:
         if r.code == "ERR_NOT_REGISTERED":
             # The sidecar does not know this engine: it restarted without us seeing the
             # connection drop. Everything it had is gone; register again.
-            log.warning("kvxfer: the sidecar does not know this engine (restarted?); registering again")
-            self.restarts += 1
             self._fail_all_in_flight()
+            if self._restart_counted:
+                return  # already registering again; older messages are refused one by one
+            log.warning("kvxfer: the sidecar does not know this engine (restarted?); registering again")
+            self._restart_counted = True
+            self.restarts += 1
             if self._registration is not None:
                 self._send(self._registration)
             return

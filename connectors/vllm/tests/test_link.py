@@ -236,6 +236,9 @@ def test_sidecar_restart_fails_in_flight_and_registers_again(sidecars, shm_dir):
         d_sc.kill()
         d_sc2 = sidecars("decode", engine_id=d_sc.engine_id, socket=d_sc.socket)
         wait_for(lambda: "r1" in dc.poll().failed_recving, 15, "the forgotten transfer to fail")
+        # r1 fails as soon as the restart is noticed (the connection dropping, or the new sidecar
+        # answering ERR_NOT_REGISTERED); the new epoch comes with the registration's answer.
+        wait_for(lambda: dw.epoch not in (0, first_epoch), 15, "the registration with the new sidecar")
         assert dw.epoch not in (0, first_epoch) and dw.restarts == 1
         # The next transfer goes through the restarted sidecar.
         pw.on_step(StepMessages(prefill_done=[PrefillDoneMsg("p2", "t2", [3, 6], 40)]))
