@@ -76,6 +76,12 @@ export interface E2eBenchOptions {
   dBlock?: number;
   /** Extra flags for both sidecars (e.g. ["--spin-us", "200"]); default none. */
   sidecarArgs?: string[];
+  /**
+   * Where the engines' KV lives: "file" (shared-memory files the engines create, registered
+   * memory: the default) or "segment" (segments the sidecars allocate through UCX). The
+   * reference uses the same kind: files, or memory UCX allocates.
+   */
+  kvMemory?: "file" | "segment";
   log?: (line: string) => void;
 }
 
@@ -208,16 +214,27 @@ class NativePair {
     private readonly pLayout: KvLayout,
     private readonly dLayout: KvLayout,
     private readonly mode: E2eMode,
+    private readonly memory: "file" | "segment" = "file",
   ) {}
 
   async open(): Promise<void> {
     const push = this.mode === "push";
     const [mine, theirs] = push ? [this.pLayout, this.dLayout] : [this.dLayout, this.pLayout];
     for (let r = 0; r < mine.tpSize; r++) {
-      const a = new Agent({ name: `e2e-ref-${push ? "p" : "d"}${r}`, transports: "shm,self" });
+      const ucx = this.memory === "segment";
+      const a = new Agent({
+        name: `e2e-ref-${push ? "p" : "d"}${r}`,
+        transports: "shm,self",
+        protocols: ucx ? "v1" : "v2",
+      });
       this.agents.push(a);
       this.regions.push(
         mine.regionBytes.map((len, g) => {
+          if (ucx) {
+            const region = a.allocate(len);
+            region.bytes().fill(push ? 0x5a : 0);
+            return region;
+          }
           const path = `/dev/shm/kvxfer-bench-e2e-${process.pid}-r${r}-g${g}.kv`;
           const fd = openSync(path, "w+");
           this.files.push(path);
@@ -240,6 +257,7 @@ class NativePair {
       regionBytes: theirs.regionBytes,
       transports: "shm,self",
       fill: push ? 0 : 0x5a,
+      memory: this.memory === "segment" ? "ucx" : "file",
     });
     for (let s = 0; s < this.pLayout.tpSize; s++)
       for (let d = 0; d < this.dLayout.tpSize; d++) {
@@ -391,6 +409,7 @@ async function runMode(
     recordRequests: true,
     peerAuth: o.peerAuth ?? true,
     ...(o.sidecarArgs.length > 0 ? { sidecarArgs: o.sidecarArgs } : {}),
+    kvMemory: o.kvMemory,
     beforeStop: async (sidecars) => {
       await readTimings(
         sidecars.flatMap((s) => (s.grpc !== undefined ? [s.grpc] : [])),
@@ -433,7 +452,7 @@ async function runMode(
 
   // The reference, with every sidecar and engine stopped.
   log(`e2e ${mode}: the native addon alone, the same ${measured.length} plans x ${o.refReps} ...`);
-  const native = new NativePair(layouts.prefill, layouts.decode, mode);
+  const native = new NativePair(layouts.prefill, layouts.decode, mode, o.kvMemory);
   const nativeMs = new Map<Measured, number[]>();
   try {
     await native.open();
@@ -491,6 +510,7 @@ export async function runE2eBench(opts: E2eBenchOptions = {}): Promise<E2eBenchR
     pBlock: opts.pBlock ?? 16,
     dBlock: opts.dBlock ?? 16,
     sidecarArgs: opts.sidecarArgs ?? [],
+    kvMemory: opts.kvMemory ?? "file",
   };
   const log = opts.log ?? ((): void => {});
   const rows: E2eRow[] = [];
@@ -511,7 +531,8 @@ export async function runE2eBench(opts: E2eBenchOptions = {}): Promise<E2eBenchR
       `llama3-8b shape with ${o.layers} layers (8 KV heads x 128, bfloat16, HND, a region per layer), ` +
       `P TP ${o.pTp} block ${o.pBlock} -> D TP ${o.dTp} block ${o.dBlock}, shm; ` +
       `${o.rounds} measured requests per size after ${o.warmupRounds} warm-up, one in flight; reference x${o.refReps}; ` +
-      `peers ${o.peerAuth ? "authenticated (mutual TLS)" : "NOT authenticated"}`,
+      `peers ${o.peerAuth ? "authenticated (mutual TLS)" : "NOT authenticated"}; ` +
+      `KV in ${o.kvMemory === "segment" ? "segments the sidecars allocate (UCX), reference in memory UCX allocates" : "the engines' shared-memory files, reference in such files"}`,
     rows,
   };
 }
@@ -613,7 +634,7 @@ export const E2E_NOTES = [
 ].join("\n");
 
 const USAGE =
-  "usage: kvxfer bench e2e [--json] [--quick] [--modes push,pull] [--tokens 128,512,2048,8192] [--layers N] [--rounds N] [--reps N] [--peer-auth on|off] [--spin-us N]";
+  "usage: kvxfer bench e2e [--json] [--quick] [--modes push,pull] [--tokens 128,512,2048,8192] [--layers N] [--rounds N] [--reps N] [--peer-auth on|off] [--spin-us N] [--kv-memory file|segment]";
 
 export function parseE2eArgs(argv: readonly string[]): E2eBenchOptions & { json: boolean } {
   const a = new BenchArgs(argv, USAGE);
@@ -641,6 +662,12 @@ export function parseE2eArgs(argv: readonly string[]): E2eBenchOptions & { json:
   if (reps !== undefined) o.refReps = reps;
   const spin = a.number("--spin-us", 0);
   if (spin !== undefined) o.sidecarArgs = ["--spin-us", String(spin)];
+  const memory = a.string("--kv-memory");
+  if (memory !== undefined) {
+    if (memory !== "file" && memory !== "segment")
+      throw new Error(`--kv-memory takes file or segment, got '${memory}'`);
+    o.kvMemory = memory;
+  }
   const auth = a.string("--peer-auth");
   if (auth !== undefined) {
     if (auth !== "on" && auth !== "off")

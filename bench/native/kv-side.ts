@@ -51,9 +51,12 @@ async function handle(req: Request): Promise<unknown> {
       const regionBytes = req.regionBytes as number[];
       const out: { address: string; keys: string[] }[] = [];
       for (let r = 0; r < ranks; r++) {
+        const ucx = req.memory === "ucx";
         const agent = new Agent({
           name: `${String(req.name)}${r}`,
           transports: String(req.transports ?? "shm,self"),
+          // The sidecar's choice for each kind of memory (Sidecar.newAgent).
+          protocols: ucx ? "v1" : "v2",
         });
         agent.on("notifications", (batch) => {
           for (const n of batch) {
@@ -63,7 +66,15 @@ async function handle(req: Request): Promise<unknown> {
           }
         });
         agents.push(agent);
-        regions.push(regionBytes.map((b, g) => mapRegion(agent, r, g, b, Number(req.fill ?? 0))));
+        const fill = Number(req.fill ?? 0);
+        regions.push(
+          regionBytes.map((b, g) => {
+            if (!ucx) return mapRegion(agent, r, g, b, fill);
+            const region = agent.allocate(b);
+            region.bytes().fill(fill);
+            return region;
+          }),
+        );
         out.push({ address: b64(agent.address), keys: regions[r]!.map((x) => b64(x.remoteKey())) });
       }
       return { ranks: out };

@@ -2,12 +2,16 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/shm.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +32,7 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceMethod<&AgentWrap::RegisterMemory>("registerMemory"),
                          InstanceMethod<&AgentWrap::MapFile>("mapFile"),
                          InstanceMethod<&AgentWrap::Allocate>("allocate"),
+                         InstanceMethod<&AgentWrap::AttachSegment>("attachSegment"),
                          InstanceMethod<&AgentWrap::Connect>("connect"),
                          InstanceMethod<&AgentWrap::Transfer>("transfer"),
                          InstanceMethod<&AgentWrap::WriteParts>("writeParts"),
@@ -386,7 +391,7 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
   return obj;
 }
 
-// allocate(length): memory allocated and registered by UCX. On one host this
+// allocate(length, populate): memory allocated and registered by UCX. On one host this
 // lets the shared-memory transports copy with plain loads and stores instead of
 // a system call per operation (what ucx_perftest measures by default).
 Napi::Value AgentWrap::Allocate(const Napi::CallbackInfo& info) {
@@ -418,9 +423,132 @@ Napi::Value AgentWrap::Allocate(const Napi::CallbackInfo& info) {
     ucp_mem_unmap(engine_->context(), memh);
     throw UcsError(env, "allocate: ucp_mem_query failed", status);
   }
+  // UCX 1.13 allocates from its sysv memory domain first: a SysV segment, already marked for
+  // removal, that another process of this user can attach by its id (the engine, to compute
+  // into the KV that this region is). UCX creates it group-accessible; narrow it to the owner.
+  int segment = FindSegment(attr.address);
+  if (segment >= 0) {
+    struct shmid_ds ds;
+    std::memset(&ds, 0, sizeof(ds));
+    if (shmctl(segment, IPC_STAT, &ds) != 0 ||
+        (ds.shm_perm.mode = static_cast<unsigned short>(0600), shmctl(segment, IPC_SET, &ds) != 0)) {
+      int e = errno;
+      ucp_mem_unmap(engine_->context(), memh);
+      throw MakeError(env, "ERR_SEGMENT",
+                      "allocate: cannot make segment " + std::to_string(segment) +
+                          " owner-only: " + std::strerror(e));
+    }
+  }
+  // populate: fault every page in now, as mapFile's populate does for a file.
+  if (info.Length() >= 2 && info[1].ToBoolean().Value()) {
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    uintptr_t lo = reinterpret_cast<uintptr_t>(attr.address);
+    uintptr_t start = lo - lo % page;
+#ifdef MADV_POPULATE_WRITE
+    madvise(reinterpret_cast<void*>(start), lo + params.length - start, MADV_POPULATE_WRITE);
+#else
+    (void)start;
+#endif
+  }
   Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
   RegionWrap* region = RegionWrap::Unwrap(obj);
-  region->InitAllocated(static_cast<uint8_t*>(attr.address), params.length, memh);
+  region->InitAllocated(static_cast<uint8_t*>(attr.address), params.length, memh, segment);
+  Adopt(region);
+  return obj;
+}
+
+// The id of the SysV shared-memory segment mapped at `addr` in this process, or -1. Linux
+// lists an attached segment in /proc/self/maps as "/SYSV<key>" with the segment's id as inode.
+int AgentWrap::FindSegment(const void* addr) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
+  while (std::getline(maps, line)) {
+    std::istringstream in(line);
+    std::string range, perms, offset, dev, path;
+    unsigned long long inode = 0;
+    if (!(in >> range >> perms >> offset >> dev >> inode)) continue;
+    std::getline(in >> std::ws, path);
+    size_t dash = range.find('-');
+    if (dash == std::string::npos) continue;
+    uintptr_t lo = std::stoull(range.substr(0, dash), nullptr, 16);
+    uintptr_t hi = std::stoull(range.substr(dash + 1), nullptr, 16);
+    if (a < lo || a >= hi) continue;
+    if (path.rfind("/SYSV", 0) != 0 || inode > 0x7fffffffULL) return -1;
+    return static_cast<int>(inode);
+  }
+  return -1;
+}
+
+// attachSegment(shmid, length): a SysV shared-memory segment of this process's user, owner-only
+// (mode 0600, as allocate() leaves the segments it makes), attached and registered. The engine
+// computes into a region its sidecar allocated this way; a restarted sidecar takes over the
+// segments of an engine that registers again.
+Napi::Value AgentWrap::AttachSegment(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "attachSegment");
+  if (info.Length() < 2 || !info[0].IsNumber() || !info[1].IsNumber()) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", "attachSegment(id, length) expects two numbers");
+  }
+  double id_d = info[0].As<Napi::Number>().DoubleValue();
+  double len_d = info[1].As<Napi::Number>().DoubleValue();
+  if (!(id_d >= 0) || std::floor(id_d) != id_d || id_d > 2147483647.0) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "attachSegment: the segment id must be a non-negative integer", UCS_OK, true);
+  }
+  if (!(len_d > 0) || std::floor(len_d) != len_d || len_d > 9007199254740992.0) {
+    throw MakeError(env, "ERR_INVALID_LENGTH", "attachSegment: length must be a positive integer",
+                    UCS_OK, true);
+  }
+  const int id = static_cast<int>(id_d);
+  const uint64_t length = static_cast<uint64_t>(len_d);
+  const std::string name = "segment " + std::to_string(id);
+  struct shmid_ds ds;
+  std::memset(&ds, 0, sizeof(ds));
+  if (shmctl(id, IPC_STAT, &ds) != 0) {
+    int e = errno;
+    throw MakeError(env, e == EACCES ? "ERR_SEGMENT_PERMISSIONS" : "ERR_NO_SUCH_SEGMENT",
+                    "attachSegment: " + name + ": " + std::strerror(e));
+  }
+  if (ds.shm_perm.uid != geteuid()) {
+    throw MakeError(env, "ERR_SEGMENT_PERMISSIONS",
+                    "attachSegment: " + name + " belongs to uid " +
+                        std::to_string(ds.shm_perm.uid) + ", not to this process's uid " +
+                        std::to_string(geteuid()));
+  }
+  if ((ds.shm_perm.mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", ds.shm_perm.mode & 0777);
+    throw MakeError(env, "ERR_SEGMENT_PERMISSIONS",
+                    "attachSegment: " + name + " has mode " + mode +
+                        "; only an owner-only segment (0600) is accepted");
+  }
+  if (length > static_cast<uint64_t>(ds.shm_segsz)) {
+    throw MakeError(env, "ERR_OUT_OF_BOUNDS",
+                    "attachSegment: length " + std::to_string(length) + " exceeds " + name +
+                        " (" + std::to_string(ds.shm_segsz) + " bytes)",
+                    UCS_OK, true);
+  }
+  void* addr = shmat(id, nullptr, 0);
+  if (addr == reinterpret_cast<void*>(-1)) {
+    int e = errno;
+    throw MakeError(env, e == EACCES ? "ERR_SEGMENT_PERMISSIONS" : "ERR_SEGMENT",
+                    "attachSegment: cannot attach " + name + ": " + std::strerror(e));
+  }
+  ucp_mem_map_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = addr;
+  params.length = length;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t status = ucp_mem_map(engine_->context(), &params, &memh);
+  if (status != UCS_OK) {
+    shmdt(addr);
+    throw UcsError(env, "ucp_mem_map failed for " + name, status);
+  }
+  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
+  RegionWrap* region = RegionWrap::Unwrap(obj);
+  region->InitSegment(addr, length, memh, id);
   Adopt(region);
   return obj;
 }

@@ -63,6 +63,8 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   Napi::Value RegisterMemory(const Napi::CallbackInfo& info);
   Napi::Value MapFile(const Napi::CallbackInfo& info);
   Napi::Value Allocate(const Napi::CallbackInfo& info);
+  Napi::Value AttachSegment(const Napi::CallbackInfo& info);
+  static int FindSegment(const void* addr);
   Napi::Value Connect(const Napi::CallbackInfo& info);
   Napi::Value Transfer(const Napi::CallbackInfo& info);
   Napi::Value WriteParts(const Napi::CallbackInfo& info);

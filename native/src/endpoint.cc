@@ -1,5 +1,8 @@
 #include "endpoint.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <string>
 
 #include "agent.h"
@@ -83,6 +86,7 @@ Napi::Value EndpointWrap::ImportRemote(const Napi::CallbackInfo& info) {
   ucp_rkey_h rkey = nullptr;
   ucs_status_t status = agent_->engine()->UnpackRkey(core_, blob.rkey, &rkey);
   if (status != UCS_OK) throw UcsError(env, "importRemote: ucp_ep_rkey_unpack failed", status);
+  if (info.Length() >= 2 && info[1].ToBoolean().Value()) PopulateMapped(rkey, blob);
   auto* addon = env.GetInstanceData<AddonData>();
   Napi::Object obj = addon->remote_ctor.New({Napi::Number::New(env, kCtorToken)});
   RemoteWrap* remote = RemoteWrap::Unwrap(obj);
@@ -92,6 +96,32 @@ Napi::Value EndpointWrap::ImportRemote(const Napi::CallbackInfo& info) {
   remote->length_ = blob.length;
   agent_->Adopt(remote);
   return obj;
+}
+
+// When UCX mapped the peer's whole region into this process (its shared-memory transports do,
+// for memory the peer allocated through UCX), faults its pages in now, so that the first
+// WRITE into each page does not take a page fault inside a transfer. Nothing happens unless both
+// ends of the region, as the peer declared it, lie in one contiguous mapping UCX made for this
+// key: a peer that overstates its length gets no populate, and nothing outside the mapping is
+// touched.
+void EndpointWrap::PopulateMapped(ucp_rkey_h rkey, const RemoteBlob& blob) {
+  if (blob.length == 0 || blob.address + blob.length < blob.address) return;
+  void* first = nullptr;
+  void* last = nullptr;
+  if (ucp_rkey_ptr(rkey, blob.address, &first) != UCS_OK) return;
+  if (ucp_rkey_ptr(rkey, blob.address + blob.length - 1, &last) != UCS_OK) return;
+  auto lo = reinterpret_cast<uintptr_t>(first);
+  auto hi = reinterpret_cast<uintptr_t>(last);
+  if (hi < lo || hi - lo != blob.length - 1) return;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  uintptr_t start = lo - lo % page;
+  // Best effort: a kernel without MADV_POPULATE_WRITE (before 5.14) leaves the faults to the
+  // transfers.
+#ifdef MADV_POPULATE_WRITE
+  madvise(reinterpret_cast<void*>(start), hi + 1 - start, MADV_POPULATE_WRITE);
+#else
+  (void)start;
+#endif
 }
 
 Napi::Value EndpointWrap::Close(const Napi::CallbackInfo& info) {

@@ -16,6 +16,7 @@ Napi::Function RegionWrap::Define(Napi::Env env) {
                          InstanceAccessor<&RegionWrap::Address>("address"),
                          InstanceAccessor<&RegionWrap::Length>("length"),
                          InstanceAccessor<&RegionWrap::Path>("path"),
+                         InstanceAccessor<&RegionWrap::Segment>("segment"),
                          InstanceAccessor<&RegionWrap::IsClosed>("closed"),
                          InstanceMethod<&RegionWrap::RemoteKey>("remoteKey"),
                          InstanceMethod<&RegionWrap::View>("view"),
@@ -45,6 +46,14 @@ void RegionWrap::InitFile(void* map, size_t map_length, uint8_t* base, size_t le
   length_ = length;
   memh_ = memh;
   path_ = std::move(path);
+}
+
+void RegionWrap::InitSegment(void* addr, size_t length, ucp_mem_h memh, int shmid) {
+  mapping_ = std::make_shared<Mapping>(addr, length, true);
+  base_ = static_cast<uint8_t*>(addr);
+  length_ = length;
+  memh_ = memh;
+  segment_ = shmid;
 }
 
 void RegionWrap::OpDone() {
@@ -89,6 +98,10 @@ Napi::Value RegionWrap::Length(const Napi::CallbackInfo& info) {
 Napi::Value RegionWrap::Path(const Napi::CallbackInfo& info) {
   if (path_.empty()) return info.Env().Null();
   return Napi::String::New(info.Env(), path_);
+}
+Napi::Value RegionWrap::Segment(const Napi::CallbackInfo& info) {
+  if (segment_ < 0) return info.Env().Null();
+  return Napi::Number::New(info.Env(), segment_);
 }
 Napi::Value RegionWrap::IsClosed(const Napi::CallbackInfo& info) {
   return Napi::Boolean::New(info.Env(), state_ != HandleState::kOpen);

@@ -4,6 +4,7 @@
 
 #include <napi.h>
 #include <sys/mman.h>
+#include <sys/shm.h>
 #include <ucp/api/ucp.h>
 
 #include <cstddef>
@@ -16,12 +17,19 @@
 
 namespace kvxfer {
 
+// A file mapping (munmap) or an attached SysV segment (shmdt), released with the last holder.
 struct Mapping {
   void* addr = nullptr;
   size_t length = 0;
-  Mapping(void* a, size_t n) : addr(a), length(n) {}
+  bool segment = false;
+  Mapping(void* a, size_t n, bool seg = false) : addr(a), length(n), segment(seg) {}
   ~Mapping() {
-    if (addr != nullptr) munmap(addr, length);
+    if (addr == nullptr) return;
+    if (segment) {
+      shmdt(addr);
+    } else {
+      munmap(addr, length);
+    }
   }
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
@@ -43,19 +51,23 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
 
   // Set by the agent right after construction.
   void InitBuffer(Napi::Env env, Napi::Value owner, uint8_t* base, size_t length, ucp_mem_h memh);
-  void InitAllocated(uint8_t* base, size_t length, ucp_mem_h memh) {
+  void InitAllocated(uint8_t* base, size_t length, ucp_mem_h memh, int segment) {
     base_ = base;
     length_ = length;
     memh_ = memh;
     allocated_ = true;
+    segment_ = segment;
   }
   void InitFile(void* map, size_t map_length, uint8_t* base, size_t length, ucp_mem_h memh,
                 std::string path);
+  // An attached SysV segment (Agent.attachSegment): detached with the last holder.
+  void InitSegment(void* addr, size_t length, ucp_mem_h memh, int shmid);
 
  private:
   Napi::Value Address(const Napi::CallbackInfo& info);
   Napi::Value Length(const Napi::CallbackInfo& info);
   Napi::Value Path(const Napi::CallbackInfo& info);
+  Napi::Value Segment(const Napi::CallbackInfo& info);
   Napi::Value RemoteKey(const Napi::CallbackInfo& info);
   Napi::Value View(const Napi::CallbackInfo& info);
   Napi::Value Close(const Napi::CallbackInfo& info);
@@ -71,6 +83,9 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
   std::shared_ptr<Mapping> mapping_;
   bool allocated_ = false;
   std::string path_;
+  // The SysV shared-memory id of the region's memory (allocated by UCX from its sysv memory
+  // domain, or attached), or -1.
+  int segment_ = -1;
   std::vector<Napi::Reference<Napi::ArrayBuffer>> views_;
 };
 

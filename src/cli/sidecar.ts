@@ -566,6 +566,7 @@ export async function startSidecar(
     maxFrameBytes: positiveInt("engine-max-frame-bytes", s["engine-max-frame-bytes"]),
     onMessage: (msg, from) => {
       sidecar.onEngineMessage(msg, (m) => void link.send(from, m), {
+        id: from.id,
         isOwner: link.isOwner(from),
         ownerConnected: link.ownerConnected,
         adopt: () => link.adopt(from),
@@ -574,6 +575,7 @@ export async function startSidecar(
       api?.setServing(sidecar.acceptsHandshakes);
     },
     onRefused: (code, message) => sidecar.noteError(`engine frame refused: ${code}: ${message}`),
+    onConnectionEnded: (peer) => sidecar.engineConnectionEnded(peer.id),
     logger,
   });
   await link.start();

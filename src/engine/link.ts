@@ -153,6 +153,8 @@ export interface EngineLinkServerOptions {
   readonly maxFrameBytes?: number;
   /** Told about every frame refused at the link (malformed, too large), e.g. for status. */
   readonly onRefused?: (code: string, message: string) => void;
+  /** Told when an engine's connection ends (ZMQ_ROUTER_NOTIFY), owner or not. */
+  readonly onConnectionEnded?: (peer: EnginePeer) => void;
 }
 
 function checkCap(n: number): number {
@@ -190,6 +192,7 @@ export class EngineLinkServer {
   private readonly log: Logger;
   private readonly onMessage: EngineMessageHandler;
   private readonly onRefused: ((code: string, message: string) => void) | undefined;
+  private readonly onEnded: ((peer: EnginePeer) => void) | undefined;
   private phase: "new" | "open" | "closed" = "new";
   private loop: Promise<void> | undefined;
   /** The connection of the accepted registration (`adopt`): the only one the link serves. */
@@ -208,6 +211,7 @@ export class EngineLinkServer {
     this.maxFrameBytes = checkCap(options.maxFrameBytes ?? DEFAULT_MAX_FRAME_BYTES);
     this.onMessage = options.onMessage;
     this.onRefused = options.onRefused;
+    this.onEnded = options.onConnectionEnded;
     this.log = options.logger.child({ component: "engine-link" });
     this.socket = new Router({
       linger: LINGER_MS,
@@ -473,6 +477,11 @@ export class EngineLinkServer {
   }
 
   private onConnectionEnded(peer: EnginePeer): void {
+    try {
+      this.onEnded?.(peer);
+    } catch (err) {
+      this.log.error({ err }, "onConnectionEnded failed");
+    }
     if (this.owner === undefined || peer.id !== this.owner.id) {
       this.log.debug({ peer: peer.id }, "engine link connection ended");
       return;

@@ -4,6 +4,7 @@
  * with `Refused { transfer_id, code, message }`. A problem costs only the message it names.
  */
 import type {
+  AllocateKv,
   EngineToSidecar,
   ExpectKv,
   PrefillDone,
@@ -45,10 +46,21 @@ export const MAX_BLOCK_IDS = 1 << 20;
 export const MAX_RANKS = 1024;
 export const MAX_REGIONS_PER_RANK = 65536;
 
+/**
+ * One registered region: `length` bytes at `offset` of the file `path`, or of the SysV
+ * segment `segment` the sidecar allocated (then `path` is "" and `offset` 0).
+ */
+export interface RegionSource {
+  readonly path: string;
+  readonly segment?: number;
+  readonly offset: number;
+  readonly length: number;
+}
+
 /** One rank's registered memory: `regions[g]` holds region `g` of the layout. */
 export interface RankRegionFiles {
   readonly rank: number;
-  readonly regions: readonly { path: string; offset: number; length: number }[];
+  readonly regions: readonly RegionSource[];
 }
 
 /** A checked `RegisterKvCache`: the layout and one entry per rank, indexed by rank. */
@@ -141,11 +153,18 @@ export function checkRegisterKvCache(msg: RegisterKvCache): RegisterCheck {
         `ranks[${i}].regions lists ${entry.regions.length} files, the layout has ${want} regions`,
       );
     }
-    const regions: { path: string; offset: number; length: number }[] = [];
+    const regions: RegionSource[] = [];
     for (const [g, file] of entry.regions.entries()) {
       const where = `ranks[${i}].regions[${g}]`;
-      if (file.path.length === 0 || Buffer.byteLength(file.path) > 4096) {
-        return fail("ERR_BAD_REGIONS", `${where}.path must be 1..4096 bytes`);
+      if (file.segment !== undefined) {
+        if (file.path.length !== 0 || file.offset !== 0n) {
+          return fail(
+            "ERR_BAD_REGIONS",
+            `${where} names segment ${file.segment}: path must be empty and offset 0`,
+          );
+        }
+      } else if (file.path.length === 0 || Buffer.byteLength(file.path) > 4096) {
+        return fail("ERR_BAD_REGIONS", `${where}.path must be 1..4096 bytes (or a segment given)`);
       }
       if (
         file.offset > BigInt(Number.MAX_SAFE_INTEGER) ||
@@ -161,7 +180,12 @@ export function checkRegisterKvCache(msg: RegisterKvCache): RegisterCheck {
           `${where}.length ${length} is below the region's ${need} bytes`,
         );
       }
-      regions.push({ path: file.path, offset: Number(file.offset), length });
+      regions.push({
+        path: file.path,
+        ...(file.segment !== undefined ? { segment: file.segment } : {}),
+        offset: Number(file.offset),
+        length,
+      });
     }
     byRank[entry.rank] = { rank: entry.rank, regions };
   }
@@ -267,6 +291,8 @@ export function checkEngineMessage(
     case "expectKv":
       if (!layout) return notRegistered(m.value.transferId);
       return checkExpectKv(m.value, layout);
+    case "allocate":
+      return checkAllocateKv(m.value);
     case "abort": {
       const tid = echoId(m.value.transferId);
       const idProblem = checkId(m.value.transferId, "transfer_id");
@@ -277,6 +303,39 @@ export function checkEngineMessage(
     case undefined:
       return problem("ERR_MALFORMED", "", "EngineToSidecar has no message set");
   }
+}
+
+/**
+ * Checks an allocation request: 1 <= tp_size <= MAX_RANKS, rank below tp_size,
+ * 1..MAX_REGIONS_PER_RANK lengths, each above 0.
+ */
+export function checkAllocateKv(msg: AllocateKv): EngineProblem | undefined {
+  if (msg.tpSize === 0 || msg.tpSize > MAX_RANKS)
+    return problem("ERR_BAD_REGIONS", "", `allocate: tp_size ${msg.tpSize} is not 1..${MAX_RANKS}`);
+  if (msg.rank >= msg.tpSize)
+    return problem(
+      "ERR_BAD_REGIONS",
+      "",
+      `allocate: rank ${msg.rank} is not below tp_size ${msg.tpSize}`,
+    );
+  const n = msg.lengths.length;
+  if (n === 0 || n > MAX_REGIONS_PER_RANK) {
+    return problem(
+      "ERR_BAD_REGIONS",
+      "",
+      `allocate: lengths lists ${n} regions, expected 1..${MAX_REGIONS_PER_RANK}`,
+    );
+  }
+  for (const [g, len] of msg.lengths.entries()) {
+    if (len === 0n || len > BigInt(Number.MAX_SAFE_INTEGER)) {
+      return problem(
+        "ERR_BAD_REGIONS",
+        "",
+        `allocate: lengths[${g}] ${len} must be above 0 and at most 2^53`,
+      );
+    }
+  }
+  return undefined;
 }
 
 function notRegistered(transferId: string): EngineProblem {

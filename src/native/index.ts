@@ -24,6 +24,7 @@ interface NativeRegion {
   readonly address: bigint;
   readonly length: number;
   readonly path: string | null;
+  readonly segment: number | null;
   readonly closed: boolean;
   remoteKey(): Buffer;
   view(): ArrayBuffer;
@@ -38,7 +39,7 @@ interface NativeRemoteRegion {
 interface NativeEndpoint {
   readonly id: number;
   readonly state: EndpointState;
-  importRemote(key: Uint8Array): NativeRemoteRegion;
+  importRemote(key: Uint8Array, populate?: boolean): NativeRemoteRegion;
   close(): void;
   abandon(): void;
 }
@@ -59,7 +60,8 @@ interface NativeAgent {
     length: number,
     options?: { confineDir?: string; populate?: boolean },
   ): NativeRegion;
-  allocate(length: number): NativeRegion;
+  allocate(length: number, populate?: boolean): NativeRegion;
+  attachSegment(id: number, length: number): NativeRegion;
   connect(address: Uint8Array, errorMode: ErrorMode): NativeEndpoint;
   transfer(
     kind: 0 | 1,
@@ -282,6 +284,14 @@ export class Region {
   get path(): string | null {
     return this.native.path;
   }
+  /**
+   * The id of the SysV shared-memory segment this region is (memory `allocate()` got from
+   * UCX's sysv memory domain, narrowed to mode 0600; or a segment `attachSegment()` attached),
+   * or null.
+   */
+  get segment(): number | null {
+    return this.native.segment;
+  }
   get closed(): boolean {
     return this.native.closed;
   }
@@ -330,12 +340,16 @@ export class Endpoint {
   get state(): EndpointState {
     return this.native.state;
   }
-  /** Imports a peer's region from the remote key its Region.remoteKey() produced. */
-  importRemote(remoteKey: Uint8Array): RemoteRegion {
+  /**
+   * Imports a peer's region from the remote key its Region.remoteKey() produced. `populate`:
+   * when UCX maps the peer's region into this process (shared-memory transports, memory the
+   * peer allocated through UCX), its pages are faulted in now instead of by the first WRITEs.
+   */
+  importRemote(remoteKey: Uint8Array, options: { populate?: boolean } = {}): RemoteRegion {
     check(isBytes(remoteKey), "ERR_INVALID_ARGUMENT", "importRemote: remoteKey must be a Buffer");
     return new RemoteRegion(
       this,
-      call(() => this.native.importRemote(remoteKey)),
+      call(() => this.native.importRemote(remoteKey, options.populate ?? false)),
     );
   }
   /** Idempotent; the endpoint is closed once no transfer uses it. */
@@ -454,13 +468,30 @@ export class Agent extends EventEmitter<AgentEvents> {
   /**
    * Memory allocated and registered by UCX (zeroed is not guaranteed). On one
    * host, shared-memory transports move it with plain copies rather than a
-   * system call per operation.
+   * system call per operation. `populate`: every page faulted in now (resident at once).
    */
-  allocate(length: number): Region {
+  allocate(length: number, options: { populate?: boolean } = {}): Region {
     check(typeof length === "number", "ERR_INVALID_ARGUMENT", "allocate: length must be a number");
     return new Region(
       this,
-      call(() => this.native.allocate(length)),
+      call(() => this.native.allocate(length, options.populate ?? false)),
+    );
+  }
+
+  /**
+   * Attaches and registers `length` bytes of a SysV shared-memory segment: one of this
+   * process's user, owner-only (mode 0600), at least `length` bytes long. An engine maps the
+   * regions its sidecar allocated this way; it is detached once closed and no view remains.
+   */
+  attachSegment(id: number, length: number): Region {
+    check(
+      typeof id === "number" && typeof length === "number",
+      "ERR_INVALID_ARGUMENT",
+      "attachSegment: id and length must be numbers",
+    );
+    return new Region(
+      this,
+      call(() => this.native.attachSegment(id, length)),
     );
   }
 

@@ -85,6 +85,8 @@ export class PeerState {
     private readonly errorMode: ErrorMode,
     private readonly log: Logger,
     nowMs: number,
+    /** Fault in the pages of a region UCX maps into this process (Endpoint.importRemote). */
+    private readonly populate = false,
   ) {
     this.engineId = metadata.engineId;
     this.epoch = metadata.epoch;
@@ -143,7 +145,7 @@ export class PeerState {
       const keyBytes = rank?.remoteKeys[region];
       if (keyBytes === undefined)
         throw new Error(`peer ${this.engineId}: rank ${peerRank} has no region ${region}`);
-      r = this.endpoint(localRank, peerRank).importRemote(keyBytes);
+      r = this.endpoint(localRank, peerRank).importRemote(keyBytes, { populate: this.populate });
       this.remotes.set(key, r);
     }
     return r;
@@ -203,6 +205,8 @@ export interface PeerTableSettings {
   readonly tombstoneMs: number;
   readonly abortGraceMs: number;
   readonly peerCredentials: PeerCredentials | undefined;
+  /** Fault the pages of a peer's region that UCX maps into this process in at import. */
+  readonly prefault?: boolean;
 }
 
 /** A notification that passed every check, from `peer`'s agent `fromRank`. */
@@ -350,6 +354,7 @@ export class PeerTable {
       this.settings.errorMode,
       this.host.log,
       this.host.clock.now(),
+      this.settings.prefault ?? false,
     );
     this.peers.set(md.engineId, peer);
     this.host.emit("PEER_UP", md.engineId, `epoch ${md.epoch}`);

@@ -14,6 +14,7 @@ import type { Logger } from "pino";
 
 import {
   RegisterKvCacheSchema,
+  type AllocateKv,
   ReleaseReason,
   SidecarToEngineSchema,
   type EngineToSidecar,
@@ -22,7 +23,13 @@ import {
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
 import { Agent, type ErrorMode, type Notification, type Region } from "../native/index.js";
-import { checkEngineMessage, checkRegisterKvCache, engineIdProblem } from "../engine/validate.js";
+import {
+  checkAllocateKv,
+  checkEngineMessage,
+  checkRegisterKvCache,
+  engineIdProblem,
+  type RegionSource,
+} from "../engine/validate.js";
 import { MAX_PEER_MESSAGE_BYTES, agentName } from "../peer/messages.js";
 import {
   SideChannelServer,
@@ -31,6 +38,7 @@ import {
   parseAddress,
   type PeerCredentials,
 } from "../peer/side-channel.js";
+import { KvAllocations } from "./allocations.js";
 import { systemClock, type Clock } from "./clock.js";
 import type { EngineMessage, SideContext } from "./context.js";
 import { DecodeSide } from "./decode.js";
@@ -126,6 +134,8 @@ export type EngineSender = (msg: SidecarToEngine) => void;
  * belongs to the connection whose registration was accepted, and only the sidecar decides that.
  */
 export interface EngineConnection {
+  /** The connection's id (stable for its life); allocations are freed when it ends. */
+  readonly id?: string;
   /** This connection owns the link. */
   readonly isOwner: boolean;
   /** The owner's connection is up (false: no owner yet, or its connection ended). */
@@ -187,6 +197,8 @@ export class Sidecar implements SidecarView {
    * today; code that drops or replaces one (re-registration) must subtract its bytes.
    */
   private mappedBytes = 0;
+  /** Regions allocated for the engine (AllocateKv) that no registration took yet. */
+  private readonly allocations = new KvAllocations();
   private readonly side: SideChannelServer;
   private sideChannel = "";
 
@@ -315,6 +327,7 @@ export class Sidecar implements SidecarView {
     clearInterval(this.heartbeatTimer);
     await this.side.close();
     this.peers.close();
+    this.allocations.freeAll();
     if (this.kv !== undefined) {
       // Every rank's shutdown starts at once: a stop waits out one deadline, not one per rank.
       for (const a of this.kv.agents) a.beginClose();
@@ -345,6 +358,10 @@ export class Sidecar implements SidecarView {
     try {
       if (msg.msg.case === "register") {
         this.onRegister(msg.msg.value, conn);
+        return;
+      }
+      if (msg.msg.case === "allocate") {
+        this.onAllocate(msg.msg.value, conn);
         return;
       }
       // One place checks engine messages' fields; a problem costs only the message.
@@ -432,10 +449,14 @@ export class Sidecar implements SidecarView {
     if (this.lastErrors.length > 20) this.lastErrors.shift();
   }
 
-  /** (device, inode) of every file of a registration, in order; "" for a file stat cannot see. */
+  /**
+   * (device, inode) of every file of a registration, in order ("" for a file stat cannot see);
+   * a segment's id for a segment.
+   */
   private static fileIdentities(reg: RegisterKvCache): string[] {
     return reg.ranks.flatMap((rk) =>
       rk.regions.map((f) => {
+        if (f.segment !== undefined) return `segment:${f.segment}`;
         try {
           const st = statSync(f.path, { bigint: true });
           return `${st.dev}:${st.ino}`;
@@ -520,53 +541,52 @@ export class Sidecar implements SidecarView {
           `already mapped that is more than --max-kv-bytes ${this.opts.maxKvBytes}`,
       );
     }
+    // A rank whose regions this sidecar allocated (AllocateKv) registers them by segment id,
+    // with the agent that allocated them; every other rank gets a new agent.
     const agents: Agent[] = [];
+    const created: Agent[] = [];
     const regions: Region[][] = [];
+    const owned: number[] = [];
     try {
       for (const rk of ranks) {
-        const netDevices = this.opts.netDevices[rk.rank] ?? this.opts.netDevices[0];
-        const agent = new Agent({
-          name: agentName(this.engineId, this.epoch, rk.rank),
-          ...(this.opts.transports !== "" ? { transports: this.opts.transports } : {}),
-          ...(netDevices !== undefined ? { netDevices } : {}),
-          maxNotificationBytes: MAX_PEER_MESSAGE_BYTES,
-          busyPoll: this.opts.busyPoll,
-          spinUs: spinFor(this.opts.spinUs, ranks.length),
-        });
+        const own = this.allocations.get(rk.rank);
+        const usesOwn =
+          own !== undefined &&
+          rk.regions.some((f) => own.regions.some((r) => r.segment === f.segment));
+        if (usesOwn && own.tpSize !== layout.tpSize) {
+          throw new KvxferError(
+            "ERR_BAD_REGIONS",
+            `rank ${rk.rank}: its regions were allocated for tp_size ${own.tpSize}, the layout has ${layout.tpSize}`,
+          );
+        }
+        const agent = usesOwn ? own.agent : this.newAgent(rk.rank, ranks.length, false);
+        if (usesOwn) owned.push(rk.rank);
+        else created.push(agent);
         agents.push(agent);
         regions.push(
-          rk.regions.map((f, i) => {
-            try {
-              return agent.mapFile(f.path, {
-                offset: f.offset,
-                length: layout.regionBytes[i]!,
-                // The directory as configured, or as resolved when the engine names it so
-                // (e.g. /dev/shm a link to /run/shm): below it nothing is followed.
-                confineDir: f.path.startsWith(this.kvDirResolved + "/")
-                  ? this.kvDirResolved
-                  : this.opts.kvDir,
-                populate: this.opts.prefault,
-              });
-            } catch (err) {
-              const e = KvxferError.from(err);
-              const hint = e.code.startsWith("ERR_REGION_") ? ` (--kv-dir ${this.opts.kvDir})` : "";
-              throw new KvxferError(e.code, `rank ${rk.rank} region ${i}: ${e.message}${hint}`);
-            }
-          }),
-        );
-        agent.on("notifications", (batch) => this.onNotifications(rk.rank, batch));
-        agent.on("endpointFailed", (ep, code) => this.peers.endpointFailed(ep, code));
-        agent.on("notificationDropped", (peer, bytes) =>
-          this.noteError(
-            `peer message from '${peer.slice(0, 200)}' refused: ERR_TOO_LARGE (${bytes} bytes)`,
+          rk.regions.map((f, i) =>
+            this.regionOf(agent, rk.rank, i, f, layout.regionBytes[i]!, usesOwn ? own : undefined),
           ),
         );
       }
     } catch (err) {
-      for (const a of agents) a.close();
+      for (const a of created) a.close();
       const e = KvxferError.from(err);
       return fail(`${e.code}: ${e.message}`);
     }
+    for (const [i, agent] of agents.entries()) {
+      const rank = ranks[i]!.rank;
+      agent.on("notifications", (batch) => this.onNotifications(rank, batch));
+      agent.on("endpointFailed", (ep, code) => this.peers.endpointFailed(ep, code));
+      agent.on("notificationDropped", (peer, bytes) =>
+        this.noteError(
+          `peer message from '${peer.slice(0, 200)}' refused: ERR_TOO_LARGE (${bytes} bytes)`,
+        ),
+      );
+    }
+    // The registration owns what it uses; what it does not use is freed.
+    for (const rank of owned) this.allocations.take(rank);
+    this.allocations.freeAll();
     this.kv = { layout, agents, regions };
     this.mappedBytes += bytes;
     this.registration = { msg: reg, files: Sidecar.fileIdentities(reg) };
@@ -576,6 +596,148 @@ export class Sidecar implements SidecarView {
       case: "registered",
       value: { ok: true, error: "", sideChannel: this.sideChannel, epoch: this.epoch },
     });
+  }
+
+  /** A new agent for `rank` of `ranks`; for memory this sidecar allocates, UCX's v1 protocols. */
+  private newAgent(rank: number, ranks: number, allocated: boolean): Agent {
+    const netDevices = this.opts.netDevices[rank] ?? this.opts.netDevices[0];
+    return new Agent({
+      name: agentName(this.engineId, this.epoch, rank),
+      ...(this.opts.transports !== "" ? { transports: this.opts.transports } : {}),
+      ...(netDevices !== undefined ? { netDevices } : {}),
+      // UCX 1.13 moves memory it allocated itself by plain copies with its v1 protocols, and
+      // registered memory well only with v2 (AgentOptions.protocols); an operator's
+      // UCX_PROTO_ENABLE still wins.
+      ...(allocated && process.env.UCX_PROTO_ENABLE === undefined
+        ? { protocols: "v1" as const }
+        : {}),
+      maxNotificationBytes: MAX_PEER_MESSAGE_BYTES,
+      busyPoll: this.opts.busyPoll,
+      spinUs: spinFor(this.opts.spinUs, ranks),
+    });
+  }
+
+  /**
+   * Region `g` of `rank` as a registration names it: a file under --kv-dir; a segment this
+   * sidecar allocated for exactly that rank and region (`own`); or a segment it did not allocate
+   * (one a previous sidecar allocated, named again by an engine that outlived it), attached and
+   * registered like a file: owner-only and this user's, or refused.
+   */
+  private regionOf(
+    agent: Agent,
+    rank: number,
+    g: number,
+    f: RegionSource,
+    need: number,
+    own: { regions: readonly Region[] } | undefined,
+  ): Region {
+    const where = `rank ${rank} region ${g}`;
+    if (f.segment === undefined) {
+      if (own !== undefined) {
+        throw new KvxferError(
+          "ERR_BAD_REGIONS",
+          `${where}: a file, where the rank's other regions are the segments allocated for it ` +
+            "(register every region of an allocated rank by its segment)",
+        );
+      }
+      try {
+        return agent.mapFile(f.path, {
+          offset: f.offset,
+          length: need,
+          // The directory as configured, or as resolved when the engine names it so
+          // (e.g. /dev/shm a link to /run/shm): below it nothing is followed.
+          confineDir: f.path.startsWith(this.kvDirResolved + "/")
+            ? this.kvDirResolved
+            : this.opts.kvDir,
+          populate: this.opts.prefault,
+        });
+      } catch (err) {
+        const e = KvxferError.from(err);
+        const hint = e.code.startsWith("ERR_REGION_") ? ` (--kv-dir ${this.opts.kvDir})` : "";
+        throw new KvxferError(e.code, `${where}: ${e.message}${hint}`);
+      }
+    }
+    if (own !== undefined) {
+      const r = own.regions[g];
+      if (r === undefined || r.segment !== f.segment) {
+        throw new KvxferError(
+          "ERR_BAD_REGIONS",
+          `${where}: segment ${f.segment} is not the one allocated for it (${r?.segment ?? "none"})`,
+        );
+      }
+      if (r.length < need) {
+        throw new KvxferError(
+          "ERR_BAD_REGIONS",
+          `${where}: segment ${f.segment} has ${r.length} bytes, the region ${need}`,
+        );
+      }
+      return r;
+    }
+    try {
+      return agent.attachSegment(f.segment, need);
+    } catch (err) {
+      const e = KvxferError.from(err);
+      throw new KvxferError(e.code, `${where}: ${e.message}`);
+    }
+  }
+
+  /**
+   * AllocateKv: one rank's regions as SysV segments UCX allocated (allocations.ts), answered
+   * with their ids (Allocated). Refused once a registration was accepted, and beyond the caps.
+   */
+  private onAllocate(msg: AllocateKv, conn?: EngineConnection): void {
+    const answer = (ok: boolean, error: string, segments: number[] = []): void =>
+      this.answer({ case: "allocated", value: { rank: msg.rank, ok, error, segments } });
+    const fail = (error: string): void => {
+      this.noteError(`allocate: ${error}`);
+      this.log.warn({ rank: msg.rank, error }, "KV allocation refused");
+      answer(false, error);
+    };
+    if (this.kv !== undefined) {
+      return fail(
+        "ERR_ALREADY_REGISTERED: the KV cache is already registered (allocate before registering)",
+      );
+    }
+    const problem = checkAllocateKv(msg);
+    if (problem !== undefined) return fail(`${problem.code}: ${problem.message}`);
+    const lengths = msg.lengths.map(Number);
+    const bytes = lengths.reduce((a, b) => a + b, 0);
+    const others = this.allocations.bytes - (this.allocations.get(msg.rank)?.bytes ?? 0);
+    if (others + bytes > this.opts.maxRegistrationBytes) {
+      return fail(
+        `ERR_REGION_TOO_LARGE: allocating ${bytes} bytes for rank ${msg.rank} (${others} already ` +
+          `allocated) is more than --max-registration-bytes ${this.opts.maxRegistrationBytes}`,
+      );
+    }
+    if (this.mappedBytes + others + bytes > this.opts.maxKvBytes) {
+      return fail(
+        `ERR_REGION_TOO_LARGE: allocating ${bytes} bytes for rank ${msg.rank}; with the ` +
+          `${this.mappedBytes + others} already mapped or allocated that is more than --max-kv-bytes ${this.opts.maxKvBytes}`,
+      );
+    }
+    try {
+      const a = this.allocations.allocate(
+        msg.rank,
+        msg.tpSize,
+        lengths,
+        conn?.id ?? "",
+        () => this.newAgent(msg.rank, msg.tpSize, true),
+        this.opts.prefault,
+      );
+      const segments = a.regions.map((r) => r.segment!);
+      this.log.info({ rank: msg.rank, bytes, segments }, "KV regions allocated");
+      answer(true, "", segments);
+    } catch (err) {
+      const e = KvxferError.from(err);
+      fail(`${e.code}: rank ${msg.rank}: ${e.message}`);
+    }
+  }
+
+  /** The engine link connection `id` ended: what it allocated and did not register is freed. */
+  engineConnectionEnded(id: string): void {
+    const n = this.allocations.freeConnection(id);
+    if (n > 0)
+      this.log.info({ ranks: n }, "unregistered KV allocations freed: their connection ended");
   }
 
   // --- the parts' contexts -----------------------------------------------------------

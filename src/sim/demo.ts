@@ -42,6 +42,8 @@ export interface DemoOptions {
   model: SimModel;
   layers?: number;
   kvHeads?: number;
+  /** Where the engines' KV lives: files they create (default) or segments the sidecars allocate. */
+  kvMemory?: "file" | "segment";
   headDim?: number;
   mode: TransferMode;
   dispatch: "sequential" | "concurrent";
@@ -258,6 +260,7 @@ export type NodeShape = Pick<
   | "model"
   | "layers"
   | "kvHeads"
+  | "kvMemory"
   | "headDim"
   | "mode"
   | "transport"
@@ -328,6 +331,7 @@ export async function startNode(
       : {}),
     ...(o.layers !== undefined ? { layers: o.layers } : {}),
     ...(o.kvHeads !== undefined ? { kvHeads: o.kvHeads } : {}),
+    ...(o.kvMemory !== undefined ? { kvMemory: o.kvMemory } : {}),
     ...(o.headDim !== undefined ? { headDim: o.headDim } : {}),
   };
   const engine = await SimEngineProcess.start(

@@ -28,6 +28,8 @@ export interface SimEngineOptions {
   layout?: "hnd" | "nhd";
   scheme?: string;
   shmDir?: string;
+  /** "segment": the sidecar allocates the KV (AllocateKv); default "file". */
+  kvMemory?: "file" | "segment";
   seed?: number;
   registerTimeoutMs?: number;
   sidecarLostMs?: number;
@@ -106,6 +108,7 @@ export function simEngineArgs(o: SimEngineOptions): string[] {
   add("--layout", o.layout);
   add("--scheme", o.scheme);
   add("--shm-dir", o.shmDir);
+  add("--kv-memory", o.kvMemory);
   add("--seed", o.seed);
   add("--register-timeout-ms", o.registerTimeoutMs);
   add("--sidecar-lost-ms", o.sidecarLostMs);

@@ -30,6 +30,8 @@ import {
   PrefillDoneSchema,
   RankKvCacheSchema,
   RegionFileSchema,
+  AllocateKvSchema,
+  type Allocated,
   RegisterKvCacheSchema,
   ReleaseReason,
   type SidecarToEngine,
@@ -70,6 +72,11 @@ export interface SimEngineConfig {
   readonly layout: KvLayout;
   readonly scheme: KvRegionScheme;
   readonly shmDir: string;
+  /**
+   * Where the KV lives: "file", files under shmDir the engine creates (the default); "segment",
+   * SysV segments the sidecar allocates (AllocateKv) and the engine attaches.
+   */
+  readonly kvMemory: "file" | "segment";
   /** Seed of the block allocator's random order. */
   readonly seed: number;
   readonly registerTimeoutMs: number;
@@ -88,6 +95,8 @@ export const SIM_ENGINE_USAGE = `usage: kvxfer sim-engine --engine-id ID --role 
   --layout hnd|nhd        order inside a block (default hnd)
   --scheme NAME           ${SCHEMES.join(" | ")} (default region-per-layer)
   --shm-dir DIR           where the KV files go (default /dev/shm)
+  --kv-memory file|segment  KV in files this engine creates under --shm-dir (default), or in
+                          shared-memory segments the sidecar allocates (AllocateKv)
   --seed N                block allocation order (default random)
   --register-timeout-ms N how long to wait for Registered (default 10000)
   --sidecar-lost-ms N     sidecar unreachable this long: fail every transfer in flight (default 10000)
@@ -127,6 +136,7 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
       layout: { type: "string" },
       scheme: { type: "string" },
       "shm-dir": { type: "string" },
+      "kv-memory": { type: "string" },
       seed: { type: "string" },
       "register-timeout-ms": { type: "string" },
       "sidecar-lost-ms": { type: "string" },
@@ -182,10 +192,15 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
   } catch (err) {
     throw new UsageError(`the layout is not valid: ${(err as Error).message}`);
   }
+  const kvMemory = values["kv-memory"] ?? "file";
+  if (kvMemory !== "file" && kvMemory !== "segment") {
+    throw new UsageError(`--kv-memory must be file or segment, got '${kvMemory}'`);
+  }
   return {
     engineId,
     role,
     socket: values.socket ?? defaultEngineEndpoint(engineId),
+    kvMemory,
     layout,
     scheme,
     shmDir: values["shm-dir"] ?? "/dev/shm",
@@ -313,6 +328,10 @@ class SimEngine {
   private readonly pool: BlockPool;
   private readonly live = new Map<string, LiveTransfer>();
   private readonly files: string[][] = [];
+  /** kvMemory "segment": the segment of each (rank, region), as the sidecar allocated it. */
+  private readonly segments: number[][] = [];
+  /** Waiting for the sidecar's Allocated answer (one rank at a time). */
+  private allocated: ((m: Allocated) => void) | undefined;
   private readonly regions: Region[][] = [];
   private readonly memories: Uint8Array[][] = [];
   private agent: Agent | undefined;
@@ -352,34 +371,21 @@ class SimEngine {
     this.pool = new BlockPool(cfg.layout.numBlocks, prng(cfg.seed));
   }
 
-  /** Creates and maps the KV files, connects the link, registers; resolves with the ready event. */
+  /**
+   * Creates and maps the KV files (or, kvMemory "segment", has the sidecar allocate them and
+   * attaches them), connects the link, registers; resolves with the ready event.
+   */
   async start(): Promise<Record<string, unknown>> {
     const L = this.layout;
     this.agent = new Agent({ transports: "self", name: `sim-engine-${this.cfg.engineId}` });
-    for (let r = 0; r < L.tpSize; r++) {
-      const paths: string[] = [];
-      const regions: Region[] = [];
-      this.files.push(paths);
-      this.regions.push(regions);
-      for (let g = 0; g < L.regionBytes.length; g++) {
-        const path = simKvFilePath(this.cfg.shmDir, this.cfg.engineId, process.pid, r, g);
-        const fd = openSync(path, "wx", 0o600);
-        paths.push(path);
-        try {
-          ftruncateSync(fd, L.regionBytes[g]!);
-        } finally {
-          closeSync(fd);
-        }
-        regions.push(this.agent.mapFile(path, { length: L.regionBytes[g]! }));
-      }
-      this.memories.push(regions.map((reg) => reg.bytes()));
-    }
+    if (this.cfg.kvMemory === "file") this.createFiles();
     this.link = new EngineLinkClient({
       endpoint: this.cfg.socket,
       logger: this.log,
       onMessage: (msg) => this.onSidecar(msg),
       onState: (state) => this.onLinkState(state),
     });
+    if (this.cfg.kvMemory === "segment") await this.attachAllocated();
     const answer = await new Promise<{
       ok: boolean;
       error: string;
@@ -422,8 +428,76 @@ class SimEngine {
       sideChannel: answer.sideChannel,
       totalBlocks: L.numBlocks,
       files: this.files,
+      segments: this.segments,
       layout: L,
     };
+  }
+
+  private createFiles(): void {
+    const L = this.layout;
+    for (let r = 0; r < L.tpSize; r++) {
+      const paths: string[] = [];
+      const regions: Region[] = [];
+      this.files.push(paths);
+      this.regions.push(regions);
+      for (let g = 0; g < L.regionBytes.length; g++) {
+        const path = simKvFilePath(this.cfg.shmDir, this.cfg.engineId, process.pid, r, g);
+        const fd = openSync(path, "wx", 0o600);
+        paths.push(path);
+        try {
+          ftruncateSync(fd, L.regionBytes[g]!);
+        } finally {
+          closeSync(fd);
+        }
+        regions.push(this.agent!.mapFile(path, { length: L.regionBytes[g]! }));
+      }
+      this.memories.push(regions.map((reg) => reg.bytes()));
+    }
+  }
+
+  /** Has the sidecar allocate each rank's regions (AllocateKv), and attaches them. */
+  private async attachAllocated(): Promise<void> {
+    const L = this.layout;
+    for (let rank = 0; rank < L.tpSize; rank++) {
+      const answer = await new Promise<Allocated>((resolve, reject) => {
+        const timer = setTimeout(() => {
+          this.allocated = undefined;
+          reject(
+            new ControlError(
+              "ERR_REGISTER_TIMEOUT",
+              `no sidecar answered AllocateKv at ${this.cfg.socket} within ${this.cfg.registerTimeoutMs} ms`,
+            ),
+          );
+        }, this.cfg.registerTimeoutMs);
+        this.allocated = (m) => {
+          if (m.rank !== rank) return; // an answer to an earlier request
+          clearTimeout(timer);
+          this.allocated = undefined;
+          resolve(m);
+        };
+        const msg = create(AllocateKvSchema, {
+          rank,
+          tpSize: L.tpSize,
+          lengths: L.regionBytes.map((n) => BigInt(n)),
+        });
+        this.link!.send(engineMessage("allocate", msg)).catch((err: unknown) => {
+          clearTimeout(timer);
+          reject(err instanceof Error ? err : new Error(String(err)));
+        });
+      });
+      if (!answer.ok) {
+        throw new ControlError(
+          "ERR_ALLOCATE_REFUSED",
+          `the sidecar refused to allocate rank ${rank}'s KV: ${answer.error}`,
+        );
+      }
+      const regions = answer.segments.map((id, g) =>
+        this.agent!.attachSegment(id, L.regionBytes[g]!),
+      );
+      this.segments.push([...answer.segments]);
+      this.regions.push(regions);
+      this.memories.push(regions.map((reg) => reg.bytes()));
+    }
   }
 
   private async sendRegister(): Promise<void> {
@@ -432,11 +506,22 @@ class SimEngine {
     const msg = create(RegisterKvCacheSchema, {
       engineId: this.cfg.engineId,
       layout: kvLayoutToProto(L),
-      ranks: this.files.map((paths, rank) =>
+      ranks: Array.from({ length: L.tpSize }, (_, rank) =>
         create(RankKvCacheSchema, {
           rank,
-          regions: paths.map((path, g) =>
-            create(RegionFileSchema, { path, offset: 0n, length: BigInt(L.regionBytes[g]!) }),
+          regions: L.regionBytes.map((bytes, g) =>
+            this.cfg.kvMemory === "segment"
+              ? create(RegionFileSchema, {
+                  path: "",
+                  offset: 0n,
+                  length: BigInt(bytes),
+                  segment: this.segments[rank]![g]!,
+                })
+              : create(RegionFileSchema, {
+                  path: this.files[rank]![g]!,
+                  offset: 0n,
+                  length: BigInt(bytes),
+                }),
           ),
         }),
       ),
@@ -457,6 +542,9 @@ class SimEngine {
         return;
       case "kvReady":
         this.onKvReady(m.value.transferId);
+        return;
+      case "allocated":
+        this.allocated?.(m.value);
         return;
       case "kvFailed": {
         const tid = m.value.transferId;

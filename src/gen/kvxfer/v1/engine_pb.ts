@@ -12,11 +12,12 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvxfer/v1/engine.proto.
  */
 export const file_kvxfer_v1_engine: GenFile = /*@__PURE__*/
-  fileDesc("ChZrdnhmZXIvdjEvZW5naW5lLnByb3RvEglrdnhmZXIudjEiOgoKUmVnaW9uRmlsZRIMCgRwYXRoGAEgASgJEg4KBm9mZnNldBgCIAEoBBIOCgZsZW5ndGgYAyABKAQiQwoLUmFua0t2Q2FjaGUSDAoEcmFuaxgBIAEoDRImCgdyZWdpb25zGAIgAygLMhUua3Z4ZmVyLnYxLlJlZ2lvbkZpbGUicAoPUmVnaXN0ZXJLdkNhY2hlEhEKCWVuZ2luZV9pZBgBIAEoCRIjCgZsYXlvdXQYAiABKAsyEy5rdnhmZXIudjEuS3ZMYXlvdXQSJQoFcmFua3MYAyADKAsyFi5rdnhmZXIudjEuUmFua0t2Q2FjaGUiWAoLUHJlZmlsbERvbmUSEwoLdHJhbnNmZXJfaWQYASABKAkSEQoJYmxvY2tfaWRzGAIgAygNEhIKCm51bV90b2tlbnMYAyABKA0SDQoFdG9rZW4YBCABKAkitAEKCEV4cGVjdEt2EhMKC3RyYW5zZmVyX2lkGAEgASgJEg4KBnNvdXJjZRgCIAEoCRIRCglibG9ja19pZHMYAyADKA0SEgoKbnVtX3Rva2VucxgEIAEoDRIVCg1wcmVmaXhfdG9rZW5zGAUgASgNEhgKEHNvdXJjZV9ibG9ja19pZHMYBiADKA0SHAoUaGFzX3NvdXJjZV9ibG9ja19pZHMYByABKAgSDQoFdG9rZW4YCCABKAkiHAoFQWJvcnQSEwoLdHJhbnNmZXJfaWQYASABKAkixQEKD0VuZ2luZVRvU2lkZWNhchIuCghyZWdpc3RlchgBIAEoCzIaLmt2eGZlci52MS5SZWdpc3Rlckt2Q2FjaGVIABIuCgxwcmVmaWxsX2RvbmUYAiABKAsyFi5rdnhmZXIudjEuUHJlZmlsbERvbmVIABIoCglleHBlY3Rfa3YYAyABKAsyEy5rdnhmZXIudjEuRXhwZWN0S3ZIABIhCgVhYm9ydBgEIAEoCzIQLmt2eGZlci52MS5BYm9ydEgAQgUKA21zZyIeCgdLdlJlYWR5EhMKC3RyYW5zZmVyX2lkGAEgASgJIloKCEt2RmFpbGVkEhMKC3RyYW5zZmVyX2lkGAEgASgJEigKBnJlYXNvbhgCIAEoDjIYLmt2eGZlci52MS5GYWlsdXJlUmVhc29uEg8KB21lc3NhZ2UYAyABKAkiYQoNUmVsZWFzZUJsb2NrcxITCgt0cmFuc2Zlcl9pZBgBIAEoCRIRCglibG9ja19pZHMYAiADKA0SKAoGcmVhc29uGAMgASgOMhgua3Z4ZmVyLnYxLlJlbGVhc2VSZWFzb24iTAoKUmVnaXN0ZXJlZBIKCgJvaxgBIAEoCBINCgVlcnJvchgCIAEoCRIUCgxzaWRlX2NoYW5uZWwYAyABKAkSDQoFZXBvY2gYBCABKAQiPQoHUmVmdXNlZBITCgt0cmFuc2Zlcl9pZBgBIAEoCRIMCgRjb2RlGAIgASgJEg8KB21lc3NhZ2UYAyABKAki8gEKD1NpZGVjYXJUb0VuZ2luZRIrCgpyZWdpc3RlcmVkGAEgASgLMhUua3Z4ZmVyLnYxLlJlZ2lzdGVyZWRIABImCghrdl9yZWFkeRgCIAEoCzISLmt2eGZlci52MS5LdlJlYWR5SAASKAoJa3ZfZmFpbGVkGAMgASgLMhMua3Z4ZmVyLnYxLkt2RmFpbGVkSAASMgoOcmVsZWFzZV9ibG9ja3MYBCABKAsyGC5rdnhmZXIudjEuUmVsZWFzZUJsb2Nrc0gAEiUKB3JlZnVzZWQYBSABKAsyEi5rdnhmZXIudjEuUmVmdXNlZEgAQgUKA21zZyrMAgoNRmFpbHVyZVJlYXNvbhIeChpGQUlMVVJFX1JFQVNPTl9VTlNQRUNJRklFRBAAEhoKFkZBSUxVUkVfUkVBU09OX1RJTUVPVVQQARIeChpGQUlMVVJFX1JFQVNPTl9QRUVSX0ZBSUxFRBACEhoKFkZBSUxVUkVfUkVBU09OX0FCT1JURUQQAxIfChtGQUlMVVJFX1JFQVNPTl9JTkNPTVBBVElCTEUQBBIeChpGQUlMVVJFX1JFQVNPTl9CQURfUkVRVUVTVBAFEiEKHUZBSUxVUkVfUkVBU09OX1RSQU5TRkVSX0VSUk9SEAYSIAocRkFJTFVSRV9SRUFTT05fTEVBU0VfRVhQSVJFRBAHEh4KGkZBSUxVUkVfUkVBU09OX1VOUkVBQ0hBQkxFEAgSHQoZRkFJTFVSRV9SRUFTT05fT1ZFUkxPQURFRBAJKqIBCg1SZWxlYXNlUmVhc29uEh4KGlJFTEVBU0VfUkVBU09OX1VOU1BFQ0lGSUVEEAASHgoaUkVMRUFTRV9SRUFTT05fVFJBTlNGRVJSRUQQARIaChZSRUxFQVNFX1JFQVNPTl9FWFBJUkVEEAISGgoWUkVMRUFTRV9SRUFTT05fQUJPUlRFRBADEhkKFVJFTEVBU0VfUkVBU09OX0ZBSUxFRBAEYgZwcm90bzM", [file_kvxfer_v1_layout]);
+  fileDesc("ChZrdnhmZXIvdjEvZW5naW5lLnByb3RvEglrdnhmZXIudjEiXAoKUmVnaW9uRmlsZRIMCgRwYXRoGAEgASgJEg4KBm9mZnNldBgCIAEoBBIOCgZsZW5ndGgYAyABKAQSFAoHc2VnbWVudBgEIAEoDUgAiAEBQgoKCF9zZWdtZW50IjwKCkFsbG9jYXRlS3YSDAoEcmFuaxgBIAEoDRIPCgdsZW5ndGhzGAIgAygEEg8KB3RwX3NpemUYAyABKA0iQwoLUmFua0t2Q2FjaGUSDAoEcmFuaxgBIAEoDRImCgdyZWdpb25zGAIgAygLMhUua3Z4ZmVyLnYxLlJlZ2lvbkZpbGUicAoPUmVnaXN0ZXJLdkNhY2hlEhEKCWVuZ2luZV9pZBgBIAEoCRIjCgZsYXlvdXQYAiABKAsyEy5rdnhmZXIudjEuS3ZMYXlvdXQSJQoFcmFua3MYAyADKAsyFi5rdnhmZXIudjEuUmFua0t2Q2FjaGUiWAoLUHJlZmlsbERvbmUSEwoLdHJhbnNmZXJfaWQYASABKAkSEQoJYmxvY2tfaWRzGAIgAygNEhIKCm51bV90b2tlbnMYAyABKA0SDQoFdG9rZW4YBCABKAkitAEKCEV4cGVjdEt2EhMKC3RyYW5zZmVyX2lkGAEgASgJEg4KBnNvdXJjZRgCIAEoCRIRCglibG9ja19pZHMYAyADKA0SEgoKbnVtX3Rva2VucxgEIAEoDRIVCg1wcmVmaXhfdG9rZW5zGAUgASgNEhgKEHNvdXJjZV9ibG9ja19pZHMYBiADKA0SHAoUaGFzX3NvdXJjZV9ibG9ja19pZHMYByABKAgSDQoFdG9rZW4YCCABKAkiHAoFQWJvcnQSEwoLdHJhbnNmZXJfaWQYASABKAki8AEKD0VuZ2luZVRvU2lkZWNhchIuCghyZWdpc3RlchgBIAEoCzIaLmt2eGZlci52MS5SZWdpc3Rlckt2Q2FjaGVIABIuCgxwcmVmaWxsX2RvbmUYAiABKAsyFi5rdnhmZXIudjEuUHJlZmlsbERvbmVIABIoCglleHBlY3Rfa3YYAyABKAsyEy5rdnhmZXIudjEuRXhwZWN0S3ZIABIhCgVhYm9ydBgEIAEoCzIQLmt2eGZlci52MS5BYm9ydEgAEikKCGFsbG9jYXRlGAUgASgLMhUua3Z4ZmVyLnYxLkFsbG9jYXRlS3ZIAEIFCgNtc2ciHgoHS3ZSZWFkeRITCgt0cmFuc2Zlcl9pZBgBIAEoCSJaCghLdkZhaWxlZBITCgt0cmFuc2Zlcl9pZBgBIAEoCRIoCgZyZWFzb24YAiABKA4yGC5rdnhmZXIudjEuRmFpbHVyZVJlYXNvbhIPCgdtZXNzYWdlGAMgASgJImEKDVJlbGVhc2VCbG9ja3MSEwoLdHJhbnNmZXJfaWQYASABKAkSEQoJYmxvY2tfaWRzGAIgAygNEigKBnJlYXNvbhgDIAEoDjIYLmt2eGZlci52MS5SZWxlYXNlUmVhc29uIkwKClJlZ2lzdGVyZWQSCgoCb2sYASABKAgSDQoFZXJyb3IYAiABKAkSFAoMc2lkZV9jaGFubmVsGAMgASgJEg0KBWVwb2NoGAQgASgEIj0KB1JlZnVzZWQSEwoLdHJhbnNmZXJfaWQYASABKAkSDAoEY29kZRgCIAEoCRIPCgdtZXNzYWdlGAMgASgJIkYKCUFsbG9jYXRlZBIMCgRyYW5rGAEgASgNEgoKAm9rGAIgASgIEg0KBWVycm9yGAMgASgJEhAKCHNlZ21lbnRzGAQgAygNIp0CCg9TaWRlY2FyVG9FbmdpbmUSKwoKcmVnaXN0ZXJlZBgBIAEoCzIVLmt2eGZlci52MS5SZWdpc3RlcmVkSAASJgoIa3ZfcmVhZHkYAiABKAsyEi5rdnhmZXIudjEuS3ZSZWFkeUgAEigKCWt2X2ZhaWxlZBgDIAEoCzITLmt2eGZlci52MS5LdkZhaWxlZEgAEjIKDnJlbGVhc2VfYmxvY2tzGAQgASgLMhgua3Z4ZmVyLnYxLlJlbGVhc2VCbG9ja3NIABIlCgdyZWZ1c2VkGAUgASgLMhIua3Z4ZmVyLnYxLlJlZnVzZWRIABIpCglhbGxvY2F0ZWQYBiABKAsyFC5rdnhmZXIudjEuQWxsb2NhdGVkSABCBQoDbXNnKswCCg1GYWlsdXJlUmVhc29uEh4KGkZBSUxVUkVfUkVBU09OX1VOU1BFQ0lGSUVEEAASGgoWRkFJTFVSRV9SRUFTT05fVElNRU9VVBABEh4KGkZBSUxVUkVfUkVBU09OX1BFRVJfRkFJTEVEEAISGgoWRkFJTFVSRV9SRUFTT05fQUJPUlRFRBADEh8KG0ZBSUxVUkVfUkVBU09OX0lOQ09NUEFUSUJMRRAEEh4KGkZBSUxVUkVfUkVBU09OX0JBRF9SRVFVRVNUEAUSIQodRkFJTFVSRV9SRUFTT05fVFJBTlNGRVJfRVJST1IQBhIgChxGQUlMVVJFX1JFQVNPTl9MRUFTRV9FWFBJUkVEEAcSHgoaRkFJTFVSRV9SRUFTT05fVU5SRUFDSEFCTEUQCBIdChlGQUlMVVJFX1JFQVNPTl9PVkVSTE9BREVEEAkqogEKDVJlbGVhc2VSZWFzb24SHgoaUkVMRUFTRV9SRUFTT05fVU5TUEVDSUZJRUQQABIeChpSRUxFQVNFX1JFQVNPTl9UUkFOU0ZFUlJFRBABEhoKFlJFTEVBU0VfUkVBU09OX0VYUElSRUQQAhIaChZSRUxFQVNFX1JFQVNPTl9BQk9SVEVEEAMSGQoVUkVMRUFTRV9SRUFTT05fRkFJTEVEEARiBnByb3RvMw", [file_kvxfer_v1_layout]);
 
 /**
  * One registered memory region of one rank: `length` bytes at `offset` of a
- * (shared-memory) file.
+ * (shared-memory) file, or of a SysV shared-memory segment the sidecar
+ * allocated (AllocateKv; then `path` is empty and `offset` 0).
  *
  * @generated from message kvxfer.v1.RegionFile
  */
@@ -35,6 +36,13 @@ export type RegionFile = Message<"kvxfer.v1.RegionFile"> & {
    * @generated from field: uint64 length = 3;
    */
   length: bigint;
+
+  /**
+   * The segment's id (Allocated.segments), instead of `path`.
+   *
+   * @generated from field: optional uint32 segment = 4;
+   */
+  segment?: number | undefined;
 };
 
 /**
@@ -43,6 +51,42 @@ export type RegionFile = Message<"kvxfer.v1.RegionFile"> & {
  */
 export const RegionFileSchema: GenMessage<RegionFile> = /*@__PURE__*/
   messageDesc(file_kvxfer_v1_engine, 0);
+
+/**
+ * Engine -> sidecar, before RegisterKvCache: allocate one rank's regions
+ * (`lengths`, indexed like KvLayout.region_bytes) as shared memory that UCX
+ * moves with plain copies between processes of one host. The sidecar answers
+ * with Allocated; the engine attaches each segment (shmat), computes into it,
+ * and registers it by id. Segments that no registration names are freed when
+ * the engine's connection ends.
+ *
+ * @generated from message kvxfer.v1.AllocateKv
+ */
+export type AllocateKv = Message<"kvxfer.v1.AllocateKv"> & {
+  /**
+   * @generated from field: uint32 rank = 1;
+   */
+  rank: number;
+
+  /**
+   * @generated from field: repeated uint64 lengths = 2;
+   */
+  lengths: bigint[];
+
+  /**
+   * The engine's TP size (the layout's tp_size it will register).
+   *
+   * @generated from field: uint32 tp_size = 3;
+   */
+  tpSize: number;
+};
+
+/**
+ * Describes the message kvxfer.v1.AllocateKv.
+ * Use `create(AllocateKvSchema)` to create a new message.
+ */
+export const AllocateKvSchema: GenMessage<AllocateKv> = /*@__PURE__*/
+  messageDesc(file_kvxfer_v1_engine, 1);
 
 /**
  * @generated from message kvxfer.v1.RankKvCache
@@ -66,7 +110,7 @@ export type RankKvCache = Message<"kvxfer.v1.RankKvCache"> & {
  * Use `create(RankKvCacheSchema)` to create a new message.
  */
 export const RankKvCacheSchema: GenMessage<RankKvCache> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 1);
+  messageDesc(file_kvxfer_v1_engine, 2);
 
 /**
  * Engine -> sidecar, first message: the engine's KV cache. `layout` is the
@@ -96,7 +140,7 @@ export type RegisterKvCache = Message<"kvxfer.v1.RegisterKvCache"> & {
  * Use `create(RegisterKvCacheSchema)` to create a new message.
  */
 export const RegisterKvCacheSchema: GenMessage<RegisterKvCache> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 2);
+  messageDesc(file_kvxfer_v1_engine, 3);
 
 /**
  * Engine (P) -> sidecar: prefill of a request is done; its KV is in `block_ids`.
@@ -136,7 +180,7 @@ export type PrefillDone = Message<"kvxfer.v1.PrefillDone"> & {
  * Use `create(PrefillDoneSchema)` to create a new message.
  */
 export const PrefillDoneSchema: GenMessage<PrefillDone> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 3);
+  messageDesc(file_kvxfer_v1_engine, 4);
 
 /**
  * Engine (D) -> sidecar: KV for a request is expected into `block_ids`.
@@ -198,7 +242,7 @@ export type ExpectKv = Message<"kvxfer.v1.ExpectKv"> & {
  * Use `create(ExpectKvSchema)` to create a new message.
  */
 export const ExpectKvSchema: GenMessage<ExpectKv> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 4);
+  messageDesc(file_kvxfer_v1_engine, 5);
 
 /**
  * Engine -> sidecar: give up on a transfer.
@@ -217,7 +261,7 @@ export type Abort = Message<"kvxfer.v1.Abort"> & {
  * Use `create(AbortSchema)` to create a new message.
  */
 export const AbortSchema: GenMessage<Abort> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 5);
+  messageDesc(file_kvxfer_v1_engine, 6);
 
 /**
  * @generated from message kvxfer.v1.EngineToSidecar
@@ -250,6 +294,12 @@ export type EngineToSidecar = Message<"kvxfer.v1.EngineToSidecar"> & {
      */
     value: Abort;
     case: "abort";
+  } | {
+    /**
+     * @generated from field: kvxfer.v1.AllocateKv allocate = 5;
+     */
+    value: AllocateKv;
+    case: "allocate";
   } | { case: undefined; value?: undefined };
 };
 
@@ -258,7 +308,7 @@ export type EngineToSidecar = Message<"kvxfer.v1.EngineToSidecar"> & {
  * Use `create(EngineToSidecarSchema)` to create a new message.
  */
 export const EngineToSidecarSchema: GenMessage<EngineToSidecar> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 6);
+  messageDesc(file_kvxfer_v1_engine, 7);
 
 /**
  * Sidecar (D) -> engine: every byte of the transfer has landed.
@@ -277,7 +327,7 @@ export type KvReady = Message<"kvxfer.v1.KvReady"> & {
  * Use `create(KvReadySchema)` to create a new message.
  */
 export const KvReadySchema: GenMessage<KvReady> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 7);
+  messageDesc(file_kvxfer_v1_engine, 8);
 
 /**
  * Sidecar -> engine: the transfer failed; D recomputes.
@@ -306,7 +356,7 @@ export type KvFailed = Message<"kvxfer.v1.KvFailed"> & {
  * Use `create(KvFailedSchema)` to create a new message.
  */
 export const KvFailedSchema: GenMessage<KvFailed> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 8);
+  messageDesc(file_kvxfer_v1_engine, 9);
 
 /**
  * Sidecar -> engine: the blocks may be reused; no write into them can still arrive.
@@ -335,7 +385,7 @@ export type ReleaseBlocks = Message<"kvxfer.v1.ReleaseBlocks"> & {
  * Use `create(ReleaseBlocksSchema)` to create a new message.
  */
 export const ReleaseBlocksSchema: GenMessage<ReleaseBlocks> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 9);
+  messageDesc(file_kvxfer_v1_engine, 10);
 
 /**
  * Sidecar -> engine: answer to RegisterKvCache.
@@ -374,7 +424,7 @@ export type Registered = Message<"kvxfer.v1.Registered"> & {
  * Use `create(RegisteredSchema)` to create a new message.
  */
 export const RegisteredSchema: GenMessage<Registered> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 10);
+  messageDesc(file_kvxfer_v1_engine, 11);
 
 /**
  * Sidecar -> engine: a message from the engine was refused (it never costs more
@@ -404,7 +454,45 @@ export type Refused = Message<"kvxfer.v1.Refused"> & {
  * Use `create(RefusedSchema)` to create a new message.
  */
 export const RefusedSchema: GenMessage<Refused> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 11);
+  messageDesc(file_kvxfer_v1_engine, 12);
+
+/**
+ * Sidecar -> engine: answer to AllocateKv. Each segment is a SysV shared
+ * memory id, owner-only (mode 0600), already marked for removal: it goes away
+ * once the sidecar and the engine have both detached it.
+ *
+ * @generated from message kvxfer.v1.Allocated
+ */
+export type Allocated = Message<"kvxfer.v1.Allocated"> & {
+  /**
+   * @generated from field: uint32 rank = 1;
+   */
+  rank: number;
+
+  /**
+   * @generated from field: bool ok = 2;
+   */
+  ok: boolean;
+
+  /**
+   * @generated from field: string error = 3;
+   */
+  error: string;
+
+  /**
+   * Indexed like AllocateKv.lengths.
+   *
+   * @generated from field: repeated uint32 segments = 4;
+   */
+  segments: number[];
+};
+
+/**
+ * Describes the message kvxfer.v1.Allocated.
+ * Use `create(AllocatedSchema)` to create a new message.
+ */
+export const AllocatedSchema: GenMessage<Allocated> = /*@__PURE__*/
+  messageDesc(file_kvxfer_v1_engine, 13);
 
 /**
  * @generated from message kvxfer.v1.SidecarToEngine
@@ -443,6 +531,12 @@ export type SidecarToEngine = Message<"kvxfer.v1.SidecarToEngine"> & {
      */
     value: Refused;
     case: "refused";
+  } | {
+    /**
+     * @generated from field: kvxfer.v1.Allocated allocated = 6;
+     */
+    value: Allocated;
+    case: "allocated";
   } | { case: undefined; value?: undefined };
 };
 
@@ -451,7 +545,7 @@ export type SidecarToEngine = Message<"kvxfer.v1.SidecarToEngine"> & {
  * Use `create(SidecarToEngineSchema)` to create a new message.
  */
 export const SidecarToEngineSchema: GenMessage<SidecarToEngine> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 12);
+  messageDesc(file_kvxfer_v1_engine, 14);
 
 /**
  * @generated from enum kvxfer.v1.FailureReason
