@@ -431,7 +431,8 @@ Napi::Value AgentWrap::Allocate(const Napi::CallbackInfo& info) {
     struct shmid_ds ds;
     std::memset(&ds, 0, sizeof(ds));
     if (shmctl(segment, IPC_STAT, &ds) != 0 ||
-        (ds.shm_perm.mode = static_cast<unsigned short>(0600), shmctl(segment, IPC_SET, &ds) != 0)) {
+        (ds.shm_perm.mode = static_cast<unsigned short>(0600),
+         shmctl(segment, IPC_SET, &ds) != 0)) {
       int e = errno;
       ucp_mem_unmap(engine_->context(), memh);
       throw MakeError(env, "ERR_SEGMENT",
@@ -525,8 +526,8 @@ Napi::Value AgentWrap::AttachSegment(const Napi::CallbackInfo& info) {
   }
   if (length > static_cast<uint64_t>(ds.shm_segsz)) {
     throw MakeError(env, "ERR_OUT_OF_BOUNDS",
-                    "attachSegment: length " + std::to_string(length) + " exceeds " + name +
-                        " (" + std::to_string(ds.shm_segsz) + " bytes)",
+                    "attachSegment: length " + std::to_string(length) + " exceeds " + name + " (" +
+                        std::to_string(ds.shm_segsz) + " bytes)",
                     UCS_OK, true);
   }
   void* addr = shmat(id, nullptr, 0);
