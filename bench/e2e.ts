@@ -9,14 +9,16 @@
 // ListTransfers (P's prefillDoneMs to D's readyMs, and the data phase dataStartedMs..dataDoneMs)
 // are wall-clock milliseconds, printed next to it as a cross-check.
 //
-// Reference: in this process, after the sidecars have stopped, two native Agents per rank pair
-// over shared memory map files of the engines' region sizes and move each measured request's
-// plan the way the sidecar does. Push: every region pair's WRITE, then one notification per rank
-// pair, timed until the decode agent has it. Pull: every region pair's READ. Planning is not in
-// the reference (it is in the sidecar path; `kvxfer bench plan` times it).
+// Reference: after the sidecars have stopped, native Agents in two processes (this one and a
+// child), one per rank, over the same kind of memory as the engines' KV (shared-memory files of
+// the engines' region sizes, or with --kv-memory segment memory UCX allocates), every page
+// faulted in (the sidecars run with --prefault true to match), move each measured request's
+// plan the way the sidecar does. Push: every rank pair's WRITEs and its notification as one
+// operation, timed until the decode side has the notification. Pull: every region pair's READ.
+// Planning is not in the reference (it is in the sidecar path; `kvxfer bench plan` times it).
 //
 // Run: `node dist/bench/e2e.js [--json] [--quick] [--modes push,pull] [--tokens 128,512,2048,8192]
-//   [--layers 4] [--rounds 8] [--reps 3]`.
+//   [--layers 4] [--rounds 8] [--reps 3] [--kv-memory file|segment]`.
 import { closeSync, ftruncateSync, openSync, unlinkSync } from "node:fs";
 import { performance } from "node:perf_hooks";
 import { pathToFileURL } from "node:url";
@@ -408,7 +410,9 @@ async function runMode(
     concurrency: 1,
     recordRequests: true,
     peerAuth: o.peerAuth ?? true,
-    ...(o.sidecarArgs.length > 0 ? { sidecarArgs: o.sidecarArgs } : {}),
+    // Every page of the KV faulted in at registration (and a peer's, where UCX maps it), as the
+    // reference's memory is: a steady-state engine's cache, not first touches inside transfers.
+    sidecarArgs: ["--prefault", "true", ...o.sidecarArgs],
     kvMemory: o.kvMemory,
     beforeStop: async (sidecars) => {
       await readTimings(

@@ -65,6 +65,7 @@ export function hasCode(err: unknown, code: string): boolean {
  */
 export const ERROR_CODES = {
   ERR_ABORTED: "the transfer was aborted, by an engine or by the peer, before it finished",
+  ERR_ALLOCATE_REFUSED: "simulated engine: the sidecar refused its AllocateKv",
   ERR_ALREADY_REGISTERED: "RegisterKvCache refused: this sidecar already accepted a registration",
   ERR_BAD_ADDRESS:
     "an address kvxfer cannot parse: a side channel host:port or a UCX worker address",
@@ -112,8 +113,11 @@ export const ERROR_CODES = {
   ERR_NOT_READY: "a handshake before this sidecar's engine has registered",
   ERR_NOT_REGISTERED: "a transfer message before the engine registered its KV cache",
   ERR_NO_BLOCKS: "simulated engine: not enough free blocks",
+  ERR_NO_SEGMENT:
+    "UCX allocated KV memory outside SysV shared memory, which an engine cannot attach",
   ERR_NO_SOURCE_BLOCKS: "a pull without ExpectKv.source_block_ids",
   ERR_NO_SUCH_FILE: "a KV region file that does not exist",
+  ERR_NO_SUCH_SEGMENT: "a SysV shared-memory segment id that does not exist",
   ERR_OUT_OF_BOUNDS: "a range that leaves its region, or a file shorter than offset + length",
   ERR_OUT_OF_RANGE: "a sequence number outside the event log (too new, or events dropped)",
   ERR_OVERLOADED: "a capacity limit is reached (live transfers, peers, handshakes in flight)",
@@ -128,6 +132,9 @@ export const ERROR_CODES = {
   ERR_REGISTER_REFUSED: "simulated engine: the sidecar refused its RegisterKvCache",
   ERR_REGISTER_TIMEOUT: "simulated engine: no sidecar answered its RegisterKvCache in time",
   ERR_REPLAY: "a peer message whose sequence number was already seen",
+  ERR_SEGMENT: "a SysV shared-memory segment that cannot be attached or narrowed to its owner",
+  ERR_SEGMENT_PERMISSIONS:
+    "a SysV shared-memory segment of another user, or not owner-only (mode 0600)",
   ERR_SEND_FAILED: "the engine link's send queue is full",
   ERR_STALE_EPOCH: "a peer message from an earlier epoch of that peer",
   ERR_START: "a child process (simulated engine) did not start",

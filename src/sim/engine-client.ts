@@ -46,8 +46,10 @@ export interface SimEngineReady {
   /** The sidecar's side channel ("host:port"), from `Registered`; what D's `expect` needs as `source`. */
   sideChannel: string;
   totalBlocks: number;
-  /** `files[rank][region]`: the shared-memory files of the KV cache. */
+  /** `files[rank][region]`: the shared-memory files of the KV cache (kvMemory "file"). */
   files: string[][];
+  /** `segments[rank][region]`: the segments the sidecar allocated (kvMemory "segment"). */
+  segments: number[][];
   layout: KvLayout;
 }
 

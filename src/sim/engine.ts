@@ -31,6 +31,7 @@ import {
   RankKvCacheSchema,
   RegionFileSchema,
   AllocateKvSchema,
+  AllocatedSchema,
   type Allocated,
   RegisterKvCacheSchema,
   ReleaseReason,
@@ -330,8 +331,9 @@ class SimEngine {
   private readonly files: string[][] = [];
   /** kvMemory "segment": the segment of each (rank, region), as the sidecar allocated it. */
   private readonly segments: number[][] = [];
-  /** Waiting for the sidecar's Allocated answer (one rank at a time). */
+  /** Waiting for the sidecar's Allocated answer (one rank at a time); a Refused ends it too. */
   private allocated: ((m: Allocated) => void) | undefined;
+  private allocatingRank = 0;
   private readonly regions: Region[][] = [];
   private readonly memories: Uint8Array[][] = [];
   private agent: Agent | undefined;
@@ -459,6 +461,7 @@ class SimEngine {
   private async attachAllocated(): Promise<void> {
     const L = this.layout;
     for (let rank = 0; rank < L.tpSize; rank++) {
+      this.allocatingRank = rank;
       const answer = await new Promise<Allocated>((resolve, reject) => {
         const timer = setTimeout(() => {
           this.allocated = undefined;
@@ -565,6 +568,15 @@ class SimEngine {
         return;
       case "refused":
         this.counters.refused++;
+        // A refusal at the link (e.g. ERR_NOT_OWNER: another engine owns it) answers AllocateKv.
+        if (this.allocated !== undefined && m.value.transferId === "")
+          this.allocated(
+            create(AllocatedSchema, {
+              rank: this.allocatingRank,
+              ok: false,
+              error: `${m.value.code}: ${m.value.message}`,
+            }),
+          );
         this.out({
           event: "refused",
           transferId: m.value.transferId,
