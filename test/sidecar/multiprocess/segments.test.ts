@@ -90,7 +90,7 @@ class RawEngine {
   }
 
   /** The Allocated answer; a Refused from the link instead rejects with its text. */
-  async allocate(rank: number, tpSize: number, lengths: number[]): Promise<Allocated> {
+  async allocate(rank: number, tpSize: number, lengths: readonly number[]): Promise<Allocated> {
     const n = this.allocated.length;
     const refusals = this.refused.length;
     await this.client.send(
