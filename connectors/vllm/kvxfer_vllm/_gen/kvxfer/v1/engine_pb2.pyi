@@ -45,14 +45,26 @@ RELEASE_REASON_ABORTED: ReleaseReason
 RELEASE_REASON_FAILED: ReleaseReason
 
 class RegionFile(_message.Message):
-    __slots__ = ("path", "offset", "length")
+    __slots__ = ("path", "offset", "length", "segment")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     path: str
     offset: int
     length: int
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    segment: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., segment: _Optional[int] = ...) -> None: ...
+
+class AllocateKv(_message.Message):
+    __slots__ = ("rank", "lengths", "tp_size")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    tp_size: int
+    def __init__(self, rank: _Optional[int] = ..., lengths: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class RankKvCache(_message.Message):
     __slots__ = ("rank", "regions")
@@ -111,16 +123,18 @@ class Abort(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class EngineToSidecar(_message.Message):
-    __slots__ = ("register", "prefill_done", "expect_kv", "abort")
+    __slots__ = ("register", "prefill_done", "expect_kv", "abort", "allocate")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
     EXPECT_KV_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     register: RegisterKvCache
     prefill_done: PrefillDone
     expect_kv: ExpectKv
     abort: Abort
-    def __init__(self, register: _Optional[_Union[RegisterKvCache, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillDone, _Mapping]] = ..., expect_kv: _Optional[_Union[ExpectKv, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    allocate: AllocateKv
+    def __init__(self, register: _Optional[_Union[RegisterKvCache, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillDone, _Mapping]] = ..., expect_kv: _Optional[_Union[ExpectKv, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., allocate: _Optional[_Union[AllocateKv, _Mapping]] = ...) -> None: ...
 
 class KvReady(_message.Message):
     __slots__ = ("transfer_id",)
@@ -170,16 +184,30 @@ class Refused(_message.Message):
     message: str
     def __init__(self, transfer_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class Allocated(_message.Message):
+    __slots__ = ("rank", "ok", "error", "segments")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    ok: bool
+    error: str
+    segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., segments: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class SidecarToEngine(_message.Message):
-    __slots__ = ("registered", "kv_ready", "kv_failed", "release_blocks", "refused")
+    __slots__ = ("registered", "kv_ready", "kv_failed", "release_blocks", "refused", "allocated")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     KV_READY_FIELD_NUMBER: _ClassVar[int]
     KV_FAILED_FIELD_NUMBER: _ClassVar[int]
     RELEASE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     kv_ready: KvReady
     kv_failed: KvFailed
     release_blocks: ReleaseBlocks
     refused: Refused
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., kv_ready: _Optional[_Union[KvReady, _Mapping]] = ..., kv_failed: _Optional[_Union[KvFailed, _Mapping]] = ..., release_blocks: _Optional[_Union[ReleaseBlocks, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ...) -> None: ...
+    allocated: Allocated
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., kv_ready: _Optional[_Union[KvReady, _Mapping]] = ..., kv_failed: _Optional[_Union[KvFailed, _Mapping]] = ..., release_blocks: _Optional[_Union[ReleaseBlocks, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., allocated: _Optional[_Union[Allocated, _Mapping]] = ...) -> None: ...
