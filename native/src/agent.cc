@@ -113,6 +113,16 @@ Napi::Value AgentWrap::Inflight(const Napi::CallbackInfo& info) {
   return Napi::Number::New(info.Env(), static_cast<double>(pending_.size()));
 }
 
+// Registers memory the caller mapped, [addr, addr + length), with this agent's UCX context.
+ucs_status_t AgentWrap::RegisterRange(void* addr, size_t length, ucp_mem_h* memh) {
+  ucp_mem_map_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.address = addr;
+  params.length = length;
+  return ucp_mem_map(engine_->context(), &params, memh);
+}
+
 // registerMemory(bufferOrView)
 Napi::Value AgentWrap::RegisterMemory(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -125,13 +135,8 @@ Napi::Value AgentWrap::RegisterMemory(const Napi::CallbackInfo& info) {
   }
   if (size == 0)
     throw MakeError(env, "ERR_INVALID_LENGTH", "registerMemory: the memory is empty", UCS_OK, true);
-  ucp_mem_map_params_t params;
-  std::memset(&params, 0, sizeof(params));
-  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  params.address = const_cast<uint8_t*>(data);
-  params.length = size;
   ucp_mem_h memh = nullptr;
-  ucs_status_t status = ucp_mem_map(engine_->context(), &params, &memh);
+  ucs_status_t status = RegisterRange(const_cast<uint8_t*>(data), size, &memh);
   if (status != UCS_OK) throw UcsError(env, "ucp_mem_map failed", status);
   Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
   RegionWrap* region = RegionWrap::Unwrap(obj);
@@ -373,13 +378,8 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
     throw MakeError(env, "ERR_FILE", "mapFile: cannot map '" + path + "': " + std::strerror(e));
   }
   uint8_t* base = static_cast<uint8_t*>(map) + (offset - map_off);
-  ucp_mem_map_params_t params;
-  std::memset(&params, 0, sizeof(params));
-  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  params.address = base;
-  params.length = length;
   ucp_mem_h memh = nullptr;
-  ucs_status_t status = ucp_mem_map(engine_->context(), &params, &memh);
+  ucs_status_t status = RegisterRange(base, length, &memh);
   if (status != UCS_OK) {
     munmap(map, map_len);
     throw UcsError(env, "ucp_mem_map failed for '" + path + "'", status);
@@ -536,13 +536,8 @@ Napi::Value AgentWrap::AttachSegment(const Napi::CallbackInfo& info) {
     throw MakeError(env, e == EACCES ? "ERR_SEGMENT_PERMISSIONS" : "ERR_SEGMENT",
                     "attachSegment: cannot attach " + name + ": " + std::strerror(e));
   }
-  ucp_mem_map_params_t params;
-  std::memset(&params, 0, sizeof(params));
-  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  params.address = addr;
-  params.length = length;
   ucp_mem_h memh = nullptr;
-  ucs_status_t status = ucp_mem_map(engine_->context(), &params, &memh);
+  ucs_status_t status = RegisterRange(addr, length, &memh);
   if (status != UCS_OK) {
     shmdt(addr);
     throw UcsError(env, "ucp_mem_map failed for " + name, status);

@@ -65,6 +65,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   Napi::Value Allocate(const Napi::CallbackInfo& info);
   Napi::Value AttachSegment(const Napi::CallbackInfo& info);
   static int FindSegment(const void* addr);
+  ucs_status_t RegisterRange(void* addr, size_t length, ucp_mem_h* memh);
   Napi::Value Connect(const Napi::CallbackInfo& info);
   Napi::Value Transfer(const Napi::CallbackInfo& info);
   Napi::Value WriteParts(const Napi::CallbackInfo& info);

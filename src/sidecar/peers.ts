@@ -86,7 +86,7 @@ export class PeerState {
     private readonly log: Logger,
     nowMs: number,
     /** Fault in the pages of a region UCX maps into this process (Endpoint.importRemote). */
-    private readonly populate = false,
+    private readonly populate: boolean,
   ) {
     this.engineId = metadata.engineId;
     this.epoch = metadata.epoch;
@@ -354,7 +354,7 @@ export class PeerTable {
       this.settings.errorMode,
       this.host.log,
       this.host.clock.now(),
-      this.settings.prefault ?? false,
+      this.settings.prefault === true,
     );
     this.peers.set(md.engineId, peer);
     this.host.emit("PEER_UP", md.engineId, `epoch ${md.epoch}`);

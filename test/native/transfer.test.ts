@@ -383,3 +383,58 @@ function existsShm(): boolean {
     return false;
   }
 }
+
+describe("memory UCX allocates: SysV segments", () => {
+  /** Minor page faults of this process during `f`. */
+  async function faults(f: () => unknown): Promise<number> {
+    const before = process.resourceUsage().minorPageFault;
+    await f();
+    return process.resourceUsage().minorPageFault - before;
+  }
+
+  it("an allocated region is an owner-only segment that another agent attaches and shares", () => {
+    const r = a.allocate(1 << 20);
+    expect(r.segment).not.toBeNull();
+    const seen = b.attachSegment(r.segment!, 1 << 20);
+    expect(seen.segment).toBe(r.segment);
+    seen.bytes()[4321] = 99;
+    expect(r.bytes()[4321]).toBe(99);
+    expect(() => b.attachSegment(r.segment!, (1 << 20) + 1)).toThrow(
+      expect.objectContaining({ code: "ERR_OUT_OF_BOUNDS" }),
+    );
+    seen.close();
+    r.close();
+  });
+
+  it("importRemote with populate faults a mapped peer region in at once, not inside the write", async () => {
+    const size = 16 << 20;
+    const pages = size / 4096;
+    // UCX's v1 protocols copy straight into the mapping (the sidecar's choice for this memory).
+    const [t, lazy, eager] = ["t", "lazy", "eager"].map(
+      (n) => new Agent({ name: `agent-${n}`, transports: "shm,self", protocols: "v1" }),
+    );
+    try {
+      const target = t!.allocate(size, { populate: true });
+      const descs = new Float64Array([0, 0, size]);
+      const src1 = lazy!.allocate(size, { populate: true });
+      fillPattern(src1.bytes(), 5);
+      const ep1 = lazy!.connect(t!.address);
+      const r1 = ep1.importRemote(target.remoteKey());
+      // Without populate, the first write into each page of the mapping faults.
+      expect(await faults(() => lazy!.write(ep1, src1, r1, descs))).toBeGreaterThan(pages / 2);
+      expect(Buffer.compare(target.bytes(), src1.bytes())).toBe(0);
+
+      const src2 = eager!.allocate(size, { populate: true });
+      fillPattern(src2.bytes(), 6);
+      const ep2 = eager!.connect(t!.address);
+      let r2: RemoteRegion | undefined;
+      expect(
+        await faults(() => (r2 = ep2.importRemote(target.remoteKey(), { populate: true }))),
+      ).toBeGreaterThan(pages / 2);
+      expect(await faults(() => eager!.write(ep2, src2, r2!, descs))).toBeLessThan(pages / 16);
+      expect(Buffer.compare(target.bytes(), src2.bytes())).toBe(0);
+    } finally {
+      for (const x of [t, lazy, eager]) x!.close();
+    }
+  });
+});

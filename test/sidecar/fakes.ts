@@ -284,6 +284,7 @@ export class FakeWorld {
       "none",
       this.ctx.log,
       this.clock.now(),
+      false,
     );
   }
 

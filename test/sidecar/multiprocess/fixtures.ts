@@ -5,6 +5,7 @@ import { existsSync, readFileSync, unlinkSync } from "node:fs";
 import { createServer } from "node:net";
 
 import { SidecarClient, type EventWatch } from "../../../src/api/client.js";
+import { type KvLayout, kvLayout } from "../../../src/plan/index.js";
 import { isTerminal } from "../../../src/sidecar/lifecycle.js";
 import type {
   SidecarEvent,
@@ -400,4 +401,21 @@ export async function goodTransfer(
   await p.waitEvent((e) => e.transferId === transferId && e.kind === "RELEASED", timeoutMs);
   if (ready.side !== "decode") throw new Error(`KV_READY of ${transferId} on side ${ready.side}`);
   return verified;
+}
+
+/** One layer, 8 KV heads x 128, bfloat16, block 16: 64 KiB per block (K and V), one region per rank. */
+export function oneLayerLayout(numBlocks: number, tpSize = 1): KvLayout {
+  return kvLayout({
+    numLayers: 1,
+    mla: false,
+    totalKvHeads: 8,
+    headDim: 128,
+    dtype: "bfloat16",
+    dtypeBytes: 2,
+    blockSize: 16,
+    numBlocks,
+    order: "HND",
+    tpSize,
+    tpRank: 0,
+  });
 }

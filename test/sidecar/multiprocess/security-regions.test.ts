@@ -27,32 +27,23 @@ import {
   RegisterKvCacheSchema,
   type Registered,
 } from "../../../src/gen/kvxfer/v1/engine_pb.js";
-import { type KvLayout, kvLayout } from "../../../src/plan/index.js";
+import type { KvLayout } from "../../../src/plan/index.js";
 import { kvLayoutToProto } from "../../../src/plan/layout-proto.js";
 import { byteSize, kvDirectory } from "../../../src/cli/sidecar.js";
 import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
-import { KvNode, goodTransfer, rssKiB, sleep, uniqueId, until } from "./fixtures.js";
+import {
+  KvNode,
+  goodTransfer,
+  oneLayerLayout,
+  rssKiB,
+  sleep,
+  uniqueId,
+  until,
+} from "./fixtures.js";
 
 const WAIT = 10_000;
 const MiB = 1 << 20;
 const log = pino({ level: "silent" });
-
-/** One layer, 8 KV heads x 128, block 16: 64 KiB per block (K and V), one region per rank. */
-function layoutOf(numBlocks: number): KvLayout {
-  return kvLayout({
-    numLayers: 1,
-    mla: false,
-    totalKvHeads: 8,
-    headDim: 128,
-    dtype: "bfloat16",
-    dtypeBytes: 2,
-    blockSize: 16,
-    numBlocks,
-    order: "HND",
-    tpSize: 1,
-    tpRank: 0,
-  });
-}
 
 /** Sends one RegisterKvCache (one rank, `paths[g]` for region g) and returns the answer. */
 async function register(
@@ -107,7 +98,7 @@ function sparseFile(path: string, bytes: number): string {
 }
 
 describe("confined KV regions (--kv-dir, caps): each refusal costs only that registration", () => {
-  const small = layoutOf(16); // 1 MiB
+  const small = oneLayerLayout(16); // 1 MiB
   let kvDir: string;
   let outside: string;
   let good: string;
@@ -230,13 +221,17 @@ describe("confined KV regions (--kv-dir, caps): each refusal costs only that reg
 
   it("a registration above --max-registration-bytes is refused before any file is opened", async () => {
     // 16 MiB of regions, over the 8 MiB cap; the path need not even exist.
-    const err = await refused(join(kvDir, "never-made.kv"), "ERR_REGION_TOO_LARGE", layoutOf(256));
+    const err = await refused(
+      join(kvDir, "never-made.kv"),
+      "ERR_REGION_TOO_LARGE",
+      oneLayerLayout(256),
+    );
     expect(err).toContain("--max-registration-bytes");
   });
 
   it("a registration above the sidecar's --max-kv-bytes is refused", async () => {
     // 6 MiB: under the 8 MiB per-registration cap, over the 4 MiB per-sidecar one.
-    const big = layoutOf(96);
+    const big = oneLayerLayout(96);
     const f = sparseFile(join(kvDir, "six.kv"), big.regionBytes[0]!);
     expect(await refused(f, "ERR_REGION_TOO_LARGE", big)).toContain("--max-kv-bytes");
   });
@@ -285,7 +280,7 @@ describe("KV regions are not pre-faulted unless --prefault true", () => {
     ]);
     sidecars.push(sc);
     await sc.ready;
-    const layout = layoutOf(blocks);
+    const layout = oneLayerLayout(blocks);
     const file = sparseFile(join(dir, "big.kv"), layout.regionBytes[0]!);
     await sleep(300); // let start-up allocations settle
     const before = rssKiB(sc.child.pid!);

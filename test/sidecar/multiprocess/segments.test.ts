@@ -19,9 +19,9 @@ import {
   type Allocated,
   type Registered,
 } from "../../../src/gen/kvxfer/v1/engine_pb.js";
-import { type KvLayout, kvLayout } from "../../../src/plan/index.js";
+import type { KvLayout } from "../../../src/plan/index.js";
 import { kvLayoutToProto } from "../../../src/plan/layout-proto.js";
-import { KvNode, goodTransfer, uniqueId, until } from "./fixtures.js";
+import { KvNode, goodTransfer, oneLayerLayout, uniqueId, until } from "./fixtures.js";
 
 const WAIT = 10_000;
 const log = pino({ level: "silent" });
@@ -50,23 +50,6 @@ function removeSegment(id: number): void {
   } catch {
     // already gone
   }
-}
-
-/** One layer, 8 KV heads x 128, block 16, 16 blocks: 1 MiB in one region per rank. */
-function layoutOf(tpSize = 1): KvLayout {
-  return kvLayout({
-    numLayers: 1,
-    mla: false,
-    totalKvHeads: 8,
-    headDim: 128,
-    dtype: "bfloat16",
-    dtypeBytes: 2,
-    blockSize: 16,
-    numBlocks: 16,
-    order: "HND",
-    tpSize,
-    tpRank: 0,
-  });
 }
 
 /** An engine link of its own: sends AllocateKv and RegisterKvCache, collects the answers. */
@@ -264,7 +247,7 @@ describe("bad allocations and segments: each refusal costs only its message", ()
 
   it("a registration naming a missing segment, or one not owner-only, is refused", async () => {
     const e = new RawEngine(socket);
-    const layout = layoutOf();
+    const layout = oneLayerLayout(16);
     const bytes = layout.regionBytes[0]!;
     try {
       const missing = foreignSegment(4096, 0o600);
@@ -323,7 +306,7 @@ describe("bad allocations and segments: each refusal costs only its message", ()
 
   it("a registration naming its rank's allocation wrongly is refused; the engine then registers", async () => {
     const e = new RawEngine(socket);
-    const layout = layoutOf(2);
+    const layout = oneLayerLayout(16, 2);
     try {
       const r0 = await e.allocate(0, 1, layout.regionBytes);
       const r1 = await e.allocate(1, 2, layout.regionBytes);
