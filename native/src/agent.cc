@@ -441,16 +441,7 @@ Napi::Value AgentWrap::Allocate(const Napi::CallbackInfo& info) {
     }
   }
   // populate: fault every page in now, as mapFile's populate does for a file.
-  if (info.Length() >= 2 && info[1].ToBoolean().Value()) {
-    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-    uintptr_t lo = reinterpret_cast<uintptr_t>(attr.address);
-    uintptr_t start = lo - lo % page;
-#ifdef MADV_POPULATE_WRITE
-    madvise(reinterpret_cast<void*>(start), lo + params.length - start, MADV_POPULATE_WRITE);
-#else
-    (void)start;
-#endif
-  }
+  if (info.Length() >= 2 && info[1].ToBoolean().Value()) PopulateWrite(attr.address, params.length);
   Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
   RegionWrap* region = RegionWrap::Unwrap(obj);
   region->InitAllocated(static_cast<uint8_t*>(attr.address), params.length, memh, segment);

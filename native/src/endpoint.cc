@@ -1,11 +1,9 @@
 #include "endpoint.h"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <string>
 
 #include "agent.h"
+#include "region.h"
 #include "remote_region.h"
 #include "wire.h"
 
@@ -113,15 +111,7 @@ void EndpointWrap::PopulateMapped(ucp_rkey_h rkey, const RemoteBlob& blob) {
   auto lo = reinterpret_cast<uintptr_t>(first);
   auto hi = reinterpret_cast<uintptr_t>(last);
   if (hi < lo || hi - lo != blob.length - 1) return;
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  uintptr_t start = lo - lo % page;
-  // Best effort: a kernel without MADV_POPULATE_WRITE (before 5.14) leaves the faults to the
-  // transfers.
-#ifdef MADV_POPULATE_WRITE
-  madvise(reinterpret_cast<void*>(start), hi + 1 - start, MADV_POPULATE_WRITE);
-#else
-  (void)start;
-#endif
+  PopulateWrite(first, blob.length);
 }
 
 Napi::Value EndpointWrap::Close(const Napi::CallbackInfo& info) {

@@ -1,5 +1,8 @@
 #include "region.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -9,6 +12,17 @@
 #include "wire.h"
 
 namespace kvxfer {
+
+void PopulateWrite(void* addr, size_t length) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(addr);
+  const uintptr_t start = lo - lo % page;
+#ifdef MADV_POPULATE_WRITE
+  madvise(reinterpret_cast<void*>(start), lo + length - start, MADV_POPULATE_WRITE);
+#else
+  (void)start;
+#endif
+}
 
 Napi::Function RegionWrap::Define(Napi::Env env) {
   return DefineClass(env, "Region",

@@ -17,6 +17,11 @@
 
 namespace kvxfer {
 
+// Faults in every page of [addr, addr + length) for writing (MADV_POPULATE_WRITE), so that no
+// transfer takes those page faults. Best effort: a kernel without it (before 5.14) leaves them
+// to the first writes.
+void PopulateWrite(void* addr, size_t length);
+
 // A file mapping (munmap) or an attached SysV segment (shmdt), released with the last holder.
 struct Mapping {
   void* addr = nullptr;

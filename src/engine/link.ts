@@ -17,11 +17,17 @@ import { Dealer, Router } from "zeromq";
 import {
   type EngineToSidecar,
   EngineToSidecarSchema,
+  RankKvCacheSchema,
   RefusedSchema,
+  RegionFileSchema,
+  type RegisterKvCache,
+  RegisterKvCacheSchema,
   type SidecarToEngine,
   SidecarToEngineSchema,
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
+import type { KvLayout } from "../plan/index.js";
+import { kvLayoutToProto } from "../plan/layout-proto.js";
 
 /** Default cap on one received frame. A registration of 8 ranks x 160 files is ~100 KiB. */
 export const DEFAULT_MAX_FRAME_BYTES = 16 << 20;
@@ -717,6 +723,34 @@ export function engineMessage<K extends NonNullable<EngineToSidecar["msg"]["case
   value: Extract<EngineToSidecar["msg"], { case: K }>["value"],
 ): EngineToSidecar {
   return create(EngineToSidecarSchema, { msg: { case: kind, value } as EngineToSidecar["msg"] });
+}
+
+/**
+ * A `RegisterKvCache` for `layout`, whole regions: region `g` of rank `r` is `regions[r][g]`,
+ * a file's path, or the id of a segment the sidecar allocated (`AllocateKv`).
+ */
+export function kvCacheRegistration(
+  engineId: string,
+  layout: KvLayout,
+  regions: readonly (readonly (string | number)[])[],
+): RegisterKvCache {
+  return create(RegisterKvCacheSchema, {
+    engineId,
+    layout: kvLayoutToProto(layout),
+    ranks: regions.map((sources, rank) =>
+      create(RankKvCacheSchema, {
+        rank,
+        regions: sources.map((source, g) =>
+          create(RegionFileSchema, {
+            path: typeof source === "string" ? source : "",
+            offset: 0n,
+            length: BigInt(layout.regionBytes[g]!),
+            ...(typeof source === "number" ? { segment: source } : {}),
+          }),
+        ),
+      }),
+    ),
+  });
 }
 
 /** Wraps one sidecar message for `EngineLinkServer.send`. */

@@ -35,10 +35,6 @@ export class KvAllocations {
     return n;
   }
 
-  get size(): number {
-    return this.byRank.size;
-  }
-
   /**
    * Allocates one rank's regions with a new agent (`makeAgent`), every page faulted in when
    * `populate` (--prefault); replaces (and frees) an earlier

@@ -21,19 +21,20 @@ import { parseArgs } from "node:util";
 import { create, fromJson, type JsonValue } from "@bufbuild/protobuf";
 import { type Logger, pino } from "pino";
 
-import { EngineLinkClient, defaultEngineEndpoint, engineMessage } from "../engine/link.js";
+import {
+  EngineLinkClient,
+  defaultEngineEndpoint,
+  engineMessage,
+  kvCacheRegistration,
+} from "../engine/link.js";
 import {
   AbortSchema,
   EngineToSidecarSchema,
   ExpectKvSchema,
   FailureReason,
   PrefillDoneSchema,
-  RankKvCacheSchema,
-  RegionFileSchema,
   AllocateKvSchema,
-  AllocatedSchema,
   type Allocated,
-  RegisterKvCacheSchema,
   ReleaseReason,
   type SidecarToEngine,
 } from "../gen/kvxfer/v1/engine_pb.js";
@@ -45,7 +46,6 @@ import {
   kvLayout,
   validateKvLayout,
 } from "../plan/index.js";
-import { kvLayoutToProto } from "../plan/layout-proto.js";
 import { fillKv, verifyKv } from "./kv-pattern.js";
 import { prng } from "./prng.js";
 import { stderrSink } from "../sidecar/log-sink.js";
@@ -332,8 +332,8 @@ class SimEngine {
   /** kvMemory "segment": the segment of each (rank, region), as the sidecar allocated it. */
   private readonly segments: number[][] = [];
   /** Waiting for the sidecar's Allocated answer (one rank at a time); a Refused ends it too. */
-  private allocated: ((m: Allocated) => void) | undefined;
-  private allocatingRank = 0;
+  private allocating:
+    { rank: number; settle: (m: Pick<Allocated, "ok" | "error" | "segments">) => void } | undefined;
   private readonly regions: Region[][] = [];
   private readonly memories: Uint8Array[][] = [];
   private agent: Agent | undefined;
@@ -461,33 +461,36 @@ class SimEngine {
   private async attachAllocated(): Promise<void> {
     const L = this.layout;
     for (let rank = 0; rank < L.tpSize; rank++) {
-      this.allocatingRank = rank;
-      const answer = await new Promise<Allocated>((resolve, reject) => {
-        const timer = setTimeout(() => {
-          this.allocated = undefined;
-          reject(
-            new ControlError(
-              "ERR_REGISTER_TIMEOUT",
-              `no sidecar answered AllocateKv at ${this.cfg.socket} within ${this.cfg.registerTimeoutMs} ms`,
-            ),
-          );
-        }, this.cfg.registerTimeoutMs);
-        this.allocated = (m) => {
-          if (m.rank !== rank) return; // an answer to an earlier request
-          clearTimeout(timer);
-          this.allocated = undefined;
-          resolve(m);
-        };
-        const msg = create(AllocateKvSchema, {
-          rank,
-          tpSize: L.tpSize,
-          lengths: L.regionBytes.map((n) => BigInt(n)),
-        });
-        this.link!.send(engineMessage("allocate", msg)).catch((err: unknown) => {
-          clearTimeout(timer);
-          reject(err instanceof Error ? err : new Error(String(err)));
-        });
-      });
+      const answer = await new Promise<Pick<Allocated, "ok" | "error" | "segments">>(
+        (resolve, reject) => {
+          const timer = setTimeout(() => {
+            this.allocating = undefined;
+            reject(
+              new ControlError(
+                "ERR_REGISTER_TIMEOUT",
+                `no sidecar answered AllocateKv at ${this.cfg.socket} within ${this.cfg.registerTimeoutMs} ms`,
+              ),
+            );
+          }, this.cfg.registerTimeoutMs);
+          this.allocating = {
+            rank,
+            settle: (m) => {
+              clearTimeout(timer);
+              this.allocating = undefined;
+              resolve(m);
+            },
+          };
+          const msg = create(AllocateKvSchema, {
+            rank,
+            tpSize: L.tpSize,
+            lengths: L.regionBytes.map((n) => BigInt(n)),
+          });
+          this.link!.send(engineMessage("allocate", msg)).catch((err: unknown) => {
+            clearTimeout(timer);
+            reject(err instanceof Error ? err : new Error(String(err)));
+          });
+        },
+      );
       if (!answer.ok) {
         throw new ControlError(
           "ERR_ALLOCATE_REFUSED",
@@ -506,29 +509,11 @@ class SimEngine {
   private async sendRegister(): Promise<void> {
     this.regGen++;
     const L = this.layout;
-    const msg = create(RegisterKvCacheSchema, {
-      engineId: this.cfg.engineId,
-      layout: kvLayoutToProto(L),
-      ranks: Array.from({ length: L.tpSize }, (_, rank) =>
-        create(RankKvCacheSchema, {
-          rank,
-          regions: L.regionBytes.map((bytes, g) =>
-            this.cfg.kvMemory === "segment"
-              ? create(RegionFileSchema, {
-                  path: "",
-                  offset: 0n,
-                  length: BigInt(bytes),
-                  segment: this.segments[rank]![g]!,
-                })
-              : create(RegionFileSchema, {
-                  path: this.files[rank]![g]!,
-                  offset: 0n,
-                  length: BigInt(bytes),
-                }),
-          ),
-        }),
-      ),
-    });
+    const msg = kvCacheRegistration(
+      this.cfg.engineId,
+      L,
+      this.cfg.kvMemory === "segment" ? this.segments : this.files,
+    );
     await this.link!.send(engineMessage("register", msg));
   }
 
@@ -547,7 +532,8 @@ class SimEngine {
         this.onKvReady(m.value.transferId);
         return;
       case "allocated":
-        this.allocated?.(m.value);
+        // An answer to an earlier request (another rank) is not this one's.
+        if (this.allocating?.rank === m.value.rank) this.allocating.settle(m.value);
         return;
       case "kvFailed": {
         const tid = m.value.transferId;
@@ -569,14 +555,12 @@ class SimEngine {
       case "refused":
         this.counters.refused++;
         // A refusal at the link (e.g. ERR_NOT_OWNER: another engine owns it) answers AllocateKv.
-        if (this.allocated !== undefined && m.value.transferId === "")
-          this.allocated(
-            create(AllocatedSchema, {
-              rank: this.allocatingRank,
-              ok: false,
-              error: `${m.value.code}: ${m.value.message}`,
-            }),
-          );
+        if (m.value.transferId === "")
+          this.allocating?.settle({
+            ok: false,
+            error: `${m.value.code}: ${m.value.message}`,
+            segments: [],
+          });
         this.out({
           event: "refused",
           transferId: m.value.transferId,

@@ -14,19 +14,14 @@ import { pino } from "pino";
 import { afterEach, describe, expect, it } from "vitest";
 import { Dealer } from "zeromq";
 
-import { EngineLinkClient, engineMessage } from "../../src/engine/link.js";
+import { EngineLinkClient, engineMessage, kvCacheRegistration } from "../../src/engine/link.js";
 import {
   AbortSchema,
   ExpectKvSchema,
   PrefillDoneSchema,
-  RankKvCacheSchema,
-  RegionFileSchema,
-  RegisterKvCacheSchema,
   type RegisterKvCache,
   type SidecarToEngine,
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
-import type { KvLayout } from "../../src/plan/index.js";
-import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import { SMALL } from "../sidecar/fakes.js";
 import { SidecarProcess } from "../../src/sim/sidecar-process.js";
 import {
@@ -98,22 +93,7 @@ class RawEngine {
 /** The registration a sim engine sent, rebuilt from its ready event (same files, same layout). */
 function registrationOf(node: KvNode): RegisterKvCache {
   const r = node.engine.ready!;
-  return registration(node.engineId, r.layout, r.files);
-}
-
-function registration(engineId: string, layout: KvLayout, files: string[][]): RegisterKvCache {
-  return create(RegisterKvCacheSchema, {
-    engineId,
-    layout: kvLayoutToProto(layout),
-    ranks: files.map((paths, rank) =>
-      create(RankKvCacheSchema, {
-        rank,
-        regions: paths.map((path, g) =>
-          create(RegionFileSchema, { path, offset: 0n, length: BigInt(layout.regionBytes[g]!) }),
-        ),
-      }),
-    ),
-  });
+  return kvCacheRegistration(node.engineId, r.layout, r.files);
 }
 
 /** KV files for SMALL under `dir` (one set per call, named by `tag`). */
@@ -241,8 +221,8 @@ describe("engine link ownership (multi-process)", () => {
     ]);
     cleanup.push(() => sidecar.close(5000));
     const ready = await sidecar.ready;
-    const mine = registration(engineId, SMALL, kvFiles(dir, "mine"));
-    const theirs = registration(engineId, SMALL, kvFiles(dir, "theirs"));
+    const mine = kvCacheRegistration(engineId, SMALL, kvFiles(dir, "mine"));
+    const theirs = kvCacheRegistration(engineId, SMALL, kvFiles(dir, "theirs"));
 
     const a = new RawEngine(socket);
     cleanup.push(() => a.close());

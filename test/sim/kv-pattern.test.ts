@@ -12,7 +12,7 @@ import {
   validateKvLayout,
 } from "../../src/plan/index.js";
 import { fillKv, kvPatternByte, transferSeed, verifyKv } from "../../src/sim/kv-pattern.js";
-import { scatteredLayout, stridedLayout } from "../plan/cases.js";
+import { llama8b, scatteredLayout, stridedLayout } from "../plan/cases.js";
 import { addressOf, applyPlan, headsOf, rng } from "../plan/reference.js";
 
 interface Model {
@@ -249,12 +249,7 @@ describe("kv pattern through the planner", () => {
   it("fills and verifies a 1000-token Llama-3-8B request (128 MiB) in well under a second", () => {
     const layout = kvLayout(
       {
-        numLayers: 32,
-        mla: false,
-        totalKvHeads: 8,
-        headDim: 128,
-        dtype: "bfloat16",
-        dtypeBytes: 2,
+        ...llama8b,
         blockSize: 16,
         numBlocks: 64,
         order: "HND",

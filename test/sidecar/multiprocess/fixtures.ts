@@ -6,6 +6,7 @@ import { createServer } from "node:net";
 
 import { SidecarClient, type EventWatch } from "../../../src/api/client.js";
 import { type KvLayout, kvLayout } from "../../../src/plan/index.js";
+import { llama8b } from "../../plan/cases.js";
 import { isTerminal } from "../../../src/sidecar/lifecycle.js";
 import type {
   SidecarEvent,
@@ -403,19 +404,63 @@ export async function goodTransfer(
   return verified;
 }
 
-/** One layer, 8 KV heads x 128, bfloat16, block 16: 64 KiB per block (K and V), one region per rank. */
+/** One layer of Llama 3 8B's KV, block 16: 64 KiB per block (K and V), one region per rank. */
 export function oneLayerLayout(numBlocks: number, tpSize = 1): KvLayout {
   return kvLayout({
+    ...llama8b,
     numLayers: 1,
-    mla: false,
-    totalKvHeads: 8,
-    headDim: 128,
-    dtype: "bfloat16",
-    dtypeBytes: 2,
     blockSize: 16,
     numBlocks,
     order: "HND",
     tpSize,
     tpRank: 0,
   });
+}
+
+/**
+ * A node whose sidecar is up while its engine waits to start: tests speak the engine link
+ * (`socket`) to a sidecar no engine has registered with yet, then `start()` the engine.
+ */
+export class HeldNode {
+  private constructor(
+    readonly engineId: string,
+    readonly socket: string,
+    readonly grpc: SidecarClient,
+    private readonly release: () => void,
+    private readonly starting: Promise<KvNode>,
+  ) {}
+
+  static async start(o: NodeOptions & { engineId: string }): Promise<HeldNode> {
+    let socket = "";
+    let grpc: SidecarClient | undefined;
+    let sidecarUp: () => void = () => {};
+    let release: () => void = () => {};
+    const up = new Promise<void>((r) => (sidecarUp = r));
+    const go = new Promise<void>((r) => (release = r));
+    const starting = KvNode.start({
+      ...o,
+      beforeEngine: async (s, ready) => {
+        socket = s;
+        grpc = new SidecarClient(ready.grpc!);
+        sidecarUp();
+        await go;
+      },
+    });
+    starting.catch(() => undefined);
+    await Promise.race([up, starting]);
+    return new HeldNode(o.engineId, socket, grpc!, release, starting);
+  }
+
+  /** Lets the engine start; resolves once it registered. */
+  start(): Promise<KvNode> {
+    this.release();
+    return this.starting;
+  }
+
+  /** Stops the node, started or not. */
+  async close(): Promise<void> {
+    this.release();
+    this.grpc.close();
+    await this.starting.then((n) => n.close()).catch(() => undefined);
+  }
 }

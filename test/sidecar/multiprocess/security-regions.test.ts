@@ -3,7 +3,6 @@
 // size caps, no pre-fault unless asked), overlapping block claims of live transfers refused, and
 // a malformed --tls-ca refused at start-up. Each refusal costs only that message: the same sidecar
 // then registers a good engine and moves KV byte-exact. `npm run build` first.
-import { create } from "@bufbuild/protobuf";
 import { execFileSync } from "node:child_process";
 import {
   chownSync,
@@ -19,19 +18,13 @@ import { join } from "node:path";
 import { pino } from "pino";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
-import { SidecarClient } from "../../../src/api/client.js";
-import { EngineLinkClient, engineMessage } from "../../../src/engine/link.js";
-import {
-  RankKvCacheSchema,
-  RegionFileSchema,
-  RegisterKvCacheSchema,
-  type Registered,
-} from "../../../src/gen/kvxfer/v1/engine_pb.js";
+import { EngineLinkClient, engineMessage, kvCacheRegistration } from "../../../src/engine/link.js";
+import { type Registered } from "../../../src/gen/kvxfer/v1/engine_pb.js";
 import type { KvLayout } from "../../../src/plan/index.js";
-import { kvLayoutToProto } from "../../../src/plan/layout-proto.js";
 import { byteSize, kvDirectory } from "../../../src/cli/sidecar.js";
 import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
 import {
+  HeldNode,
   KvNode,
   goodTransfer,
   oneLayerLayout,
@@ -61,23 +54,7 @@ async function register(
     },
   });
   try {
-    await client.send(
-      engineMessage(
-        "register",
-        create(RegisterKvCacheSchema, {
-          engineId,
-          layout: kvLayoutToProto(layout),
-          ranks: [
-            create(RankKvCacheSchema, {
-              rank: 0,
-              regions: layout.regionBytes.map((n, g) =>
-                create(RegionFileSchema, { path: paths[g]!, offset: 0n, length: BigInt(n) }),
-              ),
-            }),
-          ],
-        }),
-      ),
-    );
+    await client.send(engineMessage("register", kvCacheRegistration(engineId, layout, [paths])));
     await until(() => answer !== undefined, WAIT, `the answer to a registration of ${paths[0]}`);
     return answer!;
   } finally {
@@ -102,46 +79,26 @@ describe("confined KV regions (--kv-dir, caps): each refusal costs only that reg
   let kvDir: string;
   let outside: string;
   let good: string;
-  let p: KvNode | undefined;
   let d: KvNode | undefined;
-  let pSocket = "";
-  let pEngineId = "";
-  let grpc: SidecarClient | undefined;
-  /** Lets the P engine start once every refusal was tried on its sidecar. */
-  let releaseEngine: () => void = () => {};
-  let pStarting: Promise<KvNode> | undefined;
+  /** P's sidecar: its engine starts once every refusal was tried on it. */
+  let held: HeldNode;
 
   beforeAll(async () => {
     kvDir = shmFolder("kvxfer-regions");
     outside = mkdtempSync(join(tmpdir(), "kvxfer-regions-outside-"));
     good = sparseFile(join(kvDir, "good.kv"), small.regionBytes[0]!);
-    pEngineId = uniqueId("p");
-    let sidecarUp: () => void = () => {};
-    const up = new Promise<void>((r) => (sidecarUp = r));
-    const go = new Promise<void>((r) => (releaseEngine = r));
-    pStarting = KvNode.start({
+    held = await HeldNode.start({
       role: "prefill",
-      engineId: pEngineId,
+      engineId: uniqueId("p"),
       mode: "auto",
       sidecarArgs: ["--kv-dir", kvDir, "--max-registration-bytes", "8M", "--max-kv-bytes", "4MiB"],
       engine: { shmDir: kvDir },
-      beforeEngine: async (socket, ready) => {
-        pSocket = socket;
-        grpc = new SidecarClient(ready.grpc!);
-        sidecarUp();
-        await go; // every refusal below runs against this sidecar before its engine registers
-      },
     });
-    pStarting.catch(() => undefined);
-    await Promise.race([up, pStarting]);
     d = await KvNode.start({ role: "decode", mode: "auto" });
   }, 60_000);
 
   afterAll(async () => {
-    releaseEngine();
-    grpc?.close();
-    if (p === undefined) await pStarting?.then((n) => n.close()).catch(() => undefined);
-    await p?.close();
+    await held?.close();
     await d?.close();
     rmSync(kvDir, { recursive: true, force: true });
     rmSync(outside, { recursive: true, force: true });
@@ -149,11 +106,11 @@ describe("confined KV regions (--kv-dir, caps): each refusal costs only that reg
 
   /** Registers `path` as the one region; expects a refusal with `code`, naming the path. */
   async function refused(path: string, code: string, layout: KvLayout = small): Promise<string> {
-    const ans = await register(pSocket, pEngineId, layout, [path]);
+    const ans = await register(held.socket, held.engineId, layout, [path]);
     expect(ans.ok, `registration of ${path}`).toBe(false);
     expect(ans.error.startsWith(`${code}:`), ans.error).toBe(true);
     // The sidecar lives on, and the operator sees the refusal.
-    const status = await grpc!.getStatus();
+    const status = await held.grpc.getStatus();
     expect(status.lastErrors.join("\n")).toContain(code);
     return ans.error;
   }
@@ -237,8 +194,7 @@ describe("confined KV regions (--kv-dir, caps): each refusal costs only that reg
   });
 
   it("after every refusal the same sidecar registers a good engine and moves KV byte-exact", async () => {
-    releaseEngine();
-    p = await pStarting!;
+    const p = await held.start();
     expect(p.engine.ready!.files.flat().every((f) => f.startsWith(kvDir + "/"))).toBe(true);
     const v = await goodTransfer(p, d!, "regions-good");
     expect(v.ok).toBe(true);
@@ -246,7 +202,7 @@ describe("confined KV regions (--kv-dir, caps): each refusal costs only that reg
     await p.allBlocksFree();
     await d!.allBlocksFree();
     // Registered now: a second registration, even a good one, changes nothing.
-    const again = await register(pSocket, pEngineId, small, [good]);
+    const again = await register(held.socket, held.engineId, small, [good]);
     expect(again.error).toMatch(/^ERR_ALREADY_REGISTERED/);
   }, 60_000);
 });

@@ -9,19 +9,14 @@ import { execFileSync } from "node:child_process";
 import { pino } from "pino";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
-import { SidecarClient } from "../../../src/api/client.js";
-import { EngineLinkClient, engineMessage } from "../../../src/engine/link.js";
+import { EngineLinkClient, engineMessage, kvCacheRegistration } from "../../../src/engine/link.js";
 import {
   AllocateKvSchema,
-  RankKvCacheSchema,
-  RegionFileSchema,
-  RegisterKvCacheSchema,
   type Allocated,
   type Registered,
 } from "../../../src/gen/kvxfer/v1/engine_pb.js";
 import type { KvLayout } from "../../../src/plan/index.js";
-import { kvLayoutToProto } from "../../../src/plan/layout-proto.js";
-import { KvNode, goodTransfer, oneLayerLayout, uniqueId, until } from "./fixtures.js";
+import { HeldNode, KvNode, goodTransfer, oneLayerLayout, uniqueId, until } from "./fixtures.js";
 
 const WAIT = 10_000;
 const log = pino({ level: "silent" });
@@ -96,26 +91,7 @@ class RawEngine {
   async register(engineId: string, layout: KvLayout, segments: number[][]): Promise<Registered> {
     const n = this.registered.length;
     await this.client.send(
-      engineMessage(
-        "register",
-        create(RegisterKvCacheSchema, {
-          engineId,
-          layout: kvLayoutToProto(layout),
-          ranks: segments.map((ids, rank) =>
-            create(RankKvCacheSchema, {
-              rank,
-              regions: ids.map((id, g) =>
-                create(RegionFileSchema, {
-                  path: "",
-                  offset: 0n,
-                  length: BigInt(layout.regionBytes[g]!),
-                  segment: id,
-                }),
-              ),
-            }),
-          ),
-        }),
-      ),
+      engineMessage("register", kvCacheRegistration(engineId, layout, segments)),
     );
     await until(() => this.registered.length > n, WAIT, "the answer to RegisterKvCache");
     return this.registered[n]!;
@@ -179,47 +155,31 @@ describe("KV in segments the sidecars allocate (--kv-memory segment)", () => {
 });
 
 describe("bad allocations and segments: each refusal costs only its message", () => {
-  let probe: KvNode | undefined;
-  let probeStarting: Promise<KvNode> | undefined;
+  /** The sidecar under test: its engine starts once every refusal was tried on it. */
+  let held: HeldNode;
   let socket = "";
   let engineId = "";
-  let grpc: SidecarClient | undefined;
-  let releaseEngine: () => void = () => {};
   let d: KvNode | undefined;
   const foreign: number[] = [];
 
   beforeAll(async () => {
-    engineId = uniqueId("p");
-    let sidecarUp: () => void = () => {};
-    const up = new Promise<void>((r) => (sidecarUp = r));
-    const go = new Promise<void>((r) => (releaseEngine = r));
-    probeStarting = KvNode.start({
+    held = await HeldNode.start({
       role: "prefill",
-      engineId,
+      engineId: uniqueId("p"),
       sidecarArgs: ["--max-registration-bytes", "8M"],
       engine: { kvMemory: "segment" },
-      beforeEngine: async (s, ready) => {
-        socket = s;
-        grpc = new SidecarClient(ready.grpc!);
-        sidecarUp();
-        await go; // the refusals below run before the engine registers
-      },
     });
-    probeStarting.catch(() => undefined);
-    await Promise.race([up, probeStarting]);
+    ({ socket, engineId } = held);
   }, 60_000);
 
   afterAll(async () => {
-    releaseEngine();
-    grpc?.close();
-    if (probe === undefined) await probeStarting?.then((n) => n.close()).catch(() => undefined);
-    await probe?.close();
+    await held?.close();
     await d?.close();
     for (const id of foreign) removeSegment(id);
   }, 30_000);
 
   async function lastErrors(): Promise<string> {
-    return (await grpc!.getStatus()).lastErrors.join("\n");
+    return (await held.grpc.getStatus()).lastErrors.join("\n");
   }
 
   it("AllocateKv with a bad rank, TP size or lengths is refused, naming the field", async () => {
@@ -320,8 +280,7 @@ describe("bad allocations and segments: each refusal costs only its message", ()
       await e.close();
     }
     // The sidecar lives on: the real engine allocates, registers and moves KV.
-    releaseEngine();
-    probe = await probeStarting!;
+    const probe = await held.start();
     const ids = probe.engine.ready!.segments.flat();
     expect(ids.length).toBeGreaterThan(0);
     // Another connection cannot allocate once an engine owns the link.
