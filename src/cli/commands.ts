@@ -460,6 +460,12 @@ export const COMMANDS: readonly CommandSpec[] = [
         kind: NON_NEG_INT,
         help: "both sidecars' --spin-us (default: the sidecar's own default)",
       },
+      {
+        name: "kv-memory",
+        kind: choice("file", "segment"),
+        help: "the engines' KV in shared-memory files, or in segments the sidecars allocate (the reference uses the same kind)",
+        def: "file",
+      },
     ],
     async (argv) => {
       (await import("../../bench/e2e.js")).parseE2eArgs(argv);
