@@ -59,7 +59,7 @@ export interface DecodeTransfer {
   /** Set with KvFailed: how the transfer ends once DRAINING is over. */
   outcome: Outcome | undefined;
   readsInFlight: number;
-  /** Push: P's time from PrefillDone to the last XferDone. */
+  /** Push: P's time from PrefillDone to posting its last pair's writes (from the XferDones). */
   sincePrefillDoneMs: number;
   bytes: number;
   descriptors: number;
@@ -126,8 +126,10 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     if (kind === "KV_READY") {
       ctx.toEngine({ case: "kvReady", value: { transferId: t.id } });
       t.trace.mark("engine.kvReady sent");
-      // Prefill done -> ready: for push P reports its side; for pull the router sent
-      // ExpectKv only once prefill was done, so registration stands in for it.
+      // Prefill done -> ready: for push P reports its side up to posting the writes (the data
+      // time itself is not in it: the XferDone is sealed before the writes and travels with
+      // them); for pull the router sent ExpectKv only once prefill was done, so registration
+      // stands in for it.
       const latency = t.mode === "push" ? t.sincePrefillDoneMs : ctx.clock.now() - t.t.registeredMs;
       ctx.metrics()?.transferReady(t.mode, latency, t.bytes, t.descriptors);
       ctx.emit("KV_READY", t.id, peer, "decode", "", t.bytes, t.mode);

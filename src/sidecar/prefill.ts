@@ -393,24 +393,21 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
             "ERR_ABORTED",
             "registration expired, aborted, or peer down before the write",
           );
-        // The XferDone follows only once every write of the pair is remotely complete.
-        const written = await agent.writeParts(ep, parts);
-        const name = `${pair.srcRank}>${pair.dstRank}`;
-        markPairSteps(t.trace, name, [written]);
-        const sent = await agent.notify(
-          ep,
-          ctx.seal(peer, {
-            case: "xferDone",
-            value: {
-              transferId: t.id,
-              srcRank: pair.srcRank,
-              dstRank: pair.dstRank,
-              bytes: BigInt(pair.bytes),
-              sincePrefillDoneMs: Math.max(0, ctx.clock.now() - t.t.prefillDoneMs),
-            },
-          }),
-        );
-        markPairSteps(t.trace, `${name} xferDone`, [sent]);
+        // The pair's XferDone travels in the same native operation as its writes: the addon sends
+        // it once every write is remotely complete (after the flush), and not at all if one
+        // fails. So it is sealed before the writes: its time since PrefillDone is to their posting.
+        const xferDone = ctx.seal(peer, {
+          case: "xferDone",
+          value: {
+            transferId: t.id,
+            srcRank: pair.srcRank,
+            dstRank: pair.dstRank,
+            bytes: BigInt(pair.bytes),
+            sincePrefillDoneMs: Math.max(0, ctx.clock.now() - t.t.prefillDoneMs),
+          },
+        });
+        const written = await agent.writeParts(ep, parts, xferDone);
+        markPairSteps(t.trace, `${pair.srcRank}>${pair.dstRank}`, [written]);
       }),
     );
     t.t.dataDoneMs = ctx.clock.now();

@@ -83,8 +83,11 @@ export class PendingOp {
     this.res = res;
     this.reject = rej;
   });
+  /** `landed` runs first: a notification the operation carries goes out once its data landed. */
+  constructor(private readonly landed?: () => void) {}
   resolve(): void {
-    this.res(opTrace());
+    this.landed?.();
+    this.res(this.landed === undefined ? opTrace() : { ...opTrace(), notifiedUs: 1_000_000 });
   }
 }
 
@@ -124,9 +127,19 @@ export class FakeAgent {
     };
   }
 
-  private op(kind: "write" | "read"): Promise<OpTrace> {
+  /** Called with each notification as it goes out (notify, or a landed writeParts carrying one). */
+  onNotified: (data: Uint8Array) => void = () => undefined;
+
+  private op(kind: "write" | "read", notification?: Uint8Array): Promise<OpTrace> {
     if (this.failToPost) throw Object.assign(new Error("refused"), { code: "ERR_OUT_OF_BOUNDS" });
-    const op = new PendingOp();
+    const op = new PendingOp(
+      notification === undefined
+        ? undefined
+        : () => {
+            this.notified.push(notification);
+            this.onNotified(notification);
+          },
+    );
     this.ops.push({ kind, op });
     if (this.autoLand) op.resolve();
     return op.promise;
@@ -136,10 +149,14 @@ export class FakeAgent {
     return this.op("write");
   }
 
-  /** All of a rank pair's region pairs: one operation, as in the addon. */
-  writeParts(_ep?: unknown, parts?: readonly unknown[]): Promise<OpTrace> {
+  /** All of a rank pair's region pairs and its notification: one operation, as in the addon. */
+  writeParts(
+    _ep?: unknown,
+    parts?: readonly unknown[],
+    notification?: Uint8Array,
+  ): Promise<OpTrace> {
     if (parts !== undefined) this.partCounts.push(parts.length);
-    return this.op("write");
+    return this.op("write", notification);
   }
 
   read(): Promise<OpTrace> {
@@ -150,6 +167,7 @@ export class FakeAgent {
     if (this.notifyFails === "throw") throw new Error("endpoint closed");
     if (this.notifyFails === "reject") return Promise.reject(new Error("UCS_ERR_CANCELED"));
     this.notified.push(data);
+    this.onNotified(data);
     return Promise.resolve({
       ...opTrace(),
       firstPostUs: 0,
@@ -228,8 +246,12 @@ export class FakeWorld {
   /** The refusals' texts, as `code: message`. */
   readonly refusedText: string[] = [];
   readonly toPeer: { peer: string; body: PeerBody }[] = [];
-  /** Notifications a side sealed to post itself (P's XferDone on each pair's endpoint). */
+  /**
+   * Notifications a side sealed to post itself (P's XferDone on each pair's endpoint), in the
+   * order they went out: a pair's XferDone only once its writes landed.
+   */
   readonly sealed: PeerBody[] = [];
+  private readonly sealedBodies = new WeakMap<Uint8Array, PeerBody>();
   readonly events: Recorded[] = [];
   /** Each event's transfer id and peer. */
   readonly eventPeers: string[] = [];
@@ -246,6 +268,10 @@ export class FakeWorld {
   ) {
     const log = pino({ level: "silent" });
     const kv = fakeKv(layout, this.agent);
+    this.agent.onNotified = (data) => {
+      const body = this.sealedBodies.get(data);
+      if (body !== undefined) this.sealed.push(body);
+    };
     this.ctx = {
       clock: this.clock,
       settings: { ...SETTINGS, ...settings },
@@ -258,8 +284,9 @@ export class FakeWorld {
       },
       toPeer: (peer, body) => this.toPeer.push({ peer: peer.engineId, body }),
       seal: (_peer, body) => {
-        this.sealed.push(body);
-        return new Uint8Array(0);
+        const sealed = new Uint8Array(0);
+        this.sealedBodies.set(sealed, body);
+        return sealed;
       },
       emit: (kind, transferId, peer, side, reason) => {
         this.events.push({ kind, transferId, side, reason });

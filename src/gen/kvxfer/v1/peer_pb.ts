@@ -234,7 +234,8 @@ export type XferDone = Message<"kvxfer.v1.XferDone"> & {
   bytes: bigint;
 
   /**
-   * Milliseconds from P's PrefillDone to this message (for D's latency figures).
+   * Milliseconds from P's PrefillDone to P posting this pair's writes (for D's latency figures).
+   * P seals the message then; the same native operation sends it once the writes have landed.
    *
    * @generated from field: uint32 since_prefill_done_ms = 5;
    */
