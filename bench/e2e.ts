@@ -631,7 +631,7 @@ export const E2E_NOTES = [
   "  sidecar: P's engine answered prefill-done -> the router heard KV_READY from D's sidecar over gRPC (performance.now)",
   "  own: the sidecars' ListTransfers timings, P prefillDoneMs -> D readyMs (whole ms); data: dataStartedMs -> dataDoneMs on the moving side",
   "  native (reference): the same plans (same layouts and block ids) moved by the native addon alone over shm, the two sides in two",
-  "    processes and registered shared-memory files as the sidecars; push = each rank pair's WRITEs and notification as one",
+  "    processes and the sidecars' memory kind (shared-memory files, or memory UCX allocates with --kv-memory segment); push = each rank pair's WRITEs and notification as one",
   "    operation until D's process has the notification, pull = READs; no planning",
   "  ratio = sidecar / native (p50 and p99); GB/s = bytes / p50",
   `  p99 only from ${MIN_P99_SAMPLES} samples or more ("-" below; ok/failed counts the samples)`,
