@@ -243,6 +243,12 @@ export const COMMANDS: readonly CommandSpec[] = [
         def: "region-per-layer",
       },
       { name: "shm-dir", kind: STR, arg: "DIR", help: "where the KV files go", def: "/dev/shm" },
+      {
+        name: "kv-memory",
+        kind: choice("file", "segment"),
+        help: "KV in files this engine creates under --shm-dir, or in shared-memory segments the sidecar allocates (AllocateKv)",
+        def: "file",
+      },
       { name: "seed", kind: NON_NEG_INT, help: "block allocation order", def: "random" },
       {
         name: "register-timeout-ms",
@@ -255,6 +261,12 @@ export const COMMANDS: readonly CommandSpec[] = [
         kind: POS_INT,
         help: "sidecar unreachable this long: fail every transfer in flight",
         def: "10000",
+      },
+      {
+        name: "check-after-ms",
+        kind: NON_NEG_INT,
+        help: "decode: check the KV this long after KvReady, not at once",
+        def: "0",
       },
       {
         name: "log-level",

@@ -44,6 +44,11 @@ export interface DemoOptions {
   kvHeads?: number;
   /** Where the engines' KV lives: files they create (default) or segments the sidecars allocate. */
   kvMemory?: "file" | "segment";
+  /**
+   * D's engine checks the KV this long after KvReady (default 0: at once), so that a benchmark
+   * timing what follows KvReady does not time the check's CPU too.
+   */
+  checkAfterMs?: number;
   headDim?: number;
   mode: TransferMode;
   dispatch: "sequential" | "concurrent";
@@ -261,6 +266,7 @@ export type NodeShape = Pick<
   | "layers"
   | "kvHeads"
   | "kvMemory"
+  | "checkAfterMs"
   | "headDim"
   | "mode"
   | "transport"
@@ -332,6 +338,7 @@ export async function startNode(
     ...(o.layers !== undefined ? { layers: o.layers } : {}),
     ...(o.kvHeads !== undefined ? { kvHeads: o.kvHeads } : {}),
     ...(o.kvMemory !== undefined ? { kvMemory: o.kvMemory } : {}),
+    ...(role === "decode" && o.checkAfterMs !== undefined ? { checkAfterMs: o.checkAfterMs } : {}),
     ...(o.headDim !== undefined ? { headDim: o.headDim } : {}),
   };
   const engine = await SimEngineProcess.start(

@@ -33,6 +33,8 @@ export interface SimEngineOptions {
   seed?: number;
   registerTimeoutMs?: number;
   sidecarLostMs?: number;
+  /** Decode: check the KV this long after KvReady (default 0: at once). */
+  checkAfterMs?: number;
   logLevel?: string;
 }
 
@@ -114,6 +116,7 @@ export function simEngineArgs(o: SimEngineOptions): string[] {
   add("--seed", o.seed);
   add("--register-timeout-ms", o.registerTimeoutMs);
   add("--sidecar-lost-ms", o.sidecarLostMs);
+  add("--check-after-ms", o.checkAfterMs);
   add("--log-level", o.logLevel);
   return args;
 }

@@ -83,6 +83,11 @@ export interface SimEngineConfig {
   readonly registerTimeoutMs: number;
   /** Disconnected from the sidecar this long: fail every transfer in flight (it is gone). */
   readonly sidecarLostMs: number;
+  /**
+   * Decode: check the KV this long after KvReady instead of at once (0). A benchmark that times
+   * the hops after KvReady sets it, so that the check's CPU does not compete with them.
+   */
+  readonly checkAfterMs: number;
   readonly logLevel: string;
 }
 
@@ -101,6 +106,7 @@ export const SIM_ENGINE_USAGE = `usage: kvxfer sim-engine --engine-id ID --role 
   --seed N                block allocation order (default random)
   --register-timeout-ms N how long to wait for Registered (default 10000)
   --sidecar-lost-ms N     sidecar unreachable this long: fail every transfer in flight (default 10000)
+  --check-after-ms N      decode: check the KV N ms after KvReady, not at once (default 0)
   --log-level LEVEL       pino level for stderr logs (default warn)
 Control: JSON lines on stdin; replies and events on stdout (docs/engine-link.md).`;
 
@@ -141,6 +147,7 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
       seed: { type: "string" },
       "register-timeout-ms": { type: "string" },
       "sidecar-lost-ms": { type: "string" },
+      "check-after-ms": { type: "string" },
       "log-level": { type: "string" },
     },
   });
@@ -208,6 +215,7 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
     seed: intFlag(values.seed, "seed", Math.floor(Math.random() * 2 ** 31), 0),
     registerTimeoutMs: intFlag(values["register-timeout-ms"], "register-timeout-ms", 10_000),
     sidecarLostMs: intFlag(values["sidecar-lost-ms"], "sidecar-lost-ms", 10_000),
+    checkAfterMs: intFlag(values["check-after-ms"], "check-after-ms", 0, 0),
     logLevel: values["log-level"] ?? "warn",
   };
 }
@@ -350,6 +358,8 @@ class SimEngine {
   /** Re-registrations refused as ERR_ALREADY_REGISTERED by the same sidecar, in a row. */
   private alreadyRetries = 0;
   private lostTimer: NodeJS.Timeout | undefined;
+  /** Checks of KV waiting for --check-after-ms (cleared at stop). */
+  private readonly checks = new Set<NodeJS.Timeout>();
   private stopping: Promise<void> | undefined;
   private readonly counters = {
     verified: 0,
@@ -529,7 +539,16 @@ class SimEngine {
         this.reRegisteringSince = 0;
         return;
       case "kvReady":
-        this.onKvReady(m.value.transferId);
+        if (this.cfg.checkAfterMs === 0) {
+          this.onKvReady(m.value.transferId);
+        } else {
+          const transferId = m.value.transferId;
+          const timer = setTimeout(() => {
+            this.checks.delete(timer);
+            if (!this.stopping) this.onKvReady(transferId);
+          }, this.cfg.checkAfterMs);
+          this.checks.add(timer);
+        }
         return;
       case "allocated":
         // An answer to an earlier request (another rank) is not this one's.
@@ -960,6 +979,9 @@ class SimEngine {
     this.stopping ??= (async () => {
       this.registered = undefined;
       clearTimeout(this.lostTimer);
+      // A delayed check must not read the KV once it is unmapped.
+      for (const timer of this.checks) clearTimeout(timer);
+      this.checks.clear();
       await this.link?.close(1000);
       for (const regions of this.regions) for (const r of regions) r.close();
       this.agent?.close();

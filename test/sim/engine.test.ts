@@ -408,6 +408,37 @@ describe("simulated engine", () => {
     expect(await p.stats()).toMatchObject({ transfers: 1, freeBlocks: 12 - 5 });
   });
 
+  it("--check-after-ms: D checks the KV that long after KvReady, not at once; a stop with a check pending exits cleanly", async () => {
+    const side = await sidecar("dlate");
+    const d = await engine(side, {
+      engineId: "dlate",
+      role: "decode",
+      block: 16,
+      blocks: 8,
+      checkAfterMs: 400,
+    });
+    const D: KvLayout = d.ready!.layout;
+    const mem = mapEngine(d);
+    // KvReady first, the KV written only then: a check at once would find none of it.
+    const a = await d.expect({ transferId: "late1", tokens: 40, source: SIDE_CHANNEL });
+    await side.send(sidecarMessage("kvReady", create(KvReadySchema, { transferId: "late1" })));
+    fillKv(D, 0, mem[0]!, "late1", a.blockIds, 0, 40);
+    expect(await d.waitTransfer("late1", "verified", WAIT)).toMatchObject({
+      ok: true,
+      mismatches: 0,
+    });
+    expectAllFree(await d.stats());
+    // A check still waiting when the engine stops is dropped: no read of unmapped KV, exit 143.
+    await d.expect({ transferId: "late2", tokens: 40, source: SIDE_CHANNEL });
+    await side.send(sidecarMessage("kvReady", create(KvReadySchema, { transferId: "late2" })));
+    const files = d.ready!.files.flat();
+    for (const r of regions.splice(0)) r.close();
+    d.kill("SIGTERM");
+    expect(await d.waitExit(WAIT)).toBe(143);
+    expect(d.events.some((e) => e.transferId === "late2" && e.event === "verified")).toBe(false);
+    for (const f of files) expect(existsSync(f)).toBe(false);
+  });
+
   it("registers again when a restarted sidecar answers ERR_NOT_REGISTERED", async () => {
     const side = await sidecar("p3");
     const p = await engine(side, { engineId: "p3", role: "both", blocks: 4 });
