@@ -23,6 +23,8 @@ _ENGINE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 #:   shared-memory mirror holds the blocks that move: P copies device -> host after
 #:   prefill, D copies host -> device once the KV has landed.
 PLACEMENTS = ("shared", "host_buffer")
+#: Where the shared KV lives (``kv_memory``): files the sidecar maps, or segments it allocates.
+KV_MEMORY = ("file", "segment")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class ConnectorConfig:
     #: Folder for the shared-memory KV files (the sidecar maps them from there).
     shm_dir: str
     placement: str
+    #: Where the shared KV lives: ``file`` (files under shm_dir the sidecar maps) or ``segment``
+    #: (segments the sidecar allocates: plain copies between two sidecars of one host).
+    kv_memory: str
     #: Bound on waiting for the sidecar's ``Registered`` at start-up.
     register_timeout_s: float
     #: After the sidecar connection drops, how long to wait for it to come back before
@@ -49,6 +54,7 @@ _KEYS = {
     "engine_socket",
     "shm_dir",
     "placement",
+    "kv_memory",
     "register_timeout_s",
     "sidecar_lost_timeout_s",
     "advertise",
@@ -100,6 +106,9 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
     shm_dir = extra.get("shm_dir", "/dev/shm")
     if not isinstance(shm_dir, str) or not os.path.isdir(shm_dir):
         raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.shm_dir {shm_dir!r} is not a folder")
+    kv_memory = extra.get("kv_memory", "file")
+    if kv_memory not in KV_MEMORY:
+        raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.kv_memory must be one of {KV_MEMORY}, got {kv_memory!r}")
     advertise = extra.get("advertise", "")
     if not isinstance(advertise, str) or (advertise and not re.match(r"^[^:\s]+:\d{1,5}$", advertise)):
         raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.advertise must be 'host:port', got {advertise!r}")
@@ -108,6 +117,7 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
         engine_socket=socket,
         shm_dir=shm_dir,
         placement=placement,
+        kv_memory=kv_memory,
         register_timeout_s=_number(extra, "register_timeout_s", 60.0, 0.1, 3600.0),
         sidecar_lost_timeout_s=_number(extra, "sidecar_lost_timeout_s", 10.0, 0.1, 3600.0),
         advertise=advertise,

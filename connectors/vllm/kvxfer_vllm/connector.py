@@ -38,7 +38,7 @@ from .layout import describe, expand_block_ids, packing_of
 from .messages import StepMessages
 from .registration import region_files, registration, tensor_views
 from .scheduler import SchedulerLogic
-from .shm import HostBuffer, SharedKvFiles
+from .shm import HostBuffer, SharedKv, SharedKvFiles, SharedKvSegments
 from .versions import check_vllm_version
 from .worker import WorkerLogic
 
@@ -129,7 +129,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self.tp_size = pc.tensor_parallel_size
         self.scheduler: SchedulerLogic | None = None
         self.worker: WorkerLogic | None = None
-        self._files: SharedKvFiles | None = None
+        self._files: SharedKv | None = None
         self._host: HostBuffer | None = None
         self._rank = 0
         self._blocks_per_block = 1
@@ -155,13 +155,25 @@ class KvxferConnector(KVConnectorBase_V1):
         if self.cfg.placement != "shared":
             return None
         self._rank = self._tp_rank()
-        self._files = SharedKvFiles(self.cfg.shm_dir, self.cfg.engine_id, self._rank)
+        self._files = self._shared_kv()
         return self._files.placement()
+
+    def _shared_kv(self) -> SharedKv:
+        if self.cfg.kv_memory == "segment":
+            return SharedKvSegments(
+                self.cfg.engine_socket,
+                self.cfg.engine_id,
+                self._rank,
+                self.tp_size,
+                timeout_s=self.cfg.register_timeout_s,
+                max_frame_bytes=self.cfg.max_frame_bytes,
+            )
+        return SharedKvFiles(self.cfg.shm_dir, self.cfg.engine_id, self._rank)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._rank = self._tp_rank()
         if self._files is None:
-            self._files = SharedKvFiles(self.cfg.shm_dir, self.cfg.engine_id, self._rank)
+            self._files = self._shared_kv()
         if self.cfg.placement == "host_buffer":
             self._host = HostBuffer(self._files)
             described_tensors = self._host.mirror(kv_caches)
@@ -182,7 +194,8 @@ class KvxferConnector(KVConnectorBase_V1):
         log.info(
             "kvxfer: KV cache of %d layers, %s, block %d, head/token stride %d/%d, %d region(s) in %s",
             described.layout.num_layers, described.layout.dtype, described.layout.block_size,
-            described.layout.head_stride, described.layout.token_stride, len(self._files.files), self.cfg.shm_dir,
+            described.layout.head_stride, described.layout.token_stride, len(self._files.files),
+            "segments the sidecar allocated" if self.cfg.kv_memory == "segment" else self.cfg.shm_dir,
         )
         every_rank = self._gather(region_files(self._files))
         if self._rank != 0:
@@ -214,7 +227,7 @@ class KvxferConnector(KVConnectorBase_V1):
             raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"layers use several attention backends {sorted(names)}")
         return names.pop()
 
-    def _gather(self, mine: list[tuple[str, int, int]]) -> list[list[tuple[str, int, int]]]:
+    def _gather(self, mine: list[tuple[str, int, int, int]]) -> list[list[tuple[str, int, int, int]]]:
         """Every rank's region files, in rank order (rank 0 registers them all)."""
         if self.tp_size == 1:
             return [mine]

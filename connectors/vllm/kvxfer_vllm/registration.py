@@ -10,10 +10,10 @@ import torch
 
 from ._gen.kvxfer.v1 import engine_pb2
 from .layout import DescribedLayout, TensorView
-from .shm import SharedKvFiles
+from .shm import SharedKv
 
 
-def tensor_views(kv_caches: dict[str, torch.Tensor], files: SharedKvFiles) -> list[TensorView]:
+def tensor_views(kv_caches: dict[str, torch.Tensor], files: SharedKv) -> list[TensorView]:
     """Each tensor as numbers, placed in the shared-memory file that holds it (LayoutError if none)."""
     views = []
     for name, t in kv_caches.items():
@@ -32,13 +32,14 @@ def tensor_views(kv_caches: dict[str, torch.Tensor], files: SharedKvFiles) -> li
     return views
 
 
-def region_files(files: SharedKvFiles) -> list[tuple[str, int, int]]:
-    """This rank's regions as (path, offset, length), in region order (what rank 0 gathers)."""
-    return [(f.path, 0, f.nbytes) for f in files.files]
+def region_files(files: SharedKv) -> list[tuple[str, int, int, int]]:
+    """This rank's regions as (path, offset, length, segment or -1), in region order (what rank 0
+    gathers)."""
+    return [(f.path, 0, f.nbytes, -1 if f.segment is None else f.segment) for f in files.files]
 
 
 def registration(
-    engine_id: str, described: DescribedLayout, every_rank: list[list[tuple[str, int, int]]]
+    engine_id: str, described: DescribedLayout, every_rank: list[list[tuple[str, int, int, int]]]
 ) -> engine_pb2.RegisterKvCache:
     layout = engine_pb2.RegisterKvCache(engine_id=engine_id)
     layout.layout.CopyFrom(described.layout)
@@ -46,7 +47,13 @@ def registration(
     for rank, files in enumerate(every_rank):
         layout.ranks.append(
             engine_pb2.RankKvCache(
-                rank=rank, regions=[engine_pb2.RegionFile(path=p, offset=o, length=n) for p, o, n in files]
+                rank=rank, regions=[_region(*f) for f in files]
             )
         )
     return layout
+
+
+def _region(path: str, offset: int, length: int, segment: int = -1) -> engine_pb2.RegionFile:
+    if segment >= 0:
+        return engine_pb2.RegionFile(length=length, segment=segment)
+    return engine_pb2.RegionFile(path=path, offset=offset, length=length)

@@ -1,4 +1,6 @@
-"""An engine rank's KV cache in shared-memory files the sidecar maps by path.
+"""An engine rank's KV cache in shared memory the sidecar moves: files it maps by path
+(``SharedKvFiles``, kv_memory ``file``), or segments it allocates (``SharedKvSegments``,
+kv_memory ``segment``).
 
 ``SharedKvFiles.placement()`` is a context manager that vLLM runs its KV cache
 allocation inside (``get_mem_pool_context``): it catches the one flat
@@ -9,22 +11,32 @@ when the engine exits: by ``close`` (the connector's shutdown, and an ``atexit``
 hook), and, because vLLM force-kills its workers at shutdown (and an OOM kill
 runs no Python at all), by a small watcher process that removes the file once
 the process that made it is gone.
+
+``SharedKvSegments`` asks the sidecar to allocate the rank's KV (``AllocateKv`` on the engine
+link): UCX allocates it as a SysV segment, already marked for removal, mode 0600, which the engine
+attaches. UCX then moves it with plain copies between two sidecars of one host, instead of a
+system call per operation (docs/engine-link.md, "KV the sidecar allocates"). Nothing is left
+behind however the engine exits: the segment goes when the sidecar and the engine have detached.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import subprocess
+import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import LayoutError
+from ._gen.kvxfer.v1 import engine_pb2
+from .errors import LayoutError, RegistrationError
+from .link import DEFAULT_MAX_FRAME_BYTES, EngineLink
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +47,27 @@ MIN_SHARED_BYTES = 1 << 16
 
 @dataclass
 class SharedKvFile:
+    #: The file's path; "" for a segment.
     path: str
     nbytes: int
     base: int
     tensor: torch.Tensor
+    #: The SysV segment id of a region the sidecar allocated; None for a file.
+    segment: int | None = None
+
+
+class SharedKv(Protocol):
+    """What the connector needs of an engine rank's shared KV memory, files or segments."""
+
+    files: list[SharedKvFile]
+
+    def allocate(self, nbytes: int) -> torch.Tensor: ...
+
+    def placement(self) -> AbstractContextManager[Any]: ...
+
+    def locate(self, tensor: torch.Tensor) -> tuple[int, int]: ...
+
+    def close(self) -> None: ...
 
 
 class SharedKvFiles:
@@ -77,15 +106,7 @@ class SharedKvFiles:
 
     def locate(self, tensor: torch.Tensor) -> tuple[int, int]:
         """(file index, byte offset) of a tensor's first element; LayoutError when it is in none."""
-        ptr = tensor.data_ptr()
-        for i, f in enumerate(self.files):
-            if f.base <= ptr < f.base + f.nbytes:
-                return i, ptr - f.base
-        raise LayoutError(
-            "ERR_NOT_SHARED",
-            "a KV cache tensor is not in kvxfer's shared memory: vLLM did not allocate its KV cache "
-            "through the connector's allocation context (get_mem_pool_context)",
-        )
+        return _locate(self.files, tensor)
 
     def close(self) -> None:
         """Removes the files (idempotent). Mappings stay valid for tensors still alive."""
@@ -98,6 +119,173 @@ class SharedKvFiles:
             except FileNotFoundError:
                 pass
         atexit.unregister(self.close)
+
+
+def _locate(files: list[SharedKvFile], tensor: torch.Tensor) -> tuple[int, int]:
+    ptr = tensor.data_ptr()
+    for i, f in enumerate(files):
+        if f.base <= ptr < f.base + f.nbytes:
+            return i, ptr - f.base
+    raise LayoutError(
+        "ERR_NOT_SHARED",
+        "a KV cache tensor is not in kvxfer's shared memory: vLLM did not allocate its KV cache "
+        "through the connector's allocation context (get_mem_pool_context)",
+    )
+
+
+class SharedKvSegments:
+    """The KV of one engine rank in a segment its sidecar allocates (kv_memory ``segment``).
+
+    ``allocate`` sends ``AllocateKv`` for the rank on a connection of its own, waits (bounded) for
+    ``Allocated``, and attaches the segment. The connection stays open until ``close``: the sidecar
+    frees an allocation no registration has taken when the connection that asked ends, and with
+    TP > 1 rank 0 registers every rank's segments later. One allocation per rank: ``AllocateKv``
+    names all of a rank's regions at once, and vLLM allocates a rank's KV cache as one tensor.
+    """
+
+    def __init__(
+        self,
+        engine_socket: str,
+        engine_id: str,
+        rank: int,
+        tp_size: int,
+        *,
+        timeout_s: float = 60.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.engine_socket = engine_socket
+        self.engine_id = engine_id
+        self.rank = rank
+        self.tp_size = tp_size
+        self.timeout_s = timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.files: list[SharedKvFile] = []
+        self._link: EngineLink | None = None
+        self._closed = False
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A zeroed int8 tensor of ``nbytes`` in a segment the sidecar allocated for this rank."""
+        if self._closed:
+            raise LayoutError("ERR_CLOSED", "shared KV segments already closed")
+        if self.files:
+            raise LayoutError(
+                "ERR_LAYOUT_UNSUPPORTED",
+                f"kv_memory 'segment' holds one KV allocation per rank, and rank {self.rank} asked for "
+                f"a second ({nbytes} bytes): use kv_memory 'file'",
+            )
+        segment = self._ask(nbytes)
+        base = _attach(segment, nbytes)
+        tensor = torch.frombuffer((ctypes.c_int8 * nbytes).from_address(base), dtype=torch.int8)
+        self.files.append(SharedKvFile("", nbytes, base, tensor, segment))
+        log.info("kvxfer: KV cache region in segment %d (%d bytes), allocated by the sidecar", segment, nbytes)
+        return tensor
+
+    def _ask(self, nbytes: int) -> int:
+        answer: list[engine_pb2.Allocated | engine_pb2.Refused] = []
+        done = threading.Event()
+
+        def on_message(msg: engine_pb2.SidecarToEngine) -> None:
+            kind = msg.WhichOneof("msg")
+            if kind == "allocated" and msg.allocated.rank == self.rank:
+                answer.append(msg.allocated)
+                done.set()
+            elif kind == "refused":
+                answer.append(msg.refused)
+                done.set()
+
+        self._link = EngineLink(self.engine_socket, on_message, None, self.max_frame_bytes)
+        self._link.start()
+        self._link.send(
+            engine_pb2.EngineToSidecar(
+                allocate=engine_pb2.AllocateKv(rank=self.rank, lengths=[nbytes], tp_size=self.tp_size)
+            )
+        )
+        if not done.wait(self.timeout_s):
+            raise RegistrationError(
+                "ERR_ALLOCATE_TIMEOUT",
+                f"no kvxfer sidecar answered AllocateKv on {self.engine_socket} within {self.timeout_s:g} s: "
+                f"start `kvxfer sidecar --engine-id {self.engine_id}` with that --engine-socket",
+            )
+        a = answer[0]
+        if isinstance(a, engine_pb2.Refused):
+            raise RegistrationError("ERR_ALLOCATE_REFUSED", f"the sidecar refused AllocateKv: {a.code}: {a.message}")
+        if not a.ok:
+            raise RegistrationError("ERR_ALLOCATE_REFUSED", f"the sidecar refused AllocateKv: {a.error}")
+        if len(a.segments) != 1:
+            raise RegistrationError(
+                "ERR_ALLOCATE_REFUSED", f"the sidecar answered {len(a.segments)} segments for one region"
+            )
+        return int(a.segments[0])
+
+    def placement(self) -> AbstractContextManager[Any]:
+        """Inside it, the large 1-D int8 CPU ``torch.zeros`` allocation comes from a segment."""
+        return _PlaceInSharedMemory(self)
+
+    def locate(self, tensor: torch.Tensor) -> tuple[int, int]:
+        """(region index, byte offset) of a tensor's first element; LayoutError when it is in none."""
+        return _locate(self.files, tensor)
+
+    def close(self) -> None:
+        """Closes the allocation's connection (idempotent). The segments stay attached while the
+        process lives, for tensors still alive; ``detach`` drops them once none is used."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._link is not None:
+            self._link.close()
+
+    def detach(self) -> None:
+        """Detaches every segment: no tensor of them may be touched afterwards (tests)."""
+        self.close()
+        for f in self.files:
+            _libc().shmdt(ctypes.c_void_p(f.base))
+        self.files.clear()
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        libc.shmdt.restype = ctypes.c_int
+        libc.shmdt.argtypes = [ctypes.c_void_p]
+        _LIBC = libc
+    return _LIBC
+
+
+def _segment_info(segment: int) -> tuple[int, int, int] | None:
+    """(mode, size, uid) of a SysV segment, from /proc/sysvipc/shm; None when there is none."""
+    with open("/proc/sysvipc/shm", encoding="ascii") as f:
+        header = f.readline().split()
+        for line in f:
+            row = dict(zip(header, line.split()))
+            if int(row["shmid"]) == segment:
+                return int(row["perms"], 8), int(row["size"]), int(row["uid"])
+    return None
+
+
+def _attach(segment: int, nbytes: int) -> int:
+    """Attaches the sidecar's segment after checking it is this user's, owner-only and big enough."""
+    info = _segment_info(segment)
+    if info is None:
+        raise RegistrationError("ERR_NO_SUCH_SEGMENT", f"the sidecar answered segment {segment}, which does not exist")
+    mode, size, uid = info
+    if uid != os.geteuid() or mode & 0o077:
+        raise RegistrationError(
+            "ERR_SEGMENT_PERMISSIONS",
+            f"segment {segment} is mode {mode:o} of uid {uid}: the KV must be owner-only (0600) and this user's",
+        )
+    if size < nbytes:
+        raise RegistrationError("ERR_SEGMENT", f"segment {segment} has {size} bytes, the KV needs {nbytes}")
+    addr = _libc().shmat(segment, None, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise RegistrationError("ERR_SEGMENT", f"cannot attach segment {segment}: {os.strerror(err)}")
+    return int(addr)
 
 
 #: Polls the owner every half second; exits as soon as it has removed the file. Started in the
@@ -118,7 +306,7 @@ def _remove_when_gone(pid: int, path: str) -> None:
 
 
 class _PlaceInSharedMemory(TorchFunctionMode):
-    def __init__(self, files: SharedKvFiles) -> None:
+    def __init__(self, files: SharedKv) -> None:
         super().__init__()
         self.files = files
 
@@ -151,7 +339,7 @@ class HostBuffer:
     device -> mirror on P before the sidecar reads them, mirror -> device on D once the
     sidecar says they landed."""
 
-    def __init__(self, files: SharedKvFiles) -> None:
+    def __init__(self, files: SharedKv) -> None:
         self.files = files
         self.device: dict[str, torch.Tensor] = {}
         self.host: dict[str, torch.Tensor] = {}

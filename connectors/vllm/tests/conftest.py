@@ -6,15 +6,20 @@ after it (``leftovers`` checks).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvxfer_vllm.harness import REPO, Proc, SidecarProc, _group_alive
+from kvxfer_vllm.harness import REPO, EngineSpec, PdRouter, Proc, SidecarProc, VllmServer, _group_alive
+from kvxfer_vllm.tiny_model import make_tiny_model
 
 _ids = itertools.count()
 
@@ -87,3 +92,45 @@ def stop_deployment(front: list[Proc], sidecars: list[SidecarProc], shm: Path) -
     assert not left_files, f"shared-memory files left behind: {left_files}"
     for sc in sidecars:
         assert not os.path.exists(sc.socket.removeprefix("ipc://")), f"{sc.socket} left behind"
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids made from ``seed`` (no two seeds share a prefix: no prefix-cache hit)."""
+    return [3 + (i * 7919 + seed * 104729) % 500 for i in range(n)]
+
+
+@dataclass
+class Deployment:
+    """Two real vLLM engines (P on core 0, D on core 1), each with its sidecar, and a P/D router."""
+
+    p: VllmServer
+    d: VllmServer
+    p_sc: SidecarProc
+    d_sc: SidecarProc
+    router: PdRouter
+    work: Path
+    shm: Path
+
+
+@contextlib.contextmanager
+def pd_deployment(work: Path, block: int, extra: dict[str, Any]) -> Iterator[Deployment]:
+    """Starts a P/D deployment of a tiny model made here, with ``extra`` kv_connector_extra_config;
+    stops it at the end and checks it left nothing (``stop_deployment``)."""
+    model = make_tiny_model(str(work / "model"))
+    shm = Path("/dev/shm") / unique("kvxfer-e2e")
+    shm.mkdir()
+    p_sc = SidecarProc(unique("p"), "prefill", f"ipc:///tmp/{unique('kvxfer-e2e')}.sock", work)
+    d_sc = SidecarProc(unique("d"), "decode", f"ipc:///tmp/{unique('kvxfer-e2e')}.sock", work)
+    extra = {"sidecar_lost_timeout_s": 2.0, "register_timeout_s": 300.0, **extra}
+    p = VllmServer(EngineSpec(model, p_sc.engine_id, p_sc.socket, str(shm), block_size=block, cores="0", extra=extra), work)
+    d = VllmServer(EngineSpec(model, d_sc.engine_id, d_sc.socket, str(shm), block_size=block, cores="1", extra=extra), work)
+    dep = None
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        dep = Deployment(p, d, p_sc, d_sc, PdRouter(p, d, p_sc.side_channel), work, shm)
+        yield dep
+    finally:
+        # Tests may replace a sidecar (a restart): stop the current ones and the originals.
+        sidecars = {id(s): s for s in (p_sc, d_sc, *((dep.p_sc, dep.d_sc) if dep else ()))}.values()
+        stop_deployment([p, d], list(sidecars), shm)

@@ -17,7 +17,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvxfer_vllm.layout import describe
 from kvxfer_vllm.registration import region_files, registration, tensor_views
-from kvxfer_vllm.shm import HostBuffer, SharedKvFiles
+from kvxfer_vllm.shm import HostBuffer, SharedKv, SharedKvFiles, SharedKvSegments
 from kvxfer_vllm.worker import WorkerLogic
 
 #: backend name -> (packing, vLLM layout its kernels read)
@@ -39,10 +39,12 @@ class Model:
 
 
 class KvEngine:
-    """All TP ranks of one engine: per rank, one shared file holding every layer's KV."""
+    """All TP ranks of one engine: per rank, one shared file (or, ``kv_memory="segment"``, one
+    segment its sidecar on ``socket`` allocates) holding every layer's KV."""
 
     def __init__(self, shm_dir: str, engine_id: str, *, backend: str, tp: int, block_size: int,
-                 num_blocks: int, model: Model = Model(), host_buffer: bool = False) -> None:
+                 num_blocks: int, model: Model = Model(), host_buffer: bool = False,
+                 kv_memory: str = "file", socket: str | None = None) -> None:
         self.engine_id = engine_id
         self.packing, layout = BACKENDS[backend]
         mla = self.packing == "latent"
@@ -54,13 +56,18 @@ class KvEngine:
         page = spec.page_size_bytes
         names = [f"model.layers.{i}.self_attn.attn" for i in range(model.layers)]
         size = page * num_blocks * model.layers
-        self.files: list[SharedKvFiles] = []
+        self.files: list[SharedKv] = []
         #: The engine's own KV per rank (device memory in host-buffer mode; here plain memory).
         self.ranks: list[dict[str, torch.Tensor]] = []
         #: host_buffer placement: the shared mirror per rank, copied to and from ``ranks``.
         self.hosts: list[HostBuffer] = []
         for rank in range(tp):
-            files = SharedKvFiles(shm_dir, engine_id, rank)
+            files: SharedKv
+            if kv_memory == "segment":
+                assert socket is not None, "segments come from a sidecar: give its socket"
+                files = SharedKvSegments(socket, engine_id, rank, tp, timeout_s=20.0)
+            else:
+                files = SharedKvFiles(shm_dir, engine_id, rank)
             if host_buffer:
                 raw = torch.zeros(size, dtype=torch.int8)
             else:
@@ -121,4 +128,5 @@ class KvEngine:
         if self.worker is not None:
             self.worker.close()
         for f in self.files:
-            f.close()
+            # Segments: detached here, the engine's tensors are not touched after close.
+            f.detach() if isinstance(f, SharedKvSegments) else f.close()

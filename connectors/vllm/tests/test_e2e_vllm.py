@@ -11,55 +11,20 @@ shared-memory file is left.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from conftest import stop_deployment, unique, wait_for
+from conftest import Deployment, pd_deployment, prompt, unique, wait_for
 
-from kvxfer_vllm.harness import EngineSpec, PdRouter, SidecarProc, VllmServer, output_ids
-from kvxfer_vllm.tiny_model import make_tiny_model
+from kvxfer_vllm.harness import PdRouter, SidecarProc, VllmServer, output_ids
 
 BLOCK = 32
 MAX_TOKENS = 16
 
 
-@dataclass
-class Deployment:
-    p: VllmServer
-    d: VllmServer
-    p_sc: SidecarProc
-    d_sc: SidecarProc
-    router: PdRouter
-    work: Path
-    shm: Path
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return [3 + (i * 7919 + seed * 104729) % 500 for i in range(n)]
-
-
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    work = tmp_path_factory.mktemp("e2e")
-    model = make_tiny_model(str(work / "model"))
-    shm = Path("/dev/shm") / unique("kvxfer-e2e")
-    shm.mkdir()
-    p_sc = SidecarProc(unique("p"), "prefill", f"ipc:///tmp/{unique('kvxfer-e2e')}.sock", work)
-    d_sc = SidecarProc(unique("d"), "decode", f"ipc:///tmp/{unique('kvxfer-e2e')}.sock", work)
-    extra = {"sidecar_lost_timeout_s": 2.0, "register_timeout_s": 300.0}
-    p = VllmServer(EngineSpec(model, p_sc.engine_id, p_sc.socket, str(shm), block_size=BLOCK, cores="0", extra=extra), work)
-    d = VllmServer(EngineSpec(model, d_sc.engine_id, d_sc.socket, str(shm), block_size=BLOCK, cores="1", extra=extra), work)
-    dep = None
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        dep = Deployment(p, d, p_sc, d_sc, PdRouter(p, d, p_sc.side_channel), work, shm)
+    with pd_deployment(tmp_path_factory.mktemp("e2e"), BLOCK, {}) as dep:
         yield dep
-    finally:
-        # Tests may replace a sidecar (a restart): stop the current ones and the originals.
-        sidecars = {id(s): s for s in (p_sc, d_sc, *((dep.p_sc, dep.d_sc) if dep else ()))}.values()
-        stop_deployment([p, d], list(sidecars), shm)
 
 
 def reference(pd: Deployment, ids: list[int]) -> list[int]:

@@ -100,8 +100,11 @@ def test_config_refusals_name_the_key():
         load_config("p0", {"placement": "shared"}, "cuda")
     with pytest.raises(ConfigError, match="register_timeout_s"):
         load_config("p0", {"register_timeout_s": "5"}, "cpu")
+    with pytest.raises(ConfigError, match=r"kv_memory must be one of \('file', 'segment'\), got 'sysv'"):
+        load_config("p0", {"kv_memory": "sysv"}, "cpu")
     c = load_config("p0", {}, "cpu")
-    assert (c.placement, c.engine_socket) == ("shared", "ipc:///tmp/kvxfer-p0.sock")
+    assert (c.placement, c.engine_socket, c.kv_memory) == ("shared", "ipc:///tmp/kvxfer-p0.sock", "file")
+    assert load_config("p0", {"kv_memory": "segment"}, "cpu").kv_memory == "segment"
     assert load_config("p0", {}, "cuda").placement == "host_buffer"
 
 

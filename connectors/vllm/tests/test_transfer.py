@@ -4,13 +4,16 @@ connector, registered through the engine link, moved over UCX, and compared byte
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
 from conftest import unique, wait_for
 from kvengine import KvEngine
 
+from kvxfer_vllm.errors import LayoutError, RegistrationError
 from kvxfer_vllm.messages import ExpectMsg, PrefillDoneMsg, StepMessages
+from kvxfer_vllm.shm import SharedKvSegments, _segment_info
 from kvxfer_vllm.worker import Results
 
 
@@ -61,13 +64,17 @@ def transfer(sidecars, shm_dir, **kw):
 
 
 def run_transfer(sidecars, shm_dir, *, backend, p_tp, d_tp, p_block, d_block, tokens, prefix, mode,
-                 p_flags=(), d_flags=(), host_buffer=False, d_backend=None):
+                 p_flags=(), d_flags=(), host_buffer=False, d_backend=None, kv_memory="file"):
     p_sc = sidecars("prefill", *p_flags)
     d_sc = sidecars("decode", *d_flags)
     p = KvEngine(str(shm_dir), p_sc.engine_id, backend=backend, tp=p_tp, block_size=p_block, num_blocks=16,
-                 host_buffer=host_buffer)
-    d = KvEngine(str(shm_dir), d_sc.engine_id, backend=d_backend or backend, tp=d_tp, block_size=d_block,
-                 num_blocks=16, host_buffer=host_buffer)
+                 host_buffer=host_buffer, kv_memory=kv_memory, socket=p_sc.socket)
+    try:
+        d = KvEngine(str(shm_dir), d_sc.engine_id, backend=d_backend or backend, tp=d_tp, block_size=d_block,
+                     num_blocks=16, host_buffer=host_buffer, kv_memory=kv_memory, socket=d_sc.socket)
+    except BaseException:
+        p.close()
+        raise
     try:
         pw, dw = p.connect(p_sc.socket), d.connect(d_sc.socket)
         p.fill_random(1)
@@ -132,6 +139,56 @@ def test_cpu_layout_head_split_and_prefix(sidecars, shm_dir):
                                    d_block=32, tokens=100, prefix=32, mode="push") as (p, d, pb, db, r):
         assert not r.failed_recving
         check_cpu_blocks(p, d, pb, db, 100, 32, 32)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_kv_in_segments_the_sidecars_allocate(sidecars, shm_dir, mode):
+    """kv_memory 'segment': each rank's KV in one owner-only segment its sidecar allocated, moved
+    byte for byte (P TP 1 -> D TP 2, D holding the first block already)."""
+    with transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=2, p_block=32, d_block=32, tokens=100,
+                  prefix=32, mode=mode, kv_memory="segment") as (p, d, pb, db, r):
+        assert not r.failed_recving
+        for engine in (p, d):
+            for rank in engine.files:
+                [region] = rank.files
+                assert region.path == "" and region.segment is not None
+                perms, size, uid = _segment_info(region.segment)
+                assert (perms & 0o777, uid) == (0o600, os.geteuid()) and size >= region.nbytes
+        assert not list(shm_dir.iterdir()), "segments need no files"
+        check_cpu_blocks(p, d, pb, db, 100, 32, 32)
+
+
+def test_segment_allocation_refusals_name_their_cause(sidecars):
+    """A refused allocation, a second allocation for one rank, and no sidecar at all: each is a
+    clear error, and the sidecar still allocates afterwards."""
+    sc = sidecars("prefill", "--max-kv-bytes", "1048576")
+    big = SharedKvSegments(sc.socket, sc.engine_id, 0, 1, timeout_s=20.0)
+    try:
+        with pytest.raises(RegistrationError) as refused:
+            big.allocate(2 << 20)
+        assert refused.value.code == "ERR_ALLOCATE_REFUSED"
+        assert "ERR_REGION_TOO_LARGE" in refused.value.message
+        assert not big.files
+    finally:
+        big.close()
+    ok = SharedKvSegments(sc.socket, sc.engine_id, 0, 1, timeout_s=20.0)
+    try:
+        t = ok.allocate(1 << 16)
+        assert t.numel() == 1 << 16 and not bool(t.any()), "a new segment is zeroed"
+        t.fill_(3)
+        assert int(t.sum()) == 3 << 16
+        with pytest.raises(LayoutError) as second:
+            ok.allocate(1 << 16)
+        assert second.value.code == "ERR_LAYOUT_UNSUPPORTED" and "use kv_memory 'file'" in second.value.message
+    finally:
+        ok.detach()
+    nobody = SharedKvSegments(f"ipc:///tmp/{unique('kvxfer-none')}.sock", "nobody", 0, 1, timeout_s=0.3)
+    try:
+        with pytest.raises(RegistrationError) as timeout:
+            nobody.allocate(1 << 16)
+        assert timeout.value.code == "ERR_ALLOCATE_TIMEOUT" and "0.3 s" in timeout.value.message
+    finally:
+        nobody.close()
 
 
 @pytest.mark.parametrize("p_backend", ["FLASH_ATTN", "FLASH_ATTN/cross-layer"])
