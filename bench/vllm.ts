@@ -3,7 +3,7 @@
 // (connectors/vllm/kvxfer_vllm/bench.py, in the project's .venv); this prints its table with the
 // ratio to the single engine and writes bench/results/vllm.json. Flags go to the Python side:
 // [--lengths 32,256,1024] [--requests N] [--output-tokens N] [--modes pull,push]
-// [--placements shared,host_buffer] [--quick] [--json].
+// [--placements shared,host_buffer] [--kv-memory file,segment] [--quick] [--json].
 import { spawn } from "node:child_process";
 import { existsSync } from "node:fs";
 import { join } from "node:path";
@@ -19,6 +19,8 @@ interface Dist {
 
 interface VllmRow {
   placement: string;
+  /** Where the shared KV lived: files, or segments the sidecars allocated (absent: files). */
+  kv_memory?: "file" | "segment";
   tokens: number;
   mode: "one" | "pull" | "push";
   ttft_ms: Dist;
@@ -111,10 +113,14 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
   for (const row of r.rows) {
     if (row.mode === "one") continue;
     const one = r.rows.find(
-      (x) => x.mode === "one" && x.tokens === row.tokens && x.placement === row.placement,
+      (x) =>
+        x.mode === "one" &&
+        x.tokens === row.tokens &&
+        x.placement === row.placement &&
+        x.kv_memory === row.kv_memory,
     );
     rows.push([
-      row.placement,
+      row.kv_memory === "segment" ? `${row.placement}, segments` : row.placement,
       String(row.tokens),
       row.mode,
       `${fmt(row.ttft_ms.p50, 0)} ms`,

@@ -536,6 +536,12 @@ export const COMMANDS: readonly CommandSpec[] = [
         help: "KV placements",
         def: "shared,host_buffer",
       },
+      {
+        name: "kv-memory",
+        kind: list("file", "segment"),
+        help: "where the shared KV lives: files, segments the sidecars allocate, or both",
+        def: "file",
+      },
     ],
   ),
   benchSpec(

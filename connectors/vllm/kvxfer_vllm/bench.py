@@ -7,7 +7,8 @@ end-to-end latency; and, from the sidecars, the KV bytes each P/D request moved.
 object on stdout (the TypeScript ``bench/vllm.ts`` formats it); progress on stderr.
 
     python -m kvxfer_vllm.bench [--lengths 32,256,1024] [--requests 8] [--output-tokens 16]
-                                [--modes pull,push] [--placements shared,host_buffer] [--quick]
+                                [--modes pull,push] [--placements shared,host_buffer]
+                                [--kv-memory file,segment] [--quick]
 """
 
 from __future__ import annotations
@@ -71,12 +72,12 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 
 class Pair:
-    def __init__(self, work: Path, model: str, placement: str, max_len: int) -> None:
+    def __init__(self, work: Path, model: str, placement: str, kv_memory: str, max_len: int) -> None:
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-bench-", dir="/dev/shm"))
-        tag = f"{os.getpid()}-{placement}"
+        tag = f"{os.getpid()}-{placement}-{kv_memory}"
         self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc:///tmp/kvxfer-bench-p-{tag}.sock", work)
         self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc:///tmp/kvxfer-bench-d-{tag}.sock", work)
-        extra = {"placement": placement, "register_timeout_s": 600.0}
+        extra = {"placement": placement, "kv_memory": kv_memory, "register_timeout_s": 600.0}
         common = dict(block_size=32, kv_cache_bytes=512 << 20, max_model_len=max_len, extra=extra)
         self.p = VllmServer(EngineSpec(model, self.p_sc.engine_id, self.p_sc.socket, str(self.shm), cores="0", **common), work)
         self.d = VllmServer(EngineSpec(model, self.d_sc.engine_id, self.d_sc.socket, str(self.shm), cores="1", **common), work)
@@ -129,7 +130,8 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return [rnd.randrange(3, BENCH_MODEL.vocab) for _ in range(n)]
 
 
-def run(lengths: list[int], requests_per: int, out_tokens: int, modes: list[str], placements: list[str]) -> dict[str, Any]:
+def run(lengths: list[int], requests_per: int, out_tokens: int, modes: list[str], placements: list[str],
+        kv_memories: list[str] = ["file"]) -> dict[str, Any]:
     import vllm
 
     work = Path(tempfile.mkdtemp(prefix="kvxfer-bench-vllm-"))
@@ -144,9 +146,9 @@ def run(lengths: list[int], requests_per: int, out_tokens: int, modes: list[str]
     }
     seed = 1
     try:
-        for placement in placements:
-            log(f"starting P and D (placement {placement}) ...")
-            pair = Pair(work, model, placement, max(lengths) + out_tokens + 64)
+        for placement, kv_memory in [(p, k) for p in placements for k in kv_memories]:
+            log(f"starting P and D (placement {placement}, KV in {kv_memory}s) ...")
+            pair = Pair(work, model, placement, kv_memory, max(lengths) + out_tokens + 64)
             try:
                 # Warm-up: the first request of each kind pays for lazy initialisation.
                 for mode in ["one"] + modes:
@@ -169,10 +171,10 @@ def run(lengths: list[int], requests_per: int, out_tokens: int, modes: list[str]
                             ttft, e2e = pair.one_engine(p, out_tokens) if mode == "one" else pair.pd(mode, p, out_tokens, f"b{seed}")
                             samples[mode]["ttft"].append(ttft)
                             samples[mode]["e2e"].append(e2e)
-                    log(f"  {placement} {n} tokens: done")
+                    log(f"  {placement}, {kv_memory} {n} tokens: done")
                     for mode in ["one"] + modes:
                         result["rows"].append({
-                            "placement": placement, "tokens": n, "mode": mode,
+                            "placement": placement, "kv_memory": kv_memory, "tokens": n, "mode": mode,
                             "ttft_ms": summary(samples[mode]["ttft"]), "e2e_ms": summary(samples[mode]["e2e"]),
                             "kv_bytes": moved.get(mode, 0),
                         })
@@ -192,6 +194,7 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--modes", default="pull,push")
     ap.add_argument("--placements", default="shared,host_buffer")
+    ap.add_argument("--kv-memory", default="file", help="file, segment or both (file,segment)")
     ap.add_argument("--quick", action="store_true", help="3 requests per length, shared placement only")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -203,7 +206,11 @@ def main() -> None:
     for pl in placements:
         if pl not in ("shared", "host_buffer"):
             ap.error(f"--placements: unknown placement {pl!r} (shared, host_buffer)")
-    res = run(lengths, reqs, a.output_tokens, a.modes.split(","), placements)
+    kv_memories = a.kv_memory.split(",")
+    for k in kv_memories:
+        if k not in ("file", "segment"):
+            ap.error(f"--kv-memory: unknown kind {k!r} (file, segment)")
+    res = run(lengths, reqs, a.output_tokens, a.modes.split(","), placements, kv_memories)
     print(json.dumps(res))
 
 
