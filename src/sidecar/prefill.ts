@@ -377,8 +377,6 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       plan.pairs.map(async (pair) => {
         const agent = kv.agents[pair.srcRank]!;
         const ep = peer.endpoint(pair.srcRank, pair.dstRank);
-        // One native operation for all of the pair's region pairs: one hand-off to the progress
-        // thread and one flush, whatever the number of layers.
         const parts: WritePart[] = [];
         for (const rp of pair.regionPairs) {
           if (rp.count === 0) continue;
@@ -393,9 +391,10 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
             "ERR_ABORTED",
             "registration expired, aborted, or peer down before the write",
           );
-        // The pair's XferDone travels in the same native operation as its writes: the addon sends
-        // it once every write is remotely complete (after the flush), and not at all if one
-        // fails. So it is sealed before the writes: its time since PrefillDone is to their posting.
+        // One native operation for all of the pair's region pairs and its XferDone: one hand-off
+        // to the progress thread and one flush, whatever the number of layers; the addon sends the
+        // XferDone once every write is remotely complete, and not at all if one fails. So it is
+        // sealed before the writes: its time since PrefillDone is to their posting.
         const xferDone = ctx.seal(peer, {
           case: "xferDone",
           value: {

@@ -543,9 +543,10 @@ class SimEngine {
           this.onKvReady(m.value.transferId);
         } else {
           const transferId = m.value.transferId;
+          // stop() clears these timers before it unmaps the KV.
           const timer = setTimeout(() => {
             this.checks.delete(timer);
-            if (!this.stopping) this.onKvReady(transferId);
+            this.onKvReady(transferId);
           }, this.cfg.checkAfterMs);
           this.checks.add(timer);
         }

@@ -130,15 +130,15 @@ export class FakeAgent {
   /** Called with each notification as it goes out (notify, or a landed writeParts carrying one). */
   onNotified: (data: Uint8Array) => void = () => undefined;
 
+  private sent(data: Uint8Array): void {
+    this.notified.push(data);
+    this.onNotified(data);
+  }
+
   private op(kind: "write" | "read", notification?: Uint8Array): Promise<OpTrace> {
     if (this.failToPost) throw Object.assign(new Error("refused"), { code: "ERR_OUT_OF_BOUNDS" });
     const op = new PendingOp(
-      notification === undefined
-        ? undefined
-        : () => {
-            this.notified.push(notification);
-            this.onNotified(notification);
-          },
+      notification === undefined ? undefined : () => this.sent(notification),
     );
     this.ops.push({ kind, op });
     if (this.autoLand) op.resolve();
@@ -166,8 +166,7 @@ export class FakeAgent {
   notify(_ep: unknown, data: Uint8Array): Promise<OpTrace> {
     if (this.notifyFails === "throw") throw new Error("endpoint closed");
     if (this.notifyFails === "reject") return Promise.reject(new Error("UCS_ERR_CANCELED"));
-    this.notified.push(data);
-    this.onNotified(data);
+    this.sent(data);
     return Promise.resolve({
       ...opTrace(),
       firstPostUs: 0,

@@ -29,6 +29,7 @@ from typing import Any
 
 import requests
 
+from .config import KV_MEMORY
 from .harness import EngineSpec, SidecarProc, VllmServer
 from .tiny_model import TinyModelSpec, make_tiny_model
 
@@ -131,7 +132,7 @@ def prompt_of(n: int, seed: int) -> list[int]:
 
 
 def run(lengths: list[int], requests_per: int, out_tokens: int, modes: list[str], placements: list[str],
-        kv_memories: list[str] = ["file"]) -> dict[str, Any]:
+        kv_memories: tuple[str, ...] = ("file",)) -> dict[str, Any]:
     import vllm
 
     work = Path(tempfile.mkdtemp(prefix="kvxfer-bench-vllm-"))
@@ -206,10 +207,10 @@ def main() -> None:
     for pl in placements:
         if pl not in ("shared", "host_buffer"):
             ap.error(f"--placements: unknown placement {pl!r} (shared, host_buffer)")
-    kv_memories = a.kv_memory.split(",")
+    kv_memories = tuple(a.kv_memory.split(","))
     for k in kv_memories:
-        if k not in ("file", "segment"):
-            ap.error(f"--kv-memory: unknown kind {k!r} (file, segment)")
+        if k not in KV_MEMORY:
+            ap.error(f"--kv-memory: unknown kind {k!r} ({', '.join(KV_MEMORY)})")
     res = run(lengths, reqs, a.output_tokens, a.modes.split(","), placements, kv_memories)
     print(json.dumps(res))
 

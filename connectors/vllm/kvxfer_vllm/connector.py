@@ -36,7 +36,7 @@ from .config import ConnectorConfig, load_config
 from .errors import ConfigError, LayoutError
 from .layout import describe, expand_block_ids, packing_of
 from .messages import StepMessages
-from .registration import region_files, registration, tensor_views
+from .registration import RegionEntry, region_files, registration, tensor_views
 from .scheduler import SchedulerLogic
 from .shm import HostBuffer, SharedKv, SharedKvFiles, SharedKvSegments
 from .versions import check_vllm_version
@@ -227,7 +227,7 @@ class KvxferConnector(KVConnectorBase_V1):
             raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"layers use several attention backends {sorted(names)}")
         return names.pop()
 
-    def _gather(self, mine: list[tuple[str, int, int, int]]) -> list[list[tuple[str, int, int, int]]]:
+    def _gather(self, mine: list[RegionEntry]) -> list[list[RegionEntry]]:
         """Every rank's region files, in rank order (rank 0 registers them all)."""
         if self.tp_size == 1:
             return [mine]

@@ -32,14 +32,17 @@ def tensor_views(kv_caches: dict[str, torch.Tensor], files: SharedKv) -> list[Te
     return views
 
 
-def region_files(files: SharedKv) -> list[tuple[str, int, int, int]]:
-    """This rank's regions as (path, offset, length, segment or -1), in region order (what rank 0
-    gathers)."""
-    return [(f.path, 0, f.nbytes, -1 if f.segment is None else f.segment) for f in files.files]
+#: One region as rank 0 gathers it: (path, offset, length, segment id or None for a file).
+RegionEntry = tuple[str, int, int, int | None]
+
+
+def region_files(files: SharedKv) -> list[RegionEntry]:
+    """This rank's regions, in region order (what rank 0 gathers)."""
+    return [(f.path, 0, f.nbytes, f.segment) for f in files.files]
 
 
 def registration(
-    engine_id: str, described: DescribedLayout, every_rank: list[list[tuple[str, int, int, int]]]
+    engine_id: str, described: DescribedLayout, every_rank: list[list[RegionEntry]]
 ) -> engine_pb2.RegisterKvCache:
     layout = engine_pb2.RegisterKvCache(engine_id=engine_id)
     layout.layout.CopyFrom(described.layout)
@@ -53,7 +56,7 @@ def registration(
     return layout
 
 
-def _region(path: str, offset: int, length: int, segment: int = -1) -> engine_pb2.RegionFile:
-    if segment >= 0:
+def _region(path: str, offset: int, length: int, segment: int | None) -> engine_pb2.RegionFile:
+    if segment is not None:
         return engine_pb2.RegionFile(length=length, segment=segment)
     return engine_pb2.RegionFile(path=path, offset=offset, length=length)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import logging
 import os
 import subprocess
@@ -242,19 +243,14 @@ class SharedKvSegments:
         self.files.clear()
 
 
-_LIBC: ctypes.CDLL | None = None
-
-
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.shmat.restype = ctypes.c_void_p
-        libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        libc.shmdt.restype = ctypes.c_int
-        libc.shmdt.argtypes = [ctypes.c_void_p]
-        _LIBC = libc
-    return _LIBC
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    libc.shmdt.restype = ctypes.c_int
+    libc.shmdt.argtypes = [ctypes.c_void_p]
+    return libc
 
 
 def _segment_info(segment: int) -> tuple[int, int, int] | None:
