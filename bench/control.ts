@@ -175,6 +175,8 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
       dTp: 1,
       pBlock: 16,
       dBlock: 16,
+      // Files, as in every earlier run of this benchmark (the demo itself now defaults to segments).
+      kvMemory: "file",
       layout: "hnd",
       model: "llama3-8b",
       layers: 1,

@@ -135,6 +135,8 @@ export async function runModesBench(opts: ModesBenchOptions = {}): Promise<Modes
       dTp,
       pBlock,
       dBlock,
+      // Files, as in every earlier run of this benchmark (the demo itself now defaults to segments).
+      kvMemory: "file",
       layout: "hnd",
       model: "llama3-8b",
       layers,

@@ -321,6 +321,12 @@ export const COMMANDS: readonly CommandSpec[] = [
       { name: "concurrency", kind: POS_INT, help: "requests in flight" },
       { name: "blocks", kind: POS_INT, help: "blocks per rank" },
       { name: "transport", kind: choice("shm", "tcp"), help: "UCX transport" },
+      {
+        name: "kv-memory",
+        kind: choice("segment", "file"),
+        help: "the engines' KV in shared-memory segments their sidecars allocate, or in files the engines create",
+        def: "segment",
+      },
       PEER_AUTH,
       { name: "json", kind: FLAG, help: "the summary as JSON" },
     ],

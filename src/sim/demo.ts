@@ -42,7 +42,11 @@ export interface DemoOptions {
   model: SimModel;
   layers?: number;
   kvHeads?: number;
-  /** Where the engines' KV lives: files they create (default) or segments the sidecars allocate. */
+  /**
+   * Where the engines' KV lives: files they create (the engines' default), or shared-memory
+   * segments their sidecars allocate (the demo's default: on one host UCX then moves it at
+   * memory speed instead of through a system call per block, docs/benchmarks.md).
+   */
   kvMemory?: "file" | "segment";
   /**
    * D's engine checks the KV this long after KvReady (default 0: at once), so that a benchmark
@@ -104,6 +108,7 @@ export const DEFAULT_DEMO: DemoOptions = {
   promptTokens: [128, 512, 1024],
   prefixTokens: 0,
   transport: "shm",
+  kvMemory: "segment",
   computeMs: 20,
   concurrency: 2,
   requestTimeoutMs: 60_000,
@@ -164,6 +169,8 @@ export interface DemoSummary {
   /** How the transfers actually moved, from D's KV_READY events (auto picks per transfer). */
   byMode: Record<string, number>;
   dispatch: "sequential" | "concurrent";
+  /** Where the engines' KV lived. */
+  kvMemory: "file" | "segment";
   elapsedMs: number;
   gbps: number;
   /** Prefill done (P answered the router) to the router hearing KV_READY from D's sidecar (gRPC). */
@@ -439,7 +446,8 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     const dLayout = ds[0]!.engine.ready!.layout;
     log(
       `started ${o.prefill} prefill (TP ${o.pTp}, block ${o.pBlock}) and ${o.decode} decode (TP ${o.dTp}, block ${o.dBlock}) engines with sidecars; ` +
-        `${dLayout.numLayers} layers, ${dLayout.mla ? "MLA" : `${dLayout.totalKvHeads} KV heads`} x ${dLayout.headDim}, ${o.layout.toUpperCase()}, ${o.transport}`,
+        `${dLayout.numLayers} layers, ${dLayout.mla ? "MLA" : `${dLayout.totalKvHeads} KV heads`} x ${dLayout.headDim}, ${o.layout.toUpperCase()}, ${o.transport}, ` +
+        `KV in ${o.kvMemory === "segment" ? "segments the sidecars allocate" : "files the engines create"}`,
     );
     for (const n of nodes) {
       log(
@@ -632,6 +640,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       mode: o.mode,
       byMode,
       dispatch: o.dispatch,
+      kvMemory: o.kvMemory ?? "file",
       elapsedMs,
       gbps: bytes / (elapsedMs * 1e6),
       readyLatencyMs: {
@@ -672,7 +681,8 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
 export const DEMO_USAGE = `usage: kvxfer demo [--prefill N] [--decode N] [--p-tp N] [--d-tp N] [--p-block N] [--d-block N]
   [--layout hnd|nhd] [--p-scheme NAME] [--d-scheme NAME] [--model ${Object.keys(SIM_MODELS).join("|")}] [--layers N] [--kv-heads N] [--head-dim N]
   [--mode push|pull|auto] [--dispatch sequential|concurrent] [--requests N] [--prompt-tokens N[,N...]]
-  [--prefix-tokens N] [--compute-ms N] [--concurrency N] [--blocks N] [--transport shm|tcp] [--peer-auth on|off] [--json]`;
+  [--prefix-tokens N] [--compute-ms N] [--concurrency N] [--blocks N] [--transport shm|tcp] [--kv-memory segment|file]
+  [--peer-auth on|off] [--json]`;
 
 function int(name: string, v: string | undefined, min = 1): number | undefined {
   if (v === undefined) return undefined;
@@ -730,6 +740,7 @@ export function parseDemoArgs(argv: string[]): {
       concurrency: s,
       blocks: s,
       transport: s,
+      "kv-memory": s,
       "peer-auth": s,
       json: { type: "boolean" },
     },
@@ -767,6 +778,7 @@ export function parseDemoArgs(argv: string[]): {
   set("concurrency", int("concurrency", values.concurrency));
   set("blocks", int("blocks", values.blocks));
   set("transport", choice("transport", values.transport, ["shm", "tcp"] as const));
+  set("kvMemory", choice("kv-memory", values["kv-memory"], ["segment", "file"] as const));
   const auth = choice("peer-auth", values["peer-auth"], ["on", "off"] as const);
   if (auth !== undefined) o.peerAuth = auth === "on";
   // A TP size the model's KV heads cannot be split over is refused here, in the user's terms,

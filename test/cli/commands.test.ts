@@ -58,6 +58,8 @@ describe("kvxfer demo --json", () => {
       "3",
       "--prompt-tokens",
       "100,300",
+      "--kv-memory",
+      "file",
     ]);
     expect(r.status, r.stderr.slice(-2000)).toBe(0);
     const s = JSON.parse(r.stdout.trim().split("\n").pop()!) as Record<string, unknown>;
@@ -66,6 +68,7 @@ describe("kvxfer demo --json", () => {
     expect(s.failed).toBe(0);
     expect(s.mode).toBe("pull");
     expect(s.byMode).toEqual({ pull: 3 });
+    expect(s.kvMemory).toBe("file");
     expect(Number(s.bytes)).toBeGreaterThan(0);
     const sidecars = s.sidecars as { grpc: string; sideChannel: string }[];
     expect(sidecars).toHaveLength(2);
@@ -82,6 +85,9 @@ describe("kvxfer demo --json", () => {
     const u = kvxfer(["demo", "--mode", "pull", "--dispatch", "concurrent"]);
     expect(u.status).toBe(2);
     expect(u.stderr).toMatch(/--mode pull needs --dispatch sequential/);
+    const m = kvxfer(["demo", "--kv-memory", "disk"]);
+    expect(m.status).toBe(2);
+    expect(m.stderr).toMatch(/--kv-memory must be one of segment, file, got 'disk'/);
   });
 
   it("prints usage for help and for an unknown command", () => {

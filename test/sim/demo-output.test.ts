@@ -19,6 +19,7 @@ const base: DemoSummary = {
   mode: "auto",
   byMode: { push: 24 },
   dispatch: "concurrent",
+  kvMemory: "segment",
   elapsedMs: 2000,
   gbps: 0.05,
   readyLatencyMs: { p50: 10, p99: 20, max: 30 },
@@ -99,5 +100,13 @@ describe("demo summary", () => {
     expect(pull.notes[0]).toMatch(/--mode pull: dispatch set to sequential/);
     expect(parseDemoArgs(["--mode", "pull", "--dispatch", "sequential"]).notes).toEqual([]);
     expect(parseDemoArgs(["--mode", "push"]).notes).toEqual([]);
+  });
+
+  it("puts the KV in segments the sidecars allocate unless --kv-memory file", () => {
+    expect(parseDemoArgs([]).options.kvMemory).toBe("segment");
+    expect(parseDemoArgs(["--kv-memory", "file"]).options.kvMemory).toBe("file");
+    expect(() => parseDemoArgs(["--kv-memory", "disk"])).toThrow(
+      "--kv-memory must be one of segment, file, got 'disk'",
+    );
   });
 });

@@ -19,9 +19,13 @@ import { kvxfer } from "../../cli/run.js";
 import { OP_STEPS } from "../fakes.js";
 import { canCreateNetns, createNetnsPair, type NetnsPair } from "../../../bench/native/netns.js";
 
-/** Small shapes: the point is every pairing, not volume (2 cores). */
+/**
+ * Small shapes: the point is every pairing, not volume (2 cores). KV in files, as engines place it
+ * by default (the demo's own default, segments, has its test below).
+ */
 const SMALL: DemoOptions = {
   ...DEFAULT_DEMO,
+  kvMemory: "file",
   prefill: 1,
   decode: 1,
   pTp: 1,
@@ -61,9 +65,21 @@ describe("transfers across processes over shared memory, byte-verified", () => {
     expect((await demo({ mode: "auto", dispatch: "concurrent" })).byMode).toEqual({ push: 4 });
   });
 
-  it("2P2D, P TP 2 -> D TP 4, block 16 -> 32", async () => {
-    await demo({ prefill: 2, decode: 2, pTp: 2, dTp: 4, pBlock: 16, dBlock: 32, requests: 6 });
-  });
+  it.each(["file", "segment"] as const)(
+    "2P2D, P TP 2 -> D TP 4, block 16 -> 32, KV in %s",
+    async (kvMemory) => {
+      await demo({
+        prefill: 2,
+        decode: 2,
+        pTp: 2,
+        dTp: 4,
+        pBlock: 16,
+        dBlock: 32,
+        requests: 6,
+        kvMemory,
+      });
+    },
+  );
 
   it("P TP 4 -> D TP 1, block 32 -> 16", async () => {
     await demo({ pTp: 4, dTp: 1, pBlock: 32, dBlock: 16 });
