@@ -23,11 +23,14 @@ export {
 export { assertCompatible, findIncompatibility } from "./compat.js";
 export { type DstRankSources, type HeadSource, mapRanks } from "./ranks.js";
 export {
+  type LayoutPairing,
   type PlanOptions,
   type PlanRequest,
   type RankPairPlan,
   type RegionPairDescriptors,
   type TransferPlan,
   descriptorsForSide,
+  pairLayouts,
+  planPaired,
   planTransfer,
 } from "./planner.js";

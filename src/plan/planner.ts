@@ -8,7 +8,7 @@ import {
   kvRowBytes,
   tokenStride,
 } from "./layout.js";
-import { type HeadSource, mapRanks } from "./ranks.js";
+import { type DstRankSources, type HeadSource, mapRanks } from "./ranks.js";
 
 /** One request: which tokens move and where they live on each side. */
 export interface PlanRequest {
@@ -574,33 +574,43 @@ function checkRanks(field: string, ranks: readonly number[] | undefined, tpSize:
 }
 
 /**
- * Plans moving tokens `prefixTokens .. numTokens - 1` of one request from P (`src`) to D
- * (`dst`): for each (P rank, D rank) pair sharing heads, the byte copies grouped by
- * (P region, D region), coalesced. The same plan serves push and pull. Throws `PlanError`:
- * `ERR_LAYOUT_INVALID` / `ERR_LAYOUT_INCOMPATIBLE` for the layouts, `ERR_PLAN_INVALID` for the
- * request (missing, out-of-range or repeated D block ids, bad token counts).
+ * What every plan from one layout (`src`, P's) to another (`dst`, D's) shares, worked out once:
+ * the two layouts checked compatible, each D rank's heads mapped to P ranks, and the region pair
+ * and offsets of each planned (layer, K|V) slot. A sidecar pairs its layout with a peer's at the
+ * handshake, so a transfer's plan starts from here (`planPaired`). Read-only once made.
  */
-export function planTransfer(
-  src: KvLayout,
-  dst: KvLayout,
-  request: PlanRequest,
-  options: PlanOptions = {},
-): TransferPlan {
+export interface LayoutPairing {
+  readonly src: KvLayout;
+  readonly dst: KvLayout;
+  readonly ranks: readonly DstRankSources[];
+  /** 2 when K and V rows are adjacent on both sides (one wide slot per layer), else 1. */
+  readonly slotStep: number;
+  /** Bytes of one planned row (K's and V's together when `slotStep` is 2). */
+  readonly row: number;
+  readonly interleaved: boolean;
+  readonly kvPaired: boolean;
+  readonly nSlots: number;
+  readonly dstRegions: number;
+  /** Per planned slot: its index in `pairKeys` (region pairs, `srcRegion * dstRegions + dstRegion`). */
+  readonly slotPair: Int32Array;
+  readonly pairKeys: readonly number[];
+  readonly slotsPerPair: readonly number[];
+  /** Per planned slot: its offset within its block on each side. */
+  readonly srcOff: Float64Array;
+  readonly dstOff: Float64Array;
+}
+
+/**
+ * Pairs P's layout (`src`) with D's (`dst`). Throws `PlanError` (`ERR_LAYOUT_INVALID`,
+ * `ERR_LAYOUT_INCOMPATIBLE`) as `assertCompatible` does.
+ */
+export function pairLayouts(src: KvLayout, dst: KvLayout): LayoutPairing {
   assertCompatible(src, dst);
-  const prefix = checkRequest(src, dst, request);
-  checkRanks("srcRanks", options.srcRanks, src.tpSize);
-  checkRanks("dstRanks", options.dstRanks, dst.tpSize);
-  const coalesce = options.coalesce ?? true;
-  const chunks = buildChunks(src, dst, request, prefix);
-  const wantSrc = options.srcRanks ? new Set(options.srcRanks) : undefined;
-  const wantDst = options.dstRanks ? new Set(options.dstRanks) : undefined;
   // Planned slots: every (layer, K|V) slot, or with fused K|V rows on both sides one slot per
   // layer (the K slot, rows `2 * row` wide covering K's row and V's).
   const wide = kvRowsAdjacent(src) && kvRowsAdjacent(dst);
   const slotStep = wide ? 2 : 1;
-  const row = kvRowBytes(src) * slotStep;
   const interleaved = !wide && slotsInterleaved(src) && slotsInterleaved(dst);
-  const kvPaired = !wide && !interleaved && kvRowsInterleaved(src) && kvRowsInterleaved(dst);
   const nSlots = (src.numLayers * kvPerLayer(src)) / slotStep;
 
   // Region pairs are fixed by slot, the same for every rank pair.
@@ -627,12 +637,61 @@ export function planTransfer(
     srcOff[s] = src.slots[s * slotStep]!.offset;
     dstOff[s] = dst.slots[s * slotStep]!.offset;
   }
+  return {
+    src,
+    dst,
+    ranks: mapRanks(src, dst),
+    slotStep,
+    row: kvRowBytes(src) * slotStep,
+    interleaved,
+    kvPaired: !wide && !interleaved && kvRowsInterleaved(src) && kvRowsInterleaved(dst),
+    nSlots,
+    dstRegions,
+    slotPair,
+    pairKeys,
+    slotsPerPair,
+    srcOff,
+    dstOff,
+  };
+}
+
+/**
+ * Plans moving tokens `prefixTokens .. numTokens - 1` of one request from P (`src`) to D
+ * (`dst`): for each (P rank, D rank) pair sharing heads, the byte copies grouped by
+ * (P region, D region), coalesced. The same plan serves push and pull. Throws `PlanError`:
+ * `ERR_LAYOUT_INVALID` / `ERR_LAYOUT_INCOMPATIBLE` for the layouts, `ERR_PLAN_INVALID` for the
+ * request (missing, out-of-range or repeated D block ids, bad token counts).
+ */
+export function planTransfer(
+  src: KvLayout,
+  dst: KvLayout,
+  request: PlanRequest,
+  options: PlanOptions = {},
+): TransferPlan {
+  return planPaired(pairLayouts(src, dst), request, options);
+}
+
+/** `planTransfer` from layouts already paired (`pairLayouts`): the request's part only. */
+export function planPaired(
+  pairing: LayoutPairing,
+  request: PlanRequest,
+  options: PlanOptions = {},
+): TransferPlan {
+  const { src, dst, row, interleaved, kvPaired, nSlots, dstRegions } = pairing;
+  const { slotPair, pairKeys, slotsPerPair, srcOff, dstOff } = pairing;
+  const prefix = checkRequest(src, dst, request);
+  checkRanks("srcRanks", options.srcRanks, src.tpSize);
+  checkRanks("dstRanks", options.dstRanks, dst.tpSize);
+  const coalesce = options.coalesce ?? true;
+  const chunks = buildChunks(src, dst, request, prefix);
+  const wantSrc = options.srcRanks ? new Set(options.srcRanks) : undefined;
+  const wantDst = options.dstRanks ? new Set(options.dstRanks) : undefined;
 
   const pairs: RankPairPlan[] = [];
   let bytes = 0;
   let descriptorCount = 0;
   let rawDescriptorCount = 0;
-  for (const { dstRank, sources } of mapRanks(src, dst)) {
+  for (const { dstRank, sources } of pairing.ranks) {
     if (wantDst && !wantDst.has(dstRank)) continue;
     const bySrc = new Map<number, HeadSource[]>();
     for (const s of sources) {

@@ -10,7 +10,7 @@ import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
 import type { Notification, OpTrace } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 
-import { descriptorsForSide, mapRanks, planTransfer, type TransferPlan } from "../plan/index.js";
+import { descriptorsForSide, mapRanks, planPaired, type TransferPlan } from "../plan/index.js";
 import { BlockClaims } from "./claims.js";
 import { transferError, type SideContext } from "./context.js";
 import {
@@ -294,7 +294,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const kv = ctx.kv()!;
     let plan: TransferPlan;
     try {
-      plan = planTransfer(peer.layout, kv.layout, {
+      plan = planPaired(peer.pairing(peer.layout, kv.layout), {
         numTokens: t.numTokens,
         prefixTokens: t.prefixTokens,
         srcBlockIds: t.srcBlocks!,

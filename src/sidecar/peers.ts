@@ -44,7 +44,12 @@ import {
   type PeerCredentials,
   type PeerIdentity,
 } from "../peer/side-channel.js";
-import { findIncompatibility, type KvLayout } from "../plan/index.js";
+import {
+  findIncompatibility,
+  pairLayouts,
+  type KvLayout,
+  type LayoutPairing,
+} from "../plan/index.js";
 import { kvLayoutFromProto, kvLayoutToProto } from "../plan/layout-proto.js";
 import type { Clock } from "./clock.js";
 import type { PeerInfo, SidecarRole } from "./view.js";
@@ -77,6 +82,7 @@ export class PeerState {
   replay = new ReplayWindow();
   private readonly endpoints = new Map<string, Endpoint>();
   private readonly remotes = new Map<string, RemoteRegion>();
+  private paired: LayoutPairing | undefined;
 
   constructor(
     readonly metadata: AgentMetadata,
@@ -93,6 +99,17 @@ export class PeerState {
     this.layout = layout;
     this.sideChannel = metadata.sideChannel;
     this.lastSeenMs = nowMs;
+  }
+
+  /**
+   * P's layout paired with D's for planning (`pairLayouts`; one of the two is this peer's): worked
+   * out at the handshake, off any transfer's path, and kept while both layouts are the same
+   * objects (an engine that registers again brings a new layout, paired on first use).
+   */
+  pairing(src: KvLayout, dst: KvLayout): LayoutPairing {
+    const p = this.paired;
+    if (p !== undefined && p.src === src && p.dst === dst) return p;
+    return (this.paired = pairLayouts(src, dst));
   }
 
   get state(): "connected" | "failed" {
@@ -331,6 +348,7 @@ export class PeerTable {
       const e = KvxferError.from(err);
       return refusal(e.code, e.message);
     }
+    peer.pairing(this.host.kv()!.layout, layout); // this side is P: it plans pushes to D
     peer.setRecvKey(req.macKey);
     return create(HandshakeResponseSchema, { metadata: this.metadata(), macKey: peer.sendKey });
   }
@@ -410,6 +428,7 @@ export class PeerTable {
     if (mismatch !== undefined)
       throw new KvxferError("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
     const peer = this.adopt(res.metadata!, layout);
+    peer.pairing(layout, this.host.kv()!.layout); // this side is D: it plans reads from P
     peer.sendKey = macKey;
     peer.setRecvKey(res.macKey);
     peer.dialedAddress = address;

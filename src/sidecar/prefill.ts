@@ -11,7 +11,7 @@ import type { Notification, WritePart } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 
 import { tokensEqual } from "../peer/messages.js";
-import { planTransfer, type TransferPlan } from "../plan/index.js";
+import { planPaired, type TransferPlan } from "../plan/index.js";
 import { BlockClaims } from "./claims.js";
 import { transferError, type SideContext } from "./context.js";
 import {
@@ -355,7 +355,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
           `D expects ${reg.numTokens} tokens, P prefilled ${t.numTokens}`,
         );
       }
-      plan = planTransfer(kv.layout, peer.layout, {
+      plan = planPaired(peer.pairing(kv.layout, peer.layout), {
         numTokens: t.numTokens,
         prefixTokens: reg.prefixTokens,
         srcBlockIds: t.blocks!,

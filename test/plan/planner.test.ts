@@ -4,8 +4,12 @@ import {
   type KvBlockOrder,
   type KvLayout,
   type KvRegionScheme,
+  PlanError,
+  assertCompatible,
   descriptorsForSide,
   kvLayout,
+  pairLayouts,
+  planPaired,
   planTransfer,
 } from "../../src/plan/index.js";
 import {
@@ -88,6 +92,54 @@ describe("planTransfer against the reference model", () => {
       }),
       { numRuns: 300 },
     );
+  });
+
+  it("plans from a pairing reused across requests exactly as from the two layouts", () => {
+    fc.assert(
+      fc.property(planCaseArb, fc.nat(), (c, cut) => {
+        const pairing = pairLayouts(c.src, c.dst);
+        const req = {
+          numTokens: c.numTokens,
+          prefixTokens: c.prefixTokens,
+          srcBlockIds: c.srcIdsGiven,
+          dstBlockIds: c.dstIdsGiven,
+        };
+        // A second request through the same pairing: fewer tokens, or a longer prefix.
+        const span = c.numTokens - c.prefixTokens;
+        const numTokens = span > 0 ? c.prefixTokens + 1 + (cut % span) : c.numTokens;
+        const other = {
+          numTokens,
+          prefixTokens: c.prefixTokens,
+          srcBlockIds: c.srcIdsGiven.slice(0, Math.ceil(numTokens / c.src.blockSize)),
+          dstBlockIds: c.dstIdsGiven.slice(0, Math.ceil(numTokens / c.dst.blockSize)),
+        };
+        for (const r of [req, other, req]) {
+          expect(planPaired(pairing, r)).toEqual(planTransfer(c.src, c.dst, r));
+        }
+      }),
+      { numRuns: 300 },
+    );
+  });
+
+  it("refuses to pair incompatible layouts with assertCompatible's error", () => {
+    const src = layout(llama8b, 2, 16, 8);
+    const dst = layout({ ...llama8b, headDim: 64 }, 2, 16, 8);
+    const expected = (() => {
+      try {
+        assertCompatible(src, dst);
+      } catch (err) {
+        return err as PlanError;
+      }
+      throw new Error("assertCompatible accepted them");
+    })();
+    expect(expected.code).toBe("ERR_LAYOUT_INCOMPATIBLE");
+    expect(() => pairLayouts(src, dst)).toThrow(expected.message);
+    try {
+      pairLayouts(src, dst);
+    } catch (err) {
+      expect(err).toBeInstanceOf(PlanError);
+      expect((err as PlanError).field).toBe("headDim");
+    }
   });
 
   it("plans rank subsets as the matching part of the full plan", () => {

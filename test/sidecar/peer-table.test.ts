@@ -14,8 +14,9 @@ import {
   sealPeerMessage,
   type PeerBody,
 } from "../../src/peer/messages.js";
+import type { LayoutPairing } from "../../src/plan/index.js";
 import { MAX_PEERS, type PeerState } from "../../src/sidecar/peers.js";
-import { FakeWorld, PeerTableWorld, peerMetadata, smallTp } from "./fakes.js";
+import { FakeWorld, PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 
 const OUR_EPOCH = PeerTableWorld.EPOCH;
 
@@ -71,6 +72,16 @@ describe("PeerTable", () => {
     // The same sequence number again: a replay.
     expect(table.verify(note(macKey, { sender: "d0", epoch: 7n, seq: 2n }))).toBeUndefined();
     expect(errors.at(-1)).toContain("ERR_REPLAY");
+  });
+
+  it("a handshake pairs P's layout (ours) with D's for planning, before any transfer", () => {
+    const { table, handshake, note } = setup();
+    const { macKey } = handshake("d0", 7n);
+    const peer = table.verify(note(macKey, { sender: "d0", epoch: 7n, seq: 1n }))!.peer;
+    const made = (peer as unknown as { paired?: LayoutPairing }).paired;
+    expect(made?.src).toBe(SMALL); // our layout (the world's engine registered SMALL)
+    expect(made?.dst).toBe(peer.layout);
+    expect(peer.pairing(SMALL, peer.layout)).toBe(made);
   });
 
   it("refuses what is stale or forged, whatever else it carries", () => {
@@ -192,6 +203,19 @@ describe("one peer's state", () => {
     expect([accepts(k(1)), accepts(k(2))]).toEqual([true, true]);
     peer.setRecvKey(k(3));
     expect([accepts(k(1)), accepts(k(2)), accepts(k(3))]).toEqual([false, true, true]);
+  });
+
+  it("pairs two layouts once, and again for another layout object (an engine registered again)", () => {
+    const w = new FakeWorld();
+    const peer = w.peer("p0");
+    const own = w.ctx.kv()!.layout;
+    const first = peer.pairing(own, peer.layout);
+    expect(peer.pairing(own, peer.layout)).toBe(first);
+    const again = { ...own };
+    const second = peer.pairing(again, peer.layout);
+    expect(second).not.toBe(first);
+    expect(second.src).toBe(again);
+    expect(second).toEqual({ ...first, src: again });
   });
 
   it("makes each rank pair's endpoint and remote region once, again only after a close; names a pair it lacks", () => {
