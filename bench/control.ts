@@ -35,8 +35,13 @@ import {
 } from "./report.js";
 
 export interface ControlBenchOptions {
-  /** Requests per combination; default 3000. */
+  /** Requests measured per combination; default 3000. */
   requests?: number;
+  /**
+   * Requests before those, not measured (JIT compilation, first use of every path), as the
+   * native reference warms up with its first 1000 round trips; default 1000.
+   */
+  warmup?: number;
   /** Requests in flight; default 64. */
   concurrency?: number;
   /** Prompt tokens per request; default 16 (one block). */
@@ -52,7 +57,9 @@ export interface ControlBenchOptions {
 export interface ControlRow {
   mode: string;
   dispatch: string;
+  /** Requests measured, after `warmup` that were not. */
   requests: number;
+  warmup: number;
   /** Requests that became ready and were verified byte for byte (the rate counts these). */
   verified: number;
   /** The first few failures, if any. */
@@ -158,13 +165,17 @@ export const CONTROL_COMBOS: readonly ModesCombo[] = [
 
 export async function runControlBench(opts: ControlBenchOptions = {}): Promise<ControlBenchResult> {
   const requests = opts.requests ?? 3000;
+  const warmup = opts.warmup ?? 1000;
   const concurrency = opts.concurrency ?? 64;
   const tokens = opts.tokens ?? 16;
   const refReps = opts.refReps ?? 20_000;
   const log = opts.log ?? ((): void => {});
   const rows: Omit<ControlRow, "rateRatio" | "cpuRatio">[] = [];
   for (const combo of opts.combos ?? CONTROL_COMBOS) {
-    log(`control ${comboName(combo)}: ${requests} requests, ${concurrency} in flight ...`);
+    log(
+      `control ${comboName(combo)}: ${warmup} requests to warm up, then ${requests} measured, ${concurrency} in flight ...`,
+    );
+    let sidecars: SidecarSummary[] = [];
     let start: CpuMark | undefined;
     let end: CpuMark | undefined;
     const summary = await runDemo({
@@ -184,7 +195,7 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
       headDim: 64,
       mode: combo.mode,
       dispatch: combo.dispatch,
-      requests,
+      requests: warmup + requests,
       promptTokens: [tokens],
       prefixTokens: 0,
       computeMs: 0,
@@ -192,7 +203,13 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
       recordRequests: true,
       peerAuth: opts.peerAuth ?? true,
       onStarted: (s) => {
-        start = mark(s);
+        sidecars = s;
+        if (warmup === 0) start = mark(s);
+      },
+      // The measured interval starts when the warm-up's last request is done (in completion
+      // order, the order summary.requests keeps).
+      progress: (done) => {
+        if (done === warmup && warmup > 0) start = mark(sidecars);
       },
       beforeStop: (s) => {
         end = mark(s);
@@ -203,16 +220,18 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
     // A failed transfer is reported, not hidden: the rate counts only the verified ones.
     if (!summary.verified)
       log(`  ${comboName(combo)}: ${summary.failed} failed, first: ${summary.failures[0] ?? ""}`);
-    const ok = summary.requests!.filter((r) => r.ok).length;
+    const measured = summary.requests!.slice(warmup);
+    const ok = measured.filter((r) => r.ok).length;
     const seconds = (end.t - start.t) / 1000;
     const per = (sec: number): number => (sec * 1000) / Math.max(1, ok);
     const pCpuMs = per(end.p - start.p);
     const dCpuMs = per(end.d - start.d);
-    const recs = summary.requests!.filter((r) => r.ok);
+    const recs = measured.filter((r) => r.ok);
     rows.push({
       mode: combo.mode,
       dispatch: combo.dispatch,
       requests,
+      warmup,
       verified: ok,
       failures: summary.failures.slice(0, 5),
       bytesPerTransfer: summary.bytes / Math.max(1, ok),
@@ -236,7 +255,7 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
     ucx: ucxVersion,
     shape:
       `1 prefill + 1 decode sidecar, TP 1, llama3-8b shape cut to 1 layer, 1 KV head x 64, ${tokens} tokens ` +
-      `per request, no compute, ${concurrency} in flight, ${requests} requests, shm, ` +
+      `per request, no compute, ${concurrency} in flight, ${requests} requests measured after ${warmup} to warm up, shm, ` +
       `peers ${opts.peerAuth === false ? "NOT authenticated" : "authenticated (mutual TLS)"}`,
     reference,
     rows: rows.map((r) => ({
@@ -312,17 +331,20 @@ export function controlConclusion(result: ControlBenchResult): string {
 }
 
 const USAGE =
-  "usage: kvxfer bench control [--json] [--quick] [--requests N] [--concurrency N] [--tokens N] [--reps N] [--peer-auth on|off]";
+  "usage: kvxfer bench control [--json] [--quick] [--requests N] [--warmup N] [--concurrency N] [--tokens N] [--reps N] [--peer-auth on|off]";
 
 export function parseControlArgs(argv: readonly string[]): ControlBenchOptions & { json: boolean } {
   const a = new BenchArgs(argv, USAGE);
   const o: ControlBenchOptions & { json: boolean } = { json: a.has("--json") };
   if (a.has("--quick")) {
     o.requests = 600;
+    o.warmup = 200;
     o.refReps = 5000;
   }
   const requests = a.number("--requests", 1);
   if (requests !== undefined) o.requests = requests;
+  const warmup = a.number("--warmup", 0);
+  if (warmup !== undefined) o.warmup = warmup;
   const conc = a.number("--concurrency", 1);
   if (conc !== undefined) o.concurrency = conc;
   const tokens = a.number("--tokens", 1);

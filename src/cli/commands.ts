@@ -516,7 +516,13 @@ export const COMMANDS: readonly CommandSpec[] = [
     [
       QUICK,
       JSON_OPT,
-      { name: "requests", kind: POS_INT, help: "transfers" },
+      { name: "requests", kind: POS_INT, help: "transfers measured" },
+      {
+        name: "warmup",
+        kind: NON_NEG_INT,
+        help: "transfers first, not measured (the native reference warms up too)",
+        def: "1000; 200 with --quick",
+      },
       { name: "concurrency", kind: POS_INT, help: "transfers in flight" },
       { name: "tokens", kind: POS_INT, help: "tokens per transfer" },
       { name: "reps", kind: POS_INT, help: "native reference round trips" },

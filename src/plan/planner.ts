@@ -583,9 +583,7 @@ export interface LayoutPairing {
   readonly src: KvLayout;
   readonly dst: KvLayout;
   readonly ranks: readonly DstRankSources[];
-  /** 2 when K and V rows are adjacent on both sides (one wide slot per layer), else 1. */
-  readonly slotStep: number;
-  /** Bytes of one planned row (K's and V's together when `slotStep` is 2). */
+  /** Bytes of one planned row (K's and V's together when they are adjacent on both sides). */
   readonly row: number;
   readonly interleaved: boolean;
   readonly kvPaired: boolean;
@@ -641,7 +639,6 @@ export function pairLayouts(src: KvLayout, dst: KvLayout): LayoutPairing {
     src,
     dst,
     ranks: mapRanks(src, dst),
-    slotStep,
     row: kvRowBytes(src) * slotStep,
     interleaved,
     kvPaired: !wide && !interleaved && kvRowsInterleaved(src) && kvRowsInterleaved(dst),

@@ -387,7 +387,19 @@ describe("nothing left behind", () => {
     try {
       const r = await run(
         cliScript(),
-        ["bench", "control", "--quick", "--requests", "40", "--concurrency", "8", "--reps", "100"],
+        [
+          "bench",
+          "control",
+          "--quick",
+          "--requests",
+          "40",
+          "--warmup",
+          "10",
+          "--concurrency",
+          "8",
+          "--reps",
+          "100",
+        ],
         120_000,
         { KVXFER_BENCH_RESULTS: results },
       );
