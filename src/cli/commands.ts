@@ -325,7 +325,7 @@ export const COMMANDS: readonly CommandSpec[] = [
         name: "kv-memory",
         kind: choice("segment", "file"),
         help: "the engines' KV in shared-memory segments their sidecars allocate, or in files the engines create",
-        def: "segment",
+        def: "segment; file with --transport tcp",
       },
       PEER_AUTH,
       { name: "json", kind: FLAG, help: "the summary as JSON" },

@@ -356,7 +356,12 @@ export async function startNode(
   return { engineId, role, sidecar, ready, engine };
 }
 
+/** UCX over TCP alone loads no SysV memory domain, so the sidecars could not allocate segments. */
+const TCP_NO_SEGMENTS =
+  "--kv-memory segment needs --transport shm: UCX over TCP alone allocates no SysV shared-memory segment for an engine to attach";
+
 export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
+  if (o.transport === "tcp" && o.kvMemory === "segment") throw new Error(TCP_NO_SEGMENTS);
   const log = o.log ?? ((): void => {});
   const tag = `${process.pid}-${Date.now().toString(36)}`;
   const maxTokens = Math.max(...o.promptTokens);
@@ -779,6 +784,13 @@ export function parseDemoArgs(argv: string[]): {
   set("blocks", int("blocks", values.blocks));
   set("transport", choice("transport", values.transport, ["shm", "tcp"] as const));
   set("kvMemory", choice("kv-memory", values["kv-memory"], ["segment", "file"] as const));
+  if (o.transport === "tcp" && o.kvMemory === "segment") {
+    if (values["kv-memory"] !== undefined) throw new Error(TCP_NO_SEGMENTS);
+    o.kvMemory = "file";
+    notes.push(
+      "note: --transport tcp: the engines' KV in files (UCX over TCP alone cannot allocate shared segments; give --kv-memory file to silence this)",
+    );
+  }
   const auth = choice("peer-auth", values["peer-auth"], ["on", "off"] as const);
   if (auth !== undefined) o.peerAuth = auth === "on";
   // A TP size the model's KV heads cannot be split over is refused here, in the user's terms,

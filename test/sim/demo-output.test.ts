@@ -109,4 +109,16 @@ describe("demo summary", () => {
       "--kv-memory must be one of segment, file, got 'disk'",
     );
   });
+
+  it("over TCP puts the KV in files, says so, and refuses segments asked for", () => {
+    const tcp = parseDemoArgs(["--transport", "tcp"]);
+    expect(tcp.options.kvMemory).toBe("file");
+    expect(tcp.notes).toEqual([
+      expect.stringMatching(/^note: --transport tcp: the engines' KV in files/),
+    ]);
+    expect(parseDemoArgs(["--transport", "tcp", "--kv-memory", "file"]).notes).toEqual([]);
+    expect(() => parseDemoArgs(["--transport", "tcp", "--kv-memory", "segment"])).toThrow(
+      "--kv-memory segment needs --transport shm",
+    );
+  });
 });
