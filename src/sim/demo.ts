@@ -44,8 +44,9 @@ export interface DemoOptions {
   kvHeads?: number;
   /**
    * Where the engines' KV lives: files they create (the engines' default), or shared-memory
-   * segments their sidecars allocate (the demo's default: on one host UCX then moves it at
-   * memory speed instead of through a system call per block, docs/benchmarks.md).
+   * segments their sidecars allocate (the demo's default: on one host UCX then copies into the
+   * peer's mapped segment, instead of sending each piece as an active message that the receiving
+   * sidecar copies; docs/benchmarks.md). Not with `transport: "tcp"`.
    */
   kvMemory?: "file" | "segment";
   /**
