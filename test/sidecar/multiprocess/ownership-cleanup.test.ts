@@ -97,7 +97,6 @@ function inode(path: string): bigint {
   return lstatSync(path, { bigint: true }).ino;
 }
 
-/** Files of `dir` whose names contain `part`. */
 /** The SysV segments (ids) whose creator is one of `pids` (/proc/sysvipc/shm: cpid). */
 function segmentsCreatedBy(pids: ReadonlySet<number | undefined>): number[] {
   const [header, ...rows] = readFileSync("/proc/sysvipc/shm", "utf8").trim().split("\n");
@@ -110,6 +109,7 @@ function segmentsCreatedBy(pids: ReadonlySet<number | undefined>): number[] {
     .map((f) => Number(f[id]));
 }
 
+/** Files of `dir` whose names contain `part`. */
 function filesWith(dir: string, part: string): string[] {
   return readdirSync(dir).filter((f) => f.includes(part));
 }
