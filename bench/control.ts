@@ -79,6 +79,8 @@ export interface ControlRow {
   sidecarBoundPerSec: number;
   /** P's prefill answer -> KV_READY heard, under this load. */
   kvReadyMs: Stats;
+  /** The native round trips measured right after this row's workload, on the same machine state. */
+  reference: ControlReference;
   /** transfersPerSec / the reference's round trips per second. */
   rateRatio: number;
   /** sidecarCpuMs / the reference's CPU ms per round trip. */
@@ -97,6 +99,7 @@ export interface ControlBenchResult {
   machine: string;
   ucx: string;
   shape: string;
+  /** The rows' references: the one of median rate (each row's ratios use its own). */
   reference: ControlReference;
   rows: ControlRow[];
 }
@@ -171,6 +174,7 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
   const refReps = opts.refReps ?? 20_000;
   const log = opts.log ?? ((): void => {});
   const rows: Omit<ControlRow, "rateRatio" | "cpuRatio">[] = [];
+  const references: ControlReference[] = [];
   for (const combo of opts.combos ?? CONTROL_COMBOS) {
     log(
       `control ${comboName(combo)}: ${warmup} requests to warm up, then ${requests} measured, ${concurrency} in flight ...`,
@@ -227,6 +231,13 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
     const pCpuMs = per(end.p - start.p);
     const dCpuMs = per(end.d - start.d);
     const recs = measured.filter((r) => r.ok);
+    // Each row gets a reference measured right after it: this machine's speed drifts between
+    // runs (the reference alone ranged from 5310 to 9190 round trips/s over four runs in an hour).
+    log(
+      `control reference after ${comboName(combo)}: ${refReps} native notification round trips ...`,
+    );
+    const reference = await nativeRoundTrips(refReps);
+    references.push(reference);
     rows.push({
       mode: combo.mode,
       dispatch: combo.dispatch,
@@ -245,10 +256,10 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
         (end.machine.busy - start.machine.busy) / (end.machine.total - start.machine.total),
       sidecarBoundPerSec: 1000 / Math.max(pCpuMs, dCpuMs),
       kvReadyMs: stats(recs.map((r) => r.readyMs - r.prefilledMs)),
+      reference,
     });
   }
-  log(`control reference: ${refReps} native notification round trips ...`);
-  const reference = await nativeRoundTrips(refReps);
+  const reference = medianReference(references);
   return {
     bench: "control",
     machine: machineLine(),
@@ -260,10 +271,17 @@ export async function runControlBench(opts: ControlBenchOptions = {}): Promise<C
     reference,
     rows: rows.map((r) => ({
       ...r,
-      rateRatio: r.transfersPerSec / reference.roundTripsPerSec,
-      cpuRatio: r.sidecarCpuMs / reference.cpuMsPerRoundTrip,
+      rateRatio: r.transfersPerSec / r.reference.roundTripsPerSec,
+      cpuRatio: r.sidecarCpuMs / r.reference.cpuMsPerRoundTrip,
     })),
   };
+}
+
+/** The reference of the median rate among `refs` (the summary's; each row keeps its own). */
+function medianReference(refs: readonly ControlReference[]): ControlReference {
+  if (refs.length === 0) throw new Error("bench control: no combination ran, so no reference");
+  const sorted = [...refs].sort((a, b) => a.roundTripsPerSec - b.roundTripsPerSec);
+  return sorted[Math.floor((sorted.length - 1) / 2)]!;
 }
 
 const HEAD = [
@@ -284,7 +302,8 @@ const HEAD = [
   "CPU ratio",
 ];
 
-function cells(r: ControlRow, ref: ControlReference): string[] {
+function cells(r: ControlRow): string[] {
+  const ref = r.reference;
   return [
     `${r.mode}-${r.dispatch === "sequential" ? "seq" : "conc"}`,
     `${r.verified}/${r.requests}`,
@@ -307,7 +326,7 @@ function cells(r: ControlRow, ref: ControlReference): string[] {
 export function formatControl(result: ControlBenchResult, markdown = false): string {
   return (markdown ? markdownTable : table)(
     HEAD,
-    result.rows.map((r) => cells(r, result.reference)),
+    result.rows.map((r) => cells(r)),
   );
 }
 
@@ -316,7 +335,7 @@ export const CONTROL_NOTES = [
   "  machine busy: the share of all cores busy over the interval (engines, router and sidecars share them)",
   "  sidecar-bound: 1000 / the busier sidecar's CPU ms per transfer",
   "  ready: P's prefill answer -> KV_READY heard by the router, under this load",
-  "  native (reference): small WRITE + notification, acknowledged by a notification, one in flight, two processes over shm",
+  "  native (reference): small WRITE + notification, acknowledged by a notification, one in flight, two processes over shm; measured right after each row",
   "  rate ratio = transfers/s / native round trips/s; CPU ratio = sidecars' CPU per transfer / native CPU per round trip",
 ].join("\n");
 
