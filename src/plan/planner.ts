@@ -587,13 +587,11 @@ export interface LayoutPairing {
   readonly row: number;
   readonly interleaved: boolean;
   readonly kvPaired: boolean;
-  readonly nSlots: number;
-  readonly dstRegions: number;
-  /** Per planned slot: its index in `pairKeys` (region pairs, `srcRegion * dstRegions + dstRegion`). */
+  /** Per planned slot: its index in `pairKeys` (region pairs, `srcRegion * D's regions + dstRegion`). */
   readonly slotPair: Int32Array;
   readonly pairKeys: readonly number[];
   readonly slotsPerPair: readonly number[];
-  /** Per planned slot: its offset within its block on each side. */
+  /** Per planned slot (one entry each): its offset within its block on each side. */
   readonly srcOff: Float64Array;
   readonly dstOff: Float64Array;
 }
@@ -642,8 +640,6 @@ export function pairLayouts(src: KvLayout, dst: KvLayout): LayoutPairing {
     row: kvRowBytes(src) * slotStep,
     interleaved,
     kvPaired: !wide && !interleaved && kvRowsInterleaved(src) && kvRowsInterleaved(dst),
-    nSlots,
-    dstRegions,
     slotPair,
     pairKeys,
     slotsPerPair,
@@ -674,8 +670,10 @@ export function planPaired(
   request: PlanRequest,
   options: PlanOptions = {},
 ): TransferPlan {
-  const { src, dst, row, interleaved, kvPaired, nSlots, dstRegions } = pairing;
-  const { slotPair, pairKeys, slotsPerPair, srcOff, dstOff } = pairing;
+  const { src, dst, row, interleaved, kvPaired, slotPair, pairKeys, slotsPerPair, srcOff, dstOff } =
+    pairing;
+  const nSlots = srcOff.length;
+  const dstRegions = dst.regionBytes.length;
   const prefix = checkRequest(src, dst, request);
   checkRanks("srcRanks", options.srcRanks, src.tpSize);
   checkRanks("dstRanks", options.dstRanks, dst.tpSize);

@@ -10,7 +10,12 @@ import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
 import type { Notification, OpTrace } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 
-import { descriptorsForSide, mapRanks, planPaired, type TransferPlan } from "../plan/index.js";
+import {
+  descriptorsForSide,
+  planPaired,
+  type LayoutPairing,
+  type TransferPlan,
+} from "../plan/index.js";
 import { BlockClaims } from "./claims.js";
 import { transferError, type SideContext } from "./context.js";
 import {
@@ -244,8 +249,11 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   private async start(t: DecodeTransfer): Promise<void> {
     const { ctx } = this;
     let peer: PeerState;
+    let pairing: LayoutPairing;
     try {
       peer = await this.resolvePeer(t.source);
+      // Made at the handshake (the same layouts): which P ranks hold this engine's heads.
+      pairing = peer.pairing(peer.layout, ctx.kv()!.layout);
     } catch (err) {
       const e = KvxferError.from(err);
       const reason =
@@ -266,7 +274,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       return;
     }
     t.peer = peer;
-    for (const d of mapRanks(peer.layout, ctx.kv()!.layout)) {
+    for (const d of pairing.ranks) {
       for (const s of d.sources) t.expectedPairs.add(`${s.srcRank}:${d.dstRank}`);
     }
     if (t.mode === "push") {

@@ -30,7 +30,7 @@ import subprocess
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -57,28 +57,44 @@ class SharedKvFile:
     segment: int | None = None
 
 
-class SharedKv(Protocol):
-    """What the connector needs of an engine rank's shared KV memory, files or segments."""
+class SharedKv:
+    """An engine rank's shared KV memory, files or segments: its regions (``files``), the
+    allocation context vLLM allocates inside, and where a tensor lies in them."""
 
-    files: list[SharedKvFile]
+    def __init__(self) -> None:
+        self.files: list[SharedKvFile] = []
+        self._closed = False
 
-    def allocate(self, nbytes: int) -> torch.Tensor: ...
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        raise NotImplementedError
 
-    def placement(self) -> AbstractContextManager[Any]: ...
+    def close(self) -> None:
+        raise NotImplementedError
 
-    def locate(self, tensor: torch.Tensor) -> tuple[int, int]: ...
+    def placement(self) -> AbstractContextManager[Any]:
+        """Inside it, large 1-D int8 CPU ``torch.zeros`` allocations come from ``allocate``."""
+        return _PlaceInSharedMemory(self)
 
-    def close(self) -> None: ...
+    def locate(self, tensor: torch.Tensor) -> tuple[int, int]:
+        """(region index, byte offset) of a tensor's first element; LayoutError when it is in none."""
+        ptr = tensor.data_ptr()
+        for i, f in enumerate(self.files):
+            if f.base <= ptr < f.base + f.nbytes:
+                return i, ptr - f.base
+        raise LayoutError(
+            "ERR_NOT_SHARED",
+            "a KV cache tensor is not in kvxfer's shared memory: vLLM did not allocate its KV cache "
+            "through the connector's allocation context (get_mem_pool_context)",
+        )
 
 
-class SharedKvFiles:
+class SharedKvFiles(SharedKv):
     """The shared-memory files of one engine rank."""
 
     def __init__(self, shm_dir: str, engine_id: str, rank: int) -> None:
+        super().__init__()
         self.shm_dir = shm_dir
         self.prefix = f"kvxfer-{engine_id}-r{rank}-{os.getpid()}"
-        self.files: list[SharedKvFile] = []
-        self._closed = False
         atexit.register(self.close)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
@@ -101,14 +117,6 @@ class SharedKvFiles:
         log.info("kvxfer: KV cache region %s (%d bytes) in shared memory", path, nbytes)
         return tensor
 
-    def placement(self) -> AbstractContextManager[Any]:
-        """Inside it, large 1-D int8 CPU ``torch.zeros`` allocations come from new shared files."""
-        return _PlaceInSharedMemory(self)
-
-    def locate(self, tensor: torch.Tensor) -> tuple[int, int]:
-        """(file index, byte offset) of a tensor's first element; LayoutError when it is in none."""
-        return _locate(self.files, tensor)
-
     def close(self) -> None:
         """Removes the files (idempotent). Mappings stay valid for tensors still alive."""
         if self._closed:
@@ -122,19 +130,7 @@ class SharedKvFiles:
         atexit.unregister(self.close)
 
 
-def _locate(files: list[SharedKvFile], tensor: torch.Tensor) -> tuple[int, int]:
-    ptr = tensor.data_ptr()
-    for i, f in enumerate(files):
-        if f.base <= ptr < f.base + f.nbytes:
-            return i, ptr - f.base
-    raise LayoutError(
-        "ERR_NOT_SHARED",
-        "a KV cache tensor is not in kvxfer's shared memory: vLLM did not allocate its KV cache "
-        "through the connector's allocation context (get_mem_pool_context)",
-    )
-
-
-class SharedKvSegments:
+class SharedKvSegments(SharedKv):
     """The KV of one engine rank in a segment its sidecar allocates (kv_memory ``segment``).
 
     ``allocate`` sends ``AllocateKv`` for the rank on a connection of its own, waits (bounded) for
@@ -154,15 +150,14 @@ class SharedKvSegments:
         timeout_s: float = 60.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
+        super().__init__()
         self.engine_socket = engine_socket
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
-        self.files: list[SharedKvFile] = []
         self._link: EngineLink | None = None
-        self._closed = False
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A zeroed int8 tensor of ``nbytes`` in a segment the sidecar allocated for this rank."""
@@ -217,14 +212,6 @@ class SharedKvSegments:
                 "ERR_ALLOCATE_REFUSED", f"the sidecar answered {len(a.segments)} segments for one region"
             )
         return int(a.segments[0])
-
-    def placement(self) -> AbstractContextManager[Any]:
-        """Inside it, the large 1-D int8 CPU ``torch.zeros`` allocation comes from a segment."""
-        return _PlaceInSharedMemory(self)
-
-    def locate(self, tensor: torch.Tensor) -> tuple[int, int]:
-        """(region index, byte offset) of a tensor's first element; LayoutError when it is in none."""
-        return _locate(self.files, tensor)
 
     def close(self) -> None:
         """Closes the allocation's connection (idempotent). The segments stay attached while the
