@@ -112,7 +112,8 @@ export const ERROR_CODES = {
   ERR_NOT_OWNER: "a transfer message from a connection that does not own the engine link",
   ERR_NOT_READY: "a handshake before this sidecar's engine has registered",
   ERR_NOT_REGISTERED: "a transfer message before the engine registered its KV cache",
-  ERR_NO_BLOCKS: "simulated engine: not enough free blocks",
+  ERR_NO_BLOCKS:
+    "simulated engine: a request needs more blocks than the cache has, or than were freed while it waited (--block-wait-ms)",
   ERR_NO_SEGMENT:
     "UCX allocated KV memory outside SysV shared memory, which an engine cannot attach",
   ERR_NO_SOURCE_BLOCKS: "a pull without ExpectKv.source_block_ids",

@@ -485,6 +485,10 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
     let prefixBytes = 0;
     let cut = 0;
     const stopped = (): boolean => o.signal?.aborted === true;
+    /** The router gives up a request on one engine (its blocks come back; failures ignored). */
+    const abortOn = async (n: Node, transferId: string): Promise<void> => {
+      await n.engine.call("abort", { transferId }, o.requestTimeoutMs).catch(() => undefined);
+    };
     const one = async (r: number): Promise<void> => {
       const p = ps[r % ps.length]!;
       const d = ds[r % ds.length]!;
@@ -519,17 +523,22 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
           prefilledAt = Date.now();
           rec.prefilledMs = performance.now();
           rec.srcBlockIds = [...blockIds];
-          const expected = await d.engine.expect(
-            {
-              transferId,
-              tokens,
-              prefixTokens: prefix,
-              source: p.ready.sideChannel,
-              sourceBlockIds: blockIds,
-              token,
-            },
-            o.requestTimeoutMs,
-          );
+          const expected = await d.engine
+            .expect(
+              {
+                transferId,
+                tokens,
+                prefixTokens: prefix,
+                source: p.ready.sideChannel,
+                sourceBlockIds: blockIds,
+                token,
+              },
+              o.requestTimeoutMs,
+            )
+            .catch(async (err: unknown) => {
+              await abortOn(p, transferId); // P's blocks back now, not at expiry
+              throw err;
+            });
           rec.dstBlockIds = [...expected.blockIds];
         } else {
           const pre = p.engine
@@ -539,12 +548,23 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
               rec.prefilledMs = performance.now();
               rec.srcBlockIds = [...blockIds];
             });
-          const expected = await d.engine.expect(
-            { transferId, tokens, prefixTokens: prefix, source: p.ready.sideChannel, token },
-            o.requestTimeoutMs,
-          );
-          rec.dstBlockIds = [...expected.blockIds];
-          await pre;
+          const [prefilled, expected] = await Promise.allSettled([
+            pre,
+            d.engine.expect(
+              { transferId, tokens, prefixTokens: prefix, source: p.ready.sideChannel, token },
+              o.requestTimeoutMs,
+            ),
+          ]);
+          if (prefilled.status === "rejected" || expected.status === "rejected") {
+            // As a router does: the side that did take the request is aborted, so that its
+            // blocks come back now instead of when the transfer expires.
+            if (prefilled.status === "fulfilled") await abortOn(p, transferId);
+            if (expected.status === "fulfilled") await abortOn(d, transferId);
+            throw prefilled.status === "rejected"
+              ? prefilled.reason
+              : (expected as PromiseRejectedResult).reason;
+          }
+          rec.dstBlockIds = [...expected.value.blockIds];
         }
         const ready: Pick<SidecarEvent, "kind" | "mode"> =
           watches.length > 0

@@ -35,6 +35,8 @@ export interface SimEngineOptions {
   sidecarLostMs?: number;
   /** Decode: check the KV this long after KvReady (default 0: at once). */
   checkAfterMs?: number;
+  /** How long a request waits for free blocks (default 10000; 0: refused at once). */
+  blockWaitMs?: number;
   logLevel?: string;
 }
 
@@ -117,6 +119,7 @@ export function simEngineArgs(o: SimEngineOptions): string[] {
   add("--register-timeout-ms", o.registerTimeoutMs);
   add("--sidecar-lost-ms", o.sidecarLostMs);
   add("--check-after-ms", o.checkAfterMs);
+  add("--block-wait-ms", o.blockWaitMs);
   add("--log-level", o.logLevel);
   return args;
 }

@@ -88,6 +88,8 @@ export interface SimEngineConfig {
    * the hops after KvReady sets it, so that the check's CPU does not compete with them.
    */
   readonly checkAfterMs: number;
+  /** How long a request waits for free blocks before ERR_NO_BLOCKS (0: refused at once). */
+  readonly blockWaitMs: number;
   readonly logLevel: string;
 }
 
@@ -107,6 +109,8 @@ export const SIM_ENGINE_USAGE = `usage: kvxfer sim-engine --engine-id ID --role 
   --register-timeout-ms N how long to wait for Registered (default 10000)
   --sidecar-lost-ms N     sidecar unreachable this long: fail every transfer in flight (default 10000)
   --check-after-ms N      decode: check the KV N ms after KvReady, not at once (default 0)
+  --block-wait-ms N       a request that needs more blocks than are free waits this long for
+                          releases, first come first served (default 10000; 0: refused at once)
   --log-level LEVEL       pino level for stderr logs (default warn)
 Control: JSON lines on stdin; replies and events on stdout (docs/engine-link.md).`;
 
@@ -148,6 +152,7 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
       "register-timeout-ms": { type: "string" },
       "sidecar-lost-ms": { type: "string" },
       "check-after-ms": { type: "string" },
+      "block-wait-ms": { type: "string" },
       "log-level": { type: "string" },
     },
   });
@@ -216,6 +221,7 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
     registerTimeoutMs: intFlag(values["register-timeout-ms"], "register-timeout-ms", 10_000),
     sidecarLostMs: intFlag(values["sidecar-lost-ms"], "sidecar-lost-ms", 10_000),
     checkAfterMs: intFlag(values["check-after-ms"], "check-after-ms", 0, 0),
+    blockWaitMs: intFlag(values["block-wait-ms"], "block-wait-ms", 10_000, 0),
     logLevel: values["log-level"] ?? "warn",
   };
 }
@@ -241,22 +247,81 @@ class ControlError extends Error {
   }
 }
 
-/** Free blocks of the engine's cache, handed out in random order (so tables are non-contiguous). */
+/**
+ * Free blocks of the engine's cache, handed out in random order (so tables are non-contiguous).
+ * A request that needs more blocks than are free waits for releases, first come first served, as
+ * a scheduler queues a request until its KV fits; one that needs more than the whole cache, or
+ * that waited `waitMs`, is refused with ERR_NO_BLOCKS.
+ */
 class BlockPool {
   private readonly free: number[];
+  private readonly waiters: {
+    n: number;
+    grant: (ids: number[]) => void;
+    refuse: (err: Error) => void;
+    timer: NodeJS.Timeout;
+  }[] = [];
   constructor(
     readonly total: number,
     private readonly random: () => number,
+    private readonly waitMs: number,
   ) {
     this.free = Array.from({ length: total }, (_, i) => i);
   }
   get freeCount(): number {
     return this.free.length;
   }
-  take(n: number): number[] {
-    if (n > this.free.length) {
+  async take(n: number): Promise<number[]> {
+    if (n > this.total) {
+      throw new ControlError(
+        "ERR_NO_BLOCKS",
+        `need ${n} blocks, the cache has ${this.total} in all`,
+      );
+    }
+    if (this.waiters.length === 0 && n <= this.free.length) return this.pick(n);
+    if (this.waitMs === 0) {
       throw new ControlError("ERR_NO_BLOCKS", `need ${n} blocks, ${this.free.length} are free`);
     }
+    return new Promise((resolve, reject) => {
+      const waiter = {
+        n,
+        grant: resolve,
+        refuse: reject,
+        timer: setTimeout(() => {
+          this.waiters.splice(this.waiters.indexOf(waiter), 1);
+          reject(
+            new ControlError(
+              "ERR_NO_BLOCKS",
+              `need ${n} blocks, ${this.free.length} were free after waiting ${this.waitMs} ms for releases`,
+            ),
+          );
+          this.serve(); // a smaller request behind this one may fit now
+        }, this.waitMs),
+      };
+      this.waiters.push(waiter);
+    });
+  }
+  give(ids: Iterable<number>): void {
+    for (const id of ids) this.free.push(id);
+    this.serve();
+  }
+  /** Refuses every waiting request (the engine stops). */
+  refuseWaiting(): void {
+    for (const w of this.waiters.splice(0)) {
+      clearTimeout(w.timer);
+      w.refuse(
+        new ControlError("ERR_ABORTED", "the engine stopped while this request waited for blocks"),
+      );
+    }
+  }
+  private serve(): void {
+    while (this.waiters.length > 0 && this.waiters[0]!.n <= this.free.length) {
+      const w = this.waiters.shift()!;
+      clearTimeout(w.timer);
+      w.grant(this.pick(w.n));
+    }
+  }
+  private pick(n: number): number[] {
     const out: number[] = [];
     for (let i = 0; i < n; i++) {
       const j = Math.floor(this.random() * this.free.length);
@@ -265,9 +330,6 @@ class BlockPool {
       this.free.pop();
     }
     return out;
-  }
-  give(ids: Iterable<number>): void {
-    for (const id of ids) this.free.push(id);
   }
 }
 
@@ -361,6 +423,8 @@ class SimEngine {
   /** Checks of KV waiting for --check-after-ms (cleared at stop). */
   private readonly checks = new Set<NodeJS.Timeout>();
   private stopping: Promise<void> | undefined;
+  /** Transfers waiting for free blocks (see BlockPool). */
+  private readonly waitingForBlocks = new Set<string>();
   private readonly counters = {
     verified: 0,
     failed: 0,
@@ -380,7 +444,7 @@ class SimEngine {
     private readonly out: (obj: Record<string, unknown>) => void,
   ) {
     this.layout = cfg.layout;
-    this.pool = new BlockPool(cfg.layout.numBlocks, prng(cfg.seed));
+    this.pool = new BlockPool(cfg.layout.numBlocks, prng(cfg.seed), cfg.blockWaitMs);
   }
 
   /**
@@ -816,10 +880,20 @@ class SimEngine {
 
   private newTransferId(req: ControlRequest): string {
     const tid = str(req, "transferId");
-    if (this.live.has(tid)) {
+    if (this.live.has(tid) || this.waitingForBlocks.has(tid)) {
       throw new ControlError("ERR_DUPLICATE", `transfer '${tid}' is already live on this engine`);
     }
     return tid;
+  }
+
+  /** Blocks for a new transfer; its id counts as live while it waits for them. */
+  private async takeBlocks(tid: string, tokens: number): Promise<number[]> {
+    this.waitingForBlocks.add(tid);
+    try {
+      return await this.pool.take(Math.ceil(tokens / this.layout.blockSize));
+    } finally {
+      this.waitingForBlocks.delete(tid);
+    }
   }
 
   async handle(req: ControlRequest): Promise<Record<string, unknown>> {
@@ -884,7 +958,7 @@ class SimEngine {
     const tokens = int(req, "tokens", 1);
     const computeMs = int(req, "computeMs", 0, 0);
     const L = this.layout;
-    const blockIds = this.pool.take(Math.ceil(tokens / L.blockSize));
+    const blockIds = await this.takeBlocks(tid, tokens);
     const t: LiveTransfer = {
       transferId: tid,
       side: "prefill",
@@ -942,7 +1016,7 @@ class SimEngine {
     const source = str(req, "source");
     const sourceBlockIds = intList(req, "sourceBlockIds");
     const L = this.layout;
-    const blockIds = this.pool.take(Math.ceil(tokens / L.blockSize));
+    const blockIds = await this.takeBlocks(tid, tokens);
     this.live.set(tid, {
       transferId: tid,
       side: "decode",
@@ -980,6 +1054,7 @@ class SimEngine {
     this.stopping ??= (async () => {
       this.registered = undefined;
       clearTimeout(this.lostTimer);
+      this.pool.refuseWaiting();
       // A delayed check must not read the KV once it is unmapped.
       for (const timer of this.checks) clearTimeout(timer);
       this.checks.clear();

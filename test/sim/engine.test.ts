@@ -202,7 +202,11 @@ describe("simulated engine", () => {
     await expect(p.expect({ transferId: "x", tokens: 8, source: "h:1" })).rejects.toMatchObject({
       code: "ERR_WRONG_ROLE",
     });
-    await expect(p.prefill("huge", 16 * 16)).rejects.toMatchObject({ code: "ERR_NO_BLOCKS" });
+    // More blocks than the whole cache: refused at once, not after --block-wait-ms.
+    await expect(p.prefill("huge", 17 * 16)).rejects.toMatchObject({
+      code: "ERR_NO_BLOCKS",
+      message: "need 17 blocks, the cache has 16 in all",
+    });
     await expect(p.call("nope")).rejects.toMatchObject({ code: "ERR_UNKNOWN_OP" });
 
     let s = await p.stats();
@@ -406,6 +410,55 @@ describe("simulated engine", () => {
     for (const f of files) expect(existsSync(f)).toBe(false);
     // P still holds ok1's blocks: nobody released them.
     expect(await p.stats()).toMatchObject({ transfers: 1, freeBlocks: 12 - 5 });
+  });
+
+  it("a request short of free blocks waits for releases, first come first served, and is refused after --block-wait-ms", async () => {
+    const side = await sidecar("pwait");
+    const p = await engine(side, {
+      engineId: "pwait",
+      role: "prefill",
+      block: 16,
+      blocks: 4,
+      blockWaitMs: 600,
+    });
+    const release = async (transferId: string, blockIds: number[]): Promise<void> => {
+      await side.send(
+        sidecarMessage(
+          "releaseBlocks",
+          create(ReleaseBlocksSchema, { transferId, blockIds, reason: ReleaseReason.TRANSFERRED }),
+        ),
+      );
+      await p.waitTransfer(transferId, "released", WAIT);
+    };
+    const a = await p.prefill("wa", 3 * 16);
+    // b needs 2 of the 1 free block; c needs 1, but queues behind b.
+    const settled: string[] = [];
+    const b = p.prefill("wb", 2 * 16).then((r) => (settled.push("wb"), r));
+    const c = p.prefill("wc", 16).then((r) => (settled.push("wc"), r));
+    await new Promise((r) => setTimeout(r, 100));
+    expect(settled).toEqual([]);
+    expect(await p.stats()).toMatchObject({ freeBlocks: 1 });
+    // A waiting transfer's id is taken.
+    await expect(p.prefill("wb", 16)).rejects.toMatchObject({ code: "ERR_DUPLICATE" });
+    await release("wa", a.blockIds);
+    const [rb, rc] = await Promise.all([b, c]);
+    expect(settled).toEqual(["wb", "wc"]);
+    expect(rb.blockIds).toHaveLength(2);
+    expect(rc.blockIds).toHaveLength(1);
+    expect(new Set([...rb.blockIds, ...rc.blockIds]).size).toBe(3);
+    expect(await p.stats()).toMatchObject({ freeBlocks: 1, transfers: 2 });
+    // Nothing is released within the wait: refused, naming what it waited for.
+    const t0 = Date.now();
+    await expect(p.prefill("wd", 2 * 16)).rejects.toMatchObject({
+      code: "ERR_NO_BLOCKS",
+      message: "need 2 blocks, 1 were free after waiting 600 ms for releases",
+    });
+    expect(Date.now() - t0).toBeGreaterThanOrEqual(550);
+    // The refused request holds nothing; the others release as usual.
+    expect(await p.stats()).toMatchObject({ freeBlocks: 1, transfers: 2 });
+    await release("wb", rb.blockIds);
+    await release("wc", rc.blockIds);
+    expectAllFree(await p.stats());
   });
 
   it("--check-after-ms: D checks the KV that long after KvReady, not at once; a stop with a check pending exits cleanly", async () => {

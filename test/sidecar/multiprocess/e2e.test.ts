@@ -65,6 +65,31 @@ describe("transfers across processes over shared memory, byte-verified", () => {
     expect((await demo({ mode: "auto", dispatch: "concurrent" })).byMode).toEqual({ push: 4 });
   });
 
+  it.each(["concurrent", "sequential"] as const)(
+    "a request larger than P's cache fails alone, D's side is aborted, the others are verified (%s dispatch)",
+    async (dispatch) => {
+      // Each engine has 2 blocks: 48 tokens need 3 of P's (16 tokens each), only 2 of D's (32).
+      // P refuses at once; D's blocks, when it took them, must come back by the router's abort.
+      const s = await runDemo({
+        ...SMALL,
+        dispatch,
+        blocks: 2,
+        pBlock: 16,
+        dBlock: 32,
+        promptTokens: [16, 48],
+        requests: 4,
+      });
+      expect([...s.failures].sort()).toEqual([
+        expect.stringMatching(/^req-1-\S+: need 3 blocks, the cache has 2 in all$/),
+        expect.stringMatching(/^req-3-\S+: need 3 blocks, the cache has 2 in all$/),
+      ]);
+      expect(s.failed).toBe(2);
+      expect(s.mismatches).toBe(0);
+      expect(s.leakedBlocks).toBe(0);
+      expect(s.checkedBytes).toBeGreaterThan(0);
+    },
+  );
+
   it.each(["file", "segment"] as const)(
     "2P2D, P TP 2 -> D TP 4, block 16 -> 32, KV in %s",
     async (kvMemory) => {
