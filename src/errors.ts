@@ -25,26 +25,21 @@ export class KvxferError extends Error {
   }
 
   /**
-   * Converts anything thrown by the addon into a KvxferError. When `site` is
-   * given (an Error made where the caller started the operation), the stack
-   * is the caller's, not the event loop's.
+   * Converts anything thrown by the addon into a KvxferError (a KvxferError
+   * is returned as is). Made inside an async function, its stack continues
+   * through the functions awaiting it.
    */
-  static from(err: unknown, site?: Error): KvxferError {
-    if (err instanceof KvxferError && site === undefined) return err;
+  static from(err: unknown): KvxferError {
+    if (err instanceof KvxferError) return err;
     const e = err as { code?: unknown; message?: unknown; ucsStatus?: unknown } | null;
     const code = typeof e?.code === "string" ? e.code : "ERR_INTERNAL";
     const message = typeof e?.message === "string" ? e.message : String(err);
     const ucsStatus = typeof e?.ucsStatus === "number" ? e.ucsStatus : undefined;
-    const out = new KvxferError(
+    return new KvxferError(
       code,
       message,
       ucsStatus === undefined ? { cause: err } : { ucsStatus, cause: err },
     );
-    if (site?.stack !== undefined) {
-      const frames = site.stack.split("\n").slice(1).join("\n");
-      out.stack = `KvxferError [${code}]: ${message}\n${frames}`;
-    }
-    return out;
   }
 }
 

@@ -317,6 +317,31 @@ describe("bad handles and addresses", () => {
     a.beginClose(); // after close: nothing
   });
 
+  it("a transfer that fails after it started rejects with a stack through the function awaiting it", async () => {
+    const big = a.registerMemory(new Uint8Array(8 << 20));
+    const bigDst = b.registerMemory(new Uint8Array(8 << 20));
+    const r = ep.importRemote(bigDst.remoteKey());
+    const descs = new Float64Array(3 * 20000);
+    for (let i = 0; i < 20000; i++) descs.set([i * 256, i * 256, 256], 3 * i);
+    async function awaitedHere(): Promise<KvxferError | "done"> {
+      try {
+        await a.write(ep, big, r, descs);
+        return "done";
+      } catch (err) {
+        return err as KvxferError;
+      }
+    }
+    const pending = Array.from({ length: 20 }, () => awaitedHere());
+    ep.abandon();
+    const failed = (await Promise.all(pending)).filter((x) => x !== "done");
+    expect(failed.length).toBeGreaterThan(0);
+    for (const e of failed) {
+      expect(e).toBeInstanceOf(KvxferError);
+      expect(e.code).toBe("UCS_ERR_CONNECTION_RESET");
+      expect(e.stack).toMatch(/at (async )?awaitedHere \(.*native\/errors\.test\.ts:\d+/);
+    }
+  });
+
   it("abandon() settles every transfer on an endpoint now and fails the endpoint", async () => {
     const { big, r, pending } = twentyBigWrites();
     ep.abandon();
