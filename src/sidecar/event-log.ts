@@ -114,11 +114,11 @@ export function checkEventFilter(filter: EventFilter): void {
       throw new KvxferError("ERR_INVALID_ARGUMENT", "empty transfer id in filter");
 }
 
-function anyKey(transferId: string): string {
-  return `*\u0000${transferId}`;
-}
-function sideKey(side: TransferSide | "", transferId: string): string {
-  return `${side}\u0000${transferId}`;
+/** A transfer's terminal events still in the ring: the first logged, and each side's first. */
+interface Terminals {
+  any: SidecarEvent | undefined;
+  prefill: SidecarEvent | undefined;
+  decode: SidecarEvent | undefined;
 }
 
 export class EventLog {
@@ -127,8 +127,8 @@ export class EventLog {
   readonly maxWaiters: number;
   private readonly ring: (SidecarEvent | undefined)[];
   private last = 0;
-  /** Terminal events still in the ring, by `*\0id` (first logged) and `side\0id`. */
-  private readonly terminal = new Map<string, SidecarEvent>();
+  /** Terminal events still in the ring, by transfer id (one lookup per terminal event). */
+  private readonly terminal = new Map<string, Terminals>();
   /** Transfers whose terminal event was dropped from the ring: id -> seq; at most `capacity`. */
   private readonly dropped = new Map<string, number>();
   private readonly subs = new Set<Subscription>();
@@ -214,9 +214,8 @@ export class EventLog {
 
   /** The terminal event of a transfer: retained, dropped from the log, or never seen. */
   findTerminal(transferId: string, side?: TransferSide): TerminalLookup {
-    const ev = this.terminal.get(
-      side === undefined ? anyKey(transferId) : sideKey(side, transferId),
-    );
+    const t = this.terminal.get(transferId);
+    const ev = side === undefined ? t?.any : side === "prefill" ? t?.prefill : t?.decode;
     if (ev !== undefined) return { found: "retained", event: ev };
     const seq = this.dropped.get(transferId);
     if (seq !== undefined) return { found: "dropped", seq };
@@ -355,22 +354,32 @@ export class EventLog {
   }
 
   private index(ev: SidecarEvent): void {
-    const any = anyKey(ev.transferId);
-    if (!this.terminal.has(any)) this.terminal.set(any, ev);
-    const bySide = sideKey(ev.side, ev.transferId);
-    if (!this.terminal.has(bySide)) this.terminal.set(bySide, ev);
-    this.dropped.delete(ev.transferId);
-    const set = this.waiters.get(ev.transferId);
+    const id = ev.transferId;
+    let t = this.terminal.get(id);
+    if (t === undefined) {
+      t = { any: ev, prefill: undefined, decode: undefined };
+      this.terminal.set(id, t);
+    } else {
+      t.any ??= ev;
+    }
+    if (ev.side === "prefill") t.prefill ??= ev;
+    else if (ev.side === "decode") t.decode ??= ev;
+    if (this.dropped.size > 0) this.dropped.delete(id);
+    const set = this.waiters.size > 0 ? this.waiters.get(id) : undefined;
     if (set !== undefined)
       for (const w of [...set]) if (w.side === undefined || w.side === ev.side) w.resolve(ev);
   }
 
   private forget(old: SidecarEvent): void {
     if (!isTerminal(old.kind) || old.transferId === "") return;
-    const any = anyKey(old.transferId);
-    if (this.terminal.get(any) === old) this.terminal.delete(any);
-    const bySide = sideKey(old.side, old.transferId);
-    if (this.terminal.get(bySide) === old) this.terminal.delete(bySide);
+    const t = this.terminal.get(old.transferId);
+    if (t !== undefined) {
+      if (t.any === old) t.any = undefined;
+      if (t.prefill === old) t.prefill = undefined;
+      if (t.decode === old) t.decode = undefined;
+      if (t.any === undefined && t.prefill === undefined && t.decode === undefined)
+        this.terminal.delete(old.transferId);
+    }
     this.dropped.delete(old.transferId); // re-insert: Map order is age order
     this.dropped.set(old.transferId, old.seq);
     if (this.dropped.size > this.capacity) {
