@@ -38,8 +38,10 @@ export interface ControlBenchOptions {
   /** Requests measured per combination; default 3000. */
   requests?: number;
   /**
-   * Requests before those, not measured (JIT compilation, first use of every path), as the
-   * native reference warms up with its first 1000 round trips; default 1000.
+   * Requests before those, not measured (JIT compilation, first use of every path, the young
+   * generation's growth), as the native reference warms up with its first 1000 round trips;
+   * default 5000: measured in 1000-transfer windows, every process of the run (sidecars, engines,
+   * router) reached its steady CPU per transfer only after 4000-6000 (docs/benchmarks.md).
    */
   warmup?: number;
   /** Requests in flight; default 64. */
@@ -168,7 +170,7 @@ export const CONTROL_COMBOS: readonly ModesCombo[] = [
 
 export async function runControlBench(opts: ControlBenchOptions = {}): Promise<ControlBenchResult> {
   const requests = opts.requests ?? 3000;
-  const warmup = opts.warmup ?? 1000;
+  const warmup = opts.warmup ?? 5000;
   const concurrency = opts.concurrency ?? 64;
   const tokens = opts.tokens ?? 16;
   const refReps = opts.refReps ?? 20_000;

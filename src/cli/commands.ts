@@ -521,7 +521,7 @@ export const COMMANDS: readonly CommandSpec[] = [
         name: "warmup",
         kind: NON_NEG_INT,
         help: "transfers first, not measured (the native reference warms up too)",
-        def: "1000; 200 with --quick",
+        def: "5000; 200 with --quick",
       },
       { name: "concurrency", kind: POS_INT, help: "transfers in flight" },
       { name: "tokens", kind: POS_INT, help: "tokens per transfer" },

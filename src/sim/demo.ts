@@ -574,8 +574,9 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
         rec.readyMs = performance.now();
         // One waiter for either outcome: a losing waiter would linger until its timeout.
         const ev = await d.engine.waitEvent(
-          (e) => e.transferId === transferId && (e.event === "verified" || e.event === "failed"),
+          (e) => e.event === "verified" || e.event === "failed",
           o.requestTimeoutMs,
+          transferId,
         );
         if (ready.kind !== "KV_READY" && ev.event === "verified") {
           failures.push(

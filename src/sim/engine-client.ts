@@ -151,6 +151,8 @@ export interface SimEngineSpawnOptions {
 export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> {
   /** Every event line so far (the oldest dropped past 100 000), `ready` included. */
   readonly events: SimEngineEvent[] = [];
+  /** The same events by transfer id, so that a wait for one transfer does not scan them all. */
+  private readonly byTransfer = new Map<string, SimEngineEvent[]>();
   /** Pending `waitEvent` calls, each told of every event until its wait ends. */
   private readonly waiters = new Set<(e: SimEngineEvent) => void>();
   ready: SimEngineReady | undefined;
@@ -166,12 +168,28 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
       onMessage: (msg) => {
         if (typeof msg.event !== "string") return;
         const ev = msg as SimEngineEvent;
-        this.events.push(ev);
-        if (this.events.length > MAX_EVENTS) this.events.shift();
+        this.record(ev);
         this.dispatch(ev);
       },
       onExit: (code, signal) => this.dispatch({ event: "exit", code, signal }),
     });
+  }
+
+  /** Keeps `ev`; past MAX_EVENTS the oldest go, a tenth at a time (one shift per event is O(n)). */
+  private record(ev: SimEngineEvent): void {
+    this.events.push(ev);
+    if (typeof ev.transferId === "string") {
+      let list = this.byTransfer.get(ev.transferId);
+      if (list === undefined) this.byTransfer.set(ev.transferId, (list = []));
+      list.push(ev);
+    }
+    if (this.events.length <= MAX_EVENTS) return;
+    for (const old of this.events.splice(0, MAX_EVENTS / 10)) {
+      if (typeof old.transferId !== "string") continue;
+      const list = this.byTransfer.get(old.transferId);
+      list?.shift(); // a transfer's events are dropped oldest first, as they came
+      if (list?.length === 0) this.byTransfer.delete(old.transferId);
+    }
   }
 
   /** Tells the pending waiters, then the "event" listeners. */
@@ -256,10 +274,22 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
 
   /**
    * The first event (already received, or still to come) that `pred` accepts. Rejects with
-   * ERR_TIMEOUT after `timeoutMs`, or ERR_EXITED when the engine exits first.
+   * ERR_TIMEOUT after `timeoutMs`, or ERR_EXITED when the engine exits first. With `transferId`,
+   * only that transfer's events are looked at (and the received ones found without a scan).
    */
-  waitEvent(pred: (e: SimEngineEvent) => boolean, timeoutMs: number): Promise<SimEngineEvent> {
-    const seen = this.events.find(pred);
+  waitEvent(
+    pred: (e: SimEngineEvent) => boolean,
+    timeoutMs: number,
+    transferId?: string,
+  ): Promise<SimEngineEvent> {
+    if (transferId !== undefined) {
+      const inner = pred;
+      pred = (e) => e.transferId === transferId && inner(e);
+    }
+    const seen =
+      transferId === undefined
+        ? this.events.find(pred)
+        : this.byTransfer.get(transferId)?.find(pred);
     if (seen) return Promise.resolve(seen);
     return new Promise((resolve, reject) => {
       // Waiters are kept in a set of their own, not as "event" listeners: a driver legitimately
@@ -300,7 +330,7 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
 
   /** The event of one transfer, e.g. `waitTransfer("t1", "verified", 5000)`. */
   waitTransfer(transferId: string, event: string, timeoutMs: number): Promise<SimEngineEvent> {
-    return this.waitEvent((e) => e.transferId === transferId && e.event === event, timeoutMs);
+    return this.waitEvent((e) => e.event === event, timeoutMs, transferId);
   }
 
   get pid(): number | undefined {

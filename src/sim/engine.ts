@@ -288,7 +288,8 @@ class BlockPool {
         grant: resolve,
         refuse: reject,
         timer: setTimeout(() => {
-          this.waiters.splice(this.waiters.indexOf(waiter), 1);
+          const i = this.waiters.indexOf(waiter);
+          if (i >= 0) this.waiters.splice(i, 1);
           reject(
             new ControlError(
               "ERR_NO_BLOCKS",
