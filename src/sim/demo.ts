@@ -555,14 +555,15 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
               o.requestTimeoutMs,
             ),
           ]);
-          if (prefilled.status === "rejected" || expected.status === "rejected") {
-            // As a router does: the side that did take the request is aborted, so that its
-            // blocks come back now instead of when the transfer expires.
-            if (prefilled.status === "fulfilled") await abortOn(p, transferId);
+          // As a router does: when one side refused, the side that did take the request is
+          // aborted, so that its blocks come back now instead of when the transfer expires.
+          if (prefilled.status === "rejected") {
             if (expected.status === "fulfilled") await abortOn(d, transferId);
-            throw prefilled.status === "rejected"
-              ? prefilled.reason
-              : (expected as PromiseRejectedResult).reason;
+            throw prefilled.reason;
+          }
+          if (expected.status === "rejected") {
+            await abortOn(p, transferId);
+            throw expected.reason;
           }
           rec.dstBlockIds = [...expected.value.blockIds];
         }

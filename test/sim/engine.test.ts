@@ -92,6 +92,20 @@ class FakeSidecar {
   send(msg: Parameters<EngineLinkServer["send"]>[1]): Promise<boolean> {
     return this.server.sendToRegistered(msg);
   }
+
+  /** ReleaseBlocks, as the sidecar sends when a transfer ends. */
+  release(
+    transferId: string,
+    blockIds: number[],
+    reason = ReleaseReason.TRANSFERRED,
+  ): Promise<boolean> {
+    return this.send(
+      sidecarMessage(
+        "releaseBlocks",
+        create(ReleaseBlocksSchema, { transferId, blockIds, reason }),
+      ),
+    );
+  }
 }
 
 describe("simulated engine", () => {
@@ -213,17 +227,7 @@ describe("simulated engine", () => {
     expect(s).toMatchObject({ freeBlocks: 13, totalBlocks: 16, transfers: 1 });
 
     // A release naming a block t1 does not hold frees the rest and reports the stranger.
-    const release = (transferId: string, ids: number[]) =>
-      side.send(
-        sidecarMessage(
-          "releaseBlocks",
-          create(ReleaseBlocksSchema, {
-            transferId,
-            blockIds: ids,
-            reason: ReleaseReason.TRANSFERRED,
-          }),
-        ),
-      );
+    const release = (transferId: string, ids: number[]) => side.release(transferId, ids);
     const stranger = [...Array(16).keys()].find((b) => !blockIds.includes(b))!;
     await release("t1", [blockIds[0]!, stranger]);
     const bad = await p.waitEvent((e) => e.event === "bad-release" && e.transferId === "t1", WAIT);
@@ -375,16 +379,7 @@ describe("simulated engine", () => {
     await sideD.send(sidecarMessage("kvReady", create(KvReadySchema, { transferId: "f1" })));
     await d.waitEvent((e) => e.event === "unexpected" && e.transferId === "f1", WAIT);
     const fIds = sideD.of("expectKv").find((m) => m.transferId === "f1")!.blockIds;
-    await sideD.send(
-      sidecarMessage(
-        "releaseBlocks",
-        create(ReleaseBlocksSchema, {
-          transferId: "f1",
-          blockIds: fIds,
-          reason: ReleaseReason.FAILED,
-        }),
-      ),
-    );
+    await sideD.release("f1", fIds, ReleaseReason.FAILED);
     expect(await d.waitTransfer("f1", "released", WAIT)).toMatchObject({
       side: "decode",
       reason: "FAILED",
@@ -422,12 +417,7 @@ describe("simulated engine", () => {
       blockWaitMs: 600,
     });
     const release = async (transferId: string, blockIds: number[]): Promise<void> => {
-      await side.send(
-        sidecarMessage(
-          "releaseBlocks",
-          create(ReleaseBlocksSchema, { transferId, blockIds, reason: ReleaseReason.TRANSFERRED }),
-        ),
-      );
+      await side.release(transferId, blockIds);
       await p.waitTransfer(transferId, "released", WAIT);
     };
     const a = await p.prefill("wa", 3 * 16);
