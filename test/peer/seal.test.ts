@@ -111,7 +111,7 @@ describe("sealPeerMessage", () => {
     expect(opened.verify(key)).toBe(true);
     // One bit of the message flipped: the MAC no longer fits.
     const forged = Buffer.from(sealPeerMessage(key, message));
-    forged[10] ^= 1;
+    forged[10] = forged[10]! ^ 1;
     expect(openPeerMessage(forged).verify(key)).toBe(false);
   });
 
