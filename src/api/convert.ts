@@ -3,7 +3,7 @@
  * messages: the server converts view -> proto, the client proto -> view. The
  * one place enum names are mapped.
  */
-import { create } from "@bufbuild/protobuf";
+import { create, toBinary } from "@bufbuild/protobuf";
 import { Role } from "../gen/kvxfer/v1/peer_pb.js";
 import {
   type Event,
@@ -17,6 +17,7 @@ import {
   TransferSchema,
   TransferSide as PbTransferSide,
   TransferState as PbTransferState,
+  WatchEventsResponseSchema,
 } from "../gen/kvxfer/v1/sidecar_pb.js";
 import type {
   EventKind,
@@ -28,6 +29,7 @@ import type {
   TransferSide,
   TransferState,
 } from "../sidecar/view.js";
+import { FIELD_OVERHEAD, isUint32, isUint64, utf8Bound, WireWriter } from "../wire.js";
 
 /** Two-way map between string names and enum numbers; unknown names/numbers give undefined. */
 export class EnumMap<N extends string, E extends number> {
@@ -105,6 +107,46 @@ export function eventToProto(ev: SidecarEvent): Event {
     bytes: big(ev.bytes),
     mode: transferModes.num(ev.mode) ?? PbTransferMode.UNSPECIFIED,
   });
+}
+
+/** Event's fields, as `encodeEventResponse` knows them (the tests check the schema still has these). */
+export const EVENT_FIELDS = [
+  "seq",
+  "kind",
+  "timeMs",
+  "transferId",
+  "peer",
+  "side",
+  "reason",
+  "bytes",
+  "mode",
+] as const;
+
+/**
+ * A WatchEventsResponse carrying `e`, as bytes: written by hand (src/wire.ts says why), since
+ * every transfer's KV_READY reaches its router this way; protobuf-es for a value the hand
+ * encoder does not take.
+ */
+export function encodeEventResponse(e: Event): Uint8Array {
+  const enums = [e.kind, e.side, e.mode];
+  if (!enums.every(isUint32) || ![e.seq, e.timeMs, e.bytes].every(isUint64))
+    return toBinary(
+      WatchEventsResponseSchema,
+      create(WatchEventsResponseSchema, { msg: { case: "event", value: e } }),
+    );
+  const text = utf8Bound(e.transferId) + utf8Bound(e.peer) + utf8Bound(e.reason);
+  const inner = new WireWriter(text + 9 * FIELD_OVERHEAD)
+    .uint64(1, e.seq)
+    .uint32(2, e.kind)
+    .uint64(3, e.timeMs)
+    .string(4, e.transferId)
+    .string(5, e.peer)
+    .uint32(6, e.side)
+    .string(7, e.reason)
+    .uint64(8, e.bytes)
+    .uint32(9, e.mode)
+    .finish();
+  return new WireWriter(inner.length + FIELD_OVERHEAD).bytes(1, inner).finish();
 }
 
 /** Throws when the kind is not one this client knows (a newer server). */

@@ -4,7 +4,7 @@
  * and the `EventLog`; status codes are listed in docs/api.md.
  */
 import * as grpc from "@grpc/grpc-js";
-import { create, toBinary } from "@bufbuild/protobuf";
+import { create } from "@bufbuild/protobuf";
 import { pino, type Logger } from "pino";
 import {
   type HealthCheckRequest,
@@ -29,6 +29,7 @@ import type { SidecarEvent, SidecarView, TransferSide } from "../sidecar/view.js
 import {
   type EnumMap,
   eventKinds,
+  encodeEventResponse,
   eventToProto,
   statusToProto,
   transferSides,
@@ -216,10 +217,7 @@ class ApiState {
   encodeEvent(ev: SidecarEvent): Uint8Array {
     let bytes = this.encoded.get(ev);
     if (bytes === undefined) {
-      bytes = toBinary(
-        WatchEventsResponseSchema,
-        create(WatchEventsResponseSchema, { msg: { case: "event", value: eventToProto(ev) } }),
-      );
+      bytes = encodeEventResponse(eventToProto(ev));
       this.encoded.set(ev, bytes);
     }
     return bytes;

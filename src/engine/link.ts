@@ -28,6 +28,7 @@ import {
 import { KvxferError } from "../errors.js";
 import type { KvLayout } from "../plan/index.js";
 import { kvLayoutToProto } from "../plan/layout-proto.js";
+import { FIELD_OVERHEAD, utf8Bound, WireWriter } from "../wire.js";
 
 /** Default cap on one received frame. A registration of 8 ranks x 160 files is ~100 KiB. */
 export const DEFAULT_MAX_FRAME_BYTES = 16 << 20;
@@ -525,7 +526,7 @@ export class EngineLinkServer {
     if (this.phase !== "open") return "failed";
     let body: Uint8Array;
     try {
-      body = toBinary(SidecarToEngineSchema, msg);
+      body = encodeSidecarToEngine(msg);
     } catch (err) {
       this.log.error({ err, kind: msg.msg.case }, "cannot encode a message to the engine");
       return "failed";
@@ -759,4 +760,20 @@ export function sidecarMessage<K extends NonNullable<SidecarToEngine["msg"]["cas
   value: Extract<SidecarToEngine["msg"], { case: K }>["value"],
 ): SidecarToEngine {
   return create(SidecarToEngineSchema, { msg: { case: kind, value } as SidecarToEngine["msg"] });
+}
+
+/** KvReady's fields, as `encodeSidecarToEngine` knows them (the tests check the schema). */
+export const KV_READY_FIELDS = ["transferId"] as const;
+
+/**
+ * One sidecar message as bytes. KvReady, which D sends on every transfer's critical path, is
+ * written by hand (src/wire.ts says why); everything else by protobuf-es.
+ */
+export function encodeSidecarToEngine(msg: SidecarToEngine): Uint8Array {
+  if (msg.msg.case === "kvReady") {
+    const id = msg.msg.value.transferId;
+    const inner = new WireWriter(utf8Bound(id) + FIELD_OVERHEAD).string(1, id).finish();
+    return new WireWriter(inner.length + FIELD_OVERHEAD).bytes(2, inner).finish();
+  }
+  return toBinary(SidecarToEngineSchema, msg);
 }

@@ -11,6 +11,7 @@ import {
   SealedPeerMessageSchema,
   type PeerMessage,
 } from "../gen/kvxfer/v1/peer_pb.js";
+import { FIELD_OVERHEAD, isUint32, isUint64, utf8Bound, WireWriter } from "../wire.js";
 import { hmacSha256 } from "./hmac.js";
 
 /** Largest peer notification accepted (a PushReg of 250k block ids fits). */
@@ -52,10 +53,57 @@ export function encodePeerMessage(
   body: PeerBody,
   seq = 0n,
 ): Uint8Array {
+  if (body.case === "xferDone") {
+    const fast = encodeXferDone(senderEngineId, senderEpoch, receiverEpoch, seq, body.value);
+    if (fast !== undefined) return fast;
+  }
   return toBinary(
     PeerMessageSchema,
     create(PeerMessageSchema, { senderEngineId, senderEpoch, receiverEpoch, seq, msg: body }),
   );
+}
+
+/** XferDone's fields, as `encodeXferDone` knows them (the tests check the schema still has these). */
+export const XFER_DONE_FIELDS = [
+  "transferId",
+  "srcRank",
+  "dstRank",
+  "bytes",
+  "sincePrefillDoneMs",
+] as const;
+
+/**
+ * A PeerMessage carrying an XferDone, written by hand (src/wire.ts says why): once per rank pair
+ * of every push. Undefined for a value the generic encoder must judge.
+ */
+function encodeXferDone(
+  senderEngineId: string,
+  senderEpoch: bigint,
+  receiverEpoch: bigint,
+  seq: bigint,
+  v: Extract<PeerBody, { case: "xferDone" }>["value"],
+): Uint8Array | undefined {
+  const id = v.transferId ?? "";
+  const src = v.srcRank ?? 0;
+  const dst = v.dstRank ?? 0;
+  const bytes = v.bytes ?? 0n;
+  const since = v.sincePrefillDoneMs ?? 0;
+  if (typeof bytes !== "bigint" || ![src, dst, since].every(isUint32)) return undefined;
+  if (![bytes, senderEpoch, receiverEpoch, seq].every(isUint64)) return undefined;
+  const inner = new WireWriter(utf8Bound(id) + 5 * FIELD_OVERHEAD)
+    .string(1, id)
+    .uint32(2, src)
+    .uint32(3, dst)
+    .uint64(4, bytes)
+    .uint32(5, since)
+    .finish();
+  return new WireWriter(utf8Bound(senderEngineId) + inner.length + 5 * FIELD_OVERHEAD)
+    .string(1, senderEngineId)
+    .uint64(2, senderEpoch)
+    .uint64(3, receiverEpoch)
+    .uint64(4, seq)
+    .bytes(11, inner)
+    .finish();
 }
 
 /** Bytes of a MAC key handed over in the handshake. */
