@@ -101,3 +101,113 @@ export function isUint64(n: bigint): boolean {
 export function utf8Bound(s: string): number {
   return 3 * s.length;
 }
+
+/**
+ * Reads protobuf fields in one strict layout: each field at most once, in increasing number,
+ * one-byte tags, varints no longer than their type needs, ASCII strings. Reads name the field
+ * they expect; an absent field reads as its default. Anything else clears `ok`, and the caller
+ * then hands the bytes to protobuf-es, which takes every layout and names what is wrong; so
+ * what is read here is what protobuf-es would read.
+ */
+export class WireReader {
+  /** False once anything did not fit the layout. */
+  ok = true;
+  private at: number;
+  private lastField = 0;
+
+  constructor(
+    private readonly buf: Uint8Array,
+    start = 0,
+    private readonly end = buf.length,
+  ) {
+    this.at = start;
+  }
+
+  /** Every byte read (and nothing went wrong). */
+  get done(): boolean {
+    return this.ok && this.at === this.end;
+  }
+
+  /** Takes field `field` of `wireType` if it comes next; false if absent or out of layout. */
+  private take(field: number, wireType: number): boolean {
+    if (!this.ok || this.at >= this.end) return false;
+    const tag = this.buf[this.at]!;
+    if (tag >> 3 !== field) {
+      // Absent is fine; a field that should have come before this one is not.
+      if (tag >= 0x80 || tag >> 3 < field) this.ok = false;
+      return false;
+    }
+    if ((tag & 7) !== wireType || field <= this.lastField) return (this.ok = false);
+    this.at++;
+    this.lastField = field;
+    return true;
+  }
+
+  /** A varint of at most `maxBytes` bytes (below 2^53 for `maxBytes` <= 7). */
+  private varint(maxBytes: number): number {
+    let n = 0;
+    for (let i = 0, scale = 1; i < maxBytes && this.at < this.end; i++, scale *= 0x80) {
+      const b = this.buf[this.at++]!;
+      n += (b & 0x7f) * scale;
+      if (b < 0x80) return n;
+    }
+    this.ok = false;
+    return 0;
+  }
+
+  uint32(field: number): number {
+    if (!this.take(field, VARINT)) return 0;
+    const n = this.varint(5);
+    if (n > 0xffff_ffff) this.ok = false;
+    return n;
+  }
+
+  uint64(field: number): bigint {
+    if (!this.take(field, VARINT)) return 0n;
+    let n = 0n;
+    for (let i = 0n; i < 10n && this.at < this.end; i++) {
+      const b = this.buf[this.at++]!;
+      n |= BigInt(b & 0x7f) << (7n * i);
+      if (b < 0x80) {
+        if (n > 0xffff_ffff_ffff_ffffn) this.ok = false;
+        return n;
+      }
+    }
+    this.ok = false;
+    return 0n;
+  }
+
+  /** A length-delimited field's bounds, within this reader's. */
+  private span(): [number, number] {
+    const length = this.varint(5);
+    if (!this.ok || this.at + length > this.end) {
+      this.ok = false;
+      return [this.at, this.at];
+    }
+    this.at += length;
+    return [this.at - length, this.at];
+  }
+
+  /** A string of ASCII text. */
+  string(field: number): string {
+    if (!this.take(field, LENGTH_DELIMITED)) return "";
+    const [start, end] = this.span();
+    let out = "";
+    for (let i = start; i < end; i++) {
+      const c = this.buf[i]!;
+      if (c >= 0x80) this.ok = false;
+      out += String.fromCharCode(c);
+    }
+    return out;
+  }
+
+  /** A nested message that must be there: its own reader (not ok when absent). */
+  message(field: number): WireReader {
+    if (!this.take(field, LENGTH_DELIMITED)) {
+      this.ok = false;
+      return new WireReader(this.buf, this.at, this.at);
+    }
+    const [start, end] = this.span();
+    return new WireReader(this.buf, start, end);
+  }
+}

@@ -11,7 +11,7 @@ import {
   SealedPeerMessageSchema,
   type PeerMessage,
 } from "../gen/kvxfer/v1/peer_pb.js";
-import { FIELD_OVERHEAD, isUint32, isUint64, utf8Bound, WireWriter } from "../wire.js";
+import { FIELD_OVERHEAD, isUint32, isUint64, utf8Bound, WireReader, WireWriter } from "../wire.js";
 import { hmacSha256 } from "./hmac.js";
 
 /** Largest peer notification accepted (a PushReg of 250k block ids fits). */
@@ -104,6 +104,44 @@ function encodeXferDone(
     .uint64(4, seq)
     .bytes(11, inner)
     .finish();
+}
+
+/**
+ * A PeerMessage carrying an XferDone, read by hand in the layout `encodeXferDone` writes (fields
+ * in order, ASCII ids); undefined for anything else, which protobuf-es then reads. D reads one
+ * per rank pair of every push, 100-150 µs with protobuf-es after 20 ms idle.
+ */
+export function decodeXferDone(bytes: Uint8Array): PeerMessage | undefined {
+  const r = new WireReader(bytes);
+  const senderEngineId = r.string(1);
+  const senderEpoch = r.uint64(2);
+  const receiverEpoch = r.uint64(3);
+  const seq = r.uint64(4);
+  const x = r.message(11);
+  const transferId = x.string(1);
+  const srcRank = x.uint32(2);
+  const dstRank = x.uint32(3);
+  const moved = x.uint64(4);
+  const sincePrefillDoneMs = x.uint32(5);
+  if (!r.done || !x.done) return undefined;
+  return {
+    $typeName: "kvxfer.v1.PeerMessage",
+    senderEngineId,
+    senderEpoch,
+    receiverEpoch,
+    seq,
+    msg: {
+      case: "xferDone",
+      value: {
+        $typeName: "kvxfer.v1.XferDone",
+        transferId,
+        srcRank,
+        dstRank,
+        bytes: moved,
+        sincePrefillDoneMs,
+      },
+    },
+  };
 }
 
 /** Bytes of a MAC key handed over in the handshake. */
@@ -227,7 +265,9 @@ export class ReplayWindow {
 }
 
 function checkTransferId(id: string): void {
-  if (id.length === 0 || Buffer.byteLength(id) > MAX_TRANSFER_ID_BYTES) {
+  // UTF-8 takes at most 3 bytes per UTF-16 unit: short ids need no count.
+  const short = id.length * 3 <= MAX_TRANSFER_ID_BYTES;
+  if (id.length === 0 || (!short && Buffer.byteLength(id) > MAX_TRANSFER_ID_BYTES)) {
     throw new PeerMessageError(
       "ERR_BAD_TRANSFER_ID",
       `transfer id must be 1..${MAX_TRANSFER_ID_BYTES} bytes`,
@@ -245,7 +285,7 @@ export function parsePeerMessage(bytes: Uint8Array): ParsedPeerMessage {
   }
   let msg: PeerMessage;
   try {
-    msg = fromBinary(PeerMessageSchema, bytes);
+    msg = decodeXferDone(bytes) ?? fromBinary(PeerMessageSchema, bytes);
   } catch (err) {
     throw new PeerMessageError("ERR_MALFORMED", `not a PeerMessage: ${(err as Error).message}`);
   }

@@ -1,10 +1,11 @@
 // The messages written by hand on the critical path (src/wire.ts): byte for byte what
 // protobuf-es writes, and still every field the schema has.
-import { create, toBinary } from "@bufbuild/protobuf";
+import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
 import { encodeEventResponse, EVENT_FIELDS } from "../../src/api/convert.js";
 import { encodeSidecarToEngine, KV_READY_FIELDS } from "../../src/engine/link.js";
+import { WireReader } from "../../src/wire.js";
 import { KvReadySchema, SidecarToEngineSchema } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { PeerMessageSchema, XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import {
@@ -12,7 +13,12 @@ import {
   EventSchema,
   WatchEventsResponseSchema,
 } from "../../src/gen/kvxfer/v1/sidecar_pb.js";
-import { encodePeerMessage, parsePeerMessage, XFER_DONE_FIELDS } from "../../src/peer/messages.js";
+import {
+  decodeXferDone,
+  encodePeerMessage,
+  parsePeerMessage,
+  XFER_DONE_FIELDS,
+} from "../../src/peer/messages.js";
 
 // A fixed sequence (a linear congruential generator), so a failure can be run again.
 let seed = 12345;
@@ -81,6 +87,139 @@ describe("encodePeerMessage, XferDone", () => {
       PeerMessageSchema.fields.filter((f) => f.oneof === undefined).map((f) => f.localName),
     ).toEqual(["senderEngineId", "senderEpoch", "receiverEpoch", "seq"]);
     expect(PeerMessageSchema.fields.find((f) => f.localName === "xferDone")?.number).toBe(11);
+  });
+});
+
+describe("WireReader", () => {
+  it("reads fields in order, absent ones as defaults, and stops at the first thing out of layout", () => {
+    // Field 1 "ab", field 3 = 300.
+    const ok = new WireReader(Uint8Array.from([0x0a, 2, 0x61, 0x62, 0x18, 0xac, 0x02]));
+    expect([ok.string(1), ok.uint32(2), ok.uint32(3), ok.done]).toEqual(["ab", 0, 300, true]);
+    // A length past the end.
+    const long = new WireReader(Uint8Array.from([0x0a, 5, 0x61]));
+    expect([long.string(1), long.ok]).toEqual(["", false]);
+    // Field 1 after field 3: out of order, even before the end is checked.
+    const late = new WireReader(Uint8Array.from([0x18, 1, 0x08, 1]));
+    expect([late.uint32(3), late.uint32(4), late.ok]).toEqual([1, 0, false]);
+    // A varint longer than its type, a value past uint32, a wire type that does not fit.
+    const wide = new WireReader(Uint8Array.from([0x08, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01]));
+    expect([wide.uint32(1), wide.ok]).toEqual([0, false]);
+    // 2^33 - 1: past uint32.
+    const big = new WireReader(Uint8Array.from([0x08, 0xff, 0xff, 0xff, 0xff, 0x1f]));
+    big.uint32(1);
+    expect(big.ok).toBe(false);
+    const typed = new WireReader(Uint8Array.from([0x0a, 1]));
+    expect([typed.uint32(1), typed.ok]).toEqual([0, false]);
+  });
+});
+
+describe("decodeXferDone", () => {
+  const sample = (): Uint8Array =>
+    encodePeerMessage(
+      pick(IDS),
+      pick(U64),
+      pick(U64),
+      {
+        case: "xferDone",
+        value: {
+          transferId: pick(IDS),
+          srcRank: pick(U32),
+          dstRank: pick(U32),
+          bytes: pick(U64),
+          sincePrefillDoneMs: pick(U32),
+        },
+      },
+      pick(U64),
+    );
+  const ascii = (b: Uint8Array): boolean =>
+    fromBinary(PeerMessageSchema, b).senderEngineId.length > 0;
+
+  it("reads what protobuf-es reads, for every XferDone with ASCII ids; leaves other text to it", () => {
+    let read = 0;
+    for (let i = 0; i < 500; i++) {
+      const bytes = sample();
+      const generic = fromBinary(PeerMessageSchema, bytes);
+      const fast = decodeXferDone(bytes);
+      const text = [
+        generic.senderEngineId,
+        (generic.msg.value as { transferId: string }).transferId,
+      ];
+      if (text.every((t) => /^[\x00-\x7f]*$/.test(t))) {
+        expect(fast, `#${i}`).toStrictEqual(generic);
+        read++;
+      } else {
+        expect(fast, `#${i}`).toBeUndefined();
+      }
+    }
+    expect(read).toBeGreaterThan(200);
+  });
+
+  it("anything it reads from damaged bytes, protobuf-es reads the same; what protobuf-es refuses, it does not read", () => {
+    let readByBoth = 0;
+    let refusedByBoth = 0;
+    for (let i = 0; i < 5000; i++) {
+      const b = Array.from(sample());
+      const at = next() % b.length;
+      switch (next() % 4) {
+        case 0:
+          b[at] = next() % 256;
+          break;
+        case 1:
+          b.splice(at, 0, next() % 256);
+          break;
+        case 2:
+          b.splice(at, 1);
+          break;
+        default:
+          b.length = at;
+      }
+      const bytes = Uint8Array.from(b);
+      const fast = decodeXferDone(bytes);
+      let generic: unknown;
+      try {
+        generic = fromBinary(PeerMessageSchema, bytes);
+      } catch {
+        generic = undefined;
+      }
+      if (fast !== undefined) {
+        expect(generic, `#${i}`).toStrictEqual(fast);
+        readByBoth++;
+      } else if (generic === undefined) refusedByBoth++;
+    }
+    // Both outcomes happen (the damage is sometimes harmless, e.g. a changed digit).
+    expect(readByBoth).toBeGreaterThan(100);
+    expect(refusedByBoth).toBeGreaterThan(100);
+  });
+
+  it("a transfer id is checked by its UTF-8 bytes however it was read: 256 pass, 257 do not", () => {
+    const parse = (transferId: string): unknown =>
+      parsePeerMessage(
+        encodePeerMessage("p", 1n, 1n, { case: "xferDone", value: { transferId } }, 1n),
+      );
+    expect(() => parse("x".repeat(256))).not.toThrow();
+    expect(() => parse("x".repeat(257))).toThrow(/transfer id must be 1..256 bytes/);
+    expect(() => parse("")).toThrow(/transfer id must be/);
+    // 86 three-byte characters: 258 bytes in 86 units (read by protobuf-es, not ASCII).
+    expect(() => parse("€".repeat(86))).toThrow(/transfer id must be 1..256 bytes/);
+    expect(() => parse("€".repeat(85))).not.toThrow();
+  });
+
+  it("leaves another layout and other bodies to protobuf-es", () => {
+    const body = toBinary(XferDoneSchema, create(XferDoneSchema, { transferId: "t", bytes: 5n }));
+    // The body first, then the sender: valid protobuf, not the layout read by hand.
+    const reordered = Buffer.concat([
+      Buffer.from([0x5a, body.length]),
+      body,
+      Buffer.from([0x0a, 1, 0x70]),
+    ]);
+    expect(decodeXferDone(reordered)).toBeUndefined();
+    expect(parsePeerMessage(reordered)).toMatchObject({
+      senderEngineId: "p",
+      body: { case: "xferDone", value: { transferId: "t", bytes: 5n } },
+    });
+    const heartbeat = encodePeerMessage("p", 1n, 1n, { case: "heartbeat", value: {} }, 1n);
+    expect(decodeXferDone(heartbeat)).toBeUndefined();
+    expect(parsePeerMessage(heartbeat).body.case).toBe("heartbeat");
   });
 });
 
