@@ -201,6 +201,21 @@ export class WireReader {
     return out;
   }
 
+  /** A packed repeated uint32 (an unpacked one is out of layout). */
+  packedUint32(field: number): number[] {
+    const out: number[] = [];
+    if (!this.take(field, LENGTH_DELIMITED)) return out;
+    const [start, end] = this.span();
+    const items = new WireReader(this.buf, start, end);
+    while (items.ok && items.at < end) {
+      const n = items.varint(5);
+      if (n > 0xffff_ffff) items.ok = false;
+      out.push(n);
+    }
+    if (!items.ok) this.ok = false;
+    return out;
+  }
+
   /** A nested message that must be there: its own reader (not ok when absent). */
   message(field: number): WireReader {
     if (!this.take(field, LENGTH_DELIMITED)) {

@@ -28,7 +28,7 @@ import {
 import { KvxferError } from "../errors.js";
 import type { KvLayout } from "../plan/index.js";
 import { kvLayoutToProto } from "../plan/layout-proto.js";
-import { FIELD_OVERHEAD, utf8Bound, WireWriter } from "../wire.js";
+import { FIELD_OVERHEAD, utf8Bound, WireReader, WireWriter } from "../wire.js";
 
 /** Default cap on one received frame. A registration of 8 ranks x 160 files is ~100 KiB. */
 export const DEFAULT_MAX_FRAME_BYTES = 16 << 20;
@@ -451,7 +451,7 @@ export class EngineLinkServer {
     }
     let msg: EngineToSidecar;
     try {
-      msg = fromBinary(EngineToSidecarSchema, body);
+      msg = decodePrefillDone(body) ?? fromBinary(EngineToSidecarSchema, body);
     } catch (err) {
       this.refuse(
         from,
@@ -776,4 +776,29 @@ export function encodeSidecarToEngine(msg: SidecarToEngine): Uint8Array {
     return new WireWriter(inner.length + FIELD_OVERHEAD).bytes(2, inner).finish();
   }
   return toBinary(SidecarToEngineSchema, msg);
+}
+
+/** PrefillDone's fields, as `decodePrefillDone` knows them (the tests check the schema). */
+export const PREFILL_DONE_FIELDS = ["transferId", "blockIds", "numTokens", "token"] as const;
+
+/**
+ * An EngineToSidecar carrying a PrefillDone, read by hand in the layout protobuf writes (fields
+ * in order, block ids packed, ASCII text; src/wire.ts); undefined for anything else, which
+ * protobuf-es then reads. P reads one per push, at the start of its critical path.
+ */
+export function decodePrefillDone(bytes: Uint8Array): EngineToSidecar | undefined {
+  const r = new WireReader(bytes);
+  const x = r.message(2);
+  const transferId = x.string(1);
+  const blockIds = x.packedUint32(2);
+  const numTokens = x.uint32(3);
+  const token = x.string(4);
+  if (!r.done || !x.done) return undefined;
+  return {
+    $typeName: "kvxfer.v1.EngineToSidecar",
+    msg: {
+      case: "prefillDone",
+      value: { $typeName: "kvxfer.v1.PrefillDone", transferId, blockIds, numTokens, token },
+    },
+  };
 }

@@ -4,9 +4,19 @@ import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
 import { encodeEventResponse, EVENT_FIELDS } from "../../src/api/convert.js";
-import { encodeSidecarToEngine, KV_READY_FIELDS } from "../../src/engine/link.js";
+import {
+  decodePrefillDone,
+  encodeSidecarToEngine,
+  KV_READY_FIELDS,
+  PREFILL_DONE_FIELDS,
+} from "../../src/engine/link.js";
 import { WireReader } from "../../src/wire.js";
-import { KvReadySchema, SidecarToEngineSchema } from "../../src/gen/kvxfer/v1/engine_pb.js";
+import {
+  EngineToSidecarSchema,
+  KvReadySchema,
+  PrefillDoneSchema,
+  SidecarToEngineSchema,
+} from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { PeerMessageSchema, XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import {
   type EventKind,
@@ -90,6 +100,26 @@ describe("encodePeerMessage, XferDone", () => {
   });
 });
 
+/** One random change: a byte replaced, inserted or removed, or the end cut off. */
+function damage(bytes: Uint8Array): Uint8Array {
+  const b = Array.from(bytes);
+  const at = next() % Math.max(1, b.length);
+  switch (next() % 4) {
+    case 0:
+      b[at] = next() % 256;
+      break;
+    case 1:
+      b.splice(at, 0, next() % 256);
+      break;
+    case 2:
+      b.splice(at, 1);
+      break;
+    default:
+      b.length = at;
+  }
+  return Uint8Array.from(b);
+}
+
 describe("WireReader", () => {
   it("reads fields in order, absent ones as defaults, and stops at the first thing out of layout", () => {
     // Field 1 "ab", field 3 = 300.
@@ -158,22 +188,7 @@ describe("decodeXferDone", () => {
     let readByBoth = 0;
     let refusedByBoth = 0;
     for (let i = 0; i < 5000; i++) {
-      const b = Array.from(sample());
-      const at = next() % b.length;
-      switch (next() % 4) {
-        case 0:
-          b[at] = next() % 256;
-          break;
-        case 1:
-          b.splice(at, 0, next() % 256);
-          break;
-        case 2:
-          b.splice(at, 1);
-          break;
-        default:
-          b.length = at;
-      }
-      const bytes = Uint8Array.from(b);
+      const bytes = damage(sample());
       const fast = decodeXferDone(bytes);
       let generic: unknown;
       try {
@@ -281,5 +296,68 @@ describe("encodeEventResponse", () => {
       create(WatchEventsResponseSchema, { msg: { case: "event", value: e } }),
     );
     expect(Buffer.from(encodeEventResponse(e))).toEqual(Buffer.from(generic));
+  });
+});
+
+describe("decodePrefillDone", () => {
+  const sample = (): Uint8Array =>
+    toBinary(
+      EngineToSidecarSchema,
+      create(EngineToSidecarSchema, {
+        msg: {
+          case: "prefillDone",
+          value: {
+            transferId: pick(IDS),
+            blockIds: Array.from({ length: next() % 40 }, () => pick(U32)),
+            numTokens: pick(U32),
+            token: pick(["", "s3cret", "ü"]),
+          },
+        },
+      }),
+    );
+
+  it("reads what protobuf-es reads for ASCII text, leaves other text to it, and knows every field", () => {
+    let read = 0;
+    for (let i = 0; i < 500; i++) {
+      const bytes = sample();
+      const generic = fromBinary(EngineToSidecarSchema, bytes);
+      const v = generic.msg.value as { transferId: string; token: string };
+      if (/^[\x00-\x7f]*$/.test(v.transferId + v.token)) {
+        expect(decodePrefillDone(bytes), `#${i}`).toStrictEqual(generic);
+        read++;
+      } else expect(decodePrefillDone(bytes), `#${i}`).toBeUndefined();
+    }
+    expect(read).toBeGreaterThan(200);
+    expect(PrefillDoneSchema.fields.map((f) => f.localName)).toEqual([...PREFILL_DONE_FIELDS]);
+    expect(EngineToSidecarSchema.fields.find((f) => f.localName === "prefillDone")?.number).toBe(2);
+  });
+
+  it("anything it reads from damaged bytes, protobuf-es reads the same; what protobuf-es refuses, it does not read", () => {
+    let readByBoth = 0;
+    let refusedByBoth = 0;
+    for (let i = 0; i < 5000; i++) {
+      const bytes = damage(sample());
+      const fast = decodePrefillDone(bytes);
+      let generic: unknown;
+      try {
+        generic = fromBinary(EngineToSidecarSchema, bytes);
+      } catch {
+        generic = undefined;
+      }
+      if (fast !== undefined) {
+        expect(generic, `#${i}`).toStrictEqual(fast);
+        readByBoth++;
+      } else if (generic === undefined) refusedByBoth++;
+    }
+    expect(readByBoth).toBeGreaterThan(100);
+    expect(refusedByBoth).toBeGreaterThan(100);
+  });
+
+  it("leaves block ids written unpacked (valid, another encoder's choice) to protobuf-es", () => {
+    // PrefillDone { transfer_id "t", block_ids 7 and 9 as two unpacked fields }.
+    const inner = Uint8Array.from([0x0a, 1, 0x74, 0x10, 7, 0x10, 9]);
+    const bytes = Uint8Array.from([0x12, inner.length, ...inner]);
+    expect(decodePrefillDone(bytes)).toBeUndefined();
+    expect(fromBinary(EngineToSidecarSchema, bytes).msg.value).toMatchObject({ blockIds: [7, 9] });
   });
 });
