@@ -120,6 +120,36 @@ function damage(bytes: Uint8Array): Uint8Array {
   return Uint8Array.from(b);
 }
 
+/**
+ * Damages `sample()` 5000 times: whatever `fast` reads, protobuf-es (`generic`) must read the
+ * same, and what protobuf-es refuses `fast` must not read. Both outcomes must happen.
+ */
+function fuzzAgainst(
+  sample: () => Uint8Array,
+  fast: (b: Uint8Array) => unknown,
+  generic: (b: Uint8Array) => unknown,
+): void {
+  let readByBoth = 0;
+  let refusedByBoth = 0;
+  for (let i = 0; i < 5000; i++) {
+    const bytes = damage(sample());
+    const ours = fast(bytes);
+    let theirs: unknown;
+    try {
+      theirs = generic(bytes);
+    } catch {
+      theirs = undefined;
+    }
+    if (ours !== undefined) {
+      expect(theirs, `#${i}`).toStrictEqual(ours);
+      readByBoth++;
+    } else if (theirs === undefined) refusedByBoth++;
+  }
+  // Both happen (the damage is sometimes harmless, e.g. a changed digit).
+  expect(readByBoth).toBeGreaterThan(100);
+  expect(refusedByBoth).toBeGreaterThan(100);
+}
+
 describe("WireReader", () => {
   it("reads fields in order, absent ones as defaults, and stops at the first thing out of layout", () => {
     // Field 1 "ab", field 3 = 300.
@@ -185,25 +215,7 @@ describe("decodeXferDone", () => {
   });
 
   it("anything it reads from damaged bytes, protobuf-es reads the same; what protobuf-es refuses, it does not read", () => {
-    let readByBoth = 0;
-    let refusedByBoth = 0;
-    for (let i = 0; i < 5000; i++) {
-      const bytes = damage(sample());
-      const fast = decodeXferDone(bytes);
-      let generic: unknown;
-      try {
-        generic = fromBinary(PeerMessageSchema, bytes);
-      } catch {
-        generic = undefined;
-      }
-      if (fast !== undefined) {
-        expect(generic, `#${i}`).toStrictEqual(fast);
-        readByBoth++;
-      } else if (generic === undefined) refusedByBoth++;
-    }
-    // Both outcomes happen (the damage is sometimes harmless, e.g. a changed digit).
-    expect(readByBoth).toBeGreaterThan(100);
-    expect(refusedByBoth).toBeGreaterThan(100);
+    fuzzAgainst(sample, decodeXferDone, (b) => fromBinary(PeerMessageSchema, b));
   });
 
   it("a transfer id is checked by its UTF-8 bytes however it was read: 256 pass, 257 do not", () => {
@@ -333,24 +345,7 @@ describe("decodePrefillDone", () => {
   });
 
   it("anything it reads from damaged bytes, protobuf-es reads the same; what protobuf-es refuses, it does not read", () => {
-    let readByBoth = 0;
-    let refusedByBoth = 0;
-    for (let i = 0; i < 5000; i++) {
-      const bytes = damage(sample());
-      const fast = decodePrefillDone(bytes);
-      let generic: unknown;
-      try {
-        generic = fromBinary(EngineToSidecarSchema, bytes);
-      } catch {
-        generic = undefined;
-      }
-      if (fast !== undefined) {
-        expect(generic, `#${i}`).toStrictEqual(fast);
-        readByBoth++;
-      } else if (generic === undefined) refusedByBoth++;
-    }
-    expect(readByBoth).toBeGreaterThan(100);
-    expect(refusedByBoth).toBeGreaterThan(100);
+    fuzzAgainst(sample, decodePrefillDone, (b) => fromBinary(EngineToSidecarSchema, b));
   });
 
   it("leaves block ids written unpacked (valid, another encoder's choice) to protobuf-es", () => {
