@@ -1,12 +1,15 @@
 /**
- * Protobuf's wire format written by hand, for the few small messages every transfer sends on its
- * critical path (P's XferDone, D's KvReady). protobuf-es encodes by walking the schema, which
- * costs 50-65 µs for a one-field message when it has not run for 20 ms (3-5 µs back to back),
- * and on one request at a time every transfer finds it so. Each encoder here writes exactly the
- * bytes `toBinary` writes (proto3: fields in declaration order, defaults left out); the tests
- * compare the two over many values and check that the schemas still have the fields these
- * encoders know, so a field added to the .proto cannot be dropped silently. Anything else, and any
- * value outside what an encoder handles, goes to `toBinary`.
+ * Protobuf's wire format by hand, for the few small messages every transfer handles on its
+ * critical path: P reads its engine's PrefillDone and writes the XferDone; D reads the XferDone
+ * and writes KvReady and the KV_READY event; both seal or open the notification's envelope.
+ * protobuf-es walks the schema for every message, which costs 50-100 µs for these when it has
+ * not run for 20 ms (3-5 µs back to back), and with one request at a time every transfer finds
+ * it so (docs/benchmarks.md, "Cold code").
+ *
+ * Each writer writes exactly the bytes `toBinary` writes (proto3: fields in declaration order,
+ * defaults left out); each reader takes one strict layout and leaves anything else to
+ * `fromBinary`. The tests compare both directions with protobuf-es over many values and damaged
+ * bytes, and fail when a schema gains a field the code here does not know.
  */
 
 const LENGTH_DELIMITED = 2;
@@ -186,6 +189,13 @@ export class WireReader {
     }
     this.at += length;
     return [this.at - length, this.at];
+  }
+
+  /** A bytes field, as a view into the buffer (empty when absent). */
+  bytes(field: number): Uint8Array {
+    if (!this.take(field, LENGTH_DELIMITED)) return this.buf.subarray(0, 0);
+    const [start, end] = this.span();
+    return this.buf.subarray(start, end);
   }
 
   /** A string of ASCII text. */

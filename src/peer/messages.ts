@@ -165,24 +165,10 @@ export function sealPeerMessage(key: Uint8Array, message: Uint8Array): Uint8Arra
   // An empty field is not written (proto3); a message always has its sender, so only in tests.
   if (message.length === 0)
     return toBinary(SealedPeerMessageSchema, create(SealedPeerMessageSchema, { message, mac }));
-  let lengthBytes = 1;
-  for (let n = message.length; n >= 0x80; n = Math.floor(n / 0x80)) lengthBytes++;
-  const out = new Uint8Array(1 + lengthBytes + message.length + 2 + MAC_BYTES);
-  out[0] = 0x0a; // field 1, length-delimited
-  let at = 1;
-  for (let n = message.length; ; n = Math.floor(n / 0x80)) {
-    if (n < 0x80) {
-      out[at++] = n;
-      break;
-    }
-    out[at++] = (n & 0x7f) | 0x80;
-  }
-  out.set(message, at);
-  at += message.length;
-  out[at++] = 0x12; // field 2, length-delimited
-  out[at++] = MAC_BYTES;
-  out.set(mac, at);
-  return out;
+  return new WireWriter(message.length + mac.length + 2 * FIELD_OVERHEAD)
+    .bytes(1, message)
+    .bytes(2, mac)
+    .finish();
 }
 
 /**
@@ -190,20 +176,10 @@ export function sealPeerMessage(key: Uint8Array, message: Uint8Array): Uint8Arra
  * `bytes`); undefined for any other layout, which the generic decoder then reads.
  */
 function splitSealed(bytes: Uint8Array): { message: Uint8Array; mac: Uint8Array } | undefined {
-  if (bytes[0] !== 0x0a) return undefined;
-  let length = 0;
-  let at = 1;
-  for (let scale = 1; ; scale *= 0x80) {
-    // Five bytes of varint cover every length a notification may have.
-    if (at >= bytes.length || at > 5) return undefined;
-    const b = bytes[at++]!;
-    length += (b & 0x7f) * scale;
-    if (b < 0x80) break;
-  }
-  const end = at + length;
-  if (end + 2 + MAC_BYTES !== bytes.length || bytes[end] !== 0x12 || bytes[end + 1] !== MAC_BYTES)
-    return undefined;
-  return { message: bytes.subarray(at, end), mac: bytes.subarray(end + 2) };
+  const r = new WireReader(bytes);
+  const message = r.bytes(1);
+  const mac = r.bytes(2);
+  return r.done ? { message, mac } : undefined;
 }
 
 /** A received notification, parsed but not yet verified: `verify` with the sender's key. */
