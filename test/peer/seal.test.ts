@@ -74,7 +74,7 @@ describe("hmacSha256", () => {
 describe("sealPeerMessage", () => {
   it("writes the bytes protobuf-es writes, for lengths across each varint size", () => {
     const key = randomBytes(32);
-    for (const n of [1, 127, 128, 16_383, 16_384, 1 << 20]) {
+    for (const n of [0, 1, 127, 128, 16_383, 16_384, 1 << 20]) {
       const message = randomBytes(n);
       const generic = toBinary(
         SealedPeerMessageSchema,
