@@ -220,6 +220,9 @@ describe("security: peers (multi-process, authenticated)", () => {
     // ReadDone, Abort and Failed for a transfer P holds for someone else: refused, nothing ends.
     const held = "held-for-d";
     const { blockIds } = await p.engine.prefill(held, 40, 0, WAIT, `tok-${held}`);
+    // The engine answers the router before P's sidecar has its PrefillDone; a ReadDone for a
+    // transfer P does not know yet is answered "unknown", not refused.
+    await p.waitTransfer(held, "prefill", (t) => t.state === "HELD", "HELD (P holds the blocks)");
     await r.send(r.seal({ case: "readDone", value: { transferId: held, bytes: 1n, token: "" } }));
     await r.send(
       r.seal({ case: "abort", value: { transferId: held, reason: "mine", token: "x" } }),
