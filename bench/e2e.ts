@@ -115,6 +115,13 @@ export interface E2eRow {
   nativeMs: Stats;
   /** The same moves back to back (each right after the last): code and data still in cache. */
   nativeHotMs: Stats;
+  /**
+   * The gRPC hop alone, the same for every size of a mode: one KV_READY event from a grpc-js
+   * server in another process to the router's client, after the same idle time (`grpcHopMs`).
+   */
+  grpcHopMs: Stats;
+  /** sidecarMs.p50 / (nativeMs.p50 + grpcHopMs.p50): the data move plus the hop no push avoids. */
+  ratioWithGrpc: number;
   /** sidecarMs.p50 / nativeMs.p50. */
   ratio: number;
   ratioP99: number;
@@ -390,6 +397,52 @@ function hopStats(ms: readonly Measured[]): HopStats[] {
     .sort((a, b) => a.p50Us - b.p50Us);
 }
 
+/**
+ * The gRPC hop alone, measured as the sidecars pay it: a grpc-js server in its own process
+ * (bench/native/grpc-side.ts: the sidecar's WatchEvents definition and event encoder, nothing
+ * else) writes one KV_READY event after each idle gap of `gapMs`; this process, the router, reads
+ * them with the router's client. Ms from the server's write to the router's onEvent, per event;
+ * the stream's first events (connection set-up) are left out.
+ */
+async function grpcHopReference(samples: number, gapMs: number): Promise<number[]> {
+  const warm = 2;
+  const side = new PeerProcess([], {}, "grpc-side.js");
+  let client: SidecarClient | undefined;
+  try {
+    const { port } = await side.call<{ port: number }>("listen", { count: samples + warm, gapMs });
+    client = new SidecarClient(`127.0.0.1:${port}`);
+    await client.connect(5_000);
+    const heardUs = new Map<number, number>();
+    const watch = client.watch({}, (ev) => heardUs.set(ev.seq, monoUs()));
+    const boundMs = (samples + warm) * (gapMs + 100) + 10_000;
+    let timer: NodeJS.Timeout | undefined;
+    try {
+      await Promise.race([
+        watch.done,
+        new Promise<never>((_, reject) => {
+          timer = setTimeout(
+            () => reject(new Error(`gRPC hop reference: ${heardUs.size} events in ${boundMs} ms`)),
+            boundMs,
+          );
+        }),
+      ]);
+    } finally {
+      clearTimeout(timer);
+      watch.cancel();
+    }
+    const { writtenUs } = await side.call<{ writtenUs: Record<string, number> }>("written");
+    const out: number[] = [];
+    for (const [seq, heard] of heardUs) {
+      const written = writtenUs[String(seq)];
+      if (seq > warm && written !== undefined) out.push((heard - written) / 1000);
+    }
+    return out;
+  } finally {
+    client?.close();
+    await side.close();
+  }
+}
+
 async function runMode(
   mode: E2eMode,
   o: Required<Omit<E2eBenchOptions, "log" | "modes">>,
@@ -498,6 +551,8 @@ async function runMode(
   } finally {
     await native.close();
   }
+  log(`e2e ${mode}: the gRPC hop alone, ${measured.length} events ...`);
+  const grpcHop = stats(await grpcHopReference(Math.max(measured.length, 20), o.computeMs));
 
   return sizes.map((tokens) => {
     const ms = measured.filter((m) => m.rec.tokens === tokens);
@@ -517,7 +572,9 @@ async function runMode(
       dataMs: stats(ms.flatMap((m) => (m.data !== undefined ? [m.data] : []))),
       nativeMs: ref,
       nativeHotMs: stats(ms.flatMap((m) => nativeHotMs.get(m) ?? [])),
+      grpcHopMs: grpcHop,
       ratio: sidecar.p50 / ref.p50,
+      ratioWithGrpc: sidecar.p50 / (ref.p50 + grpcHop.p50),
       ratioP99: sidecar.p99 / ref.p99,
       sidecarGBps: bytes / (sidecar.p50 * 1e6),
       nativeGBps: bytes / (ref.p50 * 1e6),
@@ -582,6 +639,8 @@ const HEAD = [
   "native hot p50",
   "ratio p50",
   "ratio p99",
+  "gRPC hop p50 ms",
+  "ratio to native+gRPC",
   "sidecar GB/s",
   "native GB/s",
 ];
@@ -602,6 +661,8 @@ function cells(r: E2eRow): string[] {
     fmt(r.nativeHotMs?.p50),
     fmt(r.ratio),
     r.sidecarMs.n < MIN_P99_SAMPLES || r.nativeMs.n < MIN_P99_SAMPLES ? "-" : fmt(r.ratioP99),
+    fmt(r.grpcHopMs?.p50),
+    fmt(r.ratioWithGrpc),
     fmt(r.sidecarGBps),
     fmt(r.nativeGBps),
   ];
@@ -618,7 +679,8 @@ export function formatE2eHops(rows: readonly E2eRow[]): string {
     if (r.hops.length === 0) continue;
     out.push(
       `\nwhere the time goes: ${r.mode} ${r.tokens} tokens (${fmt(r.bytes / 2 ** 20, 1)} MiB), ` +
-        `µs after P's sidecar received PrefillDone; native reference p50 ${fmt(r.nativeMs.p50 * 1000, 0)} µs`,
+        `µs after P's sidecar received PrefillDone; native reference p50 ${fmt(r.nativeMs.p50 * 1000, 0)} µs, ` +
+        `gRPC hop alone p50 ${fmt((r.grpcHopMs?.p50 ?? NaN) * 1000, 0)} µs`,
     );
     let prev = 0;
     out.push(
@@ -661,7 +723,9 @@ export const E2E_NOTES = [
   "  native (reference): the same plans (same layouts and block ids) moved by the native addon alone over shm, the two sides in two",
   "    processes and the sidecars' memory kind (shared-memory files, or memory UCX allocates with --kv-memory segment); push = each rank pair's WRITEs and notification as one",
   "    operation until D's process has the notification, pull = READs; no planning",
-  "  ratio = sidecar / native (p50 and p99); GB/s = bytes / p50",
+  "  gRPC hop: one KV_READY event alone, a grpc-js server in another process (the sidecar's WatchEvents definition and encoder)",
+  "    -> this process's router client, after the same idle time; the one hop the native reference does not make",
+  "  ratio = sidecar / native (p50 and p99); ratio to native+gRPC = sidecar p50 / (native p50 + gRPC hop p50); GB/s = bytes / p50",
   `  p99 only from ${MIN_P99_SAMPLES} samples or more ("-" below; ok/failed counts the samples)`,
 ].join("\n");
 

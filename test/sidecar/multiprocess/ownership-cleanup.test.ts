@@ -434,6 +434,9 @@ describe("nothing left behind", () => {
           failed: number;
           nativeMs: { n: number; p50: number };
           nativeHotMs: { n: number; p50: number };
+          grpcHopMs: { n: number; p50: number };
+          ratio: number;
+          ratioWithGrpc: number;
           hops: { hop: string }[];
         }[];
       };
@@ -446,6 +449,11 @@ describe("nothing left behind", () => {
         // ... and again back to back, without the prefill's idle time before each move.
         expect(row.nativeHotMs.n).toBe(2);
         expect(row.nativeHotMs.p50).toBeGreaterThan(0);
+        // The gRPC hop alone (its server in a third process): at least 20 events, the warm-up
+        // left out, and a reference that adds it can only bring the ratio down.
+        expect(row.grpcHopMs.n).toBe(20);
+        expect(row.grpcHopMs.p50).toBeGreaterThan(0);
+        expect(row.ratioWithGrpc).toBeLessThan(row.ratio);
         const hops = row.hops.map((h) => h.hop);
         expect(hops).toContain("router heard KV_READY");
         expect(hops).toContain(row.mode === "push" ? "P pair 0>0 flushed" : "D pair 0>0 flushed");
