@@ -1,9 +1,10 @@
 // The messages written by hand on the critical path (src/wire.ts): byte for byte what
-// protobuf-es writes, and still every field the schema has.
+// protobuf-es writes, and still every field the schema has; the ones built by hand, what
+// protobuf-es's create builds.
 import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
-import { encodeEventResponse, EVENT_FIELDS } from "../../src/api/convert.js";
+import { encodeEventResponse, EVENT_FIELDS, eventToProto } from "../../src/api/convert.js";
 import {
   decodePrefillDone,
   encodeSidecarToEngine,
@@ -29,6 +30,8 @@ import {
   parsePeerMessage,
   XFER_DONE_FIELDS,
 } from "../../src/peer/messages.js";
+import { kvReadyMessage } from "../../src/sidecar/sidecar.js";
+import type { SidecarEvent } from "../../src/sidecar/view.js";
 
 // A fixed sequence (a linear congruential generator), so a failure can be run again.
 let seed = 12345;
@@ -264,6 +267,13 @@ describe("encodeSidecarToEngine", () => {
     expect(SidecarToEngineSchema.fields.find((f) => f.localName === "kvReady")?.number).toBe(2);
   });
 
+  it("the KvReady message D builds by hand is the one create builds", () => {
+    for (const transferId of IDS)
+      expect(kvReadyMessage(transferId)).toStrictEqual(
+        create(SidecarToEngineSchema, { msg: { case: "kvReady", value: { transferId } } }),
+      );
+  });
+
   it("writes every other message with protobuf-es", () => {
     const msg = create(SidecarToEngineSchema, {
       msg: { case: "releaseBlocks", value: { transferId: "t", blockIds: [1, 2, 300] } },
@@ -299,6 +309,34 @@ describe("encodeEventResponse", () => {
     }
     expect(EventSchema.fields.map((f) => f.localName)).toEqual([...EVENT_FIELDS]);
     expect(WatchEventsResponseSchema.fields.find((f) => f.localName === "event")?.number).toBe(1);
+  });
+
+  it("eventToProto builds by hand the message create builds, for every kind, side and mode", () => {
+    const kinds: SidecarEvent["kind"][] = ["KV_READY", "FAILED", "RELEASED", "PEER_UP"];
+    for (let i = 0; i < 200; i++) {
+      const ev: SidecarEvent = {
+        seq: i + 1,
+        kind: pick(kinds),
+        timeMs: pick([0, 1, 1_700_000_000_123]),
+        transferId: pick(IDS),
+        peer: pick(IDS),
+        side: pick(["", "prefill", "decode"] as const),
+        reason: pick(["", "ERR_LEASE_EXPIRED"]),
+        bytes: pick([0, 2 << 20, 2 ** 40]),
+        mode: pick(["", "push", "pull"]),
+      };
+      const p = eventToProto(ev);
+      // Without $typeName, or create would hand back its argument as it is.
+      const { $typeName, ...fields } = p;
+      expect($typeName).toBe(EventSchema.typeName);
+      expect(p, `#${i}`).toStrictEqual(create(EventSchema, fields));
+      // ... and every field carries the event's value, none left at a default by mistake.
+      expect(p.kind).not.toBe(0);
+      expect([p.seq, p.timeMs, p.bytes]).toEqual([ev.seq, ev.timeMs, ev.bytes].map(BigInt));
+      expect([p.transferId, p.peer, p.reason]).toEqual([ev.transferId, ev.peer, ev.reason]);
+      expect(p.side === 0).toBe(ev.side === "");
+      expect(p.mode === 0).toBe(ev.mode === "");
+    }
   });
 
   it("an enum number the hand encoder does not take (negative) goes to protobuf-es", () => {
