@@ -36,6 +36,7 @@ import type {
 } from "../sidecar/view.js";
 import {
   type SidecarStatusReply,
+  decodeEventResponse,
   eventFromProto,
   eventKinds,
   statusFromProto,
@@ -144,6 +145,10 @@ const M = {
   check: method(healthService, "Check"),
   healthWatch: method(healthService, "Watch"),
 };
+
+/** A WatchEvents message: an event read by hand (the router waits on it), the rest by protobuf-es. */
+const readWatchResponse = (bytes: Buffer): unknown =>
+  decodeEventResponse(bytes) ?? M.watchEvents.responseDeserialize(bytes);
 
 export function isServiceError(err: unknown): err is grpc.ServiceError {
   return err instanceof Error && typeof (err as { code?: unknown }).code === "number";
@@ -317,7 +322,7 @@ export class SidecarClient {
     const call = this.client.makeServerStreamRequest(
       M.watchEvents.path,
       M.watchEvents.requestSerialize,
-      M.watchEvents.responseDeserialize,
+      readWatchResponse,
       req,
     );
     let lastSeq = req.liveOnly ? 0 : Number(req.afterSeq);

@@ -17,6 +17,7 @@ import {
   TransferSchema,
   TransferSide as PbTransferSide,
   TransferState as PbTransferState,
+  type WatchEventsResponse,
   WatchEventsResponseSchema,
 } from "../gen/kvxfer/v1/sidecar_pb.js";
 import type {
@@ -29,7 +30,7 @@ import type {
   TransferSide,
   TransferState,
 } from "../sidecar/view.js";
-import { FIELD_OVERHEAD, isUint32, isUint64, utf8Bound, WireWriter } from "../wire.js";
+import { FIELD_OVERHEAD, isUint32, isUint64, utf8Bound, WireReader, WireWriter } from "../wire.js";
 
 /** Two-way map between string names and enum numbers; unknown names/numbers give undefined. */
 export class EnumMap<N extends string, E extends number> {
@@ -153,6 +154,45 @@ export function encodeEventResponse(e: Event): Uint8Array {
     .uint32(9, e.mode)
     .finish();
   return new WireWriter(inner.length + FIELD_OVERHEAD).bytes(1, inner).finish();
+}
+
+/**
+ * A WatchEventsResponse carrying an event, read by hand in the layout protobuf writes (fields in
+ * order, ASCII text; src/wire.ts); undefined for anything else (a progress message, another
+ * layout), which protobuf-es then reads. A router's client reads one per event, each
+ * transfer's KV_READY among them.
+ */
+export function decodeEventResponse(bytes: Uint8Array): WatchEventsResponse | undefined {
+  const r = new WireReader(bytes);
+  const x = r.message(1);
+  const seq = x.uint64(1);
+  const kind = x.uint32(2) as PbEventKind;
+  const timeMs = x.uint64(3);
+  const transferId = x.string(4);
+  const peer = x.string(5);
+  const side = x.uint32(6) as PbTransferSide;
+  const reason = x.string(7);
+  const moved = x.uint64(8);
+  const mode = x.uint32(9) as PbTransferMode;
+  if (!r.done || !x.done) return undefined;
+  return {
+    $typeName: "kvxfer.v1.WatchEventsResponse",
+    msg: {
+      case: "event",
+      value: {
+        $typeName: "kvxfer.v1.Event",
+        seq,
+        kind,
+        timeMs,
+        transferId,
+        peer,
+        side,
+        reason,
+        bytes: moved,
+        mode,
+      },
+    },
+  };
 }
 
 /** Throws when the kind is not one this client knows (a newer server). */

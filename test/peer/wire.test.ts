@@ -4,7 +4,12 @@
 import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
-import { encodeEventResponse, EVENT_FIELDS, eventToProto } from "../../src/api/convert.js";
+import {
+  decodeEventResponse,
+  encodeEventResponse,
+  EVENT_FIELDS,
+  eventToProto,
+} from "../../src/api/convert.js";
 import {
   decodePrefillDone,
   encodeSidecarToEngine,
@@ -346,6 +351,65 @@ describe("encodeEventResponse", () => {
       create(WatchEventsResponseSchema, { msg: { case: "event", value: e } }),
     );
     expect(Buffer.from(encodeEventResponse(e))).toEqual(Buffer.from(generic));
+  });
+});
+
+describe("decodeEventResponse", () => {
+  const sample = (): Uint8Array =>
+    toBinary(
+      WatchEventsResponseSchema,
+      create(WatchEventsResponseSchema, {
+        msg: {
+          case: "event",
+          value: {
+            seq: pick(U64),
+            kind: pick([0, 1, 3, 7, 300]),
+            timeMs: pick(U64),
+            transferId: pick(IDS),
+            peer: pick(IDS),
+            side: pick([0, 1, 2]),
+            reason: pick(["", "ERR_LEASE_EXPIRED", "ü"]),
+            bytes: pick(U64),
+            mode: pick([0, 1, 2]),
+          },
+        },
+      }),
+    );
+
+  it("reads what protobuf-es reads for ASCII text, leaves other text to it, and knows every field", () => {
+    let read = 0;
+    for (let i = 0; i < 500; i++) {
+      const bytes = sample();
+      const generic = fromBinary(WatchEventsResponseSchema, bytes);
+      const e = generic.msg.value as { transferId: string; peer: string; reason: string };
+      if (/^[\x00-\x7f]*$/.test(e.transferId + e.peer + e.reason)) {
+        expect(decodeEventResponse(bytes), `#${i}`).toStrictEqual(generic);
+        read++;
+      } else expect(decodeEventResponse(bytes), `#${i}`).toBeUndefined();
+    }
+    expect(read).toBeGreaterThan(200);
+    expect(EventSchema.fields.map((f) => f.localName)).toEqual([...EVENT_FIELDS]);
+  });
+
+  it("leaves a progress message, an empty response and an empty event's neighbours to protobuf-es", () => {
+    const progress = toBinary(
+      WatchEventsResponseSchema,
+      create(WatchEventsResponseSchema, {
+        msg: { case: "progress", value: { seq: 5n, caughtUp: true } },
+      }),
+    );
+    expect(decodeEventResponse(progress)).toBeUndefined();
+    expect(decodeEventResponse(new Uint8Array(0))).toBeUndefined();
+    // An event with every field at its default is field 1 with length 0: read, as protobuf-es does.
+    const empty = toBinary(
+      WatchEventsResponseSchema,
+      create(WatchEventsResponseSchema, { msg: { case: "event", value: {} } }),
+    );
+    expect(decodeEventResponse(empty)).toStrictEqual(fromBinary(WatchEventsResponseSchema, empty));
+  });
+
+  it("anything it reads from damaged bytes, protobuf-es reads the same; what protobuf-es refuses, it does not read", () => {
+    fuzzAgainst(sample, decodeEventResponse, (b) => fromBinary(WatchEventsResponseSchema, b));
   });
 });
 
