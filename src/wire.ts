@@ -51,6 +51,15 @@ export class WireWriter {
     return this;
   }
 
+  /** A bool field; false is left out. */
+  bool(field: number, b: boolean): this {
+    if (b) {
+      this.varint((field << 3) | VARINT);
+      this.buf[this.at++] = 1;
+    }
+    return this;
+  }
+
   /** A uint64 field; 0 is left out. */
   uint64(field: number, n: bigint): this {
     if (n !== 0n) {
@@ -163,6 +172,21 @@ export class WireReader {
     const n = this.varint(5);
     if (n > 0xffff_ffff) this.ok = false;
     return n;
+  }
+
+  /** A bool written as protobuf writes it: one byte, 0 or 1 (anything else is out of layout). */
+  bool(field: number): boolean {
+    if (!this.take(field, VARINT)) return false;
+    const n = this.varint(1);
+    if (n > 1) this.ok = false;
+    return n === 1;
+  }
+
+  /** The number of the field that comes next, if its tag is one byte (fields 1-15); else 0. */
+  nextField(): number {
+    if (!this.ok || this.at >= this.end) return 0;
+    const tag = this.buf[this.at]!;
+    return tag < 0x80 ? tag >> 3 : 0;
   }
 
   uint64(field: number): bigint {

@@ -23,16 +23,25 @@ import {
   PrefillDoneSchema,
   SidecarToEngineSchema,
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
-import { PeerMessageSchema, XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
+import {
+  type PeerMessage,
+  PeerMessageSchema,
+  ReadAckSchema,
+  ReadDoneSchema,
+  XferDoneSchema,
+} from "../../src/gen/kvxfer/v1/peer_pb.js";
 import {
   type EventKind,
   EventSchema,
   WatchEventsResponseSchema,
 } from "../../src/gen/kvxfer/v1/sidecar_pb.js";
 import {
-  decodeXferDone,
+  decodeNotification,
   encodePeerMessage,
   parsePeerMessage,
+  type PeerBody,
+  READ_ACK_FIELDS,
+  READ_DONE_FIELDS,
   XFER_DONE_FIELDS,
 } from "../../src/peer/messages.js";
 import { kvReadyMessage } from "../../src/sidecar/sidecar.js";
@@ -47,31 +56,48 @@ const IDS = ["", "a", "req-00012-abcdef", "ü-Ω-😀", "x".repeat(200), "y".rep
 const U32 = [0, 1, 127, 128, 16_384, 2 ** 31, 0xffff_ffff];
 const U64 = [0n, 1n, 127n, 128n, 2n ** 32n, 2n ** 53n + 1n, 2n ** 63n, 2n ** 64n - 1n];
 
-describe("encodePeerMessage, XferDone", () => {
+/** The bodies written and read by hand, each with random values. */
+const BODIES = {
+  xferDone: () => ({
+    transferId: pick(IDS),
+    srcRank: pick(U32),
+    dstRank: pick(U32),
+    bytes: pick(U64),
+    sincePrefillDoneMs: pick(U32),
+  }),
+  readDone: () => ({ transferId: pick(IDS), bytes: pick(U64), token: pick(["", "s3cret", "ü"]) }),
+  readAck: () => ({
+    transferId: pick(IDS),
+    held: pick([true, false]),
+    unknown: pick([true, false]),
+  }),
+};
+type BodyCase = keyof typeof BODIES;
+const CASES = Object.keys(BODIES) as BodyCase[];
+const body = (c: BodyCase) => ({ case: c, value: BODIES[c]() }) as PeerBody;
+
+describe("encodePeerMessage, XferDone, ReadDone and ReadAck", () => {
   it("writes what protobuf-es writes, over many values (defaults, each varint size, multi-byte text)", () => {
-    for (let i = 0; i < 500; i++) {
-      const sender = pick(IDS);
-      const [se, re, seq] = [pick(U64), pick(U64), pick(U64)];
-      const value = {
-        transferId: pick(IDS),
-        srcRank: pick(U32),
-        dstRank: pick(U32),
-        bytes: pick(U64),
-        sincePrefillDoneMs: pick(U32),
-      };
-      const generic = toBinary(
-        PeerMessageSchema,
-        create(PeerMessageSchema, {
-          senderEngineId: sender,
-          senderEpoch: se,
-          receiverEpoch: re,
-          seq,
-          msg: { case: "xferDone", value },
-        }),
-      );
-      const fast = encodePeerMessage(sender, se, re, { case: "xferDone", value }, seq);
-      expect(Buffer.from(fast).toString("hex"), `#${i}`).toBe(Buffer.from(generic).toString("hex"));
-    }
+    for (const c of CASES)
+      for (let i = 0; i < 300; i++) {
+        const sender = pick(IDS);
+        const [se, re, seq] = [pick(U64), pick(U64), pick(U64)];
+        const msg = body(c);
+        const generic = toBinary(
+          PeerMessageSchema,
+          create(PeerMessageSchema, {
+            senderEngineId: sender,
+            senderEpoch: se,
+            receiverEpoch: re,
+            seq,
+            msg,
+          }),
+        );
+        const fast = encodePeerMessage(sender, se, re, msg, seq);
+        expect(Buffer.from(fast).toString("hex"), `${c} #${i}`).toBe(
+          Buffer.from(generic).toString("hex"),
+        );
+      }
   });
 
   it("a value the hand encoder does not take goes to protobuf-es, which names it", () => {
@@ -101,10 +127,14 @@ describe("encodePeerMessage, XferDone", () => {
 
   it("knows every field the schemas have (a field added to the .proto must be added by hand too)", () => {
     expect(XferDoneSchema.fields.map((f) => f.localName)).toEqual([...XFER_DONE_FIELDS]);
+    expect(ReadDoneSchema.fields.map((f) => f.localName)).toEqual([...READ_DONE_FIELDS]);
+    expect(ReadAckSchema.fields.map((f) => f.localName)).toEqual([...READ_ACK_FIELDS]);
     expect(
       PeerMessageSchema.fields.filter((f) => f.oneof === undefined).map((f) => f.localName),
     ).toEqual(["senderEngineId", "senderEpoch", "receiverEpoch", "seq"]);
-    expect(PeerMessageSchema.fields.find((f) => f.localName === "xferDone")?.number).toBe(11);
+    const number = (name: string): number | undefined =>
+      PeerMessageSchema.fields.find((f) => f.localName === name)?.number;
+    expect([number("xferDone"), number("readDone"), number("readAck")]).toEqual([11, 12, 13]);
   });
 });
 
@@ -181,49 +211,46 @@ describe("WireReader", () => {
   });
 });
 
-describe("decodeXferDone", () => {
-  const sample = (): Uint8Array =>
-    encodePeerMessage(
-      pick(IDS),
-      pick(U64),
-      pick(U64),
-      {
-        case: "xferDone",
-        value: {
-          transferId: pick(IDS),
-          srcRank: pick(U32),
-          dstRank: pick(U32),
-          bytes: pick(U64),
-          sincePrefillDoneMs: pick(U32),
-        },
-      },
-      pick(U64),
-    );
-  const ascii = (b: Uint8Array): boolean =>
-    fromBinary(PeerMessageSchema, b).senderEngineId.length > 0;
+describe("decodeNotification", () => {
+  const sample = (c: BodyCase) => (): Uint8Array =>
+    encodePeerMessage(pick(IDS), pick(U64), pick(U64), body(c), pick(U64));
+  const text = (m: PeerMessage): string[] => {
+    const v = m.msg.value as { transferId: string; token?: string };
+    return [m.senderEngineId, v.transferId, v.token ?? ""];
+  };
 
-  it("reads what protobuf-es reads, for every XferDone with ASCII ids; leaves other text to it", () => {
-    let read = 0;
-    for (let i = 0; i < 500; i++) {
-      const bytes = sample();
-      const generic = fromBinary(PeerMessageSchema, bytes);
-      const fast = decodeXferDone(bytes);
-      const text = [
-        generic.senderEngineId,
-        (generic.msg.value as { transferId: string }).transferId,
-      ];
-      if (text.every((t) => /^[\x00-\x7f]*$/.test(t))) {
-        expect(fast, `#${i}`).toStrictEqual(generic);
-        read++;
-      } else {
-        expect(fast, `#${i}`).toBeUndefined();
+  it("reads what protobuf-es reads, for every body with ASCII text; leaves other text to it", () => {
+    for (const c of CASES) {
+      let read = 0;
+      for (let i = 0; i < 500; i++) {
+        const bytes = sample(c)();
+        const generic = fromBinary(PeerMessageSchema, bytes);
+        const fast = decodeNotification(bytes);
+        if (text(generic).every((t) => /^[\x00-\x7f]*$/.test(t))) {
+          expect(fast, `${c} #${i}`).toStrictEqual(generic);
+          read++;
+        } else {
+          expect(fast, `${c} #${i}`).toBeUndefined();
+        }
       }
+      expect(read, c).toBeGreaterThan(100);
     }
-    expect(read).toBeGreaterThan(200);
   });
 
-  it("anything it reads from damaged bytes, protobuf-es reads the same; what protobuf-es refuses, it does not read", () => {
-    fuzzAgainst(sample, decodeXferDone, (b) => fromBinary(PeerMessageSchema, b));
+  for (const c of CASES)
+    it(`${c}: anything it reads from damaged bytes, protobuf-es reads the same; what protobuf-es refuses, it does not read`, () => {
+      fuzzAgainst(sample(c), decodeNotification, (b) => fromBinary(PeerMessageSchema, b));
+    });
+
+  it("leaves a bool written as anything but 0 or 1 to protobuf-es", () => {
+    // ReadAck { transfer_id "t", held = 2 }: protobuf reads true, the strict layout does not.
+    const inner = [0x0a, 1, 0x74, 0x10, 2];
+    const bytes = Uint8Array.from([0x0a, 1, 0x70, 0x6a, inner.length, ...inner]);
+    expect(decodeNotification(bytes)).toBeUndefined();
+    expect(parsePeerMessage(bytes).body).toMatchObject({ case: "readAck", value: { held: true } });
+    inner[4] = 1;
+    const canonical = Uint8Array.from([0x0a, 1, 0x70, 0x6a, inner.length, ...inner]);
+    expect(decodeNotification(canonical)).toStrictEqual(fromBinary(PeerMessageSchema, canonical));
   });
 
   it("a transfer id is checked by its UTF-8 bytes however it was read: 256 pass, 257 do not", () => {
@@ -247,13 +274,13 @@ describe("decodeXferDone", () => {
       body,
       Buffer.from([0x0a, 1, 0x70]),
     ]);
-    expect(decodeXferDone(reordered)).toBeUndefined();
+    expect(decodeNotification(reordered)).toBeUndefined();
     expect(parsePeerMessage(reordered)).toMatchObject({
       senderEngineId: "p",
       body: { case: "xferDone", value: { transferId: "t", bytes: 5n } },
     });
     const heartbeat = encodePeerMessage("p", 1n, 1n, { case: "heartbeat", value: {} }, 1n);
-    expect(decodeXferDone(heartbeat)).toBeUndefined();
+    expect(decodeNotification(heartbeat)).toBeUndefined();
     expect(parsePeerMessage(heartbeat).body.case).toBe("heartbeat");
   });
 });
