@@ -1,7 +1,8 @@
 /**
  * Protobuf's wire format by hand, for the few small messages every transfer handles on its
  * critical path: P reads its engine's PrefillDone and writes the XferDone; D reads the XferDone
- * and writes KvReady and the KV_READY event; both seal or open the notification's envelope.
+ * and writes KvReady and the KV_READY event; a pull's ReadDone and ReadAck both ways; both sides
+ * seal or open the notification's envelope; the router's client reads the event.
  * protobuf-es walks the schema for every message, which costs 50-100 µs for these when it has
  * not run for 20 ms (3-5 µs back to back), and with one request at a time every transfer finds
  * it so (docs/benchmarks.md, "Cold code").
