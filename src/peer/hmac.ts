@@ -32,11 +32,13 @@ const INITIAL = new Int32Array([
 ]);
 
 const BLOCK = 64;
+/** Bytes of an HMAC-SHA256. */
+export const HMAC_SHA256_BYTES = 32;
 // Scratch, reused (JavaScript runs one call at a time).
 const schedule = new Int32Array(64);
 const tail = new Uint8Array(2 * BLOCK);
 const state = new Int32Array(8);
-const innerDigest = new Uint8Array(32);
+const innerDigest = new Uint8Array(HMAC_SHA256_BYTES);
 
 /** One SHA-256 compression of the 64 bytes at `bytes[at]` into `h`. */
 function compress(h: Int32Array, bytes: Uint8Array, at: number): void {
@@ -140,7 +142,7 @@ class PreparedKey {
 // Keys are never changed in place (a new key is a new array), so one preparation per array.
 const prepared = new WeakMap<Uint8Array, PreparedKey>();
 
-/** HMAC-SHA256 of `message` under `key`, as 32 new bytes. */
+/** HMAC-SHA256 of `message` under `key`, as HMAC_SHA256_BYTES new bytes. */
 export function hmacSha256(key: Uint8Array, message: Uint8Array): Uint8Array {
   if (message.length > JS_MAX_BYTES || key.length > BLOCK)
     return createHmac("sha256", key).update(message).digest();
@@ -152,7 +154,7 @@ export function hmacSha256(key: Uint8Array, message: Uint8Array): Uint8Array {
   state.set(p.inner);
   finish(state, message, innerDigest);
   state.set(p.outer);
-  const out = new Uint8Array(32);
+  const out = new Uint8Array(HMAC_SHA256_BYTES);
   finish(state, innerDigest, out);
   return out;
 }

@@ -12,7 +12,7 @@ import {
   type PeerMessage,
 } from "../gen/kvxfer/v1/peer_pb.js";
 import { FIELD_OVERHEAD, isUint32, isUint64, utf8Bound, WireReader, WireWriter } from "../wire.js";
-import { hmacSha256 } from "./hmac.js";
+import { HMAC_SHA256_BYTES, hmacSha256 } from "./hmac.js";
 
 /** Largest peer notification accepted (a PushReg of 250k block ids fits). */
 export const MAX_PEER_MESSAGE_BYTES = 1 << 20;
@@ -218,9 +218,6 @@ export function newMacKey(): Buffer {
   return randomBytes(MAC_KEY_BYTES);
 }
 
-/** Bytes of the MAC a sealed notification carries (HMAC-SHA256). */
-const MAC_BYTES = 32;
-
 /**
  * A notification as it travels: the message and its HMAC-SHA256 under the sender's key, as a
  * SealedPeerMessage. Written here, byte for byte as protobuf-es writes it (field 1, then field
@@ -267,7 +264,7 @@ export function openPeerMessage(bytes: Uint8Array): OpenedPeerMessage {
       `not a SealedPeerMessage: ${(err as Error).message}`,
     );
   }
-  if (sealed.mac.length !== MAC_BYTES)
+  if (sealed.mac.length !== HMAC_SHA256_BYTES)
     throw new PeerMessageError("ERR_UNAUTHENTICATED", "peer message carries no MAC");
   const { message, mac } = sealed;
   const parsed = parsePeerMessage(message);
@@ -304,8 +301,8 @@ export class ReplayWindow {
 }
 
 function checkTransferId(id: string): void {
-  // UTF-8 takes at most 3 bytes per UTF-16 unit: short ids need no count.
-  const short = id.length * 3 <= MAX_TRANSFER_ID_BYTES;
+  // Short ids need no count (utf8Bound: at most 3 bytes per UTF-16 unit).
+  const short = utf8Bound(id) <= MAX_TRANSFER_ID_BYTES;
   if (id.length === 0 || (!short && Buffer.byteLength(id) > MAX_TRANSFER_ID_BYTES)) {
     throw new PeerMessageError(
       "ERR_BAD_TRANSFER_ID",
