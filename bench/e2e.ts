@@ -244,7 +244,6 @@ class NativePair {
       const a = new Agent({
         name: `e2e-ref-${push ? "p" : "d"}${r}`,
         transports: "shm,self",
-        protocols: ucx ? "v1" : "v2",
       });
       this.agents.push(a);
       this.regions.push(

@@ -126,16 +126,13 @@ export async function runNativeBench(opts: NativeBenchOptions = {}): Promise<Nat
   const log = opts.log ?? ((): void => {});
   const rows: NativeBenchRow[] = [];
   for (const memory of opts.memories ?? (["ucx", "host"] as BenchMemory[])) {
-    // Each memory kind with the UCX protocols kvxfer picks for it (AgentOptions.protocols).
-    const protocols = memory === "ucx" ? "v1" : "v2";
     const p = new PeerProcess();
     const d = new PeerProcess();
     try {
-      await p.call("init", { name: "bench-p", transports, protocols });
+      await p.call("init", { name: "bench-p", transports });
       const id = await d.call<{ address: string }>("init", {
         name: "bench-d",
         transports,
-        protocols,
       });
       await p.call("connect", { address: id.address });
       for (const size of sizes) {

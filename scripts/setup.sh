@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kvxfer needs on a Debian machine that has only Node and npm:
-# UCX (libucx-dev, ucx-utils), the native toolchain (cmake, g++, pkg-config),
+# the native toolchain (cmake, g++), Python with pip (it downloads the pinned UCX wheel that
+# scripts/setup-ucx.sh unpacks into .ucx/, and builds .venv),
 # clang-format, iproute2 and openssl for the tests, the npm dependencies, the build,
 # the Python side (scripts/setup-python.sh: .venv with vLLM and the connector) and helm
 # for the chart's tests (scripts/setup-helm.sh: .tools/bin/helm, built with Go).
@@ -8,9 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
-command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
-pkg-config --exists ucx 2>/dev/null || need+=(libucx-dev)
-command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils)
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v make >/dev/null 2>&1 || need+=(make)
@@ -30,10 +30,8 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
 fi
 
-if ! pkg-config --exists ucx; then
-  echo "kvxfer setup: UCX development files not found; install libucx-dev (UCX >= 1.13)" >&2
-  exit 1
-fi
+# UCX, pinned (native/ucx/requirements.txt): unpacked into .ucx/, which the addon is built against.
+bash scripts/setup-ucx.sh
 
 # npm install (not npm ci): the lock file records only the platform packages this
 # registry serves (e.g. no darwin or win32 builds of buf), which npm ci refuses.

@@ -55,8 +55,6 @@ async function handle(req: Request): Promise<unknown> {
         const agent = new Agent({
           name: `${String(req.name)}${r}`,
           transports: String(req.transports ?? "shm,self"),
-          // The sidecar's choice for each kind of memory (Sidecar.newAgent).
-          protocols: ucx ? "v1" : "v2",
         });
         agent.on("notifications", (batch) => {
           for (const n of batch) {

@@ -29,13 +29,13 @@ export function canCreateNetns(): boolean {
 }
 
 /**
- * `addresses`: the two ends' IPv4 addresses (a /24). The default is link-local; UCX 1.22 and
- * later ignore an interface whose only address is link-local, so a bench that runs those (NIXL's
- * bundled UCX) passes addresses from 198.18.0.0/15, the range RFC 2544 sets aside for benchmarks.
+ * `addresses`: the two ends' IPv4 addresses (a /24), by default from 198.18.0.0/15, the range
+ * RFC 2544 sets aside for benchmarks: UCX 1.22 and later ignore an interface whose only address
+ * is link-local (169.254/16), so link-local ends would leave UCX no TCP device but `lo`.
  */
 export function createNetnsPair(
   tag: string,
-  addresses: [string, string] = ["169.254.77.1", "169.254.77.2"],
+  addresses: [string, string] = ["198.18.77.1", "198.18.77.2"],
 ): NetnsPair {
   const id = `${tag}${process.pid % 10000}`;
   const names: [string, string] = [`kvx-${id}-a`, `kvx-${id}-b`];

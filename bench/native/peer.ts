@@ -185,7 +185,6 @@ async function handle(req: Request): Promise<unknown> {
       if (typeof req.transports === "string") opts.transports = req.transports;
       if (typeof req.netDevices === "string") opts.netDevices = req.netDevices;
       if (req.busyPoll === true) opts.busyPoll = true;
-      if (req.protocols === "v1" || req.protocols === "v2") opts.protocols = req.protocols;
       agent = new Agent(opts);
       agent.on("notifications", onNotifications);
       return { address: b64(agent.address), pid: process.pid };

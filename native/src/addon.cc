@@ -8,17 +8,51 @@
 #include <napi.h>
 #include <ucp/api/ucp.h>
 
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "agent.h"
 #include "endpoint.h"
 #include "handle.h"
+#include "memory_type.h"
 #include "region.h"
 #include "remote_region.h"
+#include "wire.h"
 
 namespace kvxfer {
 
 namespace {
+
+// ucxInfo(): the UCX this process runs on, as a default context opened now sees it (UCX_TLS and
+// the other UCX_* variables of the environment apply): { version, transports: ["tl/dev", ...],
+// memoryTypes: ["host", ...] }.
+Napi::Value UcxInfo(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  ucp_config_t* config = nullptr;
+  ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
+  if (status != UCS_OK) throw UcsError(env, "ucxInfo: ucp_config_read failed", status);
+  ucp_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  ucp_context_h context = nullptr;
+  status = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  if (status != UCS_OK) throw UcsError(env, "ucxInfo: ucp_init failed", status);
+  ContextInfo ci = QueryContext(context);
+  ucp_cleanup(context);
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("version", Napi::String::New(env, ucp_get_version_string()));
+  Napi::Array tls = Napi::Array::New(env, ci.resources.size());
+  for (uint32_t i = 0; i < ci.resources.size(); ++i) tls.Set(i, ci.resources[i]);
+  o.Set("transports", tls);
+  std::vector<std::string> names = MemoryTypeNames(ci.memory_types);
+  Napi::Array mts = Napi::Array::New(env, names.size());
+  for (uint32_t i = 0; i < names.size(); ++i) mts.Set(i, names[i]);
+  o.Set("memoryTypes", mts);
+  return o;
+}
 
 Napi::Object Init(Napi::Env env, Napi::Object exports) {
   auto* data = new AddonData();
@@ -38,6 +72,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("Endpoint", data->endpoint_ctor.Value());
   exports.Set("RemoteRegion", data->remote_ctor.Value());
   exports.Set("ucxVersion", Napi::String::New(env, ucp_get_version_string()));
+  exports.Set("ucxInfo", Napi::Function::New(env, UcxInfo, "ucxInfo"));
   return exports;
 }
 

@@ -29,7 +29,10 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceAccessor<&AgentWrap::Address>("address"),
                          InstanceAccessor<&AgentWrap::Name>("name"),
                          InstanceAccessor<&AgentWrap::Inflight>("inflight"),
+                         InstanceAccessor<&AgentWrap::Transports>("transports"),
+                         InstanceAccessor<&AgentWrap::MemoryTypes>("memoryTypes"),
                          InstanceMethod<&AgentWrap::RegisterMemory>("registerMemory"),
+                         InstanceMethod<&AgentWrap::RegisterAddress>("registerAddress"),
                          InstanceMethod<&AgentWrap::MapFile>("mapFile"),
                          InstanceMethod<&AgentWrap::Allocate>("allocate"),
                          InstanceMethod<&AgentWrap::AttachSegment>("attachSegment"),
@@ -59,7 +62,6 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   opts.name = str("name");
   opts.transports = str("transports");
   opts.net_devices = str("netDevices");
-  opts.proto_enable = str("protoEnable");
   opts.busy_poll = o.Get("busyPoll").ToBoolean().Value();
   Napi::Value spin = o.Get("spinUs");
   if (spin.IsNumber() && spin.As<Napi::Number>().Int64Value() > 0) {
@@ -113,14 +115,99 @@ Napi::Value AgentWrap::Inflight(const Napi::CallbackInfo& info) {
   return Napi::Number::New(info.Env(), static_cast<double>(pending_.size()));
 }
 
-// Registers memory the caller mapped, [addr, addr + length), with this agent's UCX context.
-ucs_status_t AgentWrap::RegisterRange(void* addr, size_t length, ucp_mem_h* memh) {
+// Registers memory the caller mapped, [addr, addr + length), with this agent's UCX context, as
+// memory of `kind` (given, so UCX does not have to detect it).
+ucs_status_t AgentWrap::RegisterRange(void* addr, size_t length, ucp_mem_h* memh, MemKind kind) {
   ucp_mem_map_params_t params;
   std::memset(&params, 0, sizeof(params));
-  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
   params.address = addr;
   params.length = length;
+  params.memory_type = UcsMemoryType(kind);
   return ucp_mem_map(engine_->context(), &params, memh);
+}
+
+namespace {
+
+Napi::Array StringArray(Napi::Env env, const std::vector<std::string>& items) {
+  Napi::Array a = Napi::Array::New(env, items.size());
+  for (uint32_t i = 0; i < items.size(); ++i) a.Set(i, Napi::String::New(env, items[i]));
+  return a;
+}
+
+}  // namespace
+
+Napi::Value AgentWrap::Transports(const Napi::CallbackInfo& info) {
+  CheckOpen(info.Env(), "transports");
+  return StringArray(info.Env(), engine_->context_info().resources);
+}
+
+Napi::Value AgentWrap::MemoryTypes(const Napi::CallbackInfo& info) {
+  CheckOpen(info.Env(), "memoryTypes");
+  return StringArray(info.Env(), MemoryTypeNames(engine_->context_info().memory_types));
+}
+
+// registerAddress(address: bigint, length, memoryType: "host" | "cuda" | "cuda-host", device):
+// memory this process reaches at `address` that JavaScript does not own: CUDA device memory (a
+// tensor's pointer, or one opened from a CUDA IPC handle), CUDA host-pinned memory. A type the
+// running UCX cannot serve is refused by name, with the transports it found.
+Napi::Value AgentWrap::RegisterAddress(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "registerAddress");
+  if (info.Length() < 3 || !info[0].IsBigInt() || !info[1].IsNumber() || !info[2].IsString()) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "registerAddress(address: bigint, length: number, memoryType: string, "
+                    "device?: number)");
+  }
+  bool lossless = false;
+  uint64_t address = info[0].As<Napi::BigInt>().Uint64Value(&lossless);
+  if (!lossless || address == 0) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "registerAddress: address must be a non-zero 64-bit unsigned integer");
+  }
+  double len_d = info[1].As<Napi::Number>().DoubleValue();
+  if (!(len_d > 0) || std::floor(len_d) != len_d || len_d > 9007199254740992.0 ||
+      address + static_cast<uint64_t>(len_d) < address) {
+    throw MakeError(env, "ERR_INVALID_LENGTH",
+                    "registerAddress: length must be a positive integer that does not wrap the "
+                    "address space",
+                    UCS_OK, true);
+  }
+  const std::string type_name = info[2].As<Napi::String>().Utf8Value();
+  MemKind kind;
+  if (!ParseMemKind(type_name, &kind)) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    "registerAddress: memoryType must be 'host', 'cuda' or 'cuda-host', got '" +
+                        type_name + "'");
+  }
+  int device = -1;
+  if (info.Length() >= 4 && info[3].IsNumber()) device = info[3].As<Napi::Number>().Int32Value();
+  if (kind != MemKind::kHost && device < 0) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    std::string("registerAddress: a ") + MemKindName(kind) +
+                        " region needs its CUDA device index (device >= 0)");
+  }
+  const std::string refusal = RefusalFor(kind, engine_->context_info());
+  if (!refusal.empty()) {
+    throw MakeError(env, "ERR_MEMORY_TYPE_UNSUPPORTED",
+                    "registerAddress: cannot register " + refusal);
+  }
+  ucp_mem_h memh = nullptr;
+  ucs_status_t status = RegisterRange(reinterpret_cast<void*>(static_cast<uintptr_t>(address)),
+                                      static_cast<size_t>(len_d), &memh, kind);
+  if (status != UCS_OK) {
+    throw UcsError(
+        env,
+        std::string("registerAddress: ucp_mem_map failed for ") + MemKindName(kind) + " memory",
+        status);
+  }
+  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
+  RegionWrap* region = RegionWrap::Unwrap(obj);
+  region->InitAddress(reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(address)),
+                      static_cast<size_t>(len_d), memh, kind, device);
+  Adopt(region);
+  return obj;
 }
 
 // registerMemory(bufferOrView)
@@ -136,7 +223,7 @@ Napi::Value AgentWrap::RegisterMemory(const Napi::CallbackInfo& info) {
   if (size == 0)
     throw MakeError(env, "ERR_INVALID_LENGTH", "registerMemory: the memory is empty", UCS_OK, true);
   ucp_mem_h memh = nullptr;
-  ucs_status_t status = RegisterRange(const_cast<uint8_t*>(data), size, &memh);
+  ucs_status_t status = RegisterRange(const_cast<uint8_t*>(data), size, &memh, MemKind::kHost);
   if (status != UCS_OK) throw UcsError(env, "ucp_mem_map failed", status);
   Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
   RegionWrap* region = RegionWrap::Unwrap(obj);
@@ -379,7 +466,7 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
   }
   uint8_t* base = static_cast<uint8_t*>(map) + (offset - map_off);
   ucp_mem_h memh = nullptr;
-  ucs_status_t status = RegisterRange(base, length, &memh);
+  ucs_status_t status = RegisterRange(base, length, &memh, MemKind::kHost);
   if (status != UCS_OK) {
     munmap(map, map_len);
     throw UcsError(env, "ucp_mem_map failed for '" + path + "'", status);
@@ -408,7 +495,8 @@ Napi::Value AgentWrap::Allocate(const Napi::CallbackInfo& info) {
   ucp_mem_map_params_t params;
   std::memset(&params, 0, sizeof(params));
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                      UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+                      UCP_MEM_MAP_PARAM_FIELD_FLAGS | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+  params.memory_type = UCS_MEMORY_TYPE_HOST;
   params.address = nullptr;
   params.length = static_cast<size_t>(len_d);
   params.flags = UCP_MEM_MAP_ALLOCATE;
@@ -528,7 +616,7 @@ Napi::Value AgentWrap::AttachSegment(const Napi::CallbackInfo& info) {
                     "attachSegment: cannot attach " + name + ": " + std::strerror(e));
   }
   ucp_mem_h memh = nullptr;
-  ucs_status_t status = RegisterRange(addr, length, &memh);
+  ucs_status_t status = RegisterRange(addr, length, &memh, MemKind::kHost);
   if (status != UCS_OK) {
     shmdt(addr);
     throw UcsError(env, "ucp_mem_map failed for " + name, status);

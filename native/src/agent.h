@@ -13,6 +13,7 @@
 
 #include "endpoint.h"
 #include "handle.h"
+#include "memory_type.h"
 #include "progress.h"
 
 namespace kvxfer {
@@ -65,7 +66,10 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   Napi::Value Allocate(const Napi::CallbackInfo& info);
   Napi::Value AttachSegment(const Napi::CallbackInfo& info);
   static int FindSegment(const void* addr);
-  ucs_status_t RegisterRange(void* addr, size_t length, ucp_mem_h* memh);
+  ucs_status_t RegisterRange(void* addr, size_t length, ucp_mem_h* memh, MemKind kind);
+  Napi::Value RegisterAddress(const Napi::CallbackInfo& info);
+  Napi::Value Transports(const Napi::CallbackInfo& info);
+  Napi::Value MemoryTypes(const Napi::CallbackInfo& info);
   Napi::Value Connect(const Napi::CallbackInfo& info);
   Napi::Value Transfer(const Napi::CallbackInfo& info);
   Napi::Value WriteParts(const Napi::CallbackInfo& info);

@@ -69,13 +69,6 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
       return nullptr;
     }
   }
-  if (!opts.proto_enable.empty()) {
-    *status = ucp_config_modify(cfg.config, "PROTO_ENABLE", opts.proto_enable.c_str());
-    if (*status != UCS_OK) {
-      *what = "invalid protocol selection '" + opts.proto_enable + "'";
-      return nullptr;
-    }
-  }
   if (!opts.net_devices.empty()) {
     *status = ucp_config_modify(cfg.config, "NET_DEVICES", opts.net_devices.c_str());
     if (*status != UCS_OK) {
@@ -100,6 +93,8 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
     engine->context_ = nullptr;
     return nullptr;
   }
+
+  engine->context_info_ = QueryContext(engine->context_);
 
   ucp_worker_params_t wparams;
   std::memset(&wparams, 0, sizeof(wparams));

@@ -20,6 +20,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "memory_type.h"
+
 namespace kvxfer {
 
 // Active-message id used for notifications.
@@ -107,9 +109,8 @@ struct Event {
 
 struct EngineOptions {
   std::string name;
-  std::string transports;    // UCX_TLS-style list; empty = UCX default
-  std::string net_devices;   // UCX_NET_DEVICES-style list; empty = UCX default
-  std::string proto_enable;  // UCX_PROTO_ENABLE for this agent ("y"/"n"); empty = environment
+  std::string transports;   // UCX_TLS-style list; empty = UCX default
+  std::string net_devices;  // UCX_NET_DEVICES-style list; empty = UCX default
   bool busy_poll = false;
   // After any activity, poll this long before sleeping on the event fd.
   std::chrono::microseconds spin_after_activity{0};
@@ -132,6 +133,8 @@ class ProgressEngine {
   void Start(std::function<void()> events_ready);
 
   ucp_context_h context() const { return context_; }
+  // The transports this agent's context opened and the memory types it serves (read at Create).
+  const ContextInfo& context_info() const { return context_info_; }
   const std::vector<uint8_t>& worker_address() const { return worker_address_; }
   const std::string& name() const { return opts_.name; }
   size_t max_notification_bytes() const { return opts_.max_notification_bytes; }
@@ -198,6 +201,7 @@ class ProgressEngine {
 
   EngineOptions opts_;
   ucp_context_h context_ = nullptr;
+  ContextInfo context_info_;
   ucp_worker_h worker_ = nullptr;
   // The worker was leaked (requests outstanding): its context must outlive it.
   bool context_leaked_ = false;

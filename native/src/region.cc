@@ -31,6 +31,8 @@ Napi::Function RegionWrap::Define(Napi::Env env) {
                          InstanceAccessor<&RegionWrap::Length>("length"),
                          InstanceAccessor<&RegionWrap::Path>("path"),
                          InstanceAccessor<&RegionWrap::Segment>("segment"),
+                         InstanceAccessor<&RegionWrap::MemoryType>("memoryType"),
+                         InstanceAccessor<&RegionWrap::Device>("device"),
                          InstanceAccessor<&RegionWrap::IsClosed>("closed"),
                          InstanceMethod<&RegionWrap::RemoteKey>("remoteKey"),
                          InstanceMethod<&RegionWrap::View>("view"),
@@ -117,6 +119,13 @@ Napi::Value RegionWrap::Segment(const Napi::CallbackInfo& info) {
   if (segment_ < 0) return info.Env().Null();
   return Napi::Number::New(info.Env(), segment_);
 }
+Napi::Value RegionWrap::MemoryType(const Napi::CallbackInfo& info) {
+  return Napi::String::New(info.Env(), MemKindName(kind_));
+}
+Napi::Value RegionWrap::Device(const Napi::CallbackInfo& info) {
+  if (device_ < 0) return info.Env().Null();
+  return Napi::Number::New(info.Env(), device_);
+}
 Napi::Value RegionWrap::IsClosed(const Napi::CallbackInfo& info) {
   return Napi::Boolean::New(info.Env(), state_ != HandleState::kOpen);
 }
@@ -140,6 +149,11 @@ Napi::Value RegionWrap::View(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   if (state_ != HandleState::kOpen)
     throw MakeError(env, "ERR_CLOSED", "view: the region is closed");
+  if (kind_ == MemKind::kCuda) {
+    throw MakeError(env, "ERR_MEMORY_TYPE",
+                    "view: the region is CUDA device memory, which the CPU cannot read; copy it to "
+                    "host memory first");
+  }
   if (!owner_.IsEmpty()) return owner_.Value();
   Napi::ArrayBuffer ab;
   if (mapping_) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "handle.h"
+#include "memory_type.h"
 
 namespace kvxfer {
 
@@ -67,12 +68,24 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
                 std::string path);
   // An attached SysV segment (Agent.attachSegment): detached with the last holder.
   void InitSegment(void* addr, size_t length, ucp_mem_h memh, int shmid);
+  // Memory at an address the caller owns (Agent.registerAddress): CUDA device memory, CUDA
+  // host-pinned memory, or host memory mapped by someone else. Only unregistered at close.
+  void InitAddress(uint8_t* base, size_t length, ucp_mem_h memh, MemKind kind, int device) {
+    base_ = base;
+    length_ = length;
+    memh_ = memh;
+    kind_ = kind;
+    device_ = device;
+  }
+  MemKind kind() const { return kind_; }
 
  private:
   Napi::Value Address(const Napi::CallbackInfo& info);
   Napi::Value Length(const Napi::CallbackInfo& info);
   Napi::Value Path(const Napi::CallbackInfo& info);
   Napi::Value Segment(const Napi::CallbackInfo& info);
+  Napi::Value MemoryType(const Napi::CallbackInfo& info);
+  Napi::Value Device(const Napi::CallbackInfo& info);
   Napi::Value RemoteKey(const Napi::CallbackInfo& info);
   Napi::Value View(const Napi::CallbackInfo& info);
   Napi::Value Close(const Napi::CallbackInfo& info);
@@ -91,6 +104,8 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
   // The SysV shared-memory id of the region's memory (allocated by UCX from its sysv memory
   // domain, or attached), or -1.
   int segment_ = -1;
+  MemKind kind_ = MemKind::kHost;
+  int device_ = -1;  // the CUDA device of a cuda or cuda-host region, or -1
   std::vector<Napi::Reference<Napi::ArrayBuffer>> views_;
 };
 

@@ -23,6 +23,8 @@ export { KvxferError, hasCode } from "../errors.js";
 interface NativeRegion {
   readonly address: bigint;
   readonly length: number;
+  readonly memoryType: MemoryType;
+  readonly device: number | null;
   readonly path: string | null;
   readonly segment: number | null;
   readonly closed: boolean;
@@ -53,7 +55,15 @@ interface NativeAgent {
   readonly address: Buffer;
   readonly name: string;
   readonly inflight: number;
+  readonly transports: string[];
+  readonly memoryTypes: string[];
   registerMemory(memory: ArrayBufferLike | ArrayBufferView): NativeRegion;
+  registerAddress(
+    address: bigint,
+    length: number,
+    memoryType: string,
+    device: number | undefined,
+  ): NativeRegion;
   mapFile(
     path: string,
     offset: number,
@@ -90,11 +100,11 @@ interface NativeAddon {
       busyPoll: boolean;
       spinUs: number;
       maxNotificationBytes: number;
-      protoEnable: string;
     },
     onEvents: (batch: NativeEvent[]) => void,
   ) => NativeAgent;
   ucxVersion: string;
+  ucxInfo(): UcxInfo;
 }
 
 function findPackageRoot(start: string): string {
@@ -134,6 +144,40 @@ const addon = loadAddon();
 /** The UCX library version the addon runs on. */
 export const ucxVersion: string = addon.ucxVersion;
 
+/**
+ * What a region's memory is. `host`: ordinary memory; `cuda`: CUDA device memory (registered as
+ * UCX's CUDA memory type; moved by cuda_ipc on one host, GPUDirect RDMA across hosts);
+ * `cuda-host`: CUDA host-pinned memory (host memory to UCX, reachable by every host transport).
+ */
+export type MemoryType = "host" | "cuda" | "cuda-host";
+
+/** The UCX this process runs on, as a default context sees it (UCX_* variables apply). */
+export interface UcxInfo {
+  /** UCX's library version, e.g. "1.22.0". */
+  version: string;
+  /** Every transport resource the context opened, as "transport/device" ("cma/memory", "tcp/eth0"). */
+  transports: string[];
+  /** The memory types it serves ("host", and "cuda" where its CUDA transports loaded). */
+  memoryTypes: string[];
+}
+
+let ucxInfoCache: UcxInfo | undefined;
+
+/**
+ * The UCX version, transports and memory types of this process (a context is opened and closed
+ * to read them, once; later calls return the same object).
+ */
+export function ucxInfo(): UcxInfo {
+  ucxInfoCache ??= call(() => addon.ucxInfo());
+  return ucxInfoCache;
+}
+
+/** One line for logs and tables: "UCX 1.22.0 (self, tcp, sysv, posix, cma; host)". */
+export function describeUcx(info: UcxInfo = ucxInfo()): string {
+  const tls = [...new Set(info.transports.map((t) => t.split("/")[0]))];
+  return `UCX ${info.version} (${tls.join(", ")}; memory: ${info.memoryTypes.join(", ")})`;
+}
+
 // --- public types ------------------------------------------------------------
 
 /** `none`: no error handling (keeps shared-memory transports); `peer`: UCX reports peer failure. */
@@ -164,16 +208,6 @@ export interface AgentOptions {
   spinUs?: number;
   /** Largest notification accepted or sent. Default 4 MiB. */
   maxNotificationBytes?: number;
-  /**
-   * UCX protocol generation for this agent. Default "v2", unless the operator
-   * set UCX_PROTO_ENABLE. Without UCX's registration cache (see above), only
-   * the v2 protocols use the memory handle passed with each operation: with
-   * v1, WRITEs from registered host memory took from milliseconds to seconds
-   * (UCX 1.13, measured here). For memory from `allocate()` it is the other
-   * way round: v1 moves it by plain copies on one host, about 3x faster at
-   * 256 KiB than v2.
-   */
-  protocols?: "v1" | "v2";
 }
 
 /** One region pair of a writeParts() operation. */
@@ -284,6 +318,14 @@ export class Region {
   get address(): bigint {
     return this.native.address;
   }
+  /** What the memory is: host, CUDA device or CUDA host-pinned. */
+  get memoryType(): MemoryType {
+    return this.native.memoryType;
+  }
+  /** The CUDA device of a `cuda` or `cuda-host` region, or null. */
+  get device(): number | null {
+    return this.native.device;
+  }
   /** The shared-memory file this region maps, or null for a registered Buffer. */
   get path(): string | null {
     return this.native.path;
@@ -303,7 +345,10 @@ export class Region {
   remoteKey(): Buffer {
     return call(() => this.native.remoteKey());
   }
-  /** The region's bytes (for a mapped file: detached when the region closes). */
+  /**
+   * The region's bytes (for a mapped file: detached when the region closes). CUDA device memory
+   * has none the CPU can read: ERR_MEMORY_TYPE.
+   */
   bytes(): Uint8Array {
     const v = call(() => this.native.view());
     return v instanceof ArrayBuffer ? new Uint8Array(v) : (v as Uint8Array);
@@ -405,14 +450,6 @@ export class Agent extends EventEmitter<AgentEvents> {
             busyPoll: options.busyPoll ?? false,
             spinUs: options.spinUs ?? 0,
             maxNotificationBytes,
-            protoEnable:
-              options.protocols !== undefined
-                ? options.protocols === "v2"
-                  ? "y"
-                  : "n"
-                : process.env.UCX_PROTO_ENABLE !== undefined
-                  ? ""
-                  : "y",
           },
           (batch) => this.onNativeEvents(batch),
         ),
@@ -429,6 +466,48 @@ export class Agent extends EventEmitter<AgentEvents> {
   }
   get closed(): boolean {
     return this.closedFlag;
+  }
+  /** The transport resources this agent's UCX context opened, as "transport/device". */
+  get transports(): string[] {
+    return call(() => this.native.transports);
+  }
+  /** The memory types this agent's UCX context serves ("host", "cuda", ...). */
+  get memoryTypes(): string[] {
+    return call(() => this.native.memoryTypes);
+  }
+
+  /**
+   * Registers memory this process reaches at `address` but JavaScript does not own: CUDA device
+   * memory (`memoryType: "cuda"`, e.g. a tensor's data pointer or one opened from a CUDA IPC
+   * handle), CUDA host-pinned memory (`"cuda-host"`), or host memory mapped elsewhere. The
+   * caller keeps the memory alive until the region is closed. A type this UCX cannot serve is
+   * refused with ERR_MEMORY_TYPE_UNSUPPORTED, naming the type, the transports found and what is
+   * missing; `cuda` and `cuda-host` need `device`, the CUDA device index.
+   */
+  registerAddress(
+    address: bigint,
+    length: number,
+    options: { memoryType: MemoryType; device?: number },
+  ): Region {
+    check(
+      typeof address === "bigint",
+      "ERR_INVALID_ARGUMENT",
+      "registerAddress: address must be a bigint",
+    );
+    check(
+      typeof length === "number",
+      "ERR_INVALID_ARGUMENT",
+      "registerAddress: length must be a number",
+    );
+    check(
+      typeof options?.memoryType === "string",
+      "ERR_INVALID_ARGUMENT",
+      "registerAddress: options.memoryType must be 'host', 'cuda' or 'cuda-host'",
+    );
+    return new Region(
+      this,
+      call(() => this.native.registerAddress(address, length, options.memoryType, options.device)),
+    );
   }
 
   /** Registers a Buffer, TypedArray or ArrayBuffer; it stays referenced until the region closes. */

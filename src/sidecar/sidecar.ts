@@ -575,7 +575,7 @@ export class Sidecar implements SidecarView {
             `rank ${rk.rank}: its regions were allocated for tp_size ${own.tpSize}, the layout has ${layout.tpSize}`,
           );
         }
-        const agent = usesOwn ? own.agent : this.newAgent(rk.rank, ranks.length, false);
+        const agent = usesOwn ? own.agent : this.newAgent(rk.rank, ranks.length);
         if (usesOwn) owned.push(rk.rank);
         else created.push(agent);
         agents.push(agent);
@@ -614,19 +614,13 @@ export class Sidecar implements SidecarView {
     });
   }
 
-  /** A new agent for `rank` of `ranks`; for memory this sidecar allocates, UCX's v1 protocols. */
-  private newAgent(rank: number, ranks: number, allocated: boolean): Agent {
+  /** A new agent for `rank` of `ranks`. */
+  private newAgent(rank: number, ranks: number): Agent {
     const netDevices = this.opts.netDevices[rank] ?? this.opts.netDevices[0];
     return new Agent({
       name: agentName(this.engineId, this.epoch, rank),
       ...(this.opts.transports !== "" ? { transports: this.opts.transports } : {}),
       ...(netDevices !== undefined ? { netDevices } : {}),
-      // UCX 1.13 moves memory it allocated itself by plain copies with its v1 protocols, and
-      // registered memory well only with v2 (AgentOptions.protocols); an operator's
-      // UCX_PROTO_ENABLE still wins.
-      ...(allocated && process.env.UCX_PROTO_ENABLE === undefined
-        ? { protocols: "v1" as const }
-        : {}),
       maxNotificationBytes: MAX_PEER_MESSAGE_BYTES,
       busyPoll: this.opts.busyPoll,
       spinUs: spinFor(this.opts.spinUs, ranks),
@@ -737,7 +731,7 @@ export class Sidecar implements SidecarView {
         msg.tpSize,
         lengths,
         conn?.id ?? "",
-        () => this.newAgent(msg.rank, msg.tpSize, true),
+        () => this.newAgent(msg.rank, msg.tpSize),
         this.opts.prefault,
       );
       const segments = a.regions.map((r) => r.segment!);
