@@ -68,6 +68,7 @@ const benchView: SidecarView = {
     layoutSummary: "",
     startedMs: Date.now(),
     draining: false,
+    ucx: { version: "1.22.0", transports: ["cma/memory", "tcp/lo"], memoryTypes: ["host"] },
     peers: [],
     transfersByState: {},
     bytesMoved: 0,

@@ -101,6 +101,10 @@ export const ERROR_CODES = {
   ERR_LISTEN:
     "the sidecar cannot listen on --listen, --grpc or --metrics (port taken, not allowed, not this machine's address)",
   ERR_MALFORMED: "a frame or message that does not parse, or lacks a part it needs",
+  ERR_MEMORY_TYPE:
+    "an operation the region's memory type does not allow (a CPU view of CUDA memory)",
+  ERR_MEMORY_TYPE_UNSUPPORTED:
+    "a memory type the running UCX cannot serve (cuda without UCX's cuda transports or a driver)",
   ERR_NATIVE_MISSING: "the native addon is not built, or the package root is not found",
   ERR_NOTIFICATION_TOO_LARGE: "a notification above the agent's maxNotificationBytes",
   ERR_NOT_FOUND: "the transfer's terminal event has been dropped from the event log",

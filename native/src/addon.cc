@@ -24,14 +24,22 @@ namespace kvxfer {
 
 namespace {
 
-// ucxInfo(): the UCX this process runs on, as a default context opened now sees it (UCX_TLS and
-// the other UCX_* variables of the environment apply): { version, transports: ["tl/dev", ...],
-// memoryTypes: ["host", ...] }.
+// ucxInfo(transports?): the UCX this process runs on, as a context opened now sees it (the
+// UCX_* variables of the environment apply; `transports`, as UCX_TLS, overrides theirs):
+// { version, transports: ["tl/dev", ...], memoryTypes: ["host", ...] }.
 Napi::Value UcxInfo(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   ucp_config_t* config = nullptr;
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
   if (status != UCS_OK) throw UcsError(env, "ucxInfo: ucp_config_read failed", status);
+  if (info.Length() >= 1 && info[0].IsString() && !info[0].As<Napi::String>().Utf8Value().empty()) {
+    const std::string tls = info[0].As<Napi::String>().Utf8Value();
+    status = ucp_config_modify(config, "TLS", tls.c_str());
+    if (status != UCS_OK) {
+      ucp_config_release(config);
+      throw UcsError(env, "ucxInfo: invalid transport list '" + tls + "'", status);
+    }
+  }
   ucp_params_t params;
   std::memset(&params, 0, sizeof(params));
   params.field_mask = UCP_PARAM_FIELD_FEATURES;

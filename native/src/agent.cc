@@ -38,6 +38,8 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceMethod<&AgentWrap::AttachSegment>("attachSegment"),
                          InstanceMethod<&AgentWrap::Connect>("connect"),
                          InstanceMethod<&AgentWrap::Transfer>("transfer"),
+                         InstanceMethod<&AgentWrap::TransferMany>("transferMany"),
+                         InstanceMethod<&AgentWrap::Progress>("progress"),
                          InstanceMethod<&AgentWrap::WriteParts>("writeParts"),
                          InstanceMethod<&AgentWrap::Notify>("notify"),
                          InstanceMethod<&AgentWrap::Close>("close"),
@@ -63,6 +65,7 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   opts.transports = str("transports");
   opts.net_devices = str("netDevices");
   opts.busy_poll = o.Get("busyPoll").ToBoolean().Value();
+  opts.caller_progress = str("progress") == "caller";
   Napi::Value spin = o.Get("spinUs");
   if (spin.IsNumber() && spin.As<Napi::Number>().Int64Value() > 0) {
     opts.spin_after_activity = std::chrono::microseconds(spin.As<Napi::Number>().Int64Value());
@@ -842,33 +845,94 @@ void AgentWrap::SetNotification(Napi::Env env, const char* what, const Napi::Val
   op->has_notification = true;
 }
 
+// One write or read from its arguments (kind: 0 write | 1 read, endpoint, local, remote,
+// descriptors, notification?), checked completely; `what` leads its errors.
+AgentWrap::Built AgentWrap::BuildTransfer(Napi::Env env, const std::string& what,
+                                          const Napi::Value* args, size_t n) {
+  if (n < 5 || !args[0].IsNumber()) {
+    throw MakeError(env, "ERR_INVALID_ARGUMENT",
+                    what + "(kind, endpoint, local, remote, descriptors, notification?)");
+  }
+  int kind = args[0].As<Napi::Number>().Int32Value();
+  if (kind != 0 && kind != 1)
+    throw MakeError(env, "ERR_INVALID_ARGUMENT", what + ": kind must be 0 (write) or 1 (read)");
+  Built b;
+  b.ep = OpenEndpoint(env, args[1], what.c_str());
+  b.op = std::make_unique<TransferOp>();
+  AddSegment(env, what.c_str(), what == "transfer" ? "" : what + ": ", b.ep, args[2], args[3],
+             args[4], b.op.get(), &b.locals, &b.remotes);
+  if (n >= 6 && !args[5].IsUndefined() && !args[5].IsNull()) {
+    if (kind != 0)
+      throw MakeError(env, "ERR_INVALID_ARGUMENT", what + ": only a write carries a notification");
+    SetNotification(env, what.c_str(), args[5], b.op.get());
+  }
+  if (b.ep->core_->failed.load()) {
+    throw UcsError(env, what + ": the endpoint has failed", b.ep->core_->fail_status);
+  }
+  b.op->kind = kind == 0 ? OpKind::kWrite : OpKind::kRead;
+  b.op->ep = b.ep->core_;
+  return b;
+}
+
 // transfer(kind: 0 write | 1 read, endpoint, localRegion, remoteRegion, descriptors, notification?)
 Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   CheckOpen(env, "transfer");
-  if (info.Length() < 5 || !info[0].IsNumber()) {
+  Napi::Value args[6];
+  const size_t n = std::min<size_t>(info.Length(), 6);
+  for (size_t i = 0; i < n; ++i) args[i] = info[i];
+  Built b = BuildTransfer(env, "transfer", args, n);
+  Napi::Value promise = Track(env, b.op.get(), b.ep, std::move(b.locals), std::move(b.remotes));
+  engine_->Submit(std::move(b.op));
+  return promise;
+}
+
+// transferMany([[kind, endpoint, local, remote, descriptors, notification?], ...]): every entry
+// checked first (a bad one refuses them all, naming it, before anything is posted), then all
+// handed to the progress thread in one command and one wake-up. Returns one promise per entry.
+Napi::Value AgentWrap::TransferMany(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "transferMany");
+  if (info.Length() < 1 || !info[0].IsArray()) {
     throw MakeError(env, "ERR_INVALID_ARGUMENT",
-                    "transfer(kind, endpoint, local, remote, descriptors, notification?)");
+                    "transferMany([[kind, endpoint, local, remote, descriptors, notification?], "
+                    "...])");
   }
-  int kind = info[0].As<Napi::Number>().Int32Value();
-  if (kind != 0 && kind != 1)
-    throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: kind must be 0 (write) or 1 (read)");
-  EndpointWrap* ep = OpenEndpoint(env, info[1], "transfer");
-  auto op = std::make_unique<TransferOp>();
-  std::vector<RegionWrap*> locals;
-  std::vector<RemoteWrap*> remotes;
-  AddSegment(env, "transfer", "", ep, info[2], info[3], info[4], op.get(), &locals, &remotes);
-  if (info.Length() >= 6 && !info[5].IsUndefined() && !info[5].IsNull()) {
-    if (kind != 0)
-      throw MakeError(env, "ERR_INVALID_ARGUMENT", "transfer: only a write carries a notification");
-    SetNotification(env, "transfer", info[5], op.get());
+  Napi::Array entries = info[0].As<Napi::Array>();
+  const uint32_t count = entries.Length();
+  std::vector<Built> built;
+  built.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    Napi::Value e = entries.Get(i);
+    const std::string what = "transferMany entry " + std::to_string(i);
+    if (!e.IsArray()) throw MakeError(env, "ERR_INVALID_ARGUMENT", what + " is not an array");
+    Napi::Array a = e.As<Napi::Array>();
+    Napi::Value args[6];
+    const size_t n = std::min<uint32_t>(a.Length(), 6);
+    for (uint32_t k = 0; k < n; ++k) args[k] = a.Get(k);
+    built.push_back(BuildTransfer(env, what, args, n));
   }
-  if (ep->core_->failed.load()) {
-    throw UcsError(env, "transfer: the endpoint has failed", ep->core_->fail_status);
+  Napi::Array promises = Napi::Array::New(env, count);
+  std::vector<std::unique_ptr<TransferOp>> ops;
+  ops.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    Built& b = built[i];
+    promises.Set(i, Track(env, b.op.get(), b.ep, std::move(b.locals), std::move(b.remotes)));
+    ops.push_back(std::move(b.op));
   }
-  op->kind = kind == 0 ? OpKind::kWrite : OpKind::kRead;
-  op->ep = ep->core_;
-  return Submit(env, std::move(op), ep, std::move(locals), std::move(remotes));
+  if (!ops.empty()) engine_->SubmitMany(std::move(ops));
+  return promises;
+}
+
+// progress(): in caller-progress mode, posts what is queued, progresses the worker until idle and
+// delivers what completed (promises settled, notifications to onEvents), all on this thread.
+// Returns the number of operations settled. In the default mode it only delivers what the
+// progress thread has queued.
+Napi::Value AgentWrap::Progress(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (state_ != HandleState::kOpen || !engine_) return Napi::Number::New(env, 0);
+  if (engine_->caller_progress()) engine_->Progress();
+  return Napi::Number::New(env, static_cast<double>(Deliver(env)));
 }
 
 // writeParts(endpoint, [[localRegion, remoteRegion, descriptors], ...], notification?): every
@@ -905,7 +969,9 @@ Napi::Value AgentWrap::WriteParts(const Napi::CallbackInfo& info) {
   }
   op->kind = OpKind::kWrite;
   op->ep = ep->core_;
-  return Submit(env, std::move(op), ep, std::move(locals), std::move(remotes));
+  Napi::Value promise = Track(env, op.get(), ep, std::move(locals), std::move(remotes));
+  engine_->Submit(std::move(op));
+  return promise;
 }
 
 // notify(endpoint, bytes)
@@ -920,11 +986,13 @@ Napi::Value AgentWrap::Notify(const Napi::CallbackInfo& info) {
     throw UcsError(env, "notify: the endpoint has failed", ep->core_->fail_status);
   op->kind = OpKind::kNotify;
   op->ep = ep->core_;
-  return Submit(env, std::move(op), ep, {}, {});
+  Napi::Value promise = Track(env, op.get(), ep, {}, {});
+  engine_->Submit(std::move(op));
+  return promise;
 }
 
-Napi::Value AgentWrap::Submit(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,
-                              std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes) {
+Napi::Value AgentWrap::Track(Napi::Env env, TransferOp* op, EndpointWrap* ep,
+                             std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes) {
   uint64_t id = next_op_id_++;
   op->id = id;
   auto pending = std::make_unique<Pending>(env);
@@ -946,7 +1014,6 @@ Napi::Value AgentWrap::Submit(Napi::Env env, std::unique_ptr<TransferOp> op, End
   Napi::Promise promise = pending->deferred.Promise();
   pending_[id] = std::move(pending);
   UpdateRef(env);
-  engine_->Submit(std::move(op));
   return promise;
 }
 
@@ -1006,11 +1073,13 @@ void AgentWrap::Settle(Napi::Env env, const Event& ev, uint64_t delivered_us) {
   }
 }
 
-void AgentWrap::Deliver(Napi::Env env) {
-  if (!engine_) return;
-  std::vector<Event> events;
+size_t AgentWrap::Deliver(Napi::Env env) {
+  if (!engine_) return 0;
+  std::vector<Event>& events = delivering_;
+  events.clear();
   engine_->TakeEvents(&events);
-  if (events.empty()) return;
+  if (events.empty()) return 0;
+  size_t settled = 0;
   const uint64_t delivered_us = MonoUs();
   Napi::HandleScope scope(env);
   Napi::Array batch = Napi::Array::New(env);
@@ -1019,6 +1088,7 @@ void AgentWrap::Deliver(Napi::Env env) {
     switch (ev.kind) {
       case Event::Kind::kCompletion:
         Settle(env, ev, delivered_us);
+        ++settled;
         break;
       case Event::Kind::kNotification: {
         Napi::Object o = Napi::Object::New(env);
@@ -1053,6 +1123,7 @@ void AgentWrap::Deliver(Napi::Env env) {
   if (n > 0 && !on_event_.IsEmpty() && state_ == HandleState::kOpen) {
     on_event_.Call({batch});
   }
+  return settled;
 }
 
 void AgentWrap::CloseAll(Napi::Env env, bool deliver) {

@@ -71,7 +71,16 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   Napi::Value Transports(const Napi::CallbackInfo& info);
   Napi::Value MemoryTypes(const Napi::CallbackInfo& info);
   Napi::Value Connect(const Napi::CallbackInfo& info);
+  struct Built {
+    std::unique_ptr<TransferOp> op;
+    EndpointWrap* ep = nullptr;
+    std::vector<RegionWrap*> locals;
+    std::vector<RemoteWrap*> remotes;
+  };
+  Built BuildTransfer(Napi::Env env, const std::string& what, const Napi::Value* args, size_t n);
   Napi::Value Transfer(const Napi::CallbackInfo& info);
+  Napi::Value TransferMany(const Napi::CallbackInfo& info);
+  Napi::Value Progress(const Napi::CallbackInfo& info);
   Napi::Value WriteParts(const Napi::CallbackInfo& info);
   // One region pair of a transfer: checks its handles and descriptors, appends them to `op`.
   // `where` leads descriptor errors ("writeParts part 2: "; empty for transfer()).
@@ -87,9 +96,11 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   Napi::Value BeginClose(const Napi::CallbackInfo& info);
 
   void CheckOpen(Napi::Env env, const char* what);
-  Napi::Value Submit(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,
-                     std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes);
-  void Deliver(Napi::Env env);
+  // Gives `op` its id and a pending promise holding its handles; the caller then submits it.
+  Napi::Value Track(Napi::Env env, TransferOp* op, EndpointWrap* ep,
+                    std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes);
+  // Settles and delivers what the engine has queued; returns the operations settled.
+  size_t Deliver(Napi::Env env);
   void Settle(Napi::Env env, const Event& ev, uint64_t delivered_us);
   void UpdateRef(Napi::Env env);
 
@@ -100,6 +111,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   std::shared_ptr<AgentLink> link_;
   Napi::FunctionReference on_event_;
   std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending_;
+  std::vector<Event> delivering_;  // Deliver()'s batch, kept to reuse its storage
   std::unordered_set<Child*> children_;
   std::unordered_map<uint64_t, EndpointWrap*> endpoints_;
   uint64_t next_op_id_ = 1;

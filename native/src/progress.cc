@@ -196,9 +196,15 @@ void ProgressEngine::DestroyWorker() {
 }
 
 void ProgressEngine::Start(std::function<void()> events_ready) {
+  if (opts_.caller_progress) return;  // the caller progresses: no thread, no wake-ups
   events_ready_ = std::move(events_ready);
   started_ = true;
   thread_ = std::thread([this] { Loop(); });
+}
+
+bool ProgressEngine::Progress() {
+  if (stopped_.load() || worker_ == nullptr) return false;
+  return Turn();
 }
 
 void ProgressEngine::Wake() {
@@ -208,6 +214,11 @@ void ProgressEngine::Wake() {
 }
 
 void ProgressEngine::RunAsync(std::function<void()> fn) {
+  if (opts_.caller_progress) {
+    // The caller's thread is the only one touching the worker.
+    fn();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(cmd_mu_);
     commands_.push_back(std::move(fn));
@@ -245,24 +256,45 @@ ucs_status_t ProgressEngine::RunSync(std::function<ucs_status_t()> fn) {
   return state->status;
 }
 
+void ProgressEngine::Accept(std::unique_ptr<TransferOp> owned) {
+  owned->trace.started = MonoUs();
+  uint64_t id = owned->id;
+  TransferOp* p = owned.get();
+  ops_[id] = std::move(owned);
+  if (stopping_) {
+    Complete(p, UCS_ERR_CANCELED);
+  } else if (p->ep->failed.load()) {
+    Complete(p, p->ep->fail_status);
+  } else if (p->kind == OpKind::kNotify) {
+    StartNotify(p);
+  } else if (opts_.caller_progress && posting_.empty()) {
+    // Posted inside the caller's own call: no queue, no hand-off.
+    if (PostSome(p)) posting_.push_back(p);
+  } else {
+    posting_.push_back(p);
+  }
+}
+
 void ProgressEngine::Submit(std::unique_ptr<TransferOp> op) {
   op->trace.submitted = MonoUs();
+  if (opts_.caller_progress) {
+    Accept(std::move(op));
+    return;
+  }
   TransferOp* raw = op.release();
-  RunAsync([this, raw] {
-    std::unique_ptr<TransferOp> owned(raw);
-    owned->trace.started = MonoUs();
-    uint64_t id = owned->id;
-    TransferOp* p = owned.get();
-    ops_[id] = std::move(owned);
-    if (stopping_) {
-      Complete(p, UCS_ERR_CANCELED);
-    } else if (p->ep->failed.load()) {
-      Complete(p, p->ep->fail_status);
-    } else if (p->kind == OpKind::kNotify) {
-      StartNotify(p);
-    } else {
-      posting_.push_back(p);
-    }
+  RunAsync([this, raw] { Accept(std::unique_ptr<TransferOp>(raw)); });
+}
+
+void ProgressEngine::SubmitMany(std::vector<std::unique_ptr<TransferOp>> ops) {
+  const uint64_t now = MonoUs();
+  for (auto& op : ops) op->trace.submitted = now;
+  if (opts_.caller_progress) {
+    for (auto& op : ops) Accept(std::move(op));
+    return;
+  }
+  auto batch = std::make_shared<std::vector<std::unique_ptr<TransferOp>>>(std::move(ops));
+  RunAsync([this, batch] {
+    for (auto& op : *batch) Accept(std::move(op));
   });
 }
 
@@ -417,6 +449,26 @@ void ProgressEngine::RequestShutdown() {
 void ProgressEngine::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
+  if (opts_.caller_progress && worker_ != nullptr) {
+    // No thread to stop: the same shutdown, driven here until it is done or its deadline passes.
+    stopping_ = true;
+    deadline_ = std::chrono::steady_clock::now() + kShutdownDeadline;
+    for (TransferOp* op : posting_) {
+      op->status = UCS_ERR_CANCELED;
+      StartFlush(op);
+    }
+    posting_.clear();
+    for (;;) {
+      bool active = Turn();
+      if (ShutdownDone()) {
+        DrainWorker();
+        break;
+      }
+      if (!active) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    stopped_.store(true);
+    return;
+  }
   if (!started_) return;
   RequestShutdown();
   thread_.join();
@@ -460,20 +512,25 @@ bool ProgressEngine::ShutdownDone() {
   return true;
 }
 
+bool ProgressEngine::Turn() {
+  bool active = DrainCommands();
+  size_t n = posting_.size();
+  active = active || n > 0;
+  for (size_t i = 0; i < n; ++i) {
+    TransferOp* op = posting_.front();
+    posting_.pop_front();
+    if (PostSome(op)) posting_.push_back(op);
+  }
+  // Progress until idle, bounded so that commands are not starved.
+  for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) active = true;
+  return active;
+}
+
 void ProgressEngine::Loop() {
   epoll_event evs[2];
   auto last_activity = std::chrono::steady_clock::now();
   for (;;) {
-    bool active = DrainCommands();
-    size_t n = posting_.size();
-    active = active || n > 0;
-    for (size_t i = 0; i < n; ++i) {
-      TransferOp* op = posting_.front();
-      posting_.pop_front();
-      if (PostSome(op)) posting_.push_back(op);
-    }
-    // Progress until idle, bounded so that commands are not starved.
-    for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) active = true;
+    bool active = Turn();
     if (ShutdownDone()) {
       DrainWorker();
       break;

@@ -112,6 +112,10 @@ struct EngineOptions {
   std::string transports;   // UCX_TLS-style list; empty = UCX default
   std::string net_devices;  // UCX_NET_DEVICES-style list; empty = UCX default
   bool busy_poll = false;
+  // No progress thread: the caller's (JavaScript) thread posts each operation inside the call
+  // that submits it and progresses the worker itself (Progress()), as NIXL's Python loop does.
+  // For latency-critical callers that poll; nothing moves between their Progress() calls.
+  bool caller_progress = false;
   // After any activity, poll this long before sleeping on the event fd.
   std::chrono::microseconds spin_after_activity{0};
   size_t max_notification_bytes = 4 << 20;
@@ -146,6 +150,12 @@ class ProgressEngine {
   void RunAsync(std::function<void()> fn);
 
   void Submit(std::unique_ptr<TransferOp> op);
+  // Several operations handed over together: one command, one wake-up of the progress thread.
+  void SubmitMany(std::vector<std::unique_ptr<TransferOp>> ops);
+  bool caller_progress() const { return opts_.caller_progress; }
+  // Caller-progress mode: posts what is queued and progresses the worker until it is idle
+  // (bounded), on the calling thread. Returns whether anything happened.
+  bool Progress();
   void TakeEvents(std::vector<Event>* out);
 
   // Creates an endpoint (progress thread) from a raw UCX worker address.
@@ -180,6 +190,10 @@ class ProgressEngine {
  private:
   ProgressEngine() = default;
   void Loop();
+  // One turn of the loop: commands, posting, worker progress. Returns whether anything happened.
+  bool Turn();
+  // Takes an operation over on the progress thread (or the caller's, in caller-progress mode).
+  void Accept(std::unique_ptr<TransferOp> owned);
   void Wake();
   bool DrainCommands();           // true when there were any
   bool PostSome(TransferOp* op);  // returns true while descriptors remain

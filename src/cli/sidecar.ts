@@ -716,6 +716,7 @@ export async function runSidecar(argv: string[]): Promise<number> {
       sideChannel: running.sidecar.sideChannelAddress,
       engineSocket: running.link.endpoint,
       grpc: running.api.address,
+      ucx: running.sidecar.ucxStatus(),
       ...(running.metrics !== undefined ? { metrics: running.metrics.address } : {}),
       ...(running.bootstrap !== undefined ? { bootstrap: running.bootstrap.address } : {}),
     }) + "\n",

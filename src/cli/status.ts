@@ -32,6 +32,7 @@ export function formatStatus(s: SidecarStatusReply, health: string, nowMs = Date
       ],
     ),
     `layout: ${s.layoutSummary || "(not registered yet)"}`,
+    `ucx: ${s.ucx.version || "unknown"} (transports: ${s.ucx.transports.join(", ") || "none"}; memory: ${s.ucx.memoryTypes.join(", ") || "none"})`,
     `moved: ${s.transfersMoved} transfers, ${formatBytes(s.bytesMoved)}; lease table: ${s.leaseTableSize}`,
     `events: ${s.lastSeq === 0 ? "none yet" : `seq ${s.firstSeq}..${s.lastSeq} retained`}; ${s.watchers} watcher${s.watchers === 1 ? "" : "s"}`,
     "",

@@ -87,6 +87,17 @@ interface NativeAgent {
     notification?: Uint8Array,
   ): Promise<OpTrace>;
   notify(ep: NativeEndpoint, bytes: Uint8Array): Promise<OpTrace>;
+  transferMany(
+    entries: [
+      0 | 1,
+      NativeEndpoint,
+      NativeRegion,
+      NativeRemoteRegion,
+      Descriptors,
+      (Uint8Array | undefined)?,
+    ][],
+  ): Promise<OpTrace>[];
+  progress(): number;
   close(): void;
   beginClose(): void;
 }
@@ -98,13 +109,14 @@ interface NativeAddon {
       transports: string;
       netDevices: string;
       busyPoll: boolean;
+      progress: "thread" | "caller";
       spinUs: number;
       maxNotificationBytes: number;
     },
     onEvents: (batch: NativeEvent[]) => void,
   ) => NativeAgent;
   ucxVersion: string;
-  ucxInfo(): UcxInfo;
+  ucxInfo(transports?: string): UcxInfo;
 }
 
 function findPackageRoot(start: string): string {
@@ -161,15 +173,20 @@ export interface UcxInfo {
   memoryTypes: string[];
 }
 
-let ucxInfoCache: UcxInfo | undefined;
+const ucxInfoCache = new Map<string, UcxInfo>();
 
 /**
- * The UCX version, transports and memory types of this process (a context is opened and closed
- * to read them, once; later calls return the same object).
+ * The UCX version, transports and memory types of this process; `transports` (as UCX_TLS, e.g.
+ * "tcp,self") narrows them as an agent's option would. A context is opened and closed to read
+ * them, once per transport list; later calls return the same object.
  */
-export function ucxInfo(): UcxInfo {
-  ucxInfoCache ??= call(() => addon.ucxInfo());
-  return ucxInfoCache;
+export function ucxInfo(transports = ""): UcxInfo {
+  let info = ucxInfoCache.get(transports);
+  if (info === undefined) {
+    info = call(() => addon.ucxInfo(transports));
+    ucxInfoCache.set(transports, info);
+  }
+  return info;
 }
 
 /** One line for logs and tables: "UCX 1.22.0 (self, tcp, sysv, posix, cma; host)". */
@@ -201,6 +218,15 @@ export interface AgentOptions {
   /** Spin on the worker instead of sleeping on its event fd. */
   busyPoll?: boolean;
   /**
+   * Who progresses the UCX worker. `thread` (default): the agent's own progress thread, so
+   * transfers move while JavaScript is busy and posting 100 000 descriptors never blocks the
+   * event loop. `caller`: no thread; each write, read or notification is posted inside the call
+   * that makes it, and nothing else happens until the caller calls `agent.progress()`, which
+   * progresses the worker and settles what completed, on the JavaScript thread (as NIXL's Python
+   * loop does). For latency-critical callers that poll: no thread hand-off, no wake-up.
+   */
+  progress?: "thread" | "caller";
+  /**
    * After any activity, keep polling this many microseconds before sleeping
    * (the reply to what was just sent usually comes within it; waking a
    * sleeping thread costs milliseconds on a VM). Default 0.
@@ -208,6 +234,17 @@ export interface AgentOptions {
   spinUs?: number;
   /** Largest notification accepted or sent. Default 4 MiB. */
   maxNotificationBytes?: number;
+}
+
+/** One operation of a transferMany() call. */
+export interface TransferEntry {
+  kind: "write" | "read";
+  endpoint: Endpoint;
+  local: Region;
+  remote: RemoteRegion;
+  descriptors: Descriptors;
+  /** A write's notification, delivered after its data. */
+  notification?: Uint8Array;
 }
 
 /** One region pair of a writeParts() operation. */
@@ -448,6 +485,7 @@ export class Agent extends EventEmitter<AgentEvents> {
             transports: options.transports ?? "",
             netDevices: options.netDevices ?? "",
             busyPoll: options.busyPoll ?? false,
+            progress: options.progress ?? "thread",
             spinUs: options.spinUs ?? 0,
             maxNotificationBytes,
           },
@@ -662,6 +700,53 @@ export class Agent extends EventEmitter<AgentEvents> {
       this.native.transfer(1, ep.native, local.native, remote.native, descriptors),
     );
     return settle(p);
+  }
+
+  /**
+   * Several independent writes and reads in one call: each entry is checked as write()/read()
+   * check theirs (a bad entry refuses them all, naming it, before anything is posted), then all
+   * are handed to the progress thread together, with one wake-up. One promise per entry, in
+   * order; each settles on its own.
+   */
+  transferMany(entries: readonly TransferEntry[]): Promise<OpTrace>[] {
+    this.checkNotClosing("transferMany");
+    check(Array.isArray(entries), "ERR_INVALID_ARGUMENT", "transferMany: entries must be an array");
+    const native = entries.map((e, i) => {
+      const where = `transferMany entry ${i}: `;
+      check(
+        e.kind === "write" || e.kind === "read",
+        "ERR_INVALID_ARGUMENT",
+        `${where}kind must be 'write' or 'read'`,
+      );
+      this.checkTransfer(e.endpoint, e.local, e.remote, e.descriptors, where);
+      if (e.notification !== undefined) {
+        check(
+          isBytes(e.notification),
+          "ERR_INVALID_ARGUMENT",
+          `${where}notification must be a Buffer`,
+        );
+      }
+      return [
+        e.kind === "write" ? 0 : 1,
+        e.endpoint.native,
+        e.local.native,
+        e.remote.native,
+        e.descriptors,
+        e.notification,
+      ] as [0 | 1, NativeEndpoint, NativeRegion, NativeRemoteRegion, Descriptors, Uint8Array?];
+    });
+    return call(() => this.native.transferMany(native)).map((p) => settle(p));
+  }
+
+  /**
+   * With `progress: "caller"`: posts what is queued, progresses the UCX worker until it is idle
+   * and settles what completed (promises resolve, notifications are emitted before this returns),
+   * all on this thread. Returns the number of operations settled. With the default progress
+   * thread it only delivers what that thread has queued (normally nothing: it delivers by itself).
+   */
+  progress(): number {
+    if (this.closedFlag) return 0;
+    return this.native.progress();
   }
 
   /** Sends a notification; it arrives after every write on `ep` that completed before this call. */

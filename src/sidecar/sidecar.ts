@@ -22,7 +22,14 @@ import {
   type SidecarToEngine,
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
-import { Agent, type ErrorMode, type Notification, type Region } from "../native/index.js";
+import {
+  Agent,
+  describeUcx,
+  ucxInfo,
+  type ErrorMode,
+  type Notification,
+  type Region,
+} from "../native/index.js";
 import {
   checkAllocateKv,
   checkEngineMessage,
@@ -317,6 +324,7 @@ export class Sidecar implements SidecarView {
         epoch: String(this.epoch),
         role: this.role,
         mode: this.mode,
+        ucx: describeUcx(ucxInfo(this.opts.transports)),
       },
       "sidecar started",
     );
@@ -942,7 +950,19 @@ export class Sidecar implements SidecarView {
       transfersMoved: this.transfersMoved,
       leaseTableSize: this.prefill.leased(),
       lastErrors: [...this.lastErrors],
+      ucx: this.ucxStatus(),
     };
+  }
+
+  /**
+   * The UCX the agents run on: what the first registered agent's context opened, or before any
+   * registration what a context with this sidecar's transport list opens.
+   */
+  ucxStatus(): { version: string; transports: string[]; memoryTypes: string[] } {
+    const agent = this.kv?.agents[0];
+    const base = ucxInfo(this.opts.transports);
+    if (agent === undefined || agent.closed) return base;
+    return { version: base.version, transports: agent.transports, memoryTypes: agent.memoryTypes };
   }
 
   traced(transferId: string, side: TransferSide | "", hop: string): void {

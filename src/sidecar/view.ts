@@ -93,6 +93,14 @@ export interface SidecarStatus {
   readonly leaseTableSize: number;
   /** The most recent errors, newest last (bounded). */
   readonly lastErrors: readonly string[];
+  /** The UCX the agents run on: version, transport resources ("cma/memory"), memory types. */
+  readonly ucx: UcxStatus;
+}
+
+export interface UcxStatus {
+  readonly version: string;
+  readonly transports: readonly string[];
+  readonly memoryTypes: readonly string[];
 }
 
 export interface TransferFilter {

@@ -29,6 +29,8 @@ export interface SidecarReady {
   grpc?: string;
   metrics?: string;
   bootstrap?: string;
+  /** The UCX the sidecar's agents run on (version, transport resources, memory types). */
+  ucx?: { version: string; transports: string[]; memoryTypes: string[] };
 }
 
 /**

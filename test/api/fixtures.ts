@@ -68,6 +68,7 @@ export class FixtureSidecar implements SidecarView {
       layoutSummary: "32 layers, 8 KV heads x 128, bfloat16, block 16, HND",
       startedMs: this.startedMs,
       draining: this.draining,
+      ucx: { version: "1.22.0", transports: ["cma/memory", "tcp/lo"], memoryTypes: ["host"] },
       peers: this.peers,
       transfersByState: byState,
       bytesMoved: this.bytesMoved,

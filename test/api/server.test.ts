@@ -55,6 +55,11 @@ describe("GetStatus and ListTransfers", () => {
     expect(s.peers[0]).toMatchObject({ engineId: "prefill-0", epoch: 7n, state: "connected" });
     expect(s.uptimeMs).toBeGreaterThanOrEqual(0);
     expect(s.lastErrors).toEqual(["peer prefill-1: connection reset"]);
+    expect(s.ucx).toEqual({
+      version: "1.22.0",
+      transports: ["cma/memory", "tcp/lo"],
+      memoryTypes: ["host"],
+    });
   });
 
   it("lists transfers by state and peer, with timings", async () => {

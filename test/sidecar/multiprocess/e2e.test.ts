@@ -225,6 +225,19 @@ describe("push orderings, forced", () => {
     expect(missing.stderr).toMatch(/no transfer 'no-such-transfer' on this sidecar/);
   });
 
+  it("reports the UCX its agents run on: over gRPC, in `kvxfer status`, and in its ready line", async () => {
+    const s = await dApi.getStatus();
+    expect(s.ucx.version).toMatch(/^1\.(1[89]|[2-9]\d)\.\d+$/);
+    // The registered agents' own transports: shared memory, zero-copy (cma) among them.
+    expect(s.ucx.transports).toEqual(expect.arrayContaining(["cma/memory", "self/memory"]));
+    expect(s.ucx.memoryTypes).toContain("host");
+    const cli = await kvxfer(["status", d.ready.grpc!]);
+    expect(cli.status).toBe(0);
+    expect(cli.stdout).toContain(`ucx: ${s.ucx.version} (transports: `);
+    expect(cli.stdout).toMatch(/^ucx: .*cma\/memory.*; memory: host/m);
+    expect(d.ready.ucx?.version).toBe(s.ucx.version);
+  });
+
   /**
    * Both sidecars' traces of one push, P TP 2 -> D TP 2: each chain of hops in order, and across
    * the two processes (one host, one monotonic clock) every XferDone reaches D after its pair's

@@ -124,7 +124,7 @@ class PeerStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., state: _Optional[_Union[PeerState, str]] = ..., last_seen_ms: _Optional[int] = ..., side_channel: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("engine_id", "epoch", "role", "mode", "tp_size", "layout_summary", "started_ms", "uptime_ms", "draining", "peers", "transfers_by_state", "bytes_moved", "transfers_moved", "lease_table_size", "last_errors", "first_seq", "last_seq", "watchers")
+    __slots__ = ("engine_id", "epoch", "role", "mode", "tp_size", "layout_summary", "started_ms", "uptime_ms", "draining", "peers", "transfers_by_state", "bytes_moved", "transfers_moved", "lease_table_size", "last_errors", "first_seq", "last_seq", "watchers", "ucx_version", "ucx_transports", "ucx_memory_types")
     class TransfersByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,9 @@ class GetStatusResponse(_message.Message):
     FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     WATCHERS_FIELD_NUMBER: _ClassVar[int]
+    UCX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UCX_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    UCX_MEMORY_TYPES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: int
     role: _peer_pb2.Role
@@ -168,7 +171,10 @@ class GetStatusResponse(_message.Message):
     first_seq: int
     last_seq: int
     watchers: int
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[_Union[_peer_pb2.Role, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., tp_size: _Optional[int] = ..., layout_summary: _Optional[str] = ..., started_ms: _Optional[int] = ..., uptime_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., transfers_by_state: _Optional[_Mapping[str, int]] = ..., bytes_moved: _Optional[int] = ..., transfers_moved: _Optional[int] = ..., lease_table_size: _Optional[int] = ..., last_errors: _Optional[_Iterable[str]] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., watchers: _Optional[int] = ...) -> None: ...
+    ucx_version: str
+    ucx_transports: _containers.RepeatedScalarFieldContainer[str]
+    ucx_memory_types: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[_Union[_peer_pb2.Role, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., tp_size: _Optional[int] = ..., layout_summary: _Optional[str] = ..., started_ms: _Optional[int] = ..., uptime_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., transfers_by_state: _Optional[_Mapping[str, int]] = ..., bytes_moved: _Optional[int] = ..., transfers_moved: _Optional[int] = ..., lease_table_size: _Optional[int] = ..., last_errors: _Optional[_Iterable[str]] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., watchers: _Optional[int] = ..., ucx_version: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., ucx_memory_types: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TransferTimings(_message.Message):
     __slots__ = ("registered_ms", "prefill_done_ms", "data_started_ms", "data_done_ms", "ready_ms", "ended_ms")

@@ -1,0 +1,219 @@
+/**
+ * The per-request path (issue 30): many transfers in one call (transferMany, one hand-off to the
+ * progress thread), and the caller-progress mode, where the JavaScript thread posts each
+ * operation inside its own call and progresses the worker itself (agent.progress()).
+ */
+import { afterEach, beforeEach, describe, expect, it } from "vitest";
+
+import { Agent, type OpTrace } from "../../src/native/index.js";
+
+const SIZE = 1 << 20;
+let agents: Agent[] = [];
+
+function agent(opts: ConstructorParameters<typeof Agent>[0] = {}): Agent {
+  const a = new Agent({ transports: "shm,self", ...opts });
+  agents.push(a);
+  return a;
+}
+
+function pattern(n: number, seed: number): Uint8Array {
+  const b = new Uint8Array(n);
+  for (let i = 0; i < n; i++) b[i] = (i * 31 + seed * 17 + (i >> 8)) & 0xff;
+  return b;
+}
+
+/** Calls agent.progress() until `done()` holds; fails after `ms`. Every turn is bounded. */
+async function pump(a: Agent, done: () => boolean, ms = 10_000): Promise<number> {
+  const end = Date.now() + ms;
+  let turns = 0;
+  while (!done()) {
+    if (Date.now() > end) throw new Error(`not done after ${turns} progress() calls in ${ms} ms`);
+    a.progress();
+    turns++;
+    // Let settled promises run their handlers.
+    await Promise.resolve();
+    if (turns % 1000 === 0) await new Promise((r) => setImmediate(r));
+  }
+  return turns;
+}
+
+beforeEach(() => {
+  agents = [];
+});
+afterEach(() => {
+  for (const a of agents) a.close();
+});
+
+describe("transferMany: many operations, one call", () => {
+  it("moves 64 writes and reads of one call byte for byte, each settling on its own", async () => {
+    const a = agent({ name: "many-a" });
+    const b = agent({ name: "many-b" });
+    const srcBuf = pattern(SIZE, 1);
+    const dstBuf = new Uint8Array(SIZE);
+    const backBuf = new Uint8Array(SIZE);
+    const src = a.registerMemory(srcBuf);
+    const back = a.registerMemory(backBuf);
+    const dst = b.registerMemory(dstBuf);
+    const ep = a.connect(b.address);
+    const remote = ep.importRemote(dst.remoteKey());
+    const chunk = SIZE / 64;
+    const writes = Array.from({ length: 64 }, (_, i) => ({
+      kind: "write" as const,
+      endpoint: ep,
+      local: src,
+      remote,
+      // Reversed order: entry i lands in slot 63 - i.
+      descriptors: new Float64Array([i * chunk, (63 - i) * chunk, chunk]),
+    }));
+    const traces: OpTrace[] = await Promise.all(a.transferMany(writes));
+    expect(traces).toHaveLength(64);
+    // One hand-off: every entry reached the progress thread in the same command.
+    expect(new Set(traces.map((t) => t.submittedUs)).size).toBe(1);
+    for (let i = 0; i < 64; i++) {
+      const want = srcBuf.subarray(i * chunk, (i + 1) * chunk);
+      const got = dstBuf.subarray((63 - i) * chunk, (64 - i) * chunk);
+      expect(Buffer.compare(got, want), `slot ${63 - i}`).toBe(0);
+    }
+    const reads = Array.from({ length: 64 }, (_, i) => ({
+      kind: "read" as const,
+      endpoint: ep,
+      local: back,
+      remote,
+      descriptors: new Float64Array([i * chunk, i * chunk, chunk]),
+    }));
+    await Promise.all(a.transferMany(reads));
+    expect(Buffer.compare(backBuf, dstBuf)).toBe(0);
+    expect(await Promise.all(a.transferMany([]))).toEqual([]);
+  });
+
+  it("a bad entry refuses the whole call by name, before anything is posted", () => {
+    const a = agent({ name: "many-bad-a" });
+    const b = agent({ name: "many-bad-b" });
+    const src = a.registerMemory(pattern(8192, 2));
+    const dstBuf = new Uint8Array(8192);
+    const dst = b.registerMemory(dstBuf);
+    const ep = a.connect(b.address);
+    const remote = ep.importRemote(dst.remoteKey());
+    const good = { kind: "write" as const, endpoint: ep, local: src, remote };
+    const entries = [
+      { ...good, descriptors: new Float64Array([0, 0, 4096]) },
+      { ...good, descriptors: new Float64Array([0, 4096, 8192]) }, // past the remote region
+    ];
+    expect(() => a.transferMany(entries)).toThrow(
+      expect.objectContaining({
+        code: "ERR_OUT_OF_BOUNDS",
+        message: expect.stringMatching(/^transferMany entry 1: /),
+      }),
+    );
+    expect(() =>
+      a.transferMany([{ ...good, kind: "copy" as "write", descriptors: new Float64Array(3) }]),
+    ).toThrow(expect.objectContaining({ code: "ERR_INVALID_ARGUMENT" }));
+    expect(() =>
+      a.transferMany([
+        {
+          ...good,
+          kind: "read",
+          descriptors: new Float64Array([0, 0, 16]),
+          notification: Buffer.from("x"),
+        },
+      ]),
+    ).toThrow(expect.objectContaining({ message: expect.stringMatching(/only a write carries/) }));
+    expect(a.inflight).toBe(0);
+    expect(dstBuf.every((x) => x === 0)).toBe(true);
+  });
+});
+
+describe("caller progress: the JavaScript thread drives the worker", () => {
+  it("settles nothing until progress() is called, then moves the bytes exactly", async () => {
+    const a = agent({ name: "caller-a", progress: "caller" });
+    const b = agent({ name: "caller-b" });
+    const srcBuf = pattern(SIZE, 3);
+    const dstBuf = new Uint8Array(SIZE);
+    const src = a.registerMemory(srcBuf);
+    const dst = b.registerMemory(dstBuf);
+    const ep = a.connect(b.address);
+    const remote = ep.importRemote(dst.remoteKey());
+    let settled = false;
+    const p = a.write(ep, src, remote, new Float64Array([0, 0, SIZE])).then((t) => {
+      settled = true;
+      return t;
+    });
+    await new Promise((r) => setTimeout(r, 50));
+    expect(settled).toBe(false);
+    expect(a.inflight).toBe(1);
+    await pump(a, () => settled);
+    const trace = await p;
+    expect(trace.flushedUs).toBeGreaterThanOrEqual(trace.postedUs);
+    expect(Buffer.compare(dstBuf, srcBuf)).toBe(0);
+    // A read back, and many small requests in flight at once.
+    const backBuf = new Uint8Array(SIZE);
+    const back = a.registerMemory(backBuf);
+    let done = 0;
+    for (let i = 0; i < 256; i++) {
+      const off = i * 4096;
+      void a.read(ep, back, remote, new Float64Array([off, off, 4096])).then(() => done++);
+    }
+    await pump(a, () => done === 256);
+    expect(Buffer.compare(backBuf, dstBuf)).toBe(0);
+  });
+
+  it("two polling agents exchange 500 notification round trips, each delivered inside progress()", async () => {
+    const a = agent({ name: "ping", progress: "caller" });
+    const b = agent({ name: "pong", progress: "caller" });
+    const ab = a.connect(b.address);
+    const ba = b.connect(a.address);
+    let got = 0;
+    let last = -1;
+    let inProgress = false;
+    b.on("notifications", (batch) => {
+      for (const n of batch) void b.notify(ba, n.data);
+    });
+    a.on("notifications", (batch) => {
+      // Notifications reach JavaScript only from inside progress().
+      expect(inProgress).toBe(true);
+      for (const n of batch) {
+        const k = n.data.readUInt32LE(0);
+        expect(k).toBe(last + 1);
+        last = k;
+        got++;
+      }
+    });
+    const end = Date.now() + 20_000;
+    for (let i = 0; i < 500; i++) {
+      const msg = Buffer.alloc(32);
+      msg.writeUInt32LE(i, 0);
+      void a.notify(ab, msg);
+      while (got <= i) {
+        if (Date.now() > end) throw new Error(`round trip ${i} not back in time`);
+        inProgress = true;
+        a.progress();
+        inProgress = false;
+        b.progress();
+        await Promise.resolve();
+      }
+    }
+    expect(got).toBe(500);
+  });
+
+  it("close() with operations in flight rejects them ERR_CLOSED and returns within its bound", async () => {
+    const a = new Agent({ name: "caller-close", transports: "shm,self", progress: "caller" });
+    const b = agent({ name: "caller-close-b" });
+    const src = a.registerMemory(pattern(SIZE, 4));
+    const dst = b.registerMemory(new Uint8Array(SIZE));
+    const ep = a.connect(b.address);
+    const remote = ep.importRemote(dst.remoteKey());
+    const ps = Array.from({ length: 8 }, () =>
+      a.write(ep, src, remote, new Float64Array([0, 0, SIZE])).then(
+        () => "done",
+        (e: { code?: string }) => e.code,
+      ),
+    );
+    const t0 = Date.now();
+    a.close();
+    expect(Date.now() - t0).toBeLessThan(11_000);
+    const outcomes = await Promise.all(ps);
+    // Posted inside write() itself: each either completed before the close or was cancelled.
+    for (const o of outcomes) expect(["done", "ERR_CLOSED"]).toContain(o);
+    expect(a.progress()).toBe(0);
+  });
+});
