@@ -13,6 +13,7 @@ import { pathToFileURL } from "node:url";
 
 import { PeerProcess } from "./native/peer-client.js";
 import { writeJsonResult } from "./report.js";
+import { ucxTool } from "./ucx-tools.js";
 
 export type BenchMemory = "ucx" | "host";
 
@@ -65,16 +66,17 @@ async function perftest(
   memory: BenchMemory,
 ): Promise<PerftestResult> {
   const port = nextPort++;
-  const env: NodeJS.ProcessEnv = { ...process.env, UCX_TLS: transports };
+  const tool = ucxTool("ucx_perftest", { ...process.env, UCX_TLS: transports });
+  const env = tool.env;
   if (memory === "host") env.UCX_ALLOC_PRIO = "heap";
   const warmup = String(Math.max(10, Math.floor(iters / 10)));
-  const server = spawn("ucx_perftest", ["-p", String(port)], { env, stdio: "ignore" });
+  const server = spawn(tool.command, ["-p", String(port)], { env, stdio: "ignore" });
   const serverExit = new Promise<void>((resolve) => server.on("exit", () => resolve()));
   try {
     await new Promise((r) => setTimeout(r, 300));
     const out = await new Promise<string>((resolve, reject) => {
       const client = spawn(
-        "ucx_perftest",
+        tool.command,
         [
           "127.0.0.1",
           "-p",

@@ -9,6 +9,8 @@ import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { Resvg } from "@resvg/resvg-js";
 
+import { describeUcx, ucxInfo } from "../src/native/index.js";
+
 export interface Stats {
   p50: number;
   p99: number;
@@ -117,7 +119,12 @@ export function writeChart(name: string, svg: string): string[] {
 }
 
 export function writeJsonResult(suite: string, value: unknown): string {
-  return writeResult(`${suite}.json`, JSON.stringify(value, null, 2) + "\n");
+  // Every result records the UCX it ran on: version, transports, memory types.
+  const withUcx =
+    typeof value === "object" && value !== null && !Array.isArray(value)
+      ? { ...value, ucxInfo: ucxInfo() }
+      : value;
+  return writeResult(`${suite}.json`, JSON.stringify(withUcx, null, 2) + "\n");
 }
 
 /**
@@ -233,6 +240,7 @@ export function machineLine(): string {
   return (
     `${new Date().toISOString().slice(0, 10)}, ${cpu.length} cores (${cpu[0]?.model.trim() ?? "?"}), ` +
     `${Math.round(totalmem() / 2 ** 30)} GiB, ${process.platform} ${process.arch}, node ${process.version}, ` +
+    `${describeUcx()}, ` +
     // Other work on the machine skews every figure: the load when the table was made says how much.
     `load ${loadavg()
       .map((l) => l.toFixed(1))

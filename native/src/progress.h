@@ -182,9 +182,8 @@ class ProgressEngine {
   bool shutdown_requested() const { return shutdown_requested_; }
   // Stops the thread and destroys the worker (which purges its pending requests): call it before
   // the regions' memory is unmapped, since a pending request may still point at a region's
-  // memory handle (UCX 1.13 re-registers it while purging; measured: a segfault in
-  // ucp_mem_rereg_mds when the regions went first). Leaks worker and context when requests are
-  // still outstanding. Idempotent; the destructor calls it.
+  // memory handle (UCX re-registers it while purging; measured on 1.13: a segfault in
+  // ucp_mem_rereg_mds when the regions went first). Idempotent; the destructor calls it.
   void DestroyWorker();
 
  private:
@@ -217,10 +216,6 @@ class ProgressEngine {
   ucp_context_h context_ = nullptr;
   ContextInfo context_info_;
   ucp_worker_h worker_ = nullptr;
-  // The worker was leaked (requests outstanding): its context must outlive it.
-  bool context_leaked_ = false;
-  // The worker's flush did not complete at shutdown (sends pending to a peer that never drains).
-  bool unflushed_ = false;
   int worker_fd_ = -1;
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
@@ -255,8 +250,6 @@ class ProgressEngine {
   std::chrono::steady_clock::time_point deadline_;
   std::unordered_set<ucp_rkey_h> rkeys_;
   std::vector<std::unique_ptr<TransferOp>> abandoned_;
-  // Endpoints given up on and never closed through UCX (the worker cannot be destroyed safely).
-  int abandoned_endpoints_ = 0;
 };
 
 }  // namespace kvxfer

@@ -56,12 +56,23 @@ export interface DemoOptions {
   checkAfterMs?: number;
   headDim?: number;
   mode: TransferMode;
-  dispatch: "sequential" | "concurrent";
+  /**
+   * sequential: P's prefill first, then D's ExpectKv with P's block ids (auto mode: pull);
+   * concurrent: both at once (auto mode: push); alternating: even requests sequential, odd
+   * concurrent (auto mode: pull and push in turn).
+   */
+  dispatch: "sequential" | "concurrent" | "alternating";
   requests: number;
+  /** Stop starting requests after this long (ms); `requests` is then an upper bound. */
+  durationMs?: number;
   promptTokens: number[];
   /** Tokens already cached on D for every request (only the rest moves). */
   prefixTokens: number;
-  transport: "shm" | "tcp";
+  /**
+   * shm: `--transports shm,self`; tcp: `--transports tcp,self` with peer error handling;
+   * default: no `--transports` (UCX's own choice; peer error handling across hosts).
+   */
+  transport: "shm" | "tcp" | "default";
   /** Simulated prefill compute per request. */
   computeMs: number;
   /** Requests in flight at once. */
@@ -169,7 +180,7 @@ export interface DemoSummary {
   mode: TransferMode;
   /** How the transfers actually moved, from D's KV_READY events (auto picks per transfer). */
   byMode: Record<string, number>;
-  dispatch: "sequential" | "concurrent";
+  dispatch: DemoOptions["dispatch"];
   /** Where the engines' KV lived. */
   kvMemory: "file" | "segment";
   elapsedMs: number;
@@ -316,8 +327,12 @@ export async function startNode(
     "--transfer-timeout-ms",
     String(o.requestTimeoutMs),
     ...(o.transport === "tcp"
-      ? ["--transports", "tcp", "--error-mode", "peer"]
-      : ["--transports", "shm,self"]),
+      ? ["--transports", "tcp,self", "--error-mode", "peer"]
+      : o.transport === "default"
+        ? host !== undefined
+          ? ["--error-mode", "peer"]
+          : []
+        : ["--transports", "shm,self"]),
     ...(host?.netDevice !== undefined ? ["--net-devices", host.netDevice] : []),
     // On one host, TCP stays on loopback: UCX would otherwise also offer every other interface.
     ...(o.transport === "tcp" && host === undefined ? ["--net-devices", "lo"] : []),
@@ -512,7 +527,7 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       };
       let prefilledAt = 0;
       try {
-        if (o.dispatch === "sequential") {
+        if (o.dispatch === "sequential" || (o.dispatch === "alternating" && r % 2 === 0)) {
           const { blockIds } = await p.engine.prefill(
             transferId,
             tokens,
@@ -618,8 +633,14 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
 
     await o.onStarted?.(summaries());
     let next = 0;
+    const until = o.durationMs !== undefined ? Date.now() + o.durationMs : Infinity;
+    let requested = o.requests;
     const worker = async (): Promise<void> => {
-      while (next < o.requests && o.signal?.aborted !== true) await one(next++);
+      while (next < requested && o.signal?.aborted !== true) {
+        if (Date.now() >= until)
+          requested = next; // the duration is up: start nothing more
+        else await one(next++);
+      }
     };
     await Promise.all(Array.from({ length: Math.min(o.concurrency, o.requests) }, worker));
     const elapsedMs = Date.now() - t0;
@@ -650,13 +671,13 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
       failures.length === 0 &&
       mismatches === 0 &&
       leakedBlocks === 0 &&
-      latencies.length === o.requests &&
+      latencies.length === requested &&
       o.signal?.aborted !== true &&
       checkedBytes > 0;
     return {
       verified,
       transfers: next,
-      requested: o.requests,
+      requested,
       interrupted: stopped(),
       cut,
       failed: failures.length,
@@ -708,8 +729,8 @@ export async function runDemo(o: DemoOptions): Promise<DemoSummary> {
 
 export const DEMO_USAGE = `usage: kvxfer demo [--prefill N] [--decode N] [--p-tp N] [--d-tp N] [--p-block N] [--d-block N]
   [--layout hnd|nhd] [--p-scheme NAME] [--d-scheme NAME] [--model ${Object.keys(SIM_MODELS).join("|")}] [--layers N] [--kv-heads N] [--head-dim N]
-  [--mode push|pull|auto] [--dispatch sequential|concurrent] [--requests N] [--prompt-tokens N[,N...]]
-  [--prefix-tokens N] [--compute-ms N] [--concurrency N] [--blocks N] [--transport shm|tcp] [--kv-memory segment|file]
+  [--mode push|pull|auto] [--dispatch sequential|concurrent|alternating] [--requests N] [--prompt-tokens N[,N...]]
+  [--prefix-tokens N] [--compute-ms N] [--concurrency N] [--blocks N] [--transport shm|tcp|default] [--kv-memory segment|file]
   [--peer-auth on|off] [--json]`;
 
 function int(name: string, v: string | undefined, min = 1): number | undefined {
@@ -796,7 +817,10 @@ export function parseDemoArgs(argv: string[]): {
   set("kvHeads", int("kv-heads", values["kv-heads"]));
   set("headDim", int("head-dim", values["head-dim"]));
   set("mode", choice("mode", values.mode, ["push", "pull", "auto"] as const));
-  set("dispatch", choice("dispatch", values.dispatch, ["sequential", "concurrent"] as const));
+  set(
+    "dispatch",
+    choice("dispatch", values.dispatch, ["sequential", "concurrent", "alternating"] as const),
+  );
   set("requests", int("requests", values.requests));
   if (values["prompt-tokens"] !== undefined) {
     o.promptTokens = values["prompt-tokens"].split(",").map((x) => int("prompt-tokens", x)!);
@@ -805,7 +829,7 @@ export function parseDemoArgs(argv: string[]): {
   set("computeMs", int("compute-ms", values["compute-ms"], 0));
   set("concurrency", int("concurrency", values.concurrency));
   set("blocks", int("blocks", values.blocks));
-  set("transport", choice("transport", values.transport, ["shm", "tcp"] as const));
+  set("transport", choice("transport", values.transport, ["shm", "tcp", "default"] as const));
   set("kvMemory", choice("kv-memory", values["kv-memory"], ["segment", "file"] as const));
   if (o.transport === "tcp" && o.kvMemory === "segment") {
     if (values["kv-memory"] !== undefined) throw new Error(TCP_NO_SEGMENTS);
