@@ -46,7 +46,9 @@ export interface Variant {
   label: string;
   system: PeerSystem;
   busyPoll?: boolean;
-  /** kvxfer: another build of the addon (KVXFER_ADDON), e.g. against the libucx-cu12 wheel's UCX. */
+  /** kvxfer: who progresses the worker ("caller": the JavaScript thread polls, as NIXL's does). */
+  progress?: "thread" | "caller";
+  /** kvxfer: another build of the addon (KVXFER_ADDON). */
   addon?: string;
   /** NIXL's UCX error-handling mode; default "none" (as kvxfer); "peer" is NIXL's own default. */
   errorMode?: "none" | "peer";
@@ -253,7 +255,12 @@ function placement(
   const prefix = ns !== undefined ? ns.prefix(i) : [];
   const name = `${v.label}-${i === 0 ? "initiator" : "target"}`;
   if (v.system === "kvxfer") {
-    const init: Record<string, unknown> = { name, transport, busyPoll: v.busyPoll === true };
+    const init: Record<string, unknown> = {
+      name,
+      transport,
+      busyPoll: v.busyPoll === true,
+      progress: v.progress ?? "thread",
+    };
     if (ns !== undefined) init.netDevice = ns.devices[i];
     return { prefix, env: v.addon !== undefined ? { KVXFER_ADDON: v.addon } : {}, init };
   }
@@ -572,11 +579,6 @@ async function runVariant(
 
 // --- the run --------------------------------------------------------------------------------
 
-/** kvxfer's addon built against the libucx-cu12 wheel's UCX (npm run build:native:wheel-ucx). */
-export function wheelUcxAddon(): string {
-  return join(packageRoot(), "build", "native-wheel-ucx", "Release", "kvxfer.node");
-}
-
 export function variantsFor(systems: readonly PeerSystem[]): Variant[] {
   const all: Variant[] = [];
   if (systems.includes("kvxfer")) {
@@ -589,13 +591,13 @@ export function variantsFor(systems: readonly PeerSystem[]): Variant[] {
       work: ["kv", "ping"],
     });
   }
-  const wheelAddon = wheelUcxAddon();
-  if (systems.includes("kvxfer") && existsSync(wheelAddon))
+  if (systems.includes("kvxfer"))
+    // The JavaScript thread progresses the worker itself (Agent progress "caller"), no thread.
     all.push({
-      label: "kvxfer-wheel-ucx",
+      label: "kvxfer-poll",
       system: "kvxfer",
-      addon: wheelAddon,
-      work: ["bw", "kv", "desc", "ping"],
+      progress: "caller",
+      work: ["bw", "kv", "ping"],
     });
   if (systems.includes("nixl")) {
     all.push({ label: "nixl", system: "nixl", work: ["bw", "kv", "desc", "ping"] });
@@ -761,7 +763,7 @@ const NAMES: Record<string, string> = {
   kvxfer: "kvxfer",
   "kvxfer-busy": "kvxfer busy-poll",
   "kvxfer-sidecars": "kvxfer sidecars",
-  "kvxfer-wheel-ucx": "kvxfer (wheel UCX)",
+  "kvxfer-poll": "kvxfer polling",
   nixl: "NIXL",
   "nixl-default": "NIXL (its default error mode, peer)",
   mooncake: "Mooncake",
@@ -815,8 +817,8 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
   const out: PeersTables[] = [];
   const transports = [...new Set(r.bw.map((b) => b.transport))];
   for (const t of transports) {
-    const wheel = r.systems.some((x) => x.label === "kvxfer-wheel-ucx" && x.status === "ok");
-    const ours = wheel ? ["kvxfer", "kvxfer-wheel-ucx"] : ["kvxfer"];
+    const poll = r.systems.some((x) => x.label === "kvxfer-poll" && x.status === "ok");
+    const ours = poll ? ["kvxfer", "kvxfer-poll"] : ["kvxfer"];
     for (const kind of ["write", "read"] as const) {
       const rows = r.bw.filter((b) => b.transport === t && b.kind === kind);
       out.push({
@@ -845,7 +847,7 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
     const kvOurs = [
       "kvxfer",
       "kvxfer-busy",
-      ...(wheel ? ["kvxfer-wheel-ucx"] : []),
+      ...(poll ? ["kvxfer-poll"] : []),
       ...(t === "shm" ? ["kvxfer-sidecars"] : []),
     ];
     for (const q of ["p50", "p99"] as const)
@@ -919,7 +921,7 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
       title: `${t}: notification round trips per second, ${PING_BYTES}-byte payload, one in flight (ratio = kvxfer / peer)`,
       head: [
         "",
-        ...compareHead(["kvxfer", "kvxfer-busy", ...(wheel ? ["kvxfer-wheel-ucx"] : [])], "/s"),
+        ...compareHead(["kvxfer", "kvxfer-busy", ...(poll ? ["kvxfer-poll"] : [])], "/s"),
       ],
       rows: r.ping
         .filter((p) => p.transport === t)
@@ -927,7 +929,7 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
           "round trips",
           ...compare(
             p.values,
-            ["kvxfer", "kvxfer-busy", ...(wheel ? ["kvxfer-wheel-ucx"] : [])],
+            ["kvxfer", "kvxfer-busy", ...(poll ? ["kvxfer-poll"] : [])],
             (v) => v.rate,
             0,
           ),
@@ -956,7 +958,7 @@ export function formatPeers(r: PeersBenchResult, markdown = false): string {
 
 const COLORS: Record<string, string> = {
   kvxfer: "#1f77b4",
-  "kvxfer-wheel-ucx": "#9467bd",
+  "kvxfer-poll": "#9467bd",
   nixl: "#2ca02c",
   mooncake: "#ff7f0e",
 };
@@ -964,7 +966,7 @@ const COLORS: Record<string, string> = {
 /** Bandwidth by request size for all three systems on one transport: WRITE solid, READ dashed. */
 export function peersChart(r: PeersBenchResult, transport: PeerTransport): string {
   const series: ChartSeries[] = [];
-  for (const label of ["kvxfer", "kvxfer-wheel-ucx", "nixl", "mooncake"])
+  for (const label of ["kvxfer", "kvxfer-poll", "nixl", "mooncake"])
     for (const kind of ["write", "read"] as const) {
       const points = r.bw
         .filter((b) => b.transport === transport && b.kind === kind)
@@ -998,7 +1000,8 @@ export function writePeersCharts(r: PeersBenchResult): string[] {
 }
 
 export const PEERS_NOTES = [
-  "  kvxfer: the native addon (Debian UCX), shm = UCX_TLS shm,self, tcp = tcp on the namespace's veth; kvxfer busy-poll: the same with busyPoll",
+  "  kvxfer: the native addon (pinned UCX 1.22), shm = UCX_TLS shm,self, tcp = tcp on the namespace's veth; bandwidth refills with transferMany;",
+  "    kvxfer busy-poll: the same with busyPoll; kvxfer polling: progress 'caller' (no thread; the JavaScript thread posts and polls, as NIXL's Python does)",
   "  NIXL: nixl_agent with its UCX backend (the UCX its wheel bundles), error-handling mode none, same UCX_TLS and device, no progress thread;",
   "    over tcp each NIXL process polls its agent between requests (a target's UCX must progress for a put or get to complete)",
   "    bandwidth reposts prepared handles (make_prepped_xfer); KV and descriptor lists go through get_xfer_descs + initialize_xfer + transfer",

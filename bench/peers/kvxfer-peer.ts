@@ -14,7 +14,7 @@ import {
   type Notification,
   type Region,
   type RemoteRegion,
-  ucxVersion,
+  describeUcx,
 } from "../../src/native/index.js";
 import { serveJsonLines } from "../native/serve.js";
 
@@ -69,7 +69,87 @@ function descsFrom(s: unknown): Float64Array {
   return new Float64Array(copy.buffer, 0, Math.floor(copy.length / 8));
 }
 
-/** `iters` requests of one descriptor of `size` bytes, `window` in flight. */
+/**
+ * Caller-progress agents (progress: "caller") move only while progress() is called: between the
+ * requests of this protocol a pump calls it on every turn of the event loop, as NIXL's harness
+ * polls its agent. The measuring loops below call it themselves.
+ */
+let pumping = false;
+function startPump(a: Agent): void {
+  if (pumping) return;
+  pumping = true;
+  const pump = (): void => {
+    if (a.closed) return;
+    a.progress();
+    setImmediate(pump);
+  };
+  setImmediate(pump);
+}
+
+/**
+ * Caller-progress bandwidth: post `window` requests, then call progress() in a loop; each
+ * completion it reports is replaced at once, on the same thread, with no promise awaited.
+ */
+async function bandwidthPolling(
+  kind: "write" | "read",
+  size: number,
+  iters: number,
+  window: number,
+  timeoutMs: number,
+  maxMs: number,
+): Promise<unknown> {
+  const a = need(agent, "agent");
+  const r = need(region, "region");
+  const e = need(ep, "endpoint");
+  const rem = need(remote, "remote region");
+  const slots = Math.max(1, Math.min(window, Math.floor(Math.min(r.length, rem.length) / size)));
+  const lists = Array.from(
+    { length: slots },
+    (_, i) => new Float64Array([i * size, i * size, size]),
+  );
+  let started = 0;
+  let done = 0;
+  let failed: unknown;
+  const onError = (err: unknown): void => {
+    failed ??= err;
+  };
+  const post = (): void => {
+    const d = lists[started % slots]!;
+    started++;
+    (kind === "write" ? a.write(e, r, rem, d) : a.read(e, r, rem, d)).catch(onError);
+  };
+  const c0 = process.cpuUsage();
+  const t0 = now();
+  for (let i = 0; i < Math.min(window, iters); i++) post();
+  let turns = 0;
+  while (done < iters) {
+    const n = a.progress();
+    done += n;
+    if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
+    for (let k = 0; k < n && started < iters; k++) post();
+    if (failed !== undefined) throw failed;
+    if (++turns % 65536 === 0) {
+      if (now() - t0 > timeoutMs * 1e6)
+        throw new KvxferError("ERR_TIMEOUT", `bw: ${done}/${iters} within ${timeoutMs} ms`);
+      await new Promise((res) => setImmediate(res));
+    }
+  }
+  const seconds = (now() - t0) / 1e9;
+  const cpu = process.cpuUsage(c0);
+  return {
+    seconds,
+    n: iters,
+    gbps: (iters * size) / seconds / 1e9,
+    msgRate: iters / seconds,
+    cpuMs: (cpu.user + cpu.system) / 1e3,
+  };
+}
+
+/**
+ * `iters` requests of one descriptor of `size` bytes, `window` in flight. The requests that
+ * completion batches free are posted again together, with one transferMany() call (one hand-off
+ * to the progress thread), not one call each.
+ */
 async function bandwidth(
   kind: "write" | "read",
   size: number,
@@ -96,18 +176,33 @@ async function bandwidth(
       () => reject(new KvxferError("ERR_TIMEOUT", `bw: ${done}/${iters} within ${timeoutMs} ms`)),
       timeoutMs,
     );
+    let queued: number[] = [];
+    const flush = (): void => {
+      const slotsNow = queued;
+      queued = [];
+      const entries = slotsNow.map((slot) => ({
+        kind,
+        endpoint: e,
+        local: r,
+        remote: rem,
+        descriptors: lists[slot % slots]!,
+      }));
+      started += entries.length;
+      a.transferMany(entries).forEach((p, i) => {
+        p.then(() => {
+          done++;
+          // Time is up: post nothing more, count what was done.
+          if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
+          if (done === iters) {
+            clearTimeout(timer);
+            resolve();
+          } else if (started + queued.length < iters) launch(slotsNow[i]!);
+        }, reject);
+      });
+    };
     const launch = (slot: number): void => {
-      const d = lists[slot % slots]!;
-      started++;
-      (kind === "write" ? a.write(e, r, rem, d) : a.read(e, r, rem, d)).then(() => {
-        done++;
-        // Time is up: post nothing more, count what was done.
-        if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
-        if (done === iters) {
-          clearTimeout(timer);
-          resolve();
-        } else if (started < iters) launch(slot);
-      }, reject);
+      if (queued.length === 0) queueMicrotask(flush);
+      queued.push(slot);
     };
     for (let i = 0; i < Math.min(window, iters); i++) launch(i);
   });
@@ -135,16 +230,16 @@ async function handle(req: Request): Promise<unknown> {
       };
       if (typeof req.netDevice === "string") opts.netDevices = req.netDevice;
       if (typeof req.spinUs === "number") opts.spinUs = req.spinUs;
+      if (req.progress === "caller") opts.progress = "caller";
       agent = new Agent(opts);
       agent.on("notifications", onNotifications);
+      if (opts.progress === "caller") startPump(agent);
       return {
         system: "kvxfer",
         version: `kvxfer ${process.env.npm_package_version ?? "0.1.0"} (native addon)`,
-        ucx:
-          process.env.KVXFER_ADDON !== undefined
-            ? `${ucxVersion} (addon ${process.env.KVXFER_ADDON})`
-            : `${ucxVersion} (system libucx)`,
+        ucx: `${describeUcx()}${process.env.KVXFER_ADDON !== undefined ? ` (addon ${process.env.KVXFER_ADDON})` : ""}`,
         busyPoll: opts.busyPoll,
+        progress: opts.progress ?? "thread",
         spinUs: opts.spinUs ?? 0,
       };
     }
@@ -167,7 +262,7 @@ async function handle(req: Request): Promise<unknown> {
       return { remote: ep.id };
     }
     case "bw":
-      return bandwidth(
+      return (pumping ? bandwidthPolling : bandwidth)(
         req.kind === "read" ? "read" : "write",
         Number(req.size),
         Number(req.iters),
@@ -243,6 +338,21 @@ async function handle(req: Request): Promise<unknown> {
       const reps = Number(req.reps);
       const payload = Buffer.alloc(Number(req.bytes), "p");
       const t0 = now();
+      if (pumping) {
+        // Caller progress: send, then progress() until the answer is in, all on this thread.
+        for (let i = 0; i < reps; i++) {
+          void a.notify(e, payload);
+          let turns = 0;
+          while (notes.length === 0) {
+            a.progress();
+            if (++turns % 65536 === 0 && now() - t0 > timeoutMs * 1e6)
+              throw new KvxferError("ERR_TIMEOUT", `ping ${i}: no answer within ${timeoutMs} ms`);
+          }
+          notes.shift();
+        }
+        const seconds = (now() - t0) / 1e9;
+        return { seconds, n: reps, rate: reps / seconds };
+      }
       for (let i = 0; i < reps; i++) {
         const answered = waitFor(
           () => {

@@ -139,8 +139,7 @@ function loadAddon(): NativeAddon {
   // not need the cache.
   process.env.UCX_MEM_EVENTS ??= "no";
   const root = findPackageRoot(dirname(fileURLToPath(import.meta.url)));
-  // KVXFER_ADDON: another build of the addon, e.g. against the UCX of the libucx-cu12 wheel
-  // (`npm run build:native:wheel-ucx`), which `kvxfer bench peers` runs next to the default one.
+  // KVXFER_ADDON: another build of the addon (e.g. against another UCX install).
   const path = process.env.KVXFER_ADDON ?? join(root, "build", "native", "Release", "kvxfer.node");
   if (!existsSync(path)) {
     throw new KvxferError(
