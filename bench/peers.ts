@@ -14,7 +14,7 @@
 // Run: `node dist/bench/peers.js [--json] [--quick] [--install] [--systems kvxfer,nixl,mooncake]
 //   [--transports shm,tcp] [--sizes 4k,...] [--tokens 128,2048,8192] [--descs 1000,18880,...]`.
 import { execFileSync, spawnSync } from "node:child_process";
-import { existsSync } from "node:fs";
+import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 
@@ -92,6 +92,8 @@ export interface BwFigure {
   msgRate: number;
   /** The initiator process's CPU (all threads) per request, in microseconds: little moved by other load. */
   cpuUsPerReq: number;
+  /** The target process's CPU (all threads) per request over the same loop, in microseconds. */
+  targetCpuUsPerReq?: number;
 }
 export interface KvFigure {
   /** Post -> the receiver has the notification (ms). */
@@ -208,6 +210,9 @@ export function installPeers(log: (l: string) => void): string {
   return venvPython;
 }
 
+/** Clock ticks per second of /proc/<pid>/stat's times (USER_HZ, 100 on Linux). */
+const CLK_TCK = 100;
+
 class Side {
   private readonly proc: JsonLinesChild;
 
@@ -217,6 +222,23 @@ class Side {
       env,
       makeError: (code, message) => Object.assign(new Error(message), { code }),
     });
+  }
+
+  /**
+   * CPU seconds (user + system, every thread) this side's process has used so far, from
+   * /proc/<pid>/stat (`ip netns exec` execs the command: the pid is the harness's own).
+   */
+  cpuSeconds(): number {
+    const pid = this.proc.child.pid;
+    if (pid === undefined) return NaN;
+    try {
+      const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+      // Fields after the command name (which may hold spaces): utime and stime are 14 and 15.
+      const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+      return (Number(f[11]) + Number(f[12])) / CLK_TCK;
+    } catch {
+      return NaN;
+    }
   }
 
   /** The first error line UCX printed, if any: the reason behind an opaque NIXL status. */
@@ -472,15 +494,20 @@ async function runVariant(
               { ...args, iters: Math.max(8, Math.floor(iters / 10)), maxMs: 2000 },
               60_000,
             );
+            const target0 = b.cpuSeconds();
             const got = await a.call<{ gbps: number; msgRate: number; cpuMs: number; n: number }>(
               "bw",
               { ...args, iters, maxMs: 10_000 },
               120_000,
             );
+            const targetCpu = b.cpuSeconds() - target0;
             value = {
               gbps: got.gbps,
               msgRate: got.msgRate,
               cpuUsPerReq: (got.cpuMs * 1e3) / got.n,
+              ...(Number.isFinite(targetCpu)
+                ? { targetCpuUsPerReq: (targetCpu * 1e6) / got.n }
+                : {}),
             };
           } catch (err) {
             value = { error: errText(err) };
@@ -843,6 +870,14 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
           ...compare(b.values, ours, (v) => v.cpuUsPerReq, 1),
         ]),
       });
+      out.push({
+        title: `${t}: ${kind.toUpperCase()} target CPU per request, microseconds, all threads of the target process (ratio = kvxfer / peer; 0: the target did nothing)`,
+        head: ["size", ...compareHead(ours, "CPU us")],
+        rows: rows.map((b) => [
+          shortBytes(b.size),
+          ...compare(b.values, ours, (v) => v.targetCpuUsPerReq ?? NaN, 1),
+        ]),
+      });
     }
     const kvOurs = [
       "kvxfer",
@@ -919,10 +954,7 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
     });
     out.push({
       title: `${t}: notification round trips per second, ${PING_BYTES}-byte payload, one in flight (ratio = kvxfer / peer)`,
-      head: [
-        "",
-        ...compareHead(["kvxfer", "kvxfer-busy", ...(poll ? ["kvxfer-poll"] : [])], "/s"),
-      ],
+      head: ["", ...compareHead(["kvxfer", "kvxfer-busy", ...(poll ? ["kvxfer-poll"] : [])], "/s")],
       rows: r.ping
         .filter((p) => p.transport === t)
         .map((p) => [
