@@ -81,10 +81,12 @@ let pumping = false; // caller-progress agent
 let alwaysPump = false;
 let waiting = 0;
 let pumpScheduled = false;
+/** A measuring loop counts what progress() settles: the pump must not take it meanwhile. */
+let pumpPaused = false;
 function pumpTurn(): void {
   pumpScheduled = false;
   const a = agent;
-  if (a === undefined || a.closed || (!alwaysPump && waiting === 0)) return;
+  if (a === undefined || a.closed || pumpPaused || (!alwaysPump && waiting === 0)) return;
   a.progress();
   pumpScheduled = true;
   setImmediate(pumpTurn);
@@ -140,19 +142,25 @@ async function bandwidthPolling(
   };
   const c0 = process.cpuUsage();
   const t0 = now();
-  for (let i = 0; i < Math.min(window, iters); i++) post();
-  let turns = 0;
-  while (done < iters) {
-    const n = a.progress();
-    done += n;
-    if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
-    for (let k = 0; k < n && started < iters; k++) post();
-    if (failed !== undefined) throw failed;
-    if (++turns % 65536 === 0) {
-      if (now() - t0 > timeoutMs * 1e6)
-        throw new KvxferError("ERR_TIMEOUT", `bw: ${done}/${iters} within ${timeoutMs} ms`);
-      await new Promise((res) => setImmediate(res));
+  pumpPaused = true;
+  try {
+    for (let i = 0; i < Math.min(window, iters); i++) post();
+    let turns = 0;
+    while (done < iters) {
+      const n = a.progress();
+      done += n;
+      if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
+      for (let k = 0; k < n && started < iters; k++) post();
+      if (failed !== undefined) throw failed;
+      if (++turns % 65536 === 0) {
+        if (now() - t0 > timeoutMs * 1e6)
+          throw new KvxferError("ERR_TIMEOUT", `bw: ${done}/${iters} within ${timeoutMs} ms`);
+        await new Promise((res) => setImmediate(res));
+      }
     }
+  } finally {
+    pumpPaused = false;
+    wakePump();
   }
   const seconds = (now() - t0) / 1e9;
   const cpu = process.cpuUsage(c0);
