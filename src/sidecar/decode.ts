@@ -21,7 +21,6 @@ import { transferError, type SideContext } from "./context.js";
 import {
   DECODE_INITIAL,
   DECODE_NEXT,
-  begin,
   isTerminal,
   transition,
   type DecodeState,
@@ -224,9 +223,8 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       trace: new TransferTrace(),
     };
     t.trace.mark("engine.expectKv", receivedUs);
-    this.transfers.set(t.id, t);
     this.claims.claim(written, t.id);
-    begin(this.lc, t, "WAITING", "ExpectKv");
+    this.track(t, "WAITING", "ExpectKv");
     void this.start(t);
   }
 
@@ -605,7 +603,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     for (const t of this.transfers.values()) {
       if (now < t.deadline) continue;
       if (isTerminal(t.state)) {
-        this.transfers.delete(t.id);
+        this.forget(t);
       } else if (t.state === "DRAINING") {
         if (t.readsInFlight === 0) this.settle(t); // P's registration lease has run out
       } else {

@@ -100,6 +100,10 @@ export interface SidecarOptions {
   tombstoneMs?: number;
   /** Live transfers per side at most. */
   maxTransfers?: number;
+  /** P: transfers one decode engine may create by PushReg before PrefillDone (default maxTransfers / 8). */
+  maxPerPeer?: number;
+  /** Notifications of one peer processed per second at most (burst: two seconds' worth). */
+  peerMessagesPerSec?: number;
   /**
    * The engine's KV files must be regular files with one link, owned by this process's uid,
    * under this absolute directory, reached without a symbolic link or `..` (default /dev/shm).
@@ -256,6 +260,9 @@ export class Sidecar implements SidecarView {
       handshakeTimeoutMs: options.handshakeTimeoutMs ?? 5000,
       tombstoneMs: options.tombstoneMs ?? 60_000,
       maxTransfers: options.maxTransfers ?? 65_536,
+      maxPerPeer:
+        options.maxPerPeer ?? Math.max(1, Math.floor((options.maxTransfers ?? 65_536) / 8)),
+      peerMessagesPerSec: options.peerMessagesPerSec ?? 20_000,
       kvDir: options.kvDir ?? "/dev/shm",
       maxRegistrationBytes: options.maxRegistrationBytes ?? Number.MAX_SAFE_INTEGER,
       maxKvBytes: options.maxKvBytes ?? Number.MAX_SAFE_INTEGER,
@@ -819,10 +826,13 @@ export class Sidecar implements SidecarView {
 
   /** Peer notifications that arrived at our agent `rank`: checked, then handed to their side. */
   private onNotifications(rank: number, batch: Notification[]): void {
+    const now = this.clock.now();
     for (const n of batch) {
       const v = this.peers.verify(n);
       if (v === undefined) continue;
       const { peer, body: b } = v;
+      // A peer's share of our work: past its budget its messages go unprocessed (O(1)).
+      if (!peer.budget.take(now, this.opts.peerMessagesPerSec)) continue;
       switch (b.case) {
         case "pushReg":
           if (this.role === "decode") {
@@ -886,6 +896,10 @@ export class Sidecar implements SidecarView {
       );
     }
     this.peers.expire(now);
+    for (const [engineId, n] of this.peers.overBudget())
+      this.noteError(
+        `${n} notifications from '${engineId}' dropped: over ${this.opts.peerMessagesPerSec}/s (ERR_OVERLOADED)`,
+      );
   }
 
   private emit(
