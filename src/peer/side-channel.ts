@@ -29,8 +29,17 @@ import { KvxferError } from "../errors.js";
 export const MAX_HANDSHAKE_BYTES = 4 << 20;
 /** Handshake connections served at once; more are closed at accept. */
 export const MAX_HANDSHAKES_IN_FLIGHT = 64;
-/** A connection that has not sent its request within this long is closed. */
-export const HANDSHAKE_IDLE_MS = 10_000;
+/**
+ * Handshake connections from one source address at once: one address fills at most this many of
+ * the MAX_HANDSHAKES_IN_FLIGHT slots, so the rest stay free for other peers.
+ */
+export const MAX_HANDSHAKES_PER_SOURCE = 8;
+/**
+ * Every connection is closed this long after it was accepted, whatever it sent or sends (TLS,
+ * the request, our answer): a hard deadline, not an idle timer (one byte every few seconds
+ * keeps nothing open), and a destroy, not Node's handshakeTimeout (which only reports).
+ */
+export const HANDSHAKE_DEADLINE_MS = 10_000;
 
 /** The sidecar's credentials for its peers (PEM). */
 export interface PeerCredentials {
@@ -166,10 +175,24 @@ function frame(body: Uint8Array): Buffer {
   return Buffer.concat([head, body]);
 }
 
+/** The address a slot is counted under (an IPv4 peer seen on an IPv6 socket as itself). */
+function sourceOf(socket: net.Socket): string {
+  return (socket.remoteAddress ?? "?").replace(/^::ffff:/, "");
+}
+
+export interface SideChannelLimits {
+  readonly inFlight: number;
+  readonly perSource: number;
+  readonly deadlineMs: number;
+}
+
 export class SideChannelServer {
   private server: net.Server | undefined;
+  /** Accepted connections (the TCP socket under TLS), each holding one slot until it closes. */
   private readonly sockets = new Set<net.Socket>();
+  private readonly perSource = new Map<string, number>();
   private closed = false;
+  private readonly limits: SideChannelLimits;
   /** "host:port" actually bound (port 0 resolved). */
   address = "";
 
@@ -179,7 +202,19 @@ export class SideChannelServer {
     /** Told about connections refused before they reach the handler (malformed, too large, TLS). */
     private readonly onRefused?: (code: string, message: string) => void,
     private readonly creds?: PeerCredentials,
-  ) {}
+    limits: Partial<SideChannelLimits> = {},
+  ) {
+    this.limits = {
+      inFlight: limits.inFlight ?? MAX_HANDSHAKES_IN_FLIGHT,
+      perSource: limits.perSource ?? MAX_HANDSHAKES_PER_SOURCE,
+      deadlineMs: limits.deadlineMs ?? HANDSHAKE_DEADLINE_MS,
+    };
+  }
+
+  /** Connections holding a slot now (tests, status). */
+  get inFlight(): number {
+    return this.sockets.size;
+  }
 
   get authenticated(): boolean {
     return this.creds !== undefined;
@@ -190,7 +225,7 @@ export class SideChannelServer {
     const onConnection = (socket: net.Socket): void => this.serve(socket);
     const server =
       this.creds === undefined
-        ? net.createServer(onConnection)
+        ? net.createServer()
         : tls.createServer(
             {
               cert: this.creds.cert,
@@ -199,20 +234,18 @@ export class SideChannelServer {
               requestCert: true,
               rejectUnauthorized: true,
               minVersion: "TLSv1.3",
-              handshakeTimeout: HANDSHAKE_IDLE_MS,
+              handshakeTimeout: this.limits.deadlineMs,
             },
             onConnection,
           );
-    server.maxConnections = MAX_HANDSHAKES_IN_FLIGHT;
+    // Every TCP connection (under TLS too: this runs at accept, before any TLS byte) takes a
+    // slot, or is closed at once.
+    server.on("connection", (socket: net.Socket) => {
+      if (this.admit(socket) && this.creds === undefined) this.serve(socket);
+    });
     server.on("tlsClientError", (err: Error) => {
       // A peer without this cluster's credentials, or not speaking TLS at all.
       this.onRefused?.("ERR_UNAUTHENTICATED", `TLS handshake failed: ${err.message}`);
-    });
-    server.on("drop", () => {
-      this.onRefused?.(
-        "ERR_OVERLOADED",
-        `${MAX_HANDSHAKES_IN_FLIGHT} handshakes in flight; a connection was closed`,
-      );
     });
     this.server = server;
     await new Promise<void>((resolve, reject) => {
@@ -228,15 +261,45 @@ export class SideChannelServer {
     return this.address;
   }
 
+  /**
+   * Gives an accepted TCP connection a slot until it closes, and closes it at the deadline; or
+   * refuses it (closed at once) when every slot, or its source's share, is taken.
+   */
+  private admit(socket: net.Socket): boolean {
+    const src = sourceOf(socket);
+    const fromSrc = this.perSource.get(src) ?? 0;
+    const { inFlight, perSource, deadlineMs } = this.limits;
+    if (this.closed || this.sockets.size >= inFlight || fromSrc >= perSource) {
+      socket.destroy();
+      if (!this.closed)
+        this.onRefused?.(
+          "ERR_OVERLOADED",
+          fromSrc >= perSource
+            ? `${perSource} handshakes in flight from ${src}; a connection was closed`
+            : `${inFlight} handshakes in flight; a connection from ${src} was closed`,
+        );
+      return false;
+    }
+    this.sockets.add(socket);
+    this.perSource.set(src, fromSrc + 1);
+    const deadline = setTimeout(() => socket.destroy(), deadlineMs);
+    socket.once("close", () => {
+      clearTimeout(deadline);
+      this.sockets.delete(socket);
+      const n = (this.perSource.get(src) ?? 1) - 1;
+      if (n <= 0) this.perSource.delete(src);
+      else this.perSource.set(src, n);
+    });
+    socket.on("error", () => socket.destroy());
+    return true;
+  }
+
   private serve(socket: net.Socket): void {
     if (this.closed) {
       socket.destroy();
       return;
     }
-    this.sockets.add(socket);
-    socket.on("close", () => this.sockets.delete(socket));
     socket.on("error", () => socket.destroy());
-    socket.setTimeout(HANDSHAKE_IDLE_MS, () => socket.destroy());
     let identity: PeerIdentity;
     if (socket instanceof tls.TLSSocket) {
       identity = certificateIdentity(socket.getPeerCertificate());
