@@ -115,6 +115,16 @@ export const SIDECAR_SETTINGS = {
     help: "extra wait past P's registration lease before D reuses blocks of an unacknowledged abort",
   },
   "max-transfers": { type: "string", default: "65536", help: "live transfers per side at most" },
+  "max-per-peer": {
+    type: "string",
+    default: "",
+    help: "P: transfers one decode engine may open by PushReg before PrefillDone (default max-transfers / 8)",
+  },
+  "peer-messages-per-sec": {
+    type: "string",
+    default: "20000",
+    help: "notifications of one peer processed per second at most (burst: two seconds' worth)",
+  },
   "kv-dir": {
     type: "string",
     default: "/dev/shm",
@@ -343,6 +353,10 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     peerTimeoutMs: positiveInt("peer-timeout-ms", s["peer-timeout-ms"]),
     abortGraceMs: positiveInt("abort-grace-ms", s["abort-grace-ms"]),
     maxTransfers: positiveInt("max-transfers", s["max-transfers"]),
+    ...(s["max-per-peer"] === ""
+      ? {}
+      : { maxPerPeer: positiveInt("max-per-peer", s["max-per-peer"]) }),
+    peerMessagesPerSec: positiveInt("peer-messages-per-sec", s["peer-messages-per-sec"]),
     tombstoneMs: positiveInt("tombstone-ms", s["tombstone-ms"]),
     kvDir: kvDirectory(s["kv-dir"]),
     maxRegistrationBytes: byteSize(
