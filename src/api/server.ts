@@ -24,6 +24,7 @@ import {
   WatchEventsResponseSchema,
 } from "../gen/kvxfer/v1/sidecar_pb.js";
 import { KvxferError } from "../errors.js";
+import { transferIdCharProblem } from "../peer/messages.js";
 import type { EventLog, EventSubscription } from "../sidecar/event-log.js";
 import type { SidecarEvent, SidecarView, TransferSide } from "../sidecar/view.js";
 import {
@@ -157,6 +158,8 @@ function checkTransferId(id: string, what: string): void {
       "ERR_INVALID_ARGUMENT",
       `${what} is ${id.length} characters long (at most ${MAX_TRANSFER_ID})`,
     );
+  const bad = transferIdCharProblem(id, what);
+  if (bad !== undefined) throw new KvxferError("ERR_INVALID_ARGUMENT", bad);
 }
 
 function seqFromProto(v: bigint, what: string): number {

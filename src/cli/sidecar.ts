@@ -20,7 +20,7 @@ import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/m
 import { ZmqNotifier } from "../api/zmq-notify.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
 import { KvxferError } from "../errors.js";
-import type { PeerCredentials } from "../peer/side-channel.js";
+import { validityProblem, type PeerCredentials } from "../peer/side-channel.js";
 import { EventLog } from "../sidecar/event-log.js";
 import { stderrSink } from "../sidecar/log-sink.js";
 import { Sidecar, type SidecarOptions } from "../sidecar/sidecar.js";
@@ -450,6 +450,21 @@ export function readCa(flag: string, path: string): Buffer {
   return pem;
 }
 
+/** Our own certificate must parse and be valid now: refused at start-up naming its dates. */
+function checkOwnCertificate(flag: string, path: string): void {
+  let cert: X509Certificate;
+  try {
+    cert = new X509Certificate(readPem(flag, path));
+  } catch (err) {
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--${flag} '${path}' is not a PEM certificate: ${(err as Error).message}`,
+    );
+  }
+  const when = validityProblem(cert, `--${flag} '${path}'`);
+  if (when !== undefined) throw new KvxferError("ERR_CONFIG", when);
+}
+
 /** Why a listen failed, as an operator acts on it (by the errno in the error or its message). */
 const LISTEN_CAUSES: [RegExp, string][] = [
   [
@@ -563,6 +578,7 @@ export async function startSidecar(
   if (s["tls-ca"] !== "" && s["tls-cert"] === "")
     throw new KvxferError("ERR_CONFIG", "--tls-ca needs --tls-cert and --tls-key");
   // Read (and the CA checked) before anything listens: a TLS mistake stops the start.
+  if (s["tls-cert"] !== "") checkOwnCertificate("tls-cert", s["tls-cert"]);
   const tls =
     s["tls-cert"] !== ""
       ? {

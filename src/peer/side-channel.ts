@@ -119,8 +119,8 @@ export function checkCredentials(creds: PeerCredentials, engineId: string): void
       `--peer-cert names '${id}' (subject CN) but this sidecar's engine id is '${engineId}'`,
     );
   }
-  if (Date.parse(cert.validTo) < Date.now())
-    throw new KvxferError("ERR_CONFIG", `--peer-cert expired on ${cert.validTo}`);
+  const when = validityProblem(cert, "--peer-cert");
+  if (when !== undefined) throw new KvxferError("ERR_CONFIG", when);
   try {
     tls.createSecureContext({ cert: creds.cert, key: creds.key, ca: creds.ca });
   } catch (err) {
@@ -129,6 +129,23 @@ export function checkCredentials(creds: PeerCredentials, engineId: string): void
       `--peer-key does not go with --peer-cert: ${(err as Error).message}`,
     );
   }
+}
+
+/**
+ * Why a certificate of ours cannot be used now (not yet valid, or expired), naming its dates;
+ * undefined when `nowMs` lies within them. Peers would refuse it anyway, one handshake at a time.
+ */
+export function validityProblem(
+  cert: X509Certificate,
+  flag: string,
+  nowMs = Date.now(),
+): string | undefined {
+  const from = Date.parse(cert.validFrom);
+  const to = Date.parse(cert.validTo);
+  const dates = `valid from ${cert.validFrom} to ${cert.validTo}, now ${new Date(nowMs).toUTCString()}`;
+  if (nowMs < from) return `${flag} is not valid yet (${dates})`;
+  if (nowMs > to) return `${flag} has expired (${dates})`;
+  return undefined;
 }
 
 export function pemBlocks(pem: Buffer): string[] {
