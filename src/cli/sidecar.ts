@@ -659,12 +659,18 @@ export async function startSidecar(
     metrics: metricsServer,
     bootstrap,
     drain: async (deadlineMs) => {
-      sidecar.draining = true;
+      sidecar.beginDrain();
       apiServer.setServing(false);
       const end = Date.now() + deadlineMs;
       while (sidecar.liveTransfers() > 0 && Date.now() < end)
         await new Promise((r) => setTimeout(r, 50));
-      return sidecar.liveTransfers();
+      const left = sidecar.liveTransfers();
+      if (left > 0) {
+        // Peers hear about every transfer this sidecar will not finish, before it closes.
+        sidecar.abandonAll();
+        await new Promise((r) => setTimeout(r, 100));
+      }
+      return left;
     },
     close: async () => {
       if (closed) return;

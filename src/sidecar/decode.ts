@@ -228,6 +228,26 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     void this.start(t);
   }
 
+  /**
+   * The sidecar stops with transfers left: each fails now (the engine recomputes) and P is told
+   * (a pull's Abort lets it free its blocks; a push's Abort stops its writes and frees them).
+   */
+  abandon(): void {
+    for (const t of this.transfers.values()) {
+      if (isTerminal(t.state) || t.state === "DRAINING") continue;
+      const safe = t.state === "WAITING" && (t.mode === "pull" || t.peer === undefined);
+      this.fail(
+        t,
+        "ABORTED",
+        FailureReason.ABORTED,
+        "ERR_DRAINING",
+        "the decode sidecar is stopping",
+        ReleaseReason.ABORTED,
+        safe,
+      );
+    }
+  }
+
   /** The engine aborts: KvFailed at once, the blocks once no write can land. */
   abort(transferId: string): void {
     const t = this.transfers.get(transferId);

@@ -101,6 +101,8 @@ function releaseReason(kind: TerminalKind | PrefillState): ReleaseReason {
 export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   /** Only with exclusivePrefillBlocks: a transfer claims its whole block_ids from PrefillDone to its end. */
   private readonly claims = new BlockClaims();
+  /** The sidecar is stopping: no new registration is kept (drain()). */
+  private draining = false;
 
   constructor(ctx: SideContext) {
     super(ctx, "prefill", PREFILL_INITIAL, PREFILL_NEXT);
@@ -291,6 +293,9 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       return; // the same engine's registration again: idempotent
     if (m.numTokens === 0 || m.prefixTokens > m.numTokens)
       return fail("ERR_BAD_TOKENS", "bad token counts in PushReg");
+    if (this.draining && existing?.blocks === undefined)
+      // Its PrefillDone would be refused: D frees its blocks now, not at its watchdog.
+      return fail("ERR_DRAINING", "the prefill sidecar is stopping");
     if (existing?.blocks !== undefined && !tokensEqual(existing.token, m.token)) {
       // The transfer names its decode engine by its token: anyone else is refused, and the
       // transfer goes on waiting for the right one.
@@ -654,6 +659,49 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   private mayActOn(t: PrefillTransfer, peer: PeerState, token: string): boolean {
     if (t.blocks === undefined || !tokensEqual(t.token, token)) return false;
     return t.reg === undefined || t.reg.peer === peer;
+  }
+
+  /**
+   * The sidecar starts stopping: every transfer still waiting for PrefillDone (which will be
+   * refused) fails now, and each decode engine registered for it is told at once, so it frees
+   * its blocks instead of waiting out our registration lease.
+   */
+  drain(): void {
+    this.draining = true;
+    for (const t of this.transfers.values()) {
+      if (t.state !== "WAITING") continue;
+      for (const r of t.pending.filter((x) => x.withdrawn === undefined))
+        this.ctx.toPeer(r.peer, {
+          case: "failed",
+          value: {
+            transferId: t.id,
+            code: "ERR_DRAINING",
+            message: "the prefill sidecar is stopping",
+          },
+        });
+      this.end(t, "FAILED", "ERR_DRAINING");
+    }
+  }
+
+  /**
+   * The drain's deadline passed: what is not moving fails now, its decode engine told (a pull's
+   * reader hears "not held" when it asks). Writes in flight settle or are abandoned at close.
+   */
+  abandon(): void {
+    this.drain();
+    for (const t of this.transfers.values()) {
+      if (t.state !== "HELD") continue;
+      if (t.reg !== undefined)
+        this.ctx.toPeer(t.reg.peer, {
+          case: "failed",
+          value: {
+            transferId: t.id,
+            code: "ERR_DRAINING",
+            message: "the prefill sidecar is stopping",
+          },
+        });
+      this.end(t, "FAILED", "ERR_DRAINING");
+    }
   }
 
   /** D's heartbeat renews the leases of the transfers it names. */

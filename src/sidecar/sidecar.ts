@@ -18,6 +18,7 @@ import {
   ReleaseReason,
   SidecarToEngineSchema,
   type EngineToSidecar,
+  type ExpectKv,
   type RegisterKvCache,
   type SidecarToEngine,
 } from "../gen/kvxfer/v1/engine_pb.js";
@@ -334,6 +335,22 @@ export class Sidecar implements SidecarView {
     return this.sideChannel;
   }
 
+  /**
+   * SIGTERM: new transfers are refused from now on, and what will not happen is told to the
+   * peers at once (P: registrations waiting for a PrefillDone it will refuse).
+   */
+  beginDrain(): void {
+    if (this.draining) return;
+    this.draining = true;
+    this.prefill.drain();
+  }
+
+  /** The drain's deadline passed: the transfers left fail now, each peer told (before close). */
+  abandonAll(): void {
+    this.prefill.abandon();
+    this.decode.abandon();
+  }
+
   /** Live (non-terminal) transfers on both sides. */
   liveTransfers(): number {
     return this.prefill.live() + this.decode.live();
@@ -401,6 +418,7 @@ export class Sidecar implements SidecarView {
             },
           });
         }
+        if (msg.msg.case === "expectKv") this.tellSourceDraining(msg.msg.value);
         this.refuse(
           msg.msg.value.transferId,
           "ERR_DRAINING",
@@ -785,6 +803,31 @@ export class Sidecar implements SidecarView {
       noteError: (text) => this.noteError(text),
       metrics: () => this.metrics,
     };
+  }
+
+  /**
+   * D refuses an ExpectKv while draining: P may hold the blocks for it (prefill done, waiting for
+   * our read or registration). Told now, with the transfer's token, P frees them at once instead
+   * of at its lease.
+   */
+  private tellSourceDraining(m: ExpectKv): void {
+    if (m.source === "") return;
+    this.peers
+      .resolve(m.source)
+      .then((peer) =>
+        this.peers.send(peer, {
+          case: "failed",
+          value: {
+            transferId: m.transferId,
+            code: "ERR_DRAINING",
+            message: "the decode sidecar is stopping",
+            token: m.token,
+          },
+        }),
+      )
+      .catch((err: unknown) =>
+        this.log.debug({ err, transferId: m.transferId }, "cannot tell P about a drain refusal"),
+      );
   }
 
   /** What the peer table needs of this sidecar. */

@@ -204,3 +204,76 @@ describe("cheap attacks (multi-process, authenticated)", () => {
     );
   }, 120_000);
 });
+
+describe("a stopping sidecar tells its peers (multi-process)", () => {
+  it("5: SIGTERM of P with 8 pushes registered and not prefilled: D hears ERR_DRAINING and frees every block within a second or two, not at the registration lease", async () => {
+    const pair = await startPair({ mode: "push", pArgs: ["--drain-ms", "20000"] });
+    try {
+      const { p, d } = pair;
+      await goodTransfer(p, d, "warm-up");
+      const ids = Array.from({ length: 8 }, (_, k) => `drain-p-${k}`);
+      for (const id of ids)
+        await d.engine.expect({
+          transferId: id,
+          tokens: 40,
+          source: p.sideChannel,
+          token: `t-${id}`,
+        });
+      for (const id of ids)
+        await p.waitTransfer(id, "prefill", (t) => t.state === "WAITING", `${id} registered on P`);
+      const t0 = Date.now();
+      p.sidecar.kill("SIGTERM");
+      await d.allBlocksFree(5000);
+      const freedMs = Date.now() - t0;
+      for (const id of ids) {
+        const ev = await d.waitEvent((e) => e.transferId === id && e.kind === "FAILED", 5000);
+        expect(ev.reason).toBe("ERR_DRAINING");
+      }
+      console.log(`case 5 (P stops): D freed 8 transfers' blocks ${freedMs} ms after P's SIGTERM`);
+      expect(freedMs).toBeLessThan(3000);
+    } finally {
+      await pair.close();
+    }
+  }, 60_000);
+
+  it("5: SIGTERM of D while P holds a prefill for it: D's refusal (ERR_DRAINING) reaches P, which frees the blocks at once, not at its 30 s lease", async () => {
+    const pair = await startPair({ mode: "auto", dArgs: ["--drain-ms", "20000"] });
+    try {
+      const { p, d } = pair;
+      await goodTransfer(p, d, "warm-up");
+      // A push P never prefills keeps D draining (alive) after its SIGTERM.
+      await d.engine.expect({
+        transferId: "keeps-d-busy",
+        tokens: 40,
+        source: p.sideChannel,
+        token: "k",
+      });
+      await p.waitTransfer("keeps-d-busy", "prefill", (t) => t.state === "WAITING", "registered");
+      d.sidecar.kill("SIGTERM");
+      await until(async () => (await d.client.getStatus()).draining, 5000, "D draining");
+      const ids = ["held-1", "held-2", "held-3"];
+      const blocks: number[][] = [];
+      for (const id of ids)
+        blocks.push((await p.engine.prefill(id, 40, 0, WAIT, `t-${id}`)).blockIds);
+      const t0 = Date.now();
+      for (const [k, id] of ids.entries())
+        await d.engine.expect({
+          transferId: id,
+          tokens: 40,
+          source: p.sideChannel,
+          sourceBlockIds: blocks[k]!,
+          token: `t-${id}`,
+        });
+      for (const id of ids) {
+        const released = await p.engineEvent(id, "released", 5000);
+        expect(released.reason).toBe("FAILED");
+      }
+      const freedMs = Date.now() - t0;
+      await p.allBlocksFree(5000);
+      console.log(`case 5 (D stops): P freed 3 held transfers ${freedMs} ms after D refused them`);
+      expect(freedMs).toBeLessThan(3000);
+    } finally {
+      await pair.close();
+    }
+  }, 60_000);
+});
