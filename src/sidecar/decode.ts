@@ -291,6 +291,20 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         });
       return;
     }
+    // A KV file that shrank would fault (SIGBUS) when P's writes or our reads reach it.
+    const shrunk = ctx.kv()!.shrunk?.();
+    if (shrunk !== undefined) {
+      this.fail(
+        t,
+        "FAILED",
+        FailureReason.BAD_REQUEST,
+        "ERR_REGION_CHANGED",
+        shrunk,
+        ReleaseReason.FAILED,
+        true,
+      );
+      return;
+    }
     t.peer = peer;
     for (const d of pairing.ranks) {
       for (const s of d.sources) t.expectedPairs.add(`${s.srcRank}:${d.dstRank}`);

@@ -59,6 +59,11 @@ export interface RegisteredKv {
   readonly layout: KvLayout;
   readonly agents: readonly Agent[];
   readonly regions: readonly (readonly Region[])[];
+  /**
+   * Why a KV file no longer covers its region (it shrank after registration), or undefined:
+   * checked before this sidecar hands its memory to UCX for a transfer (docs/security.md).
+   */
+  readonly shrunk?: () => string | undefined;
 }
 
 export class PeerState {

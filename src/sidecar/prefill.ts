@@ -234,6 +234,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       return ctx.refuse(m.transferId, "ERR_OVERLOADED", `${s.maxTransfers} transfers live`);
     }
     const t = existing ?? this.fresh(m.transferId);
+    // A KV file that shrank: nothing may read these blocks (a pull's reads would fault).
+    const shrunk = ctx.kv()?.shrunk?.();
     t.blocks = [...m.blockIds];
     if (s.exclusivePrefillBlocks) this.claims.claim(t.blocks, t.id);
     t.numTokens = m.numTokens;
@@ -241,6 +243,17 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     t.t.prefillDoneMs = ctx.clock.now();
     t.trace.mark("engine.prefillDone", receivedUs);
     const reg = this.settleRegistrations(t);
+    if (shrunk !== undefined) {
+      if (reg !== undefined && reg.withdrawn === undefined)
+        ctx.toPeer(reg.peer, {
+          case: "failed",
+          value: { transferId: t.id, code: "ERR_REGION_CHANGED", message: shrunk },
+        });
+      if (existing === undefined) this.track(t, "HELD", "PrefillDone");
+      ctx.noteError(`PrefillDone for '${t.id}': ${shrunk}`);
+      this.end(t, "FAILED", "ERR_REGION_CHANGED");
+      return;
+    }
     if (existing === undefined) {
       this.track(t, "HELD", "PrefillDone");
     } else if (reg?.withdrawn !== undefined) {
@@ -465,6 +478,9 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     if (!transition(this.lc, t, "MOVING", "registration and prefill both here")) return;
     let plan: TransferPlan;
     try {
+      // A KV file that shrank would fault (SIGBUS) when the writes read it.
+      const shrunk = kv.shrunk?.();
+      if (shrunk !== undefined) throw new KvxferError("ERR_REGION_CHANGED", shrunk);
       if (reg.numTokens !== t.numTokens) {
         throw new KvxferError(
           "ERR_BAD_TOKENS",
@@ -479,6 +495,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       });
     } catch (err) {
       const e = transferError(err);
+      ctx.noteError(`push of '${t.id}' refused: ${e.code}: ${e.message}`);
       ctx.toPeer(peer, {
         case: "failed",
         value: { transferId: t.id, code: e.code, message: e.message },

@@ -7,7 +7,7 @@
  */
 import { create, equals } from "@bufbuild/protobuf";
 import { randomBytes } from "node:crypto";
-import { realpathSync, statSync } from "node:fs";
+import { closeSync, constants, fstatSync, openSync, realpathSync, statSync } from "node:fs";
 import { availableParallelism } from "node:os";
 import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
@@ -23,6 +23,7 @@ import {
   type SidecarToEngine,
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
+import type { KvLayout } from "../plan/index.js";
 import { Agent, type ErrorMode, type Notification, type Region } from "../native/index.js";
 import {
   checkAllocateKv,
@@ -131,6 +132,15 @@ export interface SidecarOptions {
   clock?: Clock;
 }
 
+/** A KV file mapped for a region: a descriptor of the mapped inode and the bytes it must hold. */
+interface KvFile {
+  readonly fd: number;
+  readonly path: string;
+  readonly end: number;
+  readonly rank: number;
+  readonly region: number;
+}
+
 /** Where a sidecar sends what its engine must hear. */
 export type EngineSender = (msg: SidecarToEngine) => void;
 
@@ -214,6 +224,8 @@ export class Sidecar implements SidecarView {
    * today; code that drops or replaces one (re-registration) must subtract its bytes.
    */
   private mappedBytes = 0;
+  /** The KV files mapped, watched for shrinking (openKvFiles). */
+  private kvFiles: KvFile[] = [];
   /** Regions allocated for the engine (AllocateKv) that no registration took yet. */
   private readonly allocations = new KvAllocations();
   private readonly side: SideChannelServer;
@@ -364,6 +376,7 @@ export class Sidecar implements SidecarView {
     await this.side.close();
     this.peers.close();
     this.allocations.freeAll();
+    for (const f of this.kvFiles.splice(0)) closeSync(f.fd);
     if (this.kv !== undefined) {
       // Every rank's shutdown starts at once: a stop waits out one deadline, not one per rank.
       for (const a of this.kv.agents) a.beginClose();
@@ -488,6 +501,50 @@ export class Sidecar implements SidecarView {
   noteError(text: string): void {
     this.lastErrors.push(`${new Date().toISOString()} ${text}`);
     if (this.lastErrors.length > 20) this.lastErrors.shift();
+  }
+
+  /**
+   * A descriptor of every KV file mapped (the same inode, by device and inode), with the bytes
+   * its region needs: how kvShrunk sees a file shrink under the mapping. Best effort: a file
+   * that cannot be opened again is not checked.
+   */
+  private openKvFiles(reg: RegisterKvCache, layout: KvLayout): KvFile[] {
+    const out: KvFile[] = [];
+    for (const rk of reg.ranks)
+      for (const [g, f] of rk.regions.entries()) {
+        if (f.segment !== undefined) continue; // a SysV segment cannot shrink
+        try {
+          const fd = openSync(f.path, constants.O_RDONLY | constants.O_NOFOLLOW);
+          out.push({
+            fd,
+            path: f.path,
+            end: Number(f.offset) + layout.regionBytes[g]!,
+            rank: rk.rank,
+            region: g,
+          });
+        } catch (err) {
+          this.log.warn({ err, path: f.path }, "cannot reopen a KV file to watch its size");
+        }
+      }
+    return out;
+  }
+
+  /** Why a mapped KV file no longer covers its region, or undefined (one fstat per file). */
+  private kvShrunk(): string | undefined {
+    for (const f of this.kvFiles) {
+      let size: number;
+      try {
+        size = fstatSync(f.fd).size;
+      } catch {
+        continue;
+      }
+      if (size < f.end)
+        return (
+          `rank ${f.rank} region ${f.region}: KV file '${f.path}' shrank to ${size} bytes ` +
+          `after registration; the region needs ${f.end} (the engine must register again)`
+        );
+    }
+    return undefined;
   }
 
   /**
@@ -628,7 +685,8 @@ export class Sidecar implements SidecarView {
     // The registration owns what it uses; what it does not use is freed.
     for (const rank of owned) this.allocations.take(rank);
     this.allocations.freeAll();
-    this.kv = { layout, agents, regions };
+    this.kvFiles = this.openKvFiles(reg, layout);
+    this.kv = { layout, agents, regions, shrunk: () => this.kvShrunk() };
     this.mappedBytes += bytes;
     this.registration = { msg: reg, files: Sidecar.fileIdentities(reg) };
     conn?.adopt();

@@ -3,11 +3,13 @@
 // legitimate transfers go on, and the test counts them verified. The attacker is this test
 // process: raw TCP connections from other loopback addresses (Linux routes 127/8 to lo), and an
 // authenticated insider (test/sidecar/multiprocess/rogue-peer.ts). `npm run build` first.
+import { truncateSync } from "node:fs";
 import * as net from "node:net";
 
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { HANDSHAKE_DEADLINE_MS, MAX_HANDSHAKES_IN_FLIGHT } from "../../../src/peer/side-channel.js";
+import { simKvFilePath } from "../../../src/sim/engine.js";
 import { sharedPki } from "../../../src/sim/pki.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
 import { KvNode, type Pair, goodTransfer, rssKiB, sleep, startPair, until } from "./fixtures.js";
@@ -276,4 +278,69 @@ describe("a stopping sidecar tells its peers (multi-process)", () => {
       await pair.close();
     }
   }, 60_000);
+});
+
+describe("a KV file that shrinks under its sidecar (multi-process)", () => {
+  /** Every KV file of `node`'s engine, cut to 0 bytes (`truncate -s 0`). */
+  const truncateAll = (node: KvNode): string[] => {
+    const L = node.engine.ready!.layout;
+    const paths: string[] = [];
+    for (let r = 0; r < L.tpSize; r++)
+      for (let g = 0; g < L.regionBytes.length; g++) {
+        const path = simKvFilePath("/dev/shm", node.engineId, node.engine.child.pid!, r, g);
+        truncateSync(path, 0);
+        paths.push(path);
+      }
+    return paths;
+  };
+
+  for (const [who, mode] of [
+    ["P", "push"],
+    ["D", "push"],
+    ["D", "pull"],
+    // Not ["P", "pull"]: D reads P's blocks without asking P first, and P's sidecar dies of
+    // SIGBUS serving the read (measured); docs/security.md says what covers it.
+  ] as const) {
+    it(`4: ${who}'s file cut to 0 bytes after registration (${mode}): that transfer fails ERR_REGION_CHANGED, both sidecars live`, async () => {
+      const pair = await startPair({ mode: "auto" });
+      try {
+        const { p, d } = pair;
+        await goodTransfer(p, d, "before");
+        const id = `shrunk-${who}-${mode}`;
+        const token = `t-${id}`;
+        // P prefills first (its engine writes the KV into its file), then the file shrinks.
+        const { blockIds } = await p.engine.prefill(id, 40, 0, WAIT, token);
+        await p.waitTransfer(id, "prefill", (t) => t.state === "HELD", "held");
+        truncateAll(who === "P" ? p : d);
+        await d.engine.expect({
+          transferId: id,
+          tokens: 40,
+          source: p.sideChannel,
+          token,
+          ...(mode === "pull" ? { sourceBlockIds: blockIds } : {}),
+        });
+        const failed = await d.waitEvent(
+          (e) => e.transferId === id && (e.kind === "FAILED" || e.kind === "KV_READY"),
+          WAIT,
+        );
+        expect(failed.kind).toBe("FAILED");
+        expect(failed.reason).toMatch(/ERR_REGION_CHANGED/);
+        if (who === "P")
+          await until(
+            async () => (await p.client.getStatus()).lastErrors.some((e) => e.includes("shrank")),
+            WAIT,
+            "P names the shrunk file",
+          );
+        // Both processes are alive and answer.
+        expect(p.sidecar.child.exitCode).toBeNull();
+        expect(d.sidecar.child.exitCode).toBeNull();
+        expect(p.sidecar.child.signalCode).toBeNull();
+        expect(d.sidecar.child.signalCode).toBeNull();
+        await p.client.getStatus();
+        await d.client.getStatus();
+      } finally {
+        await pair.close();
+      }
+    }, 60_000);
+  }
 });
