@@ -4,12 +4,24 @@
  * nothing is read from the request but its method and path.
  */
 import * as http from "node:http";
-import type { AddressInfo } from "node:net";
+import type { AddressInfo, Socket } from "node:net";
+
+import { ConnectionSlots, type SlotLimits } from "../peer/side-channel.js";
+
+/**
+ * An HTTP endpoint's connections (metrics, bootstrap): a scraper needs one, so a few per source
+ * and a deadline per connection (a keep-alive scraper reconnects) are enough; a request must
+ * arrive whole within HTTP_REQUEST_MS.
+ */
+export const HTTP_SLOTS: SlotLimits = { inFlight: 64, perSource: 8, deadlineMs: 60_000 };
+const HTTP_REQUEST_MS = 10_000;
 
 export interface HttpServer {
   readonly port: number;
   /** "host:port" as bound (IPv6 hosts in brackets). */
   readonly address: string;
+  /** Connections open now (each holds one of its slots). */
+  connections(): number;
   close(): Promise<void>;
 }
 
@@ -31,6 +43,7 @@ export async function serveGets(
   what: string,
   address: string,
   routes: Readonly<Record<string, GetRoute>>,
+  limits: SlotLimits = HTTP_SLOTS,
 ): Promise<HttpServer> {
   const parsed = splitHostPort(address);
   if (parsed === undefined) throw new Error(`bad ${what} address '${address}' (want host:port)`);
@@ -51,6 +64,11 @@ export async function serveGets(
       res.writeHead(500, { "content-type": "text/plain" }).end(String(err));
     }
   });
+  // Connections past the caps are closed at accept (before any byte is read).
+  const slots = new ConnectionSlots(limits);
+  server.on("connection", (socket: Socket) => slots.admit(socket));
+  server.headersTimeout = HTTP_REQUEST_MS;
+  server.requestTimeout = HTTP_REQUEST_MS;
   await new Promise<void>((resolve, reject) => {
     server.once("error", reject);
     server.listen(port, host, () => {
@@ -61,6 +79,7 @@ export async function serveGets(
   const bound = (server.address() as AddressInfo).port;
   return {
     port: bound,
+    connections: () => slots.inFlight,
     address: `${host.includes(":") ? `[${host}]` : host}:${bound}`,
     close: () =>
       new Promise<void>((resolve) => {

@@ -20,7 +20,7 @@ import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/m
 import { ZmqNotifier } from "../api/zmq-notify.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
 import { KvxferError } from "../errors.js";
-import { validityProblem, type PeerCredentials } from "../peer/side-channel.js";
+import { isLoopback, validityProblem, type PeerCredentials } from "../peer/side-channel.js";
 import { EventLog } from "../sidecar/event-log.js";
 import { stderrSink } from "../sidecar/log-sink.js";
 import { Sidecar, type SidecarOptions } from "../sidecar/sidecar.js";
@@ -450,6 +450,30 @@ export function readCa(flag: string, path: string): Buffer {
   return pem;
 }
 
+/**
+ * An endpoint listening beyond loopback without TLS: anyone who reaches it reads transfer ids,
+ * peers and events (gRPC) or metrics. Warned at start-up (a log line and GetStatus lastErrors);
+ * the gRPC API takes --tls-cert, the HTTP endpoints no TLS (keep them on a private network).
+ */
+function warnOpenEndpoints(
+  logger: Logger,
+  sidecar: Sidecar,
+  endpoints: readonly (readonly [flag: string, address: string, tls: boolean])[],
+): void {
+  for (const [flag, address, tls] of endpoints) {
+    if (address === "" || tls) continue;
+    const host = address.slice(0, address.lastIndexOf(":")).replace(/^\[|\]$/g, "");
+    if (isLoopback(host)) continue;
+    const text =
+      `${flag} ${address} listens beyond loopback without TLS: anyone who reaches it can read ` +
+      (flag === "--grpc"
+        ? "transfer ids, peers and events (give --tls-cert, --tls-key and --tls-ca)"
+        : "it (keep the port on a private network)");
+    logger.warn({ flag, address }, text);
+    sidecar.noteError(`WARNING: ${text}`);
+  }
+}
+
 /** Our own certificate must parse and be valid now: refused at start-up naming its dates. */
 function checkOwnCertificate(flag: string, path: string): void {
   let cert: X509Certificate;
@@ -639,6 +663,11 @@ export async function startSidecar(
           sideChannel: advertisedSideChannel(s.advertise, sidecar.sideChannelAddress),
         }),
       );
+    warnOpenEndpoints(logger, sidecar, [
+      ["--grpc", s.grpc, tls !== undefined],
+      ["--metrics", s.metrics, false],
+      ["--bootstrap", s.bootstrap, false],
+    ]);
   } catch (err) {
     await metricsServer?.close();
     await api?.close(0);

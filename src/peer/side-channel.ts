@@ -193,23 +193,83 @@ function frame(body: Uint8Array): Buffer {
 }
 
 /** The address a slot is counted under (an IPv4 peer seen on an IPv6 socket as itself). */
-function sourceOf(socket: net.Socket): string {
+export function sourceOf(socket: net.Socket): string {
   return (socket.remoteAddress ?? "?").replace(/^::ffff:/, "");
 }
 
-export interface SideChannelLimits {
+export interface SlotLimits {
+  /** Connections held at once, all sources together. */
   readonly inFlight: number;
+  /** Connections one source address holds at once: the rest stay free for others. */
   readonly perSource: number;
+  /** Each connection is destroyed this long after accept, whatever it sends (0: never). */
   readonly deadlineMs: number;
+}
+
+/**
+ * Connection slots of one listening socket: a global cap, a cap per source address and a hard
+ * deadline per connection, each checked in O(1) at accept. The side channel, the gRPC API and
+ * the HTTP endpoints (metrics, bootstrap) each hold one.
+ */
+export class ConnectionSlots {
+  private readonly sockets = new Set<net.Socket>();
+  private readonly perSource = new Map<string, number>();
+
+  constructor(
+    readonly limits: SlotLimits,
+    /** Told about each connection closed at accept (code, message). */
+    private readonly onRefused?: (code: string, message: string) => void,
+  ) {}
+
+  /** Connections holding a slot now. */
+  get inFlight(): number {
+    return this.sockets.size;
+  }
+
+  /**
+   * Gives an accepted connection a slot until it closes (destroying it at the deadline), or
+   * destroys it at once when every slot, or its source's share, is taken; returns which.
+   */
+  admit(socket: net.Socket): boolean {
+    const src = sourceOf(socket);
+    const fromSrc = this.perSource.get(src) ?? 0;
+    const { inFlight, perSource, deadlineMs } = this.limits;
+    if (this.sockets.size >= inFlight || fromSrc >= perSource) {
+      socket.destroy();
+      this.onRefused?.(
+        "ERR_OVERLOADED",
+        fromSrc >= perSource
+          ? `${perSource} connections from ${src} already; one more was closed`
+          : `${inFlight} connections already; one from ${src} was closed`,
+      );
+      return false;
+    }
+    this.sockets.add(socket);
+    this.perSource.set(src, fromSrc + 1);
+    const deadline = deadlineMs > 0 ? setTimeout(() => socket.destroy(), deadlineMs) : undefined;
+    deadline?.unref();
+    socket.once("close", () => {
+      clearTimeout(deadline);
+      this.sockets.delete(socket);
+      const n = (this.perSource.get(src) ?? 1) - 1;
+      if (n <= 0) this.perSource.delete(src);
+      else this.perSource.set(src, n);
+    });
+    socket.on("error", () => socket.destroy());
+    return true;
+  }
+
+  /** Destroys every connection holding a slot. */
+  destroyAll(): void {
+    for (const s of this.sockets) s.destroy();
+  }
 }
 
 export class SideChannelServer {
   private server: net.Server | undefined;
   /** Accepted connections (the TCP socket under TLS), each holding one slot until it closes. */
-  private readonly sockets = new Set<net.Socket>();
-  private readonly perSource = new Map<string, number>();
+  private readonly slots: ConnectionSlots;
   private closed = false;
-  private readonly limits: SideChannelLimits;
   /** "host:port" actually bound (port 0 resolved). */
   address = "";
 
@@ -219,18 +279,23 @@ export class SideChannelServer {
     /** Told about connections refused before they reach the handler (malformed, too large, TLS). */
     private readonly onRefused?: (code: string, message: string) => void,
     private readonly creds?: PeerCredentials,
-    limits: Partial<SideChannelLimits> = {},
+    limits: Partial<SlotLimits> = {},
   ) {
-    this.limits = {
-      inFlight: limits.inFlight ?? MAX_HANDSHAKES_IN_FLIGHT,
-      perSource: limits.perSource ?? MAX_HANDSHAKES_PER_SOURCE,
-      deadlineMs: limits.deadlineMs ?? HANDSHAKE_DEADLINE_MS,
-    };
+    this.slots = new ConnectionSlots(
+      {
+        inFlight: limits.inFlight ?? MAX_HANDSHAKES_IN_FLIGHT,
+        perSource: limits.perSource ?? MAX_HANDSHAKES_PER_SOURCE,
+        deadlineMs: limits.deadlineMs ?? HANDSHAKE_DEADLINE_MS,
+      },
+      (code, message) => {
+        if (!this.closed) this.onRefused?.(code, `side channel: ${message}`);
+      },
+    );
   }
 
   /** Connections holding a slot now (tests, status). */
   get inFlight(): number {
-    return this.sockets.size;
+    return this.slots.inFlight;
   }
 
   get authenticated(): boolean {
@@ -251,14 +316,18 @@ export class SideChannelServer {
               requestCert: true,
               rejectUnauthorized: true,
               minVersion: "TLSv1.3",
-              handshakeTimeout: this.limits.deadlineMs,
+              handshakeTimeout: this.slots.limits.deadlineMs,
             },
             onConnection,
           );
     // Every TCP connection (under TLS too: this runs at accept, before any TLS byte) takes a
     // slot, or is closed at once.
     server.on("connection", (socket: net.Socket) => {
-      if (this.admit(socket) && this.creds === undefined) this.serve(socket);
+      if (this.closed) {
+        socket.destroy();
+        return;
+      }
+      if (this.slots.admit(socket) && this.creds === undefined) this.serve(socket);
     });
     server.on("tlsClientError", (err: Error) => {
       // A peer without this cluster's credentials, or not speaking TLS at all.
@@ -276,39 +345,6 @@ export class SideChannelServer {
     const a = server.address() as net.AddressInfo;
     this.address = `${a.family === "IPv6" ? `[${a.address}]` : a.address}:${a.port}`;
     return this.address;
-  }
-
-  /**
-   * Gives an accepted TCP connection a slot until it closes, and closes it at the deadline; or
-   * refuses it (closed at once) when every slot, or its source's share, is taken.
-   */
-  private admit(socket: net.Socket): boolean {
-    const src = sourceOf(socket);
-    const fromSrc = this.perSource.get(src) ?? 0;
-    const { inFlight, perSource, deadlineMs } = this.limits;
-    if (this.closed || this.sockets.size >= inFlight || fromSrc >= perSource) {
-      socket.destroy();
-      if (!this.closed)
-        this.onRefused?.(
-          "ERR_OVERLOADED",
-          fromSrc >= perSource
-            ? `${perSource} handshakes in flight from ${src}; a connection was closed`
-            : `${inFlight} handshakes in flight; a connection from ${src} was closed`,
-        );
-      return false;
-    }
-    this.sockets.add(socket);
-    this.perSource.set(src, fromSrc + 1);
-    const deadline = setTimeout(() => socket.destroy(), deadlineMs);
-    socket.once("close", () => {
-      clearTimeout(deadline);
-      this.sockets.delete(socket);
-      const n = (this.perSource.get(src) ?? 1) - 1;
-      if (n <= 0) this.perSource.delete(src);
-      else this.perSource.set(src, n);
-    });
-    socket.on("error", () => socket.destroy());
-    return true;
   }
 
   private serve(socket: net.Socket): void {
@@ -374,7 +410,7 @@ export class SideChannelServer {
   async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
-    for (const s of this.sockets) s.destroy();
+    this.slots.destroyAll();
     const server = this.server;
     if (server !== undefined) await new Promise<void>((resolve) => server.close(() => resolve()));
   }

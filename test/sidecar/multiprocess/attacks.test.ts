@@ -9,10 +9,21 @@ import * as net from "node:net";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { HANDSHAKE_DEADLINE_MS, MAX_HANDSHAKES_IN_FLIGHT } from "../../../src/peer/side-channel.js";
+import { SidecarClient } from "../../../src/api/client.js";
 import { simKvFilePath } from "../../../src/sim/engine.js";
 import { sharedPki } from "../../../src/sim/pki.js";
+import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
-import { KvNode, type Pair, goodTransfer, rssKiB, sleep, startPair, until } from "./fixtures.js";
+import {
+  KvNode,
+  type Pair,
+  goodTransfer,
+  rssKiB,
+  sleep,
+  startPair,
+  uniqueId,
+  until,
+} from "./fixtures.js";
 
 const WAIT = 10_000;
 const MiB = (kib: number) => Math.round(kib / 1024);
@@ -343,4 +354,37 @@ describe("a KV file that shrinks under its sidecar (multi-process)", () => {
       }
     }, 60_000);
   }
+});
+
+describe("endpoints beyond loopback (multi-process)", () => {
+  it("6: a gRPC API or metrics endpoint on 0.0.0.0 without TLS is warned about at start-up (log and lastErrors)", async () => {
+    const sc = new SidecarProcess([
+      "--engine-id",
+      uniqueId("open-api"),
+      "--grpc",
+      "0.0.0.0:0",
+      "--metrics",
+      "0.0.0.0:0",
+    ]);
+    try {
+      const ready = await sc.ready;
+      await until(
+        () => sc.stderrTail.includes("--grpc 0.0.0.0:0 listens beyond loopback without TLS"),
+        WAIT,
+        "the gRPC warning",
+      );
+      expect(sc.stderrTail).toContain("--metrics 0.0.0.0:0 listens beyond loopback without TLS");
+      const c = new SidecarClient(`127.0.0.1:${ready.grpc!.split(":").at(-1)}`, {
+        timeoutMs: 5000,
+      });
+      try {
+        const st = await c.getStatus();
+        expect(st.lastErrors.filter((e) => e.includes("WARNING: --"))).toHaveLength(2);
+      } finally {
+        c.close();
+      }
+    } finally {
+      await sc.close(3000);
+    }
+  }, 30_000);
 });
