@@ -275,8 +275,9 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       return;
     }
     if (t.state === "ABORTING") return;
-    const regs = t.reg !== undefined ? [t.reg] : t.pending.filter((r) => !r.withdrawn);
-    for (const r of regs)
+    // HELD or WAITING: a registration chosen at PrefillDone is written at once (MOVING), so
+    // only those kept aside before it can be waiting here.
+    for (const r of t.pending.filter((x) => !x.withdrawn))
       this.ctx.toPeer(r.peer, {
         case: "failed",
         value: { transferId, code: "ERR_ABORTED", message: "aborted by the prefill engine" },
@@ -706,19 +707,9 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
    */
   abandon(): void {
     this.drain();
-    for (const t of this.transfers.values()) {
-      if (t.state !== "HELD") continue;
-      if (t.reg !== undefined)
-        this.ctx.toPeer(t.reg.peer, {
-          case: "failed",
-          value: {
-            transferId: t.id,
-            code: "ERR_DRAINING",
-            message: "the prefill sidecar is stopping",
-          },
-        });
-      this.end(t, "FAILED", "ERR_DRAINING");
-    }
+    // HELD: held for a pull (a registration is written at once): D hears "not held".
+    for (const t of this.transfers.values())
+      if (t.state === "HELD") this.end(t, "FAILED", "ERR_DRAINING");
   }
 
   /** D's heartbeat renews the leases of the transfers it names. */
@@ -750,9 +741,9 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         this.withdraw(t, r, "FAILED", "ERR_PEER_DOWN");
         continue;
       }
-      if (t.reg?.peer !== peer) continue;
-      if (t.state === "MOVING") transition(this.lc, t, "ABORTING", "decode peer down");
-      else if (t.state !== "ABORTING") this.end(t, "FAILED", "ERR_PEER_DOWN");
+      // After PrefillDone a registration is written at once: MOVING, or ABORTING already.
+      if (t.reg?.peer === peer && t.state === "MOVING")
+        transition(this.lc, t, "ABORTING", "decode peer down");
     }
   }
 

@@ -44,12 +44,13 @@ export abstract class SideTable<S extends string, T extends Tracked<S> & { trace
   /** Adds `t` to the table and starts it in `state`. */
   protected track(t: T, state: S, why: string): void {
     this.transfers.set(t.id, t);
-    if (begin(this.lc, t, state, why)) this.liveCount++;
+    // Counted whatever begin says: a refused start is reported and the entry still live.
+    begin(this.lc, t, state, why);
+    this.liveCount++;
   }
 
-  /** Removes `t` from the table (a tombstone, or a live entry that never started on this side). */
+  /** Removes `t`, an entry of the table (a tombstone, or a live entry that never started here). */
   protected forget(t: T): void {
-    if (this.transfers.get(t.id) !== t) return;
     this.transfers.delete(t.id);
     if (!isTerminal(t.state)) this.liveCount--;
   }

@@ -69,3 +69,30 @@ describe("drain tells the peer", () => {
     ]);
   });
 });
+
+describe("drain: what is already over, or never reached P", () => {
+  it("D's abandon skips ended and draining transfers; one whose handshake never answered ends at once", async () => {
+    const w = new FakeWorld({ maxTransfers: 16 });
+    const p0 = w.peer("p0");
+    const d = new DecodeSide(w.ctx, (src) =>
+      src === "hangs" ? new Promise(() => undefined) : Promise.resolve(p0),
+    );
+    d.expectKv(expectKv("ended", true, "", [0, 1]), true);
+    d.expectKv(expectKv("draining", false, "", [2, 3]), false);
+    d.expectKv({ ...expectKv("no-answer", false, "", [4, 5]), source: "hangs" }, false);
+    await settle();
+    d.abort("ended"); // pull, reads in flight: ends when they settle
+    w.agent.landAll();
+    await settle();
+    d.abort("draining"); // push registered: waits for P's AbortAck
+    expect([d.infoOf("ended")!.state, d.infoOf("draining")!.state]).toEqual([
+      "ABORTED",
+      "DRAINING",
+    ]);
+    const before = w.toPeer.length;
+    d.abandon();
+    expect(d.infoOf("no-answer")).toMatchObject({ state: "ABORTED", reason: "ERR_DRAINING" });
+    expect(d.infoOf("draining")!.state).toBe("DRAINING");
+    expect(w.toPeer.length, "nothing new to P: the handshake never answered").toBe(before);
+  });
+});

@@ -6,10 +6,11 @@ import { create } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
-import { PushRegSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
-import { MessageBudget } from "../../src/sidecar/peers.js";
+import { HandshakeRequestSchema, PushRegSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
+import { newMacKey } from "../../src/peer/messages.js";
+import { MessageBudget, type PeerState } from "../../src/sidecar/peers.js";
 import { PER_PEER_SHARE, PrefillSide } from "../../src/sidecar/prefill.js";
-import { FakeWorld, SETTINGS, prefillDone, settle } from "./fakes.js";
+import { FakeWorld, PeerTableWorld, SETTINGS, peerMetadata, prefillDone, settle } from "./fakes.js";
 
 const pushReg = (transferId: string, token: string, leaseMs = SETTINGS.regLeaseMs) =>
   create(PushRegSchema, {
@@ -188,5 +189,41 @@ describe("a flooding insider", () => {
     expect(b.take(5, 100)).toBe(false); // 5 ms: half a message back
     expect(b.take(20, 100)).toBe(true); // 20 ms: two messages back
     expect(b.take(10_000, 100)).toBe(true);
+  });
+});
+
+describe("after PrefillDone, the registered D only", () => {
+  it("renews a moving push's registration and gets its heartbeat; another D's renewal changes nothing", async () => {
+    const { w, p, d, thief } = setup();
+    p.pushReg(d, pushReg("t1", "tok", 1000));
+    p.prefillDone(prefillDone("t1", "tok"));
+    expect(p.infoOf("t1")!.state).toBe("MOVING");
+    expect([...p.livePeers()].map((x) => x.engineId)).toEqual(["real-d"]);
+    w.clock.advance(900);
+    p.renewLeases(thief, ["t1"]);
+    p.renewLeases(d, ["t1"]);
+    w.clock.advance(900); // past the first lease, within the renewed one
+    w.agent.landAll();
+    await settle();
+    expect(p.infoOf("t1")!.state).toBe("RELEASED");
+    p.peerDown(d); // nothing left of it to end
+    expect(p.infoOf("t1")!.state).toBe("RELEASED");
+  });
+});
+
+describe("the peer table's bookkeeping for issue 31", () => {
+  it("overBudget names each peer with messages dropped since the last call; close() closes every peer", () => {
+    const world = new PeerTableWorld();
+    for (const id of ["d0", "d1"])
+      world.table.onHandshake(
+        create(HandshakeRequestSchema, { metadata: peerMetadata(id, 7n), macKey: newMacKey() }),
+        undefined,
+      );
+    const [d0] = (world.table as unknown as { peers: Map<string, PeerState> }).peers.values();
+    for (let i = 0; i < 5; i++) d0!.budget.take(0, 1);
+    expect(world.table.overBudget()).toEqual([["d0", 3]]);
+    expect(world.table.overBudget()).toEqual([]);
+    world.table.close();
+    expect(d0!.endpointList()).toEqual([]);
   });
 });

@@ -58,3 +58,18 @@ describe("a KV file that shrank under the sidecar (kv.shrunk)", () => {
     expect(w.engine.filter((m) => m.case === "kvFailed")).toHaveLength(2);
   });
 });
+
+describe("a KV file that shrank after PrefillDone", () => {
+  it("P: a registration arriving for held blocks is refused before any write (ERR_REGION_CHANGED)", async () => {
+    const w = new FakeWorld({ maxTransfers: 16 });
+    const p = new PrefillSide(w.ctx);
+    p.prefillDone(prefillDone("t1", "tok"));
+    Object.assign(w.ctx.kv()!, { shrunk: () => "rank 0 region 0: KV file shrank" });
+    p.pushReg(w.peer("d0"), pushReg("t1", "tok"));
+    await settle();
+    expect(w.agent.ops).toEqual([]);
+    expect(p.infoOf("t1")).toMatchObject({ state: "FAILED", reason: "ERR_REGION_CHANGED" });
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_REGION_CHANGED"]);
+    expect(w.errors.at(-1)).toMatch(/push of 't1' refused: ERR_REGION_CHANGED/);
+  });
+});
