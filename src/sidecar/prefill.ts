@@ -446,7 +446,10 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     const all = t.pending;
     t.pending = [];
     this.unname(t);
-    const chosen = all.find((r) => tokensEqual(r.token, t.token));
+    // A live registration with the token first (the same D again after a restart, say), else a
+    // withdrawn one: then the transfer ends as its D asked.
+    const matches = all.filter((r) => tokensEqual(r.token, t.token));
+    const chosen = matches.find((r) => r.withdrawn === undefined) ?? matches[0];
     for (const r of all) {
       if (r === chosen || r.withdrawn !== undefined) continue;
       const code =

@@ -227,3 +227,19 @@ describe("the peer table's bookkeeping for issue 31", () => {
     expect(d0!.endpointList()).toEqual([]);
   });
 });
+
+describe("the same token on a withdrawn and a live registration", () => {
+  it("the live one is served (a decode sidecar that restarted and registered again)", async () => {
+    const { w, p, state } = setup();
+    w.agent.autoLand = true;
+    const before = w.peer("d-restarting");
+    p.pushReg(before, pushReg("t1", "tok"));
+    p.peerDown(before); // killed: its registration withdrawn
+    const after = w.peer("d-restarted");
+    p.pushReg(after, pushReg("t1", "tok"));
+    p.prefillDone(prefillDone("t1", "tok"));
+    await settle();
+    expect(state("t1")).toBe("RELEASED");
+    expect(p.infoOf("t1")!.peer).toBe("d-restarted");
+  });
+});
