@@ -623,7 +623,8 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
     (code, message) => log.warn({ code }, `gRPC: ${message}`),
   );
   const injector = server.createConnectionInjector(serverCredentials(opts.tls));
-  const tcp = net.createServer((socket) => {
+  // No Nagle: events are small and latency is what a router waits on.
+  const tcp = net.createServer({ noDelay: true }, (socket) => {
     if (slots.admit(socket)) injector.injectConnection(socket);
   });
   await new Promise<void>((resolve, reject) => {
