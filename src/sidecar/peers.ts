@@ -208,14 +208,17 @@ export class MessageBudget {
   /** Messages dropped since the last time `dropped()` was read. */
   private droppedSince = 0;
 
-  /** Takes one message's worth at `nowMs`; false when the budget is spent. */
-  take(nowMs: number, perSec: number): boolean {
+  /**
+   * Takes `cost` messages' worth at `nowMs` (a message naming many transfers costs more);
+   * false when the budget is spent.
+   */
+  take(nowMs: number, perSec: number, cost = 1): boolean {
     const burst = 2 * perSec;
     if (this.tokens < 0) this.tokens = burst;
     else this.tokens = Math.min(burst, this.tokens + ((nowMs - this.at) * perSec) / 1000);
     this.at = nowMs;
-    if (this.tokens >= 1) {
-      this.tokens -= 1;
+    if (this.tokens >= cost) {
+      this.tokens -= cost;
       return true;
     }
     this.droppedSince++;

@@ -932,8 +932,10 @@ export class Sidecar implements SidecarView {
       const v = this.peers.verify(n);
       if (v === undefined) continue;
       const { peer, body: b } = v;
-      // A peer's share of our work: past its budget its messages go unprocessed (O(1)).
-      if (!peer.budget.take(now, this.opts.peerMessagesPerSec)) continue;
+      // A peer's share of our work: past its budget its messages go unprocessed (O(1)). A
+      // heartbeat costs by the ids it names (each is a lookup), one message per 64.
+      const cost = b.case === "heartbeat" ? 1 + Math.floor(b.value.transferIds.length / 64) : 1;
+      if (!peer.budget.take(now, this.opts.peerMessagesPerSec, cost)) continue;
       switch (b.case) {
         case "pushReg":
           if (this.role === "decode") {

@@ -189,6 +189,11 @@ describe("a flooding insider", () => {
     expect(b.take(5, 100)).toBe(false); // 5 ms: half a message back
     expect(b.take(20, 100)).toBe(true); // 20 ms: two messages back
     expect(b.take(10_000, 100)).toBe(true);
+    // A costly message (a heartbeat naming many ids) takes its cost, or nothing.
+    const c = new MessageBudget();
+    expect(c.take(0, 100, 150)).toBe(true); // of a 200 burst
+    expect(c.take(0, 100, 60)).toBe(false);
+    expect(c.take(0, 100, 50)).toBe(true);
   });
 });
 
