@@ -9,6 +9,7 @@ import * as grpc from "@grpc/grpc-js";
 import { afterEach, describe, expect, it } from "vitest";
 
 import { SidecarClient, type EventWatch } from "../../src/api/client.js";
+import { HTTP_SLOTS, serveGets } from "../../src/api/http.js";
 import { MetricsRegistry, startMetricsServer } from "../../src/api/metrics.js";
 import { type ApiServer, startApiServer } from "../../src/api/server.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
@@ -120,4 +121,33 @@ describe("metrics endpoint: connections", () => {
     const res = await fetch(`http://127.0.0.1:${m.port}/metrics`);
     expect(res.status).toBe(200);
   }, 60_000);
+
+  it("a connection that sends nothing, or trickles a request, is closed once its request is overdue; a kept-alive one that served is closed when idle", async () => {
+    const m = await serveGets(
+      "test",
+      "127.0.0.1:0",
+      { "/x": { contentType: "text/plain", body: () => "x" } },
+      { slots: HTTP_SLOTS, requestMs: 500, idleMs: 300 },
+    );
+    cleanup.push(() => m.close());
+    const t0 = Date.now();
+    const [silent] = await rawConnections(m.port, "127.0.0.2", 1);
+    const sock = net.connect({ host: "127.0.0.1", port: m.port });
+    await new Promise<void>((r) => sock.once("connect", () => r()));
+    cleanup.push(() => void sock.destroy());
+    const drip = setInterval(() => sock.write("X"), 100);
+    cleanup.push(() => clearInterval(drip));
+    const dripClosed = new Promise<void>((r) => sock.once("close", () => r()));
+    sock.on("error", () => undefined);
+    await silent;
+    const silentMs = Date.now() - t0;
+    await dripClosed;
+    const trickleMs = Date.now() - t0;
+    expect(silentMs).toBeLessThan(3000);
+    expect(trickleMs).toBeLessThan(3000);
+    // A served, kept-alive connection stays while busy and goes when idle.
+    const res = await fetch(`http://127.0.0.1:${m.port}/x`);
+    expect(await res.text()).toBe("x");
+    await until(() => m.connections() === 0, 3000, "every connection closed");
+  }, 20_000);
 });
