@@ -84,6 +84,13 @@ export interface ApiServerOptions {
   readonly maxConnections?: number;
   readonly maxConnectionsPerClient?: number;
   /**
+   * A connection with no call for this long is closed (GOAWAY; a client reconnects when it
+   * next calls). Default 60 000.
+   */
+  readonly maxConnectionIdleMs?: number;
+  /** A connection that sends no byte for this long after accept is closed. Default 10 000. */
+  readonly silentConnectionMs?: number;
+  /**
    * Health at start. Default true; the sidecar starts NOT_SERVING and turns SERVING once its
    * engine has registered (readiness), see `setServing`.
    */
@@ -601,6 +608,7 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
     "grpc.max_receive_message_length": 1 << 20,
     "grpc.keepalive_time_ms": 30_000,
     "grpc.keepalive_timeout_ms": 10_000,
+    "grpc.max_connection_idle_ms": opts.maxConnectionIdleMs ?? 60_000,
   });
   server.addService(asServiceDefinition(sidecarService), sidecar.handlers());
   server.addService(asServiceDefinition(healthService), health.handlers());
@@ -619,6 +627,8 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
       inFlight: opts.maxConnections ?? 256,
       perSource: opts.maxConnectionsPerClient ?? 32,
       deadlineMs: 0,
+      // No HTTP/2 preface within this long: not a gRPC client (a silent one gives its slot back).
+      silentMs: opts.silentConnectionMs ?? 10_000,
     },
     (code, message) => log.warn({ code }, `gRPC: ${message}`),
   );

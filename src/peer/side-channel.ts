@@ -204,6 +204,11 @@ export interface SlotLimits {
   readonly perSource: number;
   /** Each connection is destroyed this long after accept, whatever it sends (0: never). */
   readonly deadlineMs: number;
+  /**
+   * A connection that has sent no byte this long after accept is destroyed (0 or absent:
+   * never). Read from the socket's byte count: no listener is added to its data.
+   */
+  readonly silentMs?: number;
 }
 
 /**
@@ -248,8 +253,17 @@ export class ConnectionSlots {
     this.perSource.set(src, fromSrc + 1);
     const deadline = deadlineMs > 0 ? setTimeout(() => socket.destroy(), deadlineMs) : undefined;
     deadline?.unref();
+    const silentMs = this.limits.silentMs ?? 0;
+    const silent =
+      silentMs > 0
+        ? setTimeout(() => {
+            if (socket.bytesRead === 0) socket.destroy();
+          }, silentMs)
+        : undefined;
+    silent?.unref();
     socket.once("close", () => {
       clearTimeout(deadline);
+      clearTimeout(silent);
       this.sockets.delete(socket);
       const n = (this.perSource.get(src) ?? 1) - 1;
       if (n <= 0) this.perSource.delete(src);

@@ -58,6 +58,7 @@ async function rawConnections(port: number, from: string, n: number) {
   for (let i = 0; i < n; i++) {
     const s = net.connect({ host: "127.0.0.1", port, localAddress: from });
     s.on("error", () => undefined);
+    s.resume(); // read (and drop) what the server sends, so that its close is seen
     cleanup.push(() => void s.destroy());
     closed.push(new Promise((r) => s.once("close", () => r())));
     await new Promise<void>((r) => s.once("connect", () => r()));
@@ -101,6 +102,21 @@ describe("gRPC: watchers and connections per client", () => {
     cleanup.push(() => mine.cancel());
     expect(await opened(mine)).toBe("open");
   }, 30_000);
+
+  it("a connection that sends no byte gives its slot back (10 s; 500 ms here); a watching client's connection stays", async () => {
+    const server = await api({ address: "127.0.0.1:0", silentConnectionMs: 500 });
+    const c = client(server.address);
+    const w = c.watch({}, () => undefined);
+    cleanup.push(() => w.cancel());
+    expect(await opened(w)).toBe("open");
+    const [silent] = await rawConnections(server.port, "127.0.0.2", 1);
+    const t0 = Date.now();
+    await silent;
+    expect(Date.now() - t0).toBeLessThan(3000);
+    await new Promise((r) => setTimeout(r, 1000));
+    expect(server.watchers).toBe(1);
+    expect(server.connections).toBe(1);
+  });
 
   it("connections past a client's share are closed at accept; another client's calls are answered", async () => {
     const server = await api({ address: "127.0.0.1:0", maxConnectionsPerClient: 4 });
