@@ -298,7 +298,11 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     if (existing !== undefined && isTerminal(existing.state)) {
       // A late registration for blocks already released (lease expired, aborted): refused.
       return fail(
-        existing.state === "EXPIRED" ? "ERR_LEASE_EXPIRED" : "ERR_ENDED",
+        existing.state === "EXPIRED"
+          ? "ERR_LEASE_EXPIRED"
+          : existing.reason === "ERR_REGION_CHANGED"
+            ? "ERR_REGION_CHANGED" // P's KV broke: D should hear why, not only that it ended
+            : "ERR_ENDED",
         `transfer ended on P as ${existing.state}`,
       );
     }
@@ -713,6 +717,11 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     // HELD: held for a pull (a registration is written at once): D hears "not held".
     for (const t of this.transfers.values())
       if (t.state === "HELD") this.end(t, "FAILED", "ERR_DRAINING");
+  }
+
+  /** The registered KV broke (a file shrank): what P holds for a pull fails, D's read unconfirmed. */
+  failHeld(code: string): void {
+    for (const t of this.transfers.values()) if (t.state === "HELD") this.end(t, "FAILED", code);
   }
 
   /** D's heartbeat renews the leases of the transfers it names. */

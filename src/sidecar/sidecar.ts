@@ -7,7 +7,15 @@
  */
 import { create, equals } from "@bufbuild/protobuf";
 import { randomBytes } from "node:crypto";
-import { closeSync, constants, fstatSync, openSync, realpathSync, statSync } from "node:fs";
+import {
+  closeSync,
+  constants,
+  fstatSync,
+  ftruncateSync,
+  openSync,
+  realpathSync,
+  statSync,
+} from "node:fs";
 import { availableParallelism } from "node:os";
 import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
@@ -134,6 +142,7 @@ export interface SidecarOptions {
 
 /** A KV file mapped for a region: a descriptor of the mapped inode and the bytes it must hold. */
 interface KvFile {
+  /** Opened read-write: a file that shrank is given its size back (ftruncate), see kvShrunk. */
   readonly fd: number;
   readonly path: string;
   readonly end: number;
@@ -226,6 +235,8 @@ export class Sidecar implements SidecarView {
   private mappedBytes = 0;
   /** The KV files mapped, watched for shrinking (openKvFiles). */
   private kvFiles: KvFile[] = [];
+  /** Why the registered KV is broken (a file shrank after registration), once it is. */
+  private kvBroken: string | undefined;
   /** Regions allocated for the engine (AllocateKv) that no registration took yet. */
   private readonly allocations = new KvAllocations();
   private readonly side: SideChannelServer;
@@ -514,7 +525,7 @@ export class Sidecar implements SidecarView {
       for (const [g, f] of rk.regions.entries()) {
         if (f.segment !== undefined) continue; // a SysV segment cannot shrink
         try {
-          const fd = openSync(f.path, constants.O_RDONLY | constants.O_NOFOLLOW);
+          const fd = openSync(f.path, constants.O_RDWR | constants.O_NOFOLLOW);
           out.push({
             fd,
             path: f.path,
@@ -538,13 +549,20 @@ export class Sidecar implements SidecarView {
       } catch {
         continue;
       }
-      if (size < f.end)
-        return (
-          `rank ${f.rank} region ${f.region}: KV file '${f.path}' shrank to ${size} bytes ` +
-          `after registration; the region needs ${f.end} (the engine must register again)`
-        );
+      if (size >= f.end) continue;
+      // What the file held is gone, and every page past its end faults (SIGBUS) when touched,
+      // by us or by a peer's read. Its size is given back at once (the lost pages read as
+      // zeros, they fault no more), and the KV stays broken: every transfer fails from now on.
+      this.kvBroken ??=
+        `rank ${f.rank} region ${f.region}: KV file '${f.path}' shrank to ${size} bytes ` +
+        `after registration; the region needs ${f.end} (restart the sidecar and the engine)`;
+      try {
+        ftruncateSync(f.fd, f.end);
+      } catch (err) {
+        this.log.error({ err, path: f.path }, "cannot give a shrunk KV file its size back");
+      }
     }
-    return undefined;
+    return this.kvBroken;
   }
 
   /**
@@ -988,6 +1006,14 @@ export class Sidecar implements SidecarView {
   /** Every part's expiry; deadlines are not ordered, so each visits its whole table. */
   private sweep(): void {
     const now = this.clock.now();
+    // A KV file that shrank is found within one sweep, even with no transfer starting: its size
+    // is given back (no fault) and what P holds for a pull fails (D hears "not held").
+    const wasBroken = this.kvBroken;
+    if (this.kvFiles.length > 0 && this.kvShrunk() !== undefined && wasBroken === undefined) {
+      this.noteError(`ERR_REGION_CHANGED: ${this.kvBroken!}`);
+      this.log.error({ problem: this.kvBroken }, "a KV file shrank under the sidecar");
+      this.prefill.failHeld("ERR_REGION_CHANGED");
+    }
     this.prefill.expire(now);
     this.decode.expire(now);
     if (this.metrics !== undefined) {

@@ -73,3 +73,22 @@ describe("a KV file that shrank after PrefillDone", () => {
     expect(w.errors.at(-1)).toMatch(/push of 't1' refused: ERR_REGION_CHANGED/);
   });
 });
+
+describe("the registered KV broke (found by the sweep)", () => {
+  it("P: what it holds for a pull fails ERR_REGION_CHANGED (D's read is not confirmed); a registration waiting goes on", () => {
+    const w = new FakeWorld({ maxTransfers: 16 });
+    const p = new PrefillSide(w.ctx);
+    const d = w.peer("d0");
+    p.prefillDone(prefillDone("held", "tok"));
+    p.pushReg(d, pushReg("waiting", "tok2"));
+    p.failHeld("ERR_REGION_CHANGED");
+    expect(p.infoOf("held")).toMatchObject({ state: "FAILED", reason: "ERR_REGION_CHANGED" });
+    expect(w.engineSaid("held")).toEqual([`releaseBlocks:${ReleaseReason.FAILED}`]);
+    expect(p.infoOf("waiting")!.state).toBe("WAITING");
+    p.readDone(d, "held", 1, "tok");
+    expect(w.toPeer.at(-1)!.body).toMatchObject({ case: "readAck", value: { held: false } });
+    // A push registering for it now hears why.
+    p.pushReg(d, pushReg("held", "tok"));
+    expect(w.peerSaid("held").at(-1)).toBe("failed:ERR_REGION_CHANGED");
+  });
+});
