@@ -650,6 +650,19 @@ export class Sidecar implements SidecarView {
     own: { regions: readonly Region[] } | undefined,
   ): Region {
     const where = `rank ${rank} region ${g}`;
+    if (f.cudaIpc !== undefined) {
+      // The engine's GPU KV, registered in place (placement `device`, docs/gpu.md).
+      try {
+        return agent.openCudaIpc(f.cudaIpc.handle, {
+          device: f.cudaIpc.device,
+          offset: f.offset,
+          length: need,
+        });
+      } catch (err) {
+        const e = KvxferError.from(err);
+        throw new KvxferError(e.code, `${where}: ${e.message}`);
+      }
+    }
     if (f.segment === undefined) {
       if (own !== undefined) {
         throw new KvxferError(
