@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Stages what the GPU device check (bench/gpu/run.sh) needs on a machine with CUDA, Python and
+# torch but no Node, no UCX and no internet, into bench/gpu/carry/ (ignored by git; name it in
+# the device run's `carry`). Run here, after `npm run build`:
+#
+#   bash bench/gpu/prepare.sh            # stages, prints the size, fails above 60 MiB
+#   bash bench/gpu/prepare.sh --check    # and then proves the staging: the carried node runs
+#                                        # after decompression, and the harness's dry run (host
+#                                        # memory, no CUDA) passes with only carried files
+#
+# carry/ holds: node.xz (this host's Node 20, stripped, xz -9), package.json + native/ (so the
+# addon's loader finds its root), build/native/Release/kvxfer.node (the prebuilt addon; it finds
+# UCX through LD_LIBRARY_PATH there), dist/src/native/index.js + dist/src/errors.js (the only
+# JavaScript the harness imports), ucx/lib/ (UCX 1.22.0 from the pinned libucx-cu12 wheel: libucp,
+# libucs, libuct, libucm and the modules cma, cuda (cuda_copy, cuda_ipc) and ucm_cuda, with the
+# CUDA 12 runtime libucm_cuda needs, stripped). CUDA 12's runtime runs on driver 580 (CUDA 13).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+C=bench/gpu/carry
+LIMIT=$((60 << 20))
+UCX=.ucx/libucx/lib
+
+for need in build/native/Release/kvxfer.node dist/src/native/index.js dist/src/errors.js "$UCX/libucp.so.0"; do
+  [ -e "$need" ] || { echo "prepare: $need is missing: run scripts/setup-ucx.sh and npm run build first" >&2; exit 1; }
+done
+NODE=$(command -v node)
+case "$(node -p process.versions.node)" in
+  20.*) ;;
+  *) echo "prepare: node $(node -p process.versions.node) at $NODE; the device check carries Node 20" >&2; exit 1 ;;
+esac
+
+rm -rf "$C"
+mkdir -p "$C/native" "$C/build/native/Release" "$C/dist/src/native" "$C/ucx/lib/ucx"
+printf '{ "name": "kvxfer-gpu-carry", "private": true, "type": "module" }\n' >"$C/package.json"
+cp build/native/Release/kvxfer.node "$C/build/native/Release/"
+strip --strip-unneeded "$C/build/native/Release/kvxfer.node"
+cp dist/src/native/index.js "$C/dist/src/native/"
+cp dist/src/errors.js "$C/dist/src/"
+
+# UCX: the sonames the addon and the modules load, as plain files (no links travel).
+for lib in libucp.so.0 libucs.so.0 libuct.so.0 libucm.so.0; do
+  cp -L "$UCX/$lib" "$C/ucx/lib/$lib"
+done
+for mod in libuct_cma.so.0 libuct_cuda.so.0 libucm_cuda.so.0; do
+  cp -L "$UCX/ucx/$mod" "$C/ucx/lib/ucx/$mod"
+done
+cp -L .ucx/libucx_cu12.libs/libcudart-*.so.* "$C/ucx/lib/"
+strip --strip-unneeded "$C"/ucx/lib/*.so* "$C"/ucx/lib/ucx/*.so*
+
+# Node: stripped of its symbol table (the dynamic symbols addons link against stay), then xz.
+tmp=$(mktemp)
+trap 'rm -f "$tmp"' EXIT
+cp "$NODE" "$tmp"
+strip "$tmp"
+xz -9 -T2 -c "$tmp" >"$C/node.xz"
+sha256sum "$tmp" | cut -d' ' -f1 >"$C/node.sha256"
+
+size=$(du -sb "$C" | cut -f1)
+tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+printf 'prepare: staged %s: %.1f MiB (node.xz %.1f MiB, ucx %.1f MiB); working tree %.1f MiB; together %.1f MiB of 64\n' \
+  "$C" "$(echo "$size / 1048576" | bc -l)" "$(echo "$(stat -c %s "$C/node.xz") / 1048576" | bc -l)" \
+  "$(echo "$(du -sb "$C/ucx" | cut -f1) / 1048576" | bc -l)" "$(echo "$tracked / 1048576" | bc -l)" \
+  "$(echo "($size + $tracked) / 1048576" | bc -l)"
+if [ "$size" -gt "$LIMIT" ]; then
+  echo "prepare: $C is over 60 MiB" >&2
+  exit 1
+fi
+
+if [ "${1:-}" = "--check" ]; then
+  # The dry run needs torch (CPU is enough): the project's .venv, or $PYTHON.
+  PY=${PYTHON:-}
+  if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+  fi
+  # The carried node, decompressed, runs; the harness's dry run uses only carried files.
+  out=$(mktemp -d)
+  xz -dc "$C/node.xz" >"$out/node"
+  chmod +x "$out/node"
+  [ "$(sha256sum "$out/node" | cut -d' ' -f1)" = "$(cat "$C/node.sha256")" ] || { echo "prepare: node.xz does not decompress to what was packed" >&2; exit 1; }
+  "$out/node" -e 'console.log("prepare: carried node " + process.version + " runs")'
+  env -u KVXFER_ADDON LD_LIBRARY_PATH="$ROOT/$C/ucx/lib" \
+    "$PY" bench/gpu/harness.py --dry-run --node "$out/node" --carry "$C" --out "$out/results"
+  echo "prepare: dry run wrote $(ls "$out/results" | tr '\n' ' ')"
+  rm -rf "$out"
+fi
