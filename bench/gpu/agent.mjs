@@ -16,6 +16,7 @@
 //   xfer { kind, local, remote, descs, repeat }
 //        -> { seconds: [...] }: one transfer of many descriptors (base64 float64 triples), `repeat` times
 //   close
+import { readFileSync } from "node:fs";
 import { createInterface } from "node:readline";
 import { performance } from "node:perf_hooks";
 import { pathToFileURL } from "node:url";
@@ -74,7 +75,18 @@ async function handle(m) {
   switch (m.op) {
     case "info": {
       const u = ucxInfo();
-      return { ucx: u.version, transports: agent.transports, memoryTypes: agent.memoryTypes, ucxMemoryTypes: u.memoryTypes };
+      // Which files this process really runs: the carried ones, on the device and in the dry run.
+      const maps = readFileSync("/proc/self/maps", "utf8").split("\n");
+      const loaded = (name) => maps.find((l) => l.includes(name))?.split(/\s+/).pop() ?? null;
+      return {
+        ucx: u.version,
+        transports: agent.transports,
+        memoryTypes: agent.memoryTypes,
+        ucxMemoryTypes: u.memoryTypes,
+        addon: loaded("kvxfer.node"),
+        libucp: loaded("libucp.so"),
+        node: process.execPath,
+      };
     }
     case "open":
       regions.set(m.id, agent.openCudaIpc(bytes(m.handle), { device: m.device, offset: m.offset, length: m.length }));

@@ -250,7 +250,11 @@ def part_a(mem: Any, node: str, carry: Path | None, res: dict[str, Any]) -> None
     res["a"] = {"rows": rows}
     p, d = pair(node, carry)
     try:
-        res["a"]["agents"] = p.call(op="info")
+        info = res["a"]["agents"] = p.call(op="info")
+        if carry is not None:
+            for what in ("addon", "libucp"):
+                if not str(info[what]).startswith(str(carry)):
+                    raise RuntimeError(f"the agent loaded {what} {info[what]}, not the carried one under {carry}")
         mem.give(p, "src", src)
         mem.give(d, "dst", dst)
         share(d, "dst", p, "dst")

@@ -13,13 +13,21 @@
 # UCX through LD_LIBRARY_PATH there), dist/src/native/index.js + dist/src/errors.js (the only
 # JavaScript the harness imports), ucx/lib/ (UCX 1.22.0 from the pinned libucx-cu12 wheel: libucp,
 # libucs, libuct, libucm and the modules cma, cuda (cuda_copy, cuda_ipc) and ucm_cuda, with the
-# CUDA 12 runtime libucm_cuda needs, stripped). CUDA 12's runtime runs on driver 580 (CUDA 13).
+# CUDA 12 runtime libucm_cuda needs, stripped; CUDA 12's runtime runs on driver 580, CUDA 13's),
+# py/ (the protobuf runtime the connector's generated messages need, for part c).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 C=bench/gpu/carry
 LIMIT=$((60 << 20))
 UCX=.ucx/libucx/lib
+
+# The project's Python (its .venv, or $PYTHON): the protobuf runtime the connector's generated code
+# needs is carried from it, and the dry run (--check) needs its torch (CPU is enough).
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
 
 for need in build/native/Release/kvxfer.node dist/src/native/index.js dist/src/errors.js "$UCX/libucp.so.0"; do
   [ -e "$need" ] || { echo "prepare: $need is missing: run scripts/setup-ucx.sh and npm run build first" >&2; exit 1; }
@@ -48,6 +56,15 @@ done
 cp -L .ucx/libucx_cu12.libs/libcudart-*.so.* "$C/ucx/lib/"
 strip --strip-unneeded "$C"/ucx/lib/*.so* "$C"/ucx/lib/ucx/*.so*
 
+# protobuf for Python (pure Python plus an abi3 extension, so it loads on the device's 3.12): the
+# connector's generated messages need the runtime they were generated for (part c imports them).
+pb=$("$PY" -c 'import google.protobuf as p, os; print(os.path.dirname(p.__file__))') || {
+  echo "prepare: $PY has no google.protobuf (set PYTHON to the project's .venv python)" >&2; exit 1; }
+mkdir -p "$C/py/google"
+cp -r "$pb" "$C/py/google/protobuf"
+[ -d "$(dirname "$pb")/_upb" ] && cp -r "$(dirname "$pb")/_upb" "$C/py/google/_upb"
+find "$C/py" -name __pycache__ -prune -exec rm -rf {} +
+
 # Node: stripped of its symbol table (the dynamic symbols addons link against stay), then xz.
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
@@ -68,18 +85,13 @@ if [ "$size" -gt "$LIMIT" ]; then
 fi
 
 if [ "${1:-}" = "--check" ]; then
-  # The dry run needs torch (CPU is enough): the project's .venv, or $PYTHON.
-  PY=${PYTHON:-}
-  if [ -z "$PY" ]; then
-    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-  fi
   # The carried node, decompressed, runs; the harness's dry run uses only carried files.
   out=$(mktemp -d)
   xz -dc "$C/node.xz" >"$out/node"
   chmod +x "$out/node"
   [ "$(sha256sum "$out/node" | cut -d' ' -f1)" = "$(cat "$C/node.sha256")" ] || { echo "prepare: node.xz does not decompress to what was packed" >&2; exit 1; }
   "$out/node" -e 'console.log("prepare: carried node " + process.version + " runs")'
-  env -u KVXFER_ADDON LD_LIBRARY_PATH="$ROOT/$C/ucx/lib" \
+  env -u KVXFER_ADDON LD_LIBRARY_PATH="$ROOT/$C/ucx/lib" PYTHONPATH="$ROOT/$C/py" \
     "$PY" bench/gpu/harness.py --dry-run --node "$out/node" --carry "$C" --out "$out/results"
   echo "prepare: dry run wrote $(ls "$out/results" | tr '\n' ' ')"
   rm -rf "$out"

@@ -16,6 +16,7 @@ NODE=/tmp/kvxfer-node
 xz -dc "$C/node.xz" >"$NODE" && chmod +x "$NODE"
 export LD_LIBRARY_PATH="$C/ucx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$C/py${PYTHONPATH:+:$PYTHONPATH}"
 {
   echo "== $(date -u) $(uname -r)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
