@@ -43,7 +43,13 @@ Napi::Object AgentWrap::CudaRegion(Napi::Env env, const char* what,
   }
   Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
   RegionWrap* region = RegionWrap::Unwrap(obj);
-  region->InitAddress(base, length, memh, MemKind::kCuda, mem->device());
+  // The progress thread gets the device's context (unless it has one): UCX's cuda_ipc asks it.
+  const int device = mem->device();
+  engine_->RunAsync([device]() {
+    cuda::Failure ignored;
+    cuda::AdoptDevice(device, &ignored);
+  });
+  region->InitAddress(base, length, memh, MemKind::kCuda, device);
   region->HoldDeviceMemory(std::move(mem));
   Adopt(region);
   return obj;

@@ -34,6 +34,7 @@ struct Driver {
   CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
   CUresult (*cuCtxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
   CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned) = nullptr;
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr) = nullptr;
   CUresult (*cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
@@ -45,6 +46,8 @@ struct Driver {
   std::string unavailable;  // why the driver cannot be used, or ""
   std::mutex mu;
   std::unordered_map<int, CUcontext> contexts;  // retained primary contexts, kept for the process
+  // Open IPC mappings by (device, handle bytes): one per allocation and process.
+  std::unordered_map<std::string, std::weak_ptr<DeviceMemory>> opened;
 };
 
 // cuda.h maps several names to versioned symbols (cuIpcOpenMemHandle -> _v2 since CUDA 11): take
@@ -78,6 +81,7 @@ Driver& Load() {
     ok &= Bind(d.lib, &d.cuDeviceGet, "cuDeviceGet");
     ok &= Bind(d.lib, &d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
     ok &= Bind(d.lib, &d.cuCtxSetCurrent, "cuCtxSetCurrent");
+    ok &= Bind(d.lib, &d.cuCtxGetCurrent, "cuCtxGetCurrent");
     ok &= Bind(d.lib, &d.cuIpcOpenMemHandle, "cuIpcOpenMemHandle", "cuIpcOpenMemHandle_v2");
     ok &= Bind(d.lib, &d.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
     ok &= Bind(d.lib, &d.cuMemGetAddressRange, "cuMemGetAddressRange", "cuMemGetAddressRange_v2");
@@ -149,9 +153,22 @@ bool UseDevice(Driver& d, int device, Failure* why) {
   return true;
 }
 
+std::string IpcKey(const uint8_t* handle, int device) {
+  return std::to_string(device) + ":" +
+         std::string(reinterpret_cast<const char*>(handle), kIpcHandleBytes);
+}
+
 }  // namespace
 
 std::string Unavailable() { return Load().unavailable; }
+
+bool AdoptDevice(int device, Failure* why) {
+  Driver& d = Load();
+  if (!d.unavailable.empty()) return Fail(why, "ERR_CUDA_UNAVAILABLE", d.unavailable);
+  CUcontext current = nullptr;
+  if (d.cuCtxGetCurrent(&current) == kSuccess && current != nullptr) return true;
+  return UseDevice(d, device, why);
+}
 
 DeviceMemory::~DeviceMemory() {
   Driver& d = Load();
@@ -160,6 +177,11 @@ DeviceMemory::~DeviceMemory() {
   // or whichever thread drops the last holder).
   if (!UseDevice(d, device_, &ignored)) return;
   if (imported_) {
+    {
+      std::lock_guard<std::mutex> lock(d.mu);
+      auto it = d.opened.find(key_);
+      if (it != d.opened.end() && it->second.expired()) d.opened.erase(it);
+    }
     d.cuIpcCloseMemHandle(static_cast<CUdeviceptr>(base_));
   } else {
     d.cuMemFree(static_cast<CUdeviceptr>(base_));
@@ -170,6 +192,23 @@ std::shared_ptr<DeviceMemory> DeviceMemory::OpenIpc(const uint8_t* handle, int d
                                                     uint64_t offset, uint64_t need, Failure* why) {
   Driver& d = Load();
   if (!UseDevice(d, device, why)) return nullptr;
+  const std::string key = IpcKey(handle, device);
+  std::shared_ptr<DeviceMemory> held;  // outside the lock: its destructor may take it
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    auto it = d.opened.find(key);
+    if (it != d.opened.end()) held = it->second.lock();
+  }
+  if (held) {
+    if (offset > held->size_ || need > held->size_ - offset) {
+      Fail(why, "ERR_OUT_OF_BOUNDS",
+           std::to_string(need) + " bytes at offset " + std::to_string(offset) +
+               " do not fit the allocation the handle names (" + std::to_string(held->size_) +
+               " bytes)");
+      return nullptr;
+    }
+    return held;
+  }
   CUipcMemHandle h;
   std::memcpy(h.reserved, handle, kIpcHandleBytes);
   CUdeviceptr ptr = 0;
@@ -219,6 +258,9 @@ std::shared_ptr<DeviceMemory> DeviceMemory::OpenIpc(const uint8_t* handle, int d
              " do not fit the allocation the handle names (" + std::to_string(size) + " bytes)");
     return nullptr;
   }
+  mem->key_ = key;
+  std::lock_guard<std::mutex> lock(d.mu);
+  d.opened[key] = mem;
   return mem;
 }
 

@@ -42,7 +42,9 @@ class DeviceMemory {
   bool imported() const { return imported_; }
 
   // Opens `handle` (kIpcHandleBytes) on `device`; `need` bytes at `offset` must lie inside the
-  // allocation the handle names. nullptr and `*why` filled on failure (nothing stays open).
+  // allocation the handle names. nullptr and `*why` filled on failure (nothing stays open). A
+  // handle this process already holds open is shared, not opened again: the driver maps one
+  // allocation once per process (two KV tensors may live in one cudaMalloc segment).
   static std::shared_ptr<DeviceMemory> OpenIpc(const uint8_t* handle, int device, uint64_t offset,
                                                uint64_t need, Failure* why);
   // Allocates `size` bytes on `device`. nullptr and `*why` filled on failure.
@@ -55,10 +57,17 @@ class DeviceMemory {
   size_t size_;
   int device_;
   bool imported_;
+  std::string key_;  // the IPC handle's key among the process's open mappings
 };
 
 // "" when the driver loads and has at least one device; otherwise why not (for messages).
 std::string Unavailable();
+
+// Makes `device`'s primary context current on the calling thread, unless a context is current
+// there already. The agent runs it on its progress thread once it holds CUDA memory: UCX's
+// cuda_ipc asks the thread's current context which device it is on when it unpacks a peer's key,
+// and finds no path without one.
+bool AdoptDevice(int device, Failure* why);
 
 }  // namespace cuda
 }  // namespace kvxfer
