@@ -481,6 +481,10 @@ export class Sidecar implements SidecarView {
     return reg.ranks.flatMap((rk) =>
       rk.regions.map((f) => {
         if (f.segment !== undefined) return `segment:${f.segment}`;
+        // A CUDA IPC handle names one allocation of a live process (the open mapping keeps it).
+        if (f.cudaIpcHandle.length > 0) {
+          return `cuda:${f.cudaDevice}:${Buffer.from(f.cudaIpcHandle).toString("hex")}`;
+        }
         try {
           const st = statSync(f.path, { bigint: true });
           return `${st.dev}:${st.ino}`;
