@@ -111,10 +111,10 @@ class GpuMemory:
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
     def give(self, agent: Agent, rid: str, t: torch.Tensor) -> None:
-        shared = t.untyped_storage()._share_cuda_()
-        handle, offset = bytes(shared[1]), int(shared[3])
-        agent.call(op="open", id=rid, handle=handle.hex(), device=0, offset=offset + t.storage_offset() * t.element_size(),
-                   length=t.numel() * t.element_size())
+        # Exported as the connector exports vLLM's KV (kvxfer_vllm.device.TorchCuda).
+        e = connector_device().TorchCuda().export(t)
+        agent.call(op="open", id=rid, handle=e.handle.hex(), device=e.device,
+                   offset=e.offset + t.storage_offset() * t.element_size(), length=t.numel() * t.element_size())
 
     def sync(self) -> None:
         torch.cuda.synchronize()
@@ -432,9 +432,8 @@ def part_b(mem: Any, node: str, carry: Path | None, res: dict[str, Any]) -> None
 
 
 def part_c(mem: Any, node: str, carry: Path | None, res: dict[str, Any]) -> None:
-    sys.path.insert(0, str(REPO / "connectors" / "vllm"))
-    _without_zmq()
-    from kvxfer_vllm.device import DeviceKv, TorchCuda  # noqa: PLC0415
+    device = connector_device()
+    DeviceKv, TorchCuda = device.DeviceKv, device.TorchCuda  # noqa: N806
     from kvxfer_vllm.layout import describe  # noqa: PLC0415
     from kvxfer_vllm.registration import tensor_views  # noqa: PLC0415
 
@@ -551,6 +550,16 @@ def part_c(mem: Any, node: str, carry: Path | None, res: dict[str, Any]) -> None
         files.close()
         with contextlib.suppress(OSError):
             os.rmdir(shm_dir)
+
+
+def connector_device() -> Any:
+    """kvxfer_vllm.device, the connector's placement 'device' code, from the working tree."""
+    if str(REPO / "connectors" / "vllm") not in sys.path:
+        sys.path.insert(0, str(REPO / "connectors" / "vllm"))
+    _without_zmq()
+    import kvxfer_vllm.device  # noqa: PLC0415
+
+    return kvxfer_vllm.device
 
 
 def _without_zmq() -> None:

@@ -79,6 +79,34 @@ class CudaBoundary(Protocol):
         """The calling thread waits until the compute stream has run what it has queued so far."""
 
 
+#: torch's shareable-handle header (c10's ``CUDACachingAllocator::shareIpcHandle``): a version byte
+#: (2 up to torch 2.12, 3 from 2.13, same payload), then the type: ``'c'`` for a cudaMalloc block
+#: followed by its 64-byte ``cudaIpcMemHandle_t``, ``'e'`` for an expandable segment.
+_TORCH_HANDLE_VERSIONS = (2, 3)
+_TORCH_CUDA_MALLOC = ord("c")
+_TORCH_EXPANDABLE = ord("e")
+
+
+def cuda_ipc_handle(raw: bytes) -> bytes:
+    """The ``cudaIpcMemHandle_t`` inside what torch's ``_share_cuda_()`` returns as the handle."""
+    if len(raw) == CUDA_IPC_HANDLE_BYTES:  # torch before shareable-handle versioning: the handle itself
+        return bytes(raw)
+    if len(raw) >= 2 and raw[1] == _TORCH_EXPANDABLE:
+        raise LayoutError(
+            "ERR_CUDA_IPC",
+            "the KV cache is in PyTorch expandable segments, which export no CUDA IPC handle: unset "
+            "expandable_segments in PYTORCH_CUDA_ALLOC_CONF for placement 'device'",
+        )
+    if len(raw) == 2 + CUDA_IPC_HANDLE_BYTES and raw[1] == _TORCH_CUDA_MALLOC and raw[0] in _TORCH_HANDLE_VERSIONS:
+        return bytes(raw[2:])
+    head = f"version {raw[0]}, type {raw[1:2]!r}" if len(raw) >= 2 else "no header"
+    raise LayoutError(
+        "ERR_CUDA_IPC",
+        f"torch exported a {len(raw)}-byte handle ({head}) that kvxfer does not know: a "
+        f"{CUDA_IPC_HANDLE_BYTES}-byte cudaIpcMemHandle_t, or torch's version 2 or 3 'c' header before one",
+    )
+
+
 def sidecar_device(index: int, visible: str | None) -> int:
     """The device a sidecar with every GPU visible calls this process's device ``index``:
     ``CUDA_VISIBLE_DEVICES`` renumbers devices per process."""
@@ -125,10 +153,7 @@ class DeviceKv(SharedKv):
             if len(export.handle) != CUDA_IPC_HANDLE_BYTES:
                 raise LayoutError(
                     "ERR_CUDA_IPC",
-                    f"layer {name}: torch exported a {len(export.handle)}-byte handle, not a "
-                    f"{CUDA_IPC_HANDLE_BYTES}-byte CUDA IPC handle (PyTorch's expandable_segments "
-                    "allocator exports another kind): unset expandable_segments in "
-                    "PYTORCH_CUDA_ALLOC_CONF for placement 'device'",
+                    f"layer {name}: a {len(export.handle)}-byte handle, not a {CUDA_IPC_HANDLE_BYTES}-byte CUDA IPC handle",
                 )
             if export.nbytes != storage.nbytes():
                 raise LayoutError(
@@ -178,7 +203,8 @@ class TorchCuda:
         # (device, handle, storage bytes, offset in the allocation, ref-counter handle/offset,
         # event handle, event sync required): torch's own CUDA IPC export.
         shared = tensor.untyped_storage()._share_cuda_()
-        return CudaExport(handle=bytes(shared[1]), device=int(shared[0]), offset=int(shared[3]), nbytes=int(shared[2]))
+        return CudaExport(handle=cuda_ipc_handle(bytes(shared[1])), device=int(shared[0]), offset=int(shared[3]),
+                          nbytes=int(shared[2]))
 
     def pin(self, tensor: torch.Tensor) -> None:
         nbytes = tensor.untyped_storage().nbytes()

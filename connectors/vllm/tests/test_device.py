@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, MLAAtte
 
 from kvxfer_vllm._gen.kvxfer.v1 import layout_pb2
 from kvxfer_vllm.config import load_config
-from kvxfer_vllm.device import CudaExport, DeviceKv, sidecar_device
+from kvxfer_vllm.device import CudaExport, DeviceKv, cuda_ipc_handle, sidecar_device
 from kvxfer_vllm.errors import ConfigError, LayoutError, RegistrationError
 from kvxfer_vllm.layout import TensorView, describe
 from kvxfer_vllm.registration import region_files, registration, tensor_views
@@ -176,11 +176,25 @@ def test_device_refusals_name_the_cause():
     with pytest.raises(LayoutError, match="needs the KV cache in GPU memory") as e:
         DeviceKv(StubCuda(()), visible_devices="").add(kv)
     assert e.value.code == "ERR_NOT_ON_DEVICE"
-    with pytest.raises(LayoutError, match="expandable_segments") as e:
+    with pytest.raises(LayoutError, match="a 96-byte handle") as e:
         DeviceKv(StubCuda(kv.values(), handle_bytes=96), visible_devices="").add(kv)
     assert e.value.code == "ERR_CUDA_IPC"
     with pytest.raises(LayoutError, match="allocates nothing"):
         DeviceKv(StubCuda(()), visible_devices="").allocate(1 << 20)
+
+
+def test_torch_shareable_handles_are_unwrapped_to_the_cuda_ipc_handle():
+    raw = bytes(range(64))
+    assert cuda_ipc_handle(raw) == raw  # torch before its handles had a header
+    assert cuda_ipc_handle(bytes([2]) + b"c" + raw) == raw  # torch <= 2.12
+    assert cuda_ipc_handle(bytes([3]) + b"c" + raw) == raw  # torch 2.13
+    with pytest.raises(LayoutError, match="expandable_segments") as e:
+        cuda_ipc_handle(bytes([3]) + b"e" + raw + b"more")
+    assert e.value.code == "ERR_CUDA_IPC"
+    with pytest.raises(LayoutError, match="version 4"):
+        cuda_ipc_handle(bytes([4]) + b"c" + raw)
+    with pytest.raises(LayoutError, match="5-byte handle"):
+        cuda_ipc_handle(b"short")
 
 
 def test_sidecar_device_numbers_follow_cuda_visible_devices():
