@@ -371,11 +371,11 @@ def part_b(mem: Any, node: str, carry: Path | None, res: dict[str, Any]) -> None
     page = model["block"] * model["kv_heads"] * 2 * model["head_dim"] * model["dtype_bytes"]
     total = page * num_blocks * model["layers"]
     src, dst = mem.alloc(total), mem.alloc(total)
-    g = torch.Generator(device="cpu").manual_seed(2)
-    chunk = 64 << 20
+    g = torch.Generator(device=src.device).manual_seed(2)  # made where the bytes live: 2 GiB
+    chunk = 256 << 20
     for off in range(0, total, chunk):
         n = min(chunk, total - off)
-        src[off:off + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(src.device))
+        src[off:off + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g, device=src.device))
     mem.sync()
     rows: list[dict[str, Any]] = []
     res["b"] = {"model": model, "num_blocks": num_blocks, "rows": rows}
@@ -644,6 +644,8 @@ def main() -> int:
                 res["errors"][name] = f"{type(err).__name__}: {err}"
                 traceback.print_exc()
             print(f"part ({name}): {time.perf_counter() - t0:.1f} s", flush=True)
+            if not args.dry_run:
+                torch.cuda.empty_cache()  # each part starts from the driver's memory, not the last part's
     finally:
         mem.close()
     (out / "results.json").write_text(json.dumps(res, indent=1))
