@@ -578,6 +578,108 @@ def _without_zmq() -> None:
         sys.modules.update({"zmq": zmq, "zmq.utils": utils, "zmq.utils.monitor": monitor})
 
 
+def part_c_sidecars(mem: Any, res: dict[str, Any]) -> None:
+    """The connector's device path end to end: P's and D's KV made by torch on the GPU, exported
+    by kvxfer_vllm.device, registered by WorkerLogic over the engine link with two real sidecars
+    (the carried, bundled CLI: $KVXFER_CLI), one request pulled P -> D, every byte checked. In the
+    dry run the KV lives in the connector's shared-memory files instead (placement 'shared')."""
+    res.setdefault("c", {})
+    if not os.environ.get("KVXFER_CLI"):
+        res["c"]["sidecars"] = "skipped: no KVXFER_CLI (run through run.sh or prepare.sh --check)"
+        return
+    device = connector_device()
+    from kvxfer_vllm.harness import SidecarProc  # noqa: PLC0415
+    from kvxfer_vllm.layout import describe  # noqa: PLC0415
+    from kvxfer_vllm.messages import ExpectMsg, PrefillDoneMsg, StepMessages  # noqa: PLC0415
+    from kvxfer_vllm.registration import region_files, registration, tensor_views  # noqa: PLC0415
+    from kvxfer_vllm.shm import SharedKvFiles  # noqa: PLC0415
+    from kvxfer_vllm.worker import Results, WorkerLogic  # noqa: PLC0415
+
+    layers, heads, head, block, num_blocks = 4, 8, 128, 16, 64
+    page = block * heads * 2 * head  # bf16 elements of one layer's block
+    nbytes = layers * num_blocks * page * 2
+    work = Path(tempfile.mkdtemp(prefix="kvxfer-gpu-sc-"))
+    shm_dir = tempfile.mkdtemp(prefix="kvxfer-gpu-sc-", dir="/dev/shm")
+    started: list[Any] = []
+    workers: list[Any] = []
+    held: list[Any] = []
+    try:
+        engines = {}
+        for role in ("prefill", "decode"):
+            eid = f"gpu-{role[0]}-{os.getpid()}"
+            if mem.dry:
+                files = SharedKvFiles(shm_dir, eid, 0)
+                held.append(files)
+                with files.placement():
+                    raw = torch.zeros(nbytes, dtype=torch.int8)
+            else:
+                files = device.DeviceKv(device.TorchCuda(), visible_devices="")
+                raw = torch.zeros(nbytes, dtype=torch.int8, device="cuda")
+            flat = raw.view(torch.bfloat16)
+            kv = {f"model.layers.{i}.self_attn.attn": torch.as_strided(
+                flat, (num_blocks, heads, block, 2 * head), (page, 2 * head, heads * 2 * head, 1), i * num_blocks * page)
+                for i in range(layers)}
+            if not mem.dry:
+                files.add(kv)
+            described = describe(tensor_views(kv, files), packing="kv_in_cell", head_size=head, total_kv_heads=heads,
+                                 tp_size=1, tp_rank=0, block_size=block, region_bytes=[f.nbytes for f in files.files])
+            sock = f"ipc:///tmp/{eid}.sock"
+            sc = SidecarProc(eid, role, sock, work, "--insecure-peers", "true", ready_timeout=60.0)
+            started.append(sc)
+            w = WorkerLogic(engine_id=eid, engine_socket=sock, register_timeout_s=60.0, sidecar_lost_timeout_s=60.0,
+                            max_frame_bytes=16 << 20,
+                            before_prefill_done=None if mem.dry else files.before_prefill_done)
+            workers.append(w)
+            w.register(registration(eid, described, [region_files(files)]))
+            engines[role] = (raw, w)
+        (p_raw, pw), (d_raw, dw) = engines["prefill"], engines["decode"]
+        g = torch.Generator(device=p_raw.device).manual_seed(4)
+        p_raw.copy_(torch.randint(-128, 128, p_raw.shape, dtype=torch.int8, generator=g, device=p_raw.device))
+        p_blocks, d_blocks = [5, 9, 2, 11], [7, 1, 12, 4]
+        tokens = len(p_blocks) * block
+        tid = f"gpu-check-{os.getpid()}"
+        t0 = time.perf_counter()
+        pw.on_step(StepMessages(prefill_done=[PrefillDoneMsg("rp", tid, p_blocks, tokens)]))
+        dw.on_step(StepMessages(expect=[ExpectMsg("rd", tid, d_blocks, tokens, 0, pw.side_channel, p_blocks)]))
+        got, sent = Results(), Results()
+        deadline = time.monotonic() + 60
+        while "rd" not in got.finished_recving and time.monotonic() < deadline:
+            r = dw.take_results(0.05)
+            got.finished_recving |= r.finished_recving
+            got.failed_recving |= r.failed_recving
+        elapsed = time.perf_counter() - t0
+        while "rp" not in sent.finished_sending and time.monotonic() < deadline:
+            sent.finished_sending |= pw.take_results(0.05).finished_sending
+        mem.sync()
+        pv, dv = p_raw.view(layers, num_blocks, -1), d_raw.view(layers, num_blocks, -1)
+        ok = ("rd" in got.finished_recving and "rd" not in got.failed_recving
+              and bool(torch.equal(dv[:, d_blocks].cpu(), pv[:, p_blocks].cpu())))
+        rest = [b for b in range(num_blocks) if b not in d_blocks]
+        untouched = not bool(dv[:, rest].any())
+        res["c"]["sidecars"] = {"ready": "rd" in got.finished_recving, "failed": "rd" in got.failed_recving,
+                                "p_released": "rp" in sent.finished_sending, "seconds": elapsed,
+                                "bytes_ok": ok, "others_untouched": untouched,
+                                "failures": [list(f) for f in dw.failures] + [list(f) for f in pw.failures]}
+        print(f"(c) real sidecars ({'shared memory' if mem.dry else 'placement device'}): pull of {len(p_blocks)} blocks "
+              f"{'ready' if 'rd' in got.finished_recving else 'NOT READY'} in {elapsed * 1e3:.1f} ms, bytes "
+              f"{'ok' if ok and untouched else 'WRONG'}", flush=True)
+        if not (ok and untouched):
+            raise RuntimeError(f"the pull through real sidecars did not land byte-exact: {res['c']['sidecars']}")
+    finally:
+        for w in workers:
+            with contextlib.suppress(Exception):
+                w.close()
+        for sc in started:
+            with contextlib.suppress(Exception):
+                res.setdefault("logs", {})[sc.engine_id] = sc.tail()[-3000:]
+            with contextlib.suppress(Exception):
+                sc.stop()
+        for f in held:
+            f.close()
+        with contextlib.suppress(OSError):
+            os.rmdir(shm_dir)
+
+
 # --- report -----------------------------------------------------------------------------------------
 
 
@@ -621,7 +723,7 @@ def main() -> int:
     ap.add_argument("--carry", default=None, help="the staged folder (bench/gpu/carry): its dist/ is what the agents import")
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="host memory, no CUDA: everything up to the first CUDA call")
-    ap.add_argument("--parts", default="a,b,c")
+    ap.add_argument("--parts", default="a,b,c,c-sidecars")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -634,7 +736,7 @@ def main() -> int:
             return 2
         res["gpu"] = torch.cuda.get_device_name(0)
     mem = HostMemory() if args.dry_run else GpuMemory()
-    parts = {"a": part_a, "b": part_b, "c": part_c}
+    parts = {"a": part_a, "b": part_b, "c": part_c, "c-sidecars": lambda m, n, c, r: part_c_sidecars(m, r)}
     try:
         for name in args.parts.split(","):
             t0 = time.perf_counter()

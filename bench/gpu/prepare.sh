@@ -65,9 +65,39 @@ cp -r "$pb" "$C/py/google/protobuf"
 [ -d "$(dirname "$pb")/_upb" ] && cp -r "$(dirname "$pb")/_upb" "$C/py/google/_upb"
 find "$C/py" -name __pycache__ -prune -exec rm -rf {} +
 
+# The sidecar's CLI, bundled into one file (rolldown) for part (c)'s real sidecars, with the
+# node_modules a bundle cannot hold: zeromq's JavaScript and its one prebuilt addon that loads on
+# glibc >= 2.25 (linux-x64 glibc-127-Release), cmake-ts's loader for it, and a stand-in for
+# @resvg/resvg-js (bench charts only; the sidecar never renders one). Packed with xz.
+sc=$(mktemp -d)
+trap 'rm -rf "$sc"' EXIT
+node_modules/.bin/rolldown dist/src/cli/main.js --dir "$sc/cli" --format esm --platform node --external zeromq \
+  --external zeromq/draft --external @resvg/resvg-js --no-code-splitting >/dev/null
+mkdir -p "$sc/node_modules/zeromq/build/linux/x64/node" "$sc/node_modules/cmake-ts/build" "$sc/node_modules/@resvg/resvg-js"
+cp node_modules/zeromq/package.json "$sc/node_modules/zeromq/"
+cp -r node_modules/zeromq/lib "$sc/node_modules/zeromq/"
+find "$sc/node_modules/zeromq/lib" \( -name '*.map' -o -name '*.ts' \) -delete
+cp node_modules/zeromq/build/manifest.json "$sc/node_modules/zeromq/build/"
+cp -r node_modules/zeromq/build/linux/x64/node/glibc-127-Release "$sc/node_modules/zeromq/build/linux/x64/node/"
+cp node_modules/cmake-ts/package.json "$sc/node_modules/cmake-ts/"
+cp node_modules/cmake-ts/build/loader.js "$sc/node_modules/cmake-ts/build/"
+printf '{ "name": "@resvg/resvg-js", "main": "index.js" }\n' >"$sc/node_modules/@resvg/resvg-js/package.json"
+printf 'class Resvg {\n  constructor() {\n    throw new Error("@resvg/resvg-js is not carried to the GPU machine");\n  }\n}\nmodule.exports = { Resvg };\n' \
+  >"$sc/node_modules/@resvg/resvg-js/index.js"
+tar -cJf "$C/sidecar.tar.xz" -C "$sc" cli node_modules
+
+# pyzmq for the GPU machine's Python 3.12 (the engine link of part c's workers): one abi3 wheel,
+# the version the connector pins, fetched with pip (DEVELOPERS' way to carry a package). Without
+# network the check still runs, without real sidecars in part (c).
+pyzmq=$(grep '^pyzmq==' connectors/vllm/requirements-lock.txt | cut -d= -f3)
+mkdir -p "$C/whl"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$C/whl" "pyzmq==$pyzmq" || echo "prepare: no pyzmq $pyzmq wheel (offline?): part (c) will run without sidecars" >&2
+
 # Node: stripped of its symbol table (the dynamic symbols addons link against stay), then xz.
 tmp=$(mktemp)
-trap 'rm -f "$tmp"' EXIT
+trap 'rm -f "$tmp"; rm -rf "$sc"' EXIT
 cp "$NODE" "$tmp"
 strip "$tmp"
 xz -9 -T2 -c "$tmp" >"$C/node.xz"
@@ -85,14 +115,18 @@ if [ "$size" -gt "$LIMIT" ]; then
 fi
 
 if [ "${1:-}" = "--check" ]; then
-  # The carried node, decompressed, runs; the harness's dry run uses only carried files.
+  # The carried node, decompressed, runs; the harness's dry run uses only carried files (the
+  # runtime run.sh makes on the device), real sidecars from the bundled CLI included.
   out=$(mktemp -d)
-  xz -dc "$C/node.xz" >"$out/node"
-  chmod +x "$out/node"
-  [ "$(sha256sum "$out/node" | cut -d' ' -f1)" = "$(cat "$C/node.sha256")" ] || { echo "prepare: node.xz does not decompress to what was packed" >&2; exit 1; }
-  "$out/node" -e 'console.log("prepare: carried node " + process.version + " runs")'
-  env -u KVXFER_ADDON LD_LIBRARY_PATH="$ROOT/$C/ucx/lib" PYTHONPATH="$ROOT/$C/py" \
-    "$PY" bench/gpu/harness.py --dry-run --node "$out/node" --carry "$C" --out "$out/results"
+  # shellcheck source=bench/gpu/runtime.sh
+  . bench/gpu/runtime.sh
+  (
+    unset KVXFER_ADDON
+    kvxfer_runtime "$ROOT/$C" "$out/rt" "$PY" || exit 1
+    node -e 'console.log("prepare: carried node " + process.version + " runs")'
+    node "$KVXFER_CLI" sidecar --help >/dev/null && echo "prepare: the bundled sidecar CLI runs"
+    "$PY" bench/gpu/harness.py --dry-run --node "$out/rt/bin/node" --carry "$ROOT/$C" --out "$out/results"
+  )
   echo "prepare: dry run wrote $(ls "$out/results" | tr '\n' ' ')"
   rm -rf "$out"
 fi

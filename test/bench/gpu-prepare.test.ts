@@ -3,7 +3,8 @@
 // 20 stripped and xz -9, the addon, UCX's libraries), must stay under 60 MiB with the working
 // tree under the device's 64, decompresses the carried node and runs it, and runs the harness's
 // dry run (host memory, no CUDA) with only carried files: the agents report the addon and libucp
-// they loaded, and the harness refuses a run that did not use the carried ones.
+// they loaded, and the harness refuses a run that did not use the carried ones; two real sidecars
+// (the bundled CLI) move a request registered by the connector's worker code.
 import { execFileSync } from "node:child_process";
 import { existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
@@ -35,6 +36,9 @@ describe.skipIf(!ready)("the GPU device check's staging (needs the build, .ucx a
     expect(out).toMatch(/\(b\) 256 tokens, .* bytes ok/);
     expect(out).toMatch(/\(c\) placement 'device': 16 descriptors, bytes ok/);
     expect(out).toMatch(/\(c\) host_buffer: .* bytes ok/);
+    // Real sidecars from the bundled CLI, run by the carried node, moved a request byte-exact.
+    expect(out).toMatch(/prepare: the bundled sidecar CLI runs/);
+    expect(out).toMatch(/\(c\) real sidecars \(shared memory\): pull of 4 blocks ready .* bytes ok/);
     expect(out).toMatch(/dry run wrote results\.json results\.md/);
     expect(out).not.toMatch(/failed:/);
     const pkg = JSON.parse(
