@@ -38,7 +38,9 @@ describe.skipIf(!ready)("the GPU device check's staging (needs the build, .ucx a
     expect(out).toMatch(/\(c\) host_buffer: .* bytes ok/);
     // Real sidecars from the bundled CLI, run by the carried node, moved a request byte-exact.
     expect(out).toMatch(/prepare: the bundled sidecar CLI runs/);
-    expect(out).toMatch(/\(c\) real sidecars \(shared memory\): pull of 4 blocks ready .* bytes ok/);
+    expect(out).toMatch(
+      /\(c\) real sidecars \(shared memory\): pull of 4 blocks ready .* bytes ok/,
+    );
     expect(out).toMatch(/dry run wrote results\.json results\.md/);
     expect(out).not.toMatch(/failed:/);
     const pkg = JSON.parse(
