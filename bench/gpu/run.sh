@@ -6,6 +6,7 @@
 #
 #   bash bench/gpu/run.sh              # parts a, b, c, c-sidecars
 #   PARTS=a bash bench/gpu/run.sh      # one part
+#   DRY_RUN=1 PYTHON=.venv/bin/python OUT=/tmp/x bash bench/gpu/run.sh   # this script, here: host memory
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 C=$PWD/bench/gpu/carry
@@ -14,7 +15,8 @@ mkdir -p "$OUT"
 [ -f "$C/node.xz" ] || { echo "run.sh: $C/node.xz is missing: run bench/gpu/prepare.sh here and carry bench/gpu/carry" | tee "$OUT/log.txt"; exit 1; }
 # shellcheck source=bench/gpu/runtime.sh
 . bench/gpu/runtime.sh
-kvxfer_runtime "$C" /tmp/kvxfer-rt python3 >"$OUT/log.txt" 2>&1
+PY=${PYTHON:-python3}
+kvxfer_runtime "$C" /tmp/kvxfer-rt "$PY" >"$OUT/log.txt" 2>&1
 rt=$?
 cat "$OUT/log.txt"
 [ "$rt" = 0 ] || exit 1
@@ -24,10 +26,12 @@ export PYTHONUNBUFFERED=1
   echo "== $(date -u) $(uname -r)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   "$NODE" -e 'console.log("node", process.version)'
+  echo "UCX's cuda module needs: $(ldd "$C/ucx/lib/ucx/libuct_cuda.so.0" | grep -E 'libcuda|libnvidia-ml|not found' | tr -s ' \t' ' ' | tr '\n' ';')"
   KVXFER_NATIVE="$C/dist/src/native/index.js" "$NODE" --input-type=module -e '
     const { ucxInfo } = await import(process.env.KVXFER_NATIVE);
     const u = ucxInfo(); console.log("UCX", u.version, "memory types:", u.memoryTypes.join(","), "transports:", u.transports.join(" "));'
-  timeout 450 python3 bench/gpu/harness.py --node "$NODE" --carry "$C" --out "$OUT" --parts "${PARTS:-a,b,c,c-sidecars}"
+  timeout 450 "$PY" bench/gpu/harness.py ${DRY_RUN:+--dry-run} --node "$NODE" --carry "$C" --out "$OUT" \
+    --parts "${PARTS:-a,b,c,c-sidecars}"
   rc=$?
   echo "== harness exit $rc"
   echo "$rc" >/tmp/kvxfer-gpu-rc

@@ -20,6 +20,12 @@ kvxfer_runtime() {
   export PATH="$rt/bin:$PATH"
   export KVXFER_CLI="$rt/app/cli/main.js"
   export LD_LIBRARY_PATH="$carry/ucx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # The driver's libraries (libcuda.so.1 for the addon, libnvidia-ml.so.1 for UCX's cuda module)
+  # where a container mounts them outside the loader's cache.
+  local d
+  for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
+    [ -d "$d" ] && LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
+  done
   export PYTHONPATH="$carry/py${PYTHONPATH:+:$PYTHONPATH}"
   if ! "$py" -c 'import zmq' 2>/dev/null; then
     if ls "$carry"/whl/*.whl >/dev/null 2>&1; then
