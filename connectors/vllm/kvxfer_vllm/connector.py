@@ -33,12 +33,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.platforms import current_platform
 
 from .config import ConnectorConfig, load_config
+from .device import DeviceKv, TorchCuda
 from .errors import ConfigError, LayoutError
 from .layout import describe, expand_block_ids, packing_of
 from .messages import StepMessages
 from .registration import RegionEntry, region_files, registration, tensor_views
 from .scheduler import SchedulerLogic
-from .device import DeviceKv, TorchCuda
 from .shm import HostBuffer, SharedKv, SharedKvFiles, SharedKvSegments
 from .versions import check_vllm_version
 from .worker import WorkerLogic

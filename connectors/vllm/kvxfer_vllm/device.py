@@ -176,7 +176,9 @@ class DeviceKv(SharedKv):
         return self.exports[0].device
 
     def before_prefill_done(self, block_ids: list[int]) -> None:
-        """P: the sidecar may read the blocks once the kernels queued before now have run."""
+        """P: the sidecar may read the blocks once the kernels queued before now have run. Rank 0
+        waits for its own stream only: with TP > 1 its last layer's all-reduce completes only after
+        every rank wrote that layer's KV, and every earlier layer's before it."""
         self.cuda.wait_compute(self.device())
 
     def allocate(self, nbytes: int) -> torch.Tensor:
