@@ -250,8 +250,8 @@ def part_a(mem: Any, node: str, carry: Path | None, res: dict[str, Any]) -> None
     sizes = DRY_SIZES if mem.dry else SIZES
     top = sizes[-1]
     src, dst = mem.alloc(top), mem.alloc(top)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    src.copy_(torch.randint(0, 256, (top,), dtype=torch.uint8, generator=g).to(src.device))
+    g = torch.Generator(device=src.device).manual_seed(1)
+    src.copy_(torch.randint(0, 256, (top,), dtype=torch.uint8, generator=g, device=src.device))
     mem.sync()
     rows: list[dict[str, Any]] = []
     res["a"] = {"rows": rows}
@@ -452,9 +452,9 @@ def part_c(mem: Any, node: str, carry: Path | None, res: dict[str, Any]) -> None
 
     p_kv, d_kv = kv_cache(), kv_cache()
     p_raw = next(iter(p_kv.values()))
-    g = torch.Generator(device="cpu").manual_seed(3)
+    g = torch.Generator(device=dev).manual_seed(3)
     p_flat = torch.as_strided(p_raw.view(torch.uint8), (p_raw.untyped_storage().nbytes(),), (1,), 0)
-    p_flat.copy_(torch.randint(0, 256, p_flat.shape, dtype=torch.uint8, generator=g).to(dev))
+    p_flat.copy_(torch.randint(0, 256, p_flat.shape, dtype=torch.uint8, generator=g, device=dev))
 
     class CpuCuda:  # the dry run's boundary: the same calls, on CPU tensors
         def is_device(self, t): return True

@@ -7,6 +7,7 @@
 #   bash bench/gpu/run.sh              # parts a, b, c, c-sidecars
 #   PARTS=a bash bench/gpu/run.sh      # one part
 #   DRY_RUN=1 PYTHON=.venv/bin/python OUT=/tmp/x bash bench/gpu/run.sh   # this script, here: host memory
+#   UCX_TLS=^cma bash bench/gpu/run.sh # UCX's own variables reach every agent and sidecar
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 C=$PWD/bench/gpu/carry
