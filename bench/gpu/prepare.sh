@@ -104,11 +104,9 @@ xz -9 -T2 -c "$tmp" >"$C/node.xz"
 sha256sum "$tmp" | cut -d' ' -f1 >"$C/node.sha256"
 
 size=$(du -sb "$C" | cut -f1)
-tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-printf 'prepare: staged %s: %.1f MiB (node.xz %.1f MiB, ucx %.1f MiB); working tree %.1f MiB; together %.1f MiB of 64\n' \
-  "$C" "$(echo "$size / 1048576" | bc -l)" "$(echo "$(stat -c %s "$C/node.xz") / 1048576" | bc -l)" \
-  "$(echo "$(du -sb "$C/ucx" | cut -f1) / 1048576" | bc -l)" "$(echo "$tracked / 1048576" | bc -l)" \
-  "$(echo "($size + $tracked) / 1048576" | bc -l)"
+tracked=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{ s += $1 } END { print s + 0 }')
+awk -v c="$C" -v s="$size" -v n="$(stat -c %s "$C/node.xz")" -v u="$(du -sb "$C/ucx" | cut -f1)" -v t="$tracked" \
+  'BEGIN { m = 1048576; printf "prepare: staged %s: %.1f MiB (node.xz %.1f MiB, ucx %.1f MiB); working tree %.1f MiB; together %.1f MiB of 64\n", c, s / m, n / m, u / m, t / m, (s + t) / m }'
 if [ "$size" -gt "$LIMIT" ]; then
   echo "prepare: $C is over 60 MiB" >&2
   exit 1
