@@ -33,6 +33,8 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceAccessor<&AgentWrap::MemoryTypes>("memoryTypes"),
                          InstanceMethod<&AgentWrap::RegisterMemory>("registerMemory"),
                          InstanceMethod<&AgentWrap::RegisterAddress>("registerAddress"),
+                         InstanceMethod<&AgentWrap::OpenCudaIpc>("openCudaIpc"),
+                         InstanceMethod<&AgentWrap::AllocateCuda>("allocateCuda"),
                          InstanceMethod<&AgentWrap::MapFile>("mapFile"),
                          InstanceMethod<&AgentWrap::Allocate>("allocate"),
                          InstanceMethod<&AgentWrap::AttachSegment>("attachSegment"),

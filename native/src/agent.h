@@ -11,6 +11,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "cuda.h"
 #include "endpoint.h"
 #include "handle.h"
 #include "memory_type.h"
@@ -68,6 +69,11 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   static int FindSegment(const void* addr);
   ucs_status_t RegisterRange(void* addr, size_t length, ucp_mem_h* memh, MemKind kind);
   Napi::Value RegisterAddress(const Napi::CallbackInfo& info);
+  // agent_cuda.cc: CUDA device memory opened from an IPC handle or allocated here.
+  Napi::Value OpenCudaIpc(const Napi::CallbackInfo& info);
+  Napi::Value AllocateCuda(const Napi::CallbackInfo& info);
+  Napi::Object CudaRegion(Napi::Env env, const char* what, std::shared_ptr<cuda::DeviceMemory> mem,
+                          uint64_t offset, uint64_t length);
   Napi::Value Transports(const Napi::CallbackInfo& info);
   Napi::Value MemoryTypes(const Napi::CallbackInfo& info);
   Napi::Value Connect(const Napi::CallbackInfo& info);

@@ -71,6 +71,8 @@ interface NativeAgent {
     options?: { confineDir?: string; populate?: boolean },
   ): NativeRegion;
   allocate(length: number, populate?: boolean): NativeRegion;
+  openCudaIpc(handle: Uint8Array, device: number, offset: number, length: number): NativeRegion;
+  allocateCuda(length: number, device: number): NativeRegion;
   attachSegment(id: number, length: number): NativeRegion;
   connect(address: Uint8Array, errorMode: ErrorMode): NativeEndpoint;
   transfer(
@@ -612,6 +614,51 @@ export class Agent extends EventEmitter<AgentEvents> {
     return new Region(
       this,
       call(() => this.native.allocate(length, options.populate ?? false)),
+    );
+  }
+
+  /**
+   * Opens CUDA device memory another process on this host exported (`cudaIpcGetMemHandle`, or
+   * torch's `untyped_storage()._share_cuda_()`): `length` bytes at `offset` of the allocation
+   * that the 64-byte `handle` names, on CUDA device `device` as this process numbers it, and
+   * registers them as a `cuda` region. The driver (libcuda.so.1) is loaded on first use; without
+   * it this refuses with ERR_CUDA_UNAVAILABLE naming the library and the loader's error. A handle
+   * the driver cannot open, or memory on another device, is ERR_CUDA; a range outside the
+   * allocation ERR_OUT_OF_BOUNDS; a UCX without CUDA transports ERR_MEMORY_TYPE_UNSUPPORTED.
+   * Closing the region closes the mapping (docs/gpu.md).
+   */
+  openCudaIpc(
+    handle: Uint8Array,
+    options: { device: number; offset?: number; length: number },
+  ): Region {
+    check(isBytes(handle), "ERR_INVALID_ARGUMENT", "openCudaIpc: handle must be a Uint8Array");
+    check(
+      typeof options?.device === "number" && typeof options.length === "number",
+      "ERR_INVALID_ARGUMENT",
+      "openCudaIpc: options.device and options.length must be numbers",
+    );
+    return new Region(
+      this,
+      call(() =>
+        this.native.openCudaIpc(handle, options.device, options.offset ?? 0, options.length),
+      ),
+    );
+  }
+
+  /**
+   * Allocates `length` bytes of device memory on CUDA device `device` in this process
+   * (cuMemAlloc) and registers them as a `cuda` region; closing the region frees them. Refusals
+   * as for openCudaIpc.
+   */
+  allocateCuda(length: number, options: { device: number }): Region {
+    check(
+      typeof length === "number" && typeof options?.device === "number",
+      "ERR_INVALID_ARGUMENT",
+      "allocateCuda: length and options.device must be numbers",
+    );
+    return new Region(
+      this,
+      call(() => this.native.allocateCuda(length, options.device)),
     );
   }
 
