@@ -77,6 +77,7 @@ export const ERROR_CODES = {
     "a transfer token that is too long, or not the one the transfer was given",
   ERR_BIND: "the engine link cannot bind its endpoint",
   ERR_BLOCKS_IN_USE: "blocks that a live transfer already holds",
+  ERR_BUSY: "a prepared transfer posted again while its last post is still in flight",
   ERR_CLOSED:
     "the object is closed or shutting down (agent, handle, engine link, event log, server)",
   ERR_CONFIG: "a setting (flag, KVXFER_* variable, config file, certificate) is refused",

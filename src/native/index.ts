@@ -33,6 +33,12 @@ interface NativeRegion {
   close(): void;
 }
 
+interface NativePrepared {
+  post(): void;
+  state(): number;
+  close(): void;
+}
+
 interface NativeRemoteRegion {
   readonly length: number;
   close(): void;
@@ -100,6 +106,14 @@ interface NativeAgent {
     ][],
   ): Promise<Float64Array>[];
   progress(): number;
+  prepare(
+    kind: 0 | 1,
+    ep: NativeEndpoint,
+    local: NativeRegion,
+    remote: NativeRemoteRegion,
+    descriptors: Descriptors,
+    notification?: Uint8Array,
+  ): NativePrepared;
   close(): void;
   beginClose(): void;
 }
@@ -119,6 +133,7 @@ interface NativeAddon {
   ) => NativeAgent;
   ucxVersion: string;
   ucxInfo(transports?: string): UcxInfo;
+  ucsStatusName(status: number): string;
 }
 
 function findPackageRoot(start: string): string {
@@ -409,6 +424,56 @@ export class Region {
     return v instanceof ArrayBuffer ? new Uint8Array(v) : (v as Uint8Array);
   }
   /** Idempotent; the memory is unregistered once no transfer uses it. */
+  close(): void {
+    this.native.close();
+  }
+}
+
+/**
+ * A write or read checked once by `agent.prepare()` and posted again and again: `post()` hands it
+ * over with no argument check, no promise and no allocation, and `state` says where it is, as a
+ * NIXL transfer handle is reposted and its state polled. With caller progress, nothing moves
+ * unless the caller calls `agent.progress()`. The handles it names stay open until it closes.
+ */
+export class PreparedTransfer {
+  /** @internal */
+  constructor(
+    readonly agent: Agent,
+    /** @internal */ readonly native: NativePrepared,
+  ) {}
+
+  /**
+   * Posts the transfer. ERR_BUSY while the last post is in flight; ERR_CLOSED once it or its
+   * agent is closed; the endpoint's failure once it failed.
+   */
+  post(): void {
+    call(() => this.native.post());
+  }
+
+  /**
+   * `idle` (never posted), `pending` (in flight), `done` (the last post completed: every byte
+   * remotely complete for a write, local for a read). A failed post throws its error here, each
+   * time it is asked until the next post.
+   */
+  get state(): "idle" | "pending" | "done" {
+    const s = this.native.state();
+    if (s === 1) return "pending";
+    if (s === 0) return "done";
+    if (s === 2) return "idle";
+    if (s === -10000)
+      throw new KvxferError(
+        "ERR_CLOSED",
+        "the prepared transfer was lost (its endpoint abandoned or its agent closed mid-flight)",
+      );
+    throw KvxferError.from(
+      Object.assign(new Error(`the prepared transfer failed: UCX status ${s}`), {
+        code: addon.ucsStatusName(s),
+        ucsStatus: s,
+      }),
+    );
+  }
+
+  /** Idempotent; once it is not in flight, the handles it named are released. */
   close(): void {
     this.native.close();
   }
@@ -799,6 +864,48 @@ export class Agent extends EventEmitter<AgentEvents> {
       ] as [0 | 1, NativeEndpoint, NativeRegion, NativeRemoteRegion, Descriptors, Uint8Array?];
     });
     return call(() => this.native.transferMany(native)).map((p) => settle(p));
+  }
+
+  /**
+   * A write (`kind` "write", with an optional notification delivered after its data) or a read,
+   * checked now as write() and read() check theirs, and kept to be posted again and again
+   * (PreparedTransfer.post()): the per-request path without a promise, for callers that poll.
+   */
+  prepare(
+    kind: "write" | "read",
+    ep: Endpoint,
+    local: Region,
+    remote: RemoteRegion,
+    descriptors: Descriptors,
+    notification?: Uint8Array,
+  ): PreparedTransfer {
+    this.checkNotClosing("prepare");
+    check(
+      kind === "write" || kind === "read",
+      "ERR_INVALID_ARGUMENT",
+      "prepare: kind must be 'write' or 'read'",
+    );
+    this.checkTransfer(ep, local, remote, descriptors, "prepare: ");
+    if (notification !== undefined) {
+      check(
+        isBytes(notification),
+        "ERR_INVALID_ARGUMENT",
+        "prepare: notification must be a Buffer",
+      );
+    }
+    return new PreparedTransfer(
+      this,
+      call(() =>
+        this.native.prepare(
+          kind === "write" ? 0 : 1,
+          ep.native,
+          local.native,
+          remote.native,
+          descriptors,
+          notification,
+        ),
+      ),
+    );
   }
 
   /**
