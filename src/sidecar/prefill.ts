@@ -85,6 +85,13 @@ function releaseReason(kind: TerminalKind | PrefillState): ReleaseReason {
 export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   /** Only with exclusivePrefillBlocks: a transfer claims its whole block_ids from PrefillDone to its end. */
   private readonly claims = new BlockClaims();
+  /**
+   * Transfer ids the engine gave up on before this side heard of them (its Abort of an id it
+   * never sent PrefillDone for: the request ended before prefill), each until its forget time.
+   * D's PushReg for one is answered Failed at once, not after D's transfer timeout. Bounded by
+   * maxTransfers (oldest forgotten first); holds no blocks and emits no event.
+   */
+  private readonly givenUp = new Map<string, number>();
 
   constructor(ctx: SideContext) {
     super(ctx, "prefill", PREFILL_INITIAL, PREFILL_NEXT);
@@ -243,6 +250,16 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     this.end(t, "ABORTED", "aborted by the engine");
   }
 
+  /** The engine's Abort of an id this side does not know (see `givenUp`). */
+  giveUp(transferId: string): void {
+    if (this.givenUp.size >= this.ctx.settings.maxTransfers) {
+      const oldest = this.givenUp.keys().next().value;
+      if (oldest !== undefined) this.givenUp.delete(oldest);
+    }
+    this.givenUp.delete(transferId);
+    this.givenUp.set(transferId, this.ctx.clock.now() + this.ctx.settings.tombstoneMs);
+  }
+
   // --- the decode peer -----------------------------------------------------------
 
   /** `receivedUs`: when our progress thread received D's notification (monoUs). */
@@ -261,6 +278,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       );
     }
     if (existing?.reg?.peer === peer || existing?.otherRegs.some((r) => r.peer === peer)) return; // the same engine's registration again: idempotent
+    if (existing === undefined && this.givenUp.has(m.transferId))
+      return fail("ERR_ABORTED", "the prefill engine gave up on this request before its prefill");
     if (m.numTokens === 0 || m.prefixTokens > m.numTokens)
       return fail("ERR_BAD_TOKENS", "bad token counts in PushReg");
     if (existing?.blocks !== undefined && !tokensEqual(existing.token, m.token)) {
@@ -583,6 +602,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
 
   /** Ends what ran out of time and forgets old tombstones. */
   expire(now: number): void {
+    for (const [id, until] of this.givenUp) if (now >= until) this.givenUp.delete(id);
     for (const t of this.transfers.values()) {
       if (now < t.deadline) continue;
       if (isTerminal(t.state)) {

@@ -813,8 +813,11 @@ export class Sidecar implements SidecarView {
   // --- dispatch ----------------------------------------------------------------------
 
   private onEngineAbort(transferId: string): void {
-    if (!this.decode.has(transferId) && !this.prefill.has(transferId))
+    if (!this.decode.has(transferId) && !this.prefill.has(transferId)) {
+      // P's engine may give up on a push before D registers: D's registration is refused then.
+      if (this.role !== "decode") this.prefill.giveUp(transferId);
       return this.refuse(transferId, "ERR_UNKNOWN_TRANSFER", `no transfer '${transferId}'`);
+    }
     this.decode.abort(transferId);
     this.prefill.abort(transferId);
   }

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .bootstrap import BootstrapResolver, fill_source
-from .messages import AbortMsg, ExpectMsg, PrefillDoneMsg, StepMessages
+from .messages import AbortMsg, ExpectMsg, GiveUpMsg, PrefillDoneMsg, StepMessages
 from .params import (
     BadParams,
     parse_remote_prefill,
@@ -149,12 +149,16 @@ class SchedulerLogic:
             self._next.abort.append(AbortMsg(request_id, waiting.transfer_id))
             self._aborting.add(request_id)
             return True, None
-        if not wants_remote_decode(params) or not finished_ok or not block_ids:
+        if not wants_remote_decode(params):
+            return False, None
+        assert params is not None
+        if not finished_ok or not block_ids or num_computed_tokens <= 0:
+            self._give_up(request_id, params, "ended without KV" if finished_ok else "aborted")
             return False, None
         if not self.side_channel:
             log.error("kvxfer: request %s: no side channel known for this engine's sidecar; D will compute it", request_id)
+            self._give_up(request_id, params, "no side channel")
             return False, None
-        assert params is not None
         tid = transfer_id_of(params, request_id)
         try:
             # The router's token when it gave one (push: it told D too). A router that names the
@@ -164,6 +168,7 @@ class SchedulerLogic:
             token = token_of(params) or ("" if _router_named(params) else secrets.token_hex(16))
         except BadParams as err:
             log.error("kvxfer: request %s: %s; D will compute it", request_id, err)
+            self._give_up(request_id, params, "bad kvxfer_token")
             return False, None
         self._next.prefill_done.append(
             PrefillDoneMsg(request_id, tid, list(block_ids), num_computed_tokens, token)
@@ -180,6 +185,15 @@ class SchedulerLogic:
             blocks_per_block=self.blocks_per_block,
             token=token,
         )
+
+    def _give_up(self, request_id: str, params: dict[str, Any], why: str) -> None:
+        """P: no KV will come for this request. Only a transfer the router named can have reached
+        D before P's answer (push: D registers while P computes), so only that one is told."""
+        if not _router_named(params):
+            return
+        tid = transfer_id_of(params, request_id)
+        log.info("kvxfer: request %s (transfer %s) %s: telling D not to wait", request_id, tid, why)
+        self._next.give_up.append(GiveUpMsg(request_id, tid))
 
     def build_step(self) -> StepMessages:
         step, self._next = self._next, StepMessages()

@@ -163,3 +163,24 @@ def test_the_routers_token_binds_the_transfer_and_reaches_d():
                               block_ids=[1], num_computed_tokens=10) == (False, None)
     with pytest.raises(BadParams, match="kvxfer_token"):
         parse_remote_prefill({"remote_host": "h", "remote_port": 1, "kvxfer_token": 7}, "r")
+
+
+@pytest.mark.parametrize(
+    "finished_ok, blocks, computed",
+    [(False, [1], 40), (True, [], 0), (True, [1], 0)],
+    ids=["aborted", "no-blocks", "nothing-computed"],
+)
+def test_p_gives_up_a_router_named_transfer_that_ends_without_kv(finished_ok, blocks, computed):
+    """Push: D may have registered for a transfer the router named before P finished. When P's
+    request ends without KV, the worker is told to give it up (its sidecar tells D at once)."""
+    s = sched()
+    params = {"do_remote_decode": True, "transfer_id": "router-9"}
+    assert s.request_finished("cmpl-a-0-deadbeef", params, finished_ok=finished_ok, block_ids=blocks,
+                              num_computed_tokens=computed) == (False, None)
+    step = s.build_step()
+    assert [(g.request_id, g.transfer_id) for g in step.give_up] == [("cmpl-a-0-deadbeef", "router-9")]
+    assert not step.prefill_done and not s.has_pending_work()
+    # A transfer P named itself reaches D only in P's answer: nobody to tell.
+    s.request_finished("cmpl-b-0-deadbeef", {"do_remote_decode": True}, finished_ok=False, block_ids=[1],
+                       num_computed_tokens=4)
+    assert not s.build_step()
