@@ -40,6 +40,13 @@ export abstract class SideTable<S extends string, T extends Tracked<S> & { trace
     return this.transfers.has(transferId);
   }
 
+  /** Ids of the live (non-terminal) transfers, copied: ending one while iterating is safe. */
+  liveIds(): string[] {
+    const out: string[] = [];
+    for (const t of this.transfers.values()) if (!isTerminal(t.state)) out.push(t.id);
+    return out;
+  }
+
   live(): number {
     let n = 0;
     for (const t of this.transfers.values()) if (!isTerminal(t.state)) n++;

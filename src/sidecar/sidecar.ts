@@ -335,6 +335,40 @@ export class Sidecar implements SidecarView {
     return this.sideChannel;
   }
 
+  /** Whether an engine's registration was accepted (it may have left since). */
+  get registered(): boolean {
+    return this.kv !== undefined;
+  }
+
+  /**
+   * Whether the registered engine removed its KV: every file of the accepted registration is
+   * gone from disk or replaced (the simulated engine and the vLLM connector remove theirs when
+   * they end). A segment shows nothing here: false.
+   */
+  engineFilesGone(): boolean {
+    const cur = this.registration;
+    if (cur === undefined || cur.files.length === 0) return false;
+    if (cur.files.some((id) => id === "" || id.startsWith("segment:"))) return false;
+    const now = Sidecar.fileIdentities(cur.msg);
+    return cur.files.every((id, i) => now[i] !== id);
+  }
+
+  /**
+   * The registered engine is gone for good (issue 35): no new transfers, and every live one
+   * ends now, telling its peer (P's registrations get Failed, D's transfers an Abort), so peers
+   * recompute or free at once. The caller then stops this sidecar: a new engine's memory needs a
+   * new epoch, since peers hold remote keys for the old one and a late one-sided write cannot
+   * be recalled from a process that keeps living.
+   */
+  abandonEngine(why: string): void {
+    this.draining = true;
+    const live = this.liveTransfers();
+    this.log.warn({ why, live }, "engine gone: ending every transfer it held, telling peers");
+    this.noteError(`engine gone: ${why}`);
+    for (const id of this.prefill.liveIds()) this.prefill.abort(id);
+    for (const id of this.decode.liveIds()) this.decode.abort(id);
+  }
+
   /** Live (non-terminal) transfers on both sides. */
   liveTransfers(): number {
     return this.prefill.live() + this.decode.live();
@@ -526,7 +560,9 @@ export class Sidecar implements SidecarView {
       if (!this.isSameCache(reg)) {
         return fail(
           "ERR_ALREADY_REGISTERED: the engine that registered is gone, but this registration names " +
-            "other memory; a new engine process needs a new sidecar (restart the sidecar: new epoch)",
+            "other memory; a new engine process needs a new sidecar (new epoch): with " +
+            "--engine-lease-ms this sidecar stops by itself once the old engine is provably gone " +
+            "(its KV files removed, or its connection gone that long), else restart it",
         );
       }
       // The owner's connection ended and the same engine (same files) registers again from a

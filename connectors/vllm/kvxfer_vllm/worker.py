@@ -43,6 +43,16 @@ _ALREADY_RETRY_S = 0.2
 
 _MAX_GIVING_UP = 10_000
 
+#: A registration the sidecar cannot take yet is asked again this often (register()).
+_REREGISTER_S = 0.5
+
+
+def _retryable(error: str) -> bool:
+    """Refusals that a later answer (or the next sidecar) may turn into an acceptance."""
+    return error.startswith("ERR_ALREADY_REGISTERED") and (
+        "is gone" in error or "another live connection" in error
+    )
+
 _EXPIRED_REASONS = (engine_pb2.FAILURE_REASON_TIMEOUT, engine_pb2.FAILURE_REASON_LEASE_EXPIRED)
 
 @dataclass
@@ -115,6 +125,8 @@ class WorkerLogic:
         self._registration: engine_pb2.EngineToSidecar | None = None
         self._registered = threading.Event()
         self._reg_answer: engine_pb2.Registered | None = None
+        #: True while ``register`` waits: answers go to it, reconnects do not re-register.
+        self._initial = False
         self.epoch = 0
         self.side_channel = ""
         self._lost_since: float | None = None
@@ -131,22 +143,47 @@ class WorkerLogic:
     # --- registration -----------------------------------------------------------------
 
     def register(self, reg: engine_pb2.RegisterKvCache) -> engine_pb2.Registered:
-        """Sends RegisterKvCache and waits (bounded) for the answer; RegistrationError otherwise."""
+        """Sends RegisterKvCache and waits (bounded) for the answer; RegistrationError otherwise.
+
+        A refusal that says the sidecar still holds an engine that is gone (a restarted engine
+        under a running sidecar: the sidecar stops for a restart once the old one is provably
+        gone, ``--engine-lease-ms``), or still sees another live connection, is asked again every
+        ``_REREGISTER_S`` until ``register_timeout_s``; the next sidecar takes it."""
         self._registration = engine_pb2.EngineToSidecar(register=reg)
+        self._initial = True
         self.link.start()
-        self._registered.clear()
-        self.link.send(self._registration)
-        if not self._registered.wait(self.register_timeout_s):
-            raise RegistrationError(
-                "ERR_REGISTER_TIMEOUT",
-                f"no kvxfer sidecar answered on {self.link.endpoint} within {self.register_timeout_s:g} s: "
-                f"start `kvxfer sidecar --engine-id {self.engine_id}` with that --engine-socket",
-            )
-        ans = self._reg_answer
-        assert ans is not None
-        if not ans.ok:
-            raise RegistrationError("ERR_REGISTER_REFUSED", f"the sidecar refused the KV cache: {ans.error}")
-        return ans
+        deadline = self._clock() + self.register_timeout_s
+        last = ""
+        try:
+            while True:
+                self._registered.clear()
+                self._reg_answer = None
+                self.link.send(self._registration)
+                left = deadline - self._clock()
+                if left <= 0 or not self._registered.wait(left):
+                    raise RegistrationError(
+                        "ERR_REGISTER_TIMEOUT",
+                        f"no kvxfer sidecar accepted this engine on {self.link.endpoint} within "
+                        f"{self.register_timeout_s:g} s"
+                        + (f" (last answer: {last})" if last else "")
+                        + f": start `kvxfer sidecar --engine-id {self.engine_id}` with that --engine-socket",
+                    )
+                ans = self._reg_answer
+                assert ans is not None
+                if ans.ok:
+                    self.epoch = ans.epoch
+                    self.side_channel = ans.side_channel
+                    with self._lock:
+                        self._lost_since = None  # a sidecar that went away while we asked
+                    return ans
+                if not _retryable(ans.error):
+                    raise RegistrationError("ERR_REGISTER_REFUSED", f"the sidecar refused the KV cache: {ans.error}")
+                if last != ans.error:
+                    log.warning("kvxfer: the sidecar cannot take this engine yet (%s); asking again", ans.error)
+                last = ans.error
+                time.sleep(max(0.0, min(_REREGISTER_S, deadline - self._clock())))
+        finally:
+            self._initial = False
 
     # --- engine steps -------------------------------------------------------------------
 
@@ -365,6 +402,8 @@ class WorkerLogic:
         elif state == "connected":
             first = not self._ever_connected
             self._ever_connected = True
+            # A reconnect while register() waits also sends: a frame the old sidecar never read
+            # died with it (register() keeps the first answer).
             if not first and self._registration is not None:
                 log.info("kvxfer: sidecar connection back; registering again")
                 self._send(self._registration)
@@ -406,13 +445,10 @@ class WorkerLogic:
             self._on_refused(msg.refused)
 
     def _on_registered(self, ans: engine_pb2.Registered) -> None:
-        first = not self._registered.is_set()
-        if first:
-            self._reg_answer = ans
-            if ans.ok:
-                self.epoch = ans.epoch
-                self.side_channel = ans.side_channel
-            self._registered.set()
+        if self._initial:
+            if not self._registered.is_set():
+                self._reg_answer = ans
+                self._registered.set()
             return
         # A re-registration after a reconnect: the link is up again once it is accepted.
         if ans.ok:
@@ -440,6 +476,8 @@ class WorkerLogic:
                 retry = threading.Timer(_ALREADY_RETRY_S, self._send, args=(self._registration,))
                 retry.daemon = True
                 retry.start()
+        elif not ans.ok and "already registered" in ans.error:
+            pass  # this connection owns the link already (a registration sent twice)
         elif not ans.ok:
             log.error("kvxfer: the sidecar refused the re-registration: %s", ans.error)
 
