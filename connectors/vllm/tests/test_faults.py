@@ -127,3 +127,36 @@ def test_p_giving_up_on_a_push_fails_d_at_once(sidecars, shm_dir):
 
 def _by_state(sc) -> dict[str, int]:
     return sc.status().get("transfersByState", {})
+
+
+def test_a_restarted_engine_under_a_running_sidecar_registers_once_the_old_one_is_gone(sidecars, shm_dir):
+    """vLLM restarted alone (the kubelet restarts one container): the new engine's registration
+    names other memory. The sidecar refuses it while the old engine may still be alive, stops
+    (exit 75) once the old one is provably gone (here: its link away for --engine-lease-ms; its
+    files stay, as after a SIGKILL), and the sidecar started in its place (the kubelet again)
+    accepts it: the connector asks again until ``register_timeout_s`` instead of failing."""
+    import threading
+
+    sc = sidecars("prefill", "--engine-lease-ms", "1500")
+    old = KvEngine(str(shm_dir), sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
+    # Another process's files (their names carry the pid): another folder here.
+    (shm_dir / "new").mkdir()
+    new = KvEngine(str(shm_dir / "new"), sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
+    try:
+        old.connect(sc.socket).close()  # the old engine's process is gone: its link closes
+        t0 = time.monotonic()
+        done: dict = {}
+        th = threading.Thread(target=lambda: done.update(w=new.connect(sc.socket)), daemon=True)
+        th.start()
+        wait_for(lambda: sc.p.poll() is not None, 10, "the sidecar to stop for the new engine")
+        assert sc.p.returncode == 75
+        sc2 = sidecars("prefill", engine_id=sc.engine_id, socket=sc.socket)
+        th.join(20)
+        assert "w" in done, "the new engine never registered"
+        w = done["w"]
+        assert w.epoch == int(sc2.ready["epoch"]) and not w.link_down()
+        print(f"\nrestarted engine registered {time.monotonic() - t0:.1f} s after it started (engine lease 1.5 s)")
+    finally:
+        old.close()
+        new.close()
+        (shm_dir / "new").rmdir()
