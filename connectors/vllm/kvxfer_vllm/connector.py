@@ -298,7 +298,8 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.num_new_matched_tokens(
-            request.request_id, request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens
+            request.request_id, request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens,
+            prompt_token_ids=request.prompt_token_ids,
         )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -331,6 +332,7 @@ class KvxferConnector(KVConnectorBase_V1):
             finished_ok=request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED),
             block_ids=list(block_ids),
             num_computed_tokens=request.num_computed_tokens,
+            token_ids=request.all_token_ids if request.prompt_token_ids is not None else None,
         )
 
     def has_pending_push_work(self) -> bool:

@@ -160,3 +160,41 @@ def test_a_restarted_engine_under_a_running_sidecar_registers_once_the_old_one_i
         old.close()
         new.close()
         (shm_dir / "new").rmdir()
+
+
+def test_a_push_for_another_prompt_is_refused_before_any_write(sidecars, shm_dir):
+    """Push: a request for another prompt presents the real transfer's id and token (a forgery sent
+    straight to a decode engine). Its token is bound to its own prompt, so P's sidecar refuses it
+    by name before writing anything, while the real decode engine, which registered after it,
+    gets the KV; P's blocks come back as soon as the real transfer is done."""
+    from kvxfer_vllm.params import bind_token, prompt_digest
+
+    p_sc = sidecars("prefill", "--mode", "push")
+    f_sc = sidecars("decode", "--mode", "push")
+    d_sc = sidecars("decode", "--mode", "push")
+    p = KvEngine(str(shm_dir), p_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=16)
+    f = KvEngine(str(shm_dir), f_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=16)
+    d = KvEngine(str(shm_dir), d_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=16)
+    try:
+        pw, fw, dw = p.connect(p_sc.socket), f.connect(f_sc.socket), d.connect(d_sc.socket)
+        pc, fc, dc = Collector(pw), Collector(fw), Collector(dw)
+        side = pw.side_channel
+        real, other = [5, 9, 2, 7] * 10, [5, 9, 2, 8] * 10
+        token = "router-token"
+        bound = lambda ids: bind_token(token, prompt_digest(ids, 40))
+        fw.on_step(StepMessages(expect=[ExpectMsg("f1", "t", [1, 2], 40, 0, side, None, token=bound(other))]))
+        wait_for(lambda: _by_state(p_sc).get("prefill:WAITING", 0) == 1, 15, "the forged registration on P")
+        dw.on_step(StepMessages(expect=[ExpectMsg("d1", "t", [3, 4], 40, 0, side, None, token=bound(real))]))
+        time.sleep(0.5)  # the real registration reaches P too (kept aside until PrefillDone)
+        pw.on_step(StepMessages(prefill_done=[PrefillDoneMsg("p1", "t", [5, 6], 40, token=bound(real))]))
+        wait_for(lambda: "d1" in dc.poll().finished_recving, 15, "the real transfer")
+        assert "d1" not in dc.r.failed_recving
+        wait_for(lambda: "f1" in fc.poll().failed_recving, 15, "the forgery refused")
+        assert [x[0] for x in fw.failures] == ["t"] and "not the decode engine this transfer names" in fw.failures[0][2]
+        wait_for(lambda: "p1" in pc.poll().finished_sending, 15, "P's blocks back after the real transfer")
+        assert pw.in_flight() == 0 and fw.in_flight() == 0 and dw.in_flight() == 0
+        print(f"\nforged push refused: {fw.failures[0][2]}; real transfer landed; held afterwards: P 0, D 0, forger 0")
+    finally:
+        p.close()
+        f.close()
+        d.close()
