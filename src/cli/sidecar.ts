@@ -545,6 +545,18 @@ export async function startSidecar(
   });
   const metrics = new SidecarMetrics();
   metrics.watchEventLog(events);
+  // Read at each scrape: transfers not yet ended, per side (ended ones stay listed for
+  // --tombstone-ms in status, so a count of the listing overstates what is live).
+  const liveGauge = metrics.registry.gauge(
+    "kvxfer_live_transfers",
+    "Transfers not yet in a terminal state, by side.",
+    { labelNames: ["side"], maxSeries: 2 },
+  );
+  metrics.registry.onCollect(() => {
+    const n = sidecar.liveBySide();
+    liveGauge.set({ side: "prefill" }, n.prefill);
+    liveGauge.set({ side: "decode" }, n.decode);
+  });
   if (s.bootstrap !== "" && s.role === "decode")
     throw new KvxferError(
       "ERR_CONFIG",

@@ -369,6 +369,11 @@ export class Sidecar implements SidecarView {
     for (const id of this.decode.liveIds()) this.decode.abort(id);
   }
 
+  /** Live (non-terminal) transfers per side. */
+  liveBySide(): { prefill: number; decode: number } {
+    return { prefill: this.prefill.live(), decode: this.decode.live() };
+  }
+
   /** Live (non-terminal) transfers on both sides. */
   liveTransfers(): number {
     return this.prefill.live() + this.decode.live();

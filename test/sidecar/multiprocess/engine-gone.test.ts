@@ -34,7 +34,7 @@ describe("an engine gone under its sidecar", () => {
     const p = await KvNode.start({
       role: "prefill",
       mode: "push",
-      sidecarArgs: ["--engine-lease-ms", "1500"],
+      sidecarArgs: ["--engine-lease-ms", "1500", "--metrics", "127.0.0.1:0"],
     });
     nodes.push(p);
     const d = await KvNode.start({
@@ -46,6 +46,10 @@ describe("an engine gone under its sidecar", () => {
     expect(await p.client.health()).toBe("SERVING");
     await d.engine.expect({ transferId: "g1", tokens: 40, source: p.sideChannel });
     await p.waitTransfer("g1", "prefill", (t) => t.state === "WAITING", "D's registration");
+    // The live-transfers gauge counts it (the listing would also count ended ones).
+    const scrape = await (await fetch(`http://${p.ready.metrics!}/metrics`)).text();
+    expect(scrape).toContain('kvxfer_live_transfers{side="prefill"} 1');
+    expect(scrape).toContain('kvxfer_live_transfers{side="decode"} 0');
     const exited = exitOf(p.sidecar);
     const t0 = Date.now();
     p.engine.kill("SIGKILL");
