@@ -120,7 +120,8 @@ def test_a_sidecar_that_stays_down_costs_a_recompute_not_a_hang(pd):
     wait_for(lambda: usage(pd.p) == 0, 5, "P's blocks back at once", interval=0.25)
     print(f"\nsidecars down: requests answered in {', '.join(f'{t:.1f}' for t in times)} s; held afterwards: P 0, D 0")
     # Both come back: the connectors register again and P/D moves KV again.
-    pd.p_sc = SidecarProc(pd.p_sc.engine_id, "prefill", pd.p_sc.socket, pd.work)
+    # P's sidecar on its old side channel: P's engine advertises the address it learned at start.
+    pd.p_sc = SidecarProc(pd.p_sc.engine_id, "prefill", pd.p_sc.socket, pd.work, "--listen", pd.p_sc.side_channel)
     pd.d_sc = SidecarProc(d_sc.engine_id, "decode", d_sc.socket, pd.work)
     for sc in (pd.p_sc, pd.d_sc):
         wait_for(lambda sc=sc: sc.status()["layoutSummary"] != "not registered", 30, "the engines to register again")
