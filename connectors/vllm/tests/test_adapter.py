@@ -120,3 +120,13 @@ def test_transfer_counters_reach_vllms_prometheus_metrics():
     text = generate_latest(reg).decode()
     for key, value in {"transfers": 3, "bytes": 4096, "mismatched": 1, "recomputed": 1, "expired": 0}.items():
         assert f'{PROM_COUNTERS[key][0]}_total{{engine="0",model_name="m"}} {float(value)}' in text
+
+
+def test_the_tiny_model_has_a_chat_template(model):
+    """Chat requests to the test engines need no --chat-template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok.apply_chat_template([{"role": "user", "content": "w1 w2"}, {"role": "user", "content": "w3"}])
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert list(ids) == [4, 5, 6]
