@@ -282,6 +282,8 @@ function placement(
       transport,
       busyPoll: v.busyPoll === true,
       progress: v.progress ?? "thread",
+      // A polling agent over TCP keeps progressing while idle, as NIXL's harness does there.
+      idleProgress: transport === "tcp",
     };
     if (ns !== undefined) init.netDevice = ns.devices[i];
     return { prefix, env: v.addon !== undefined ? { KVXFER_ADDON: v.addon } : {}, init };

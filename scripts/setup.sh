@@ -33,9 +33,11 @@ fi
 # UCX, pinned (native/ucx/requirements.txt): unpacked into .ucx/, which the addon is built against.
 bash scripts/setup-ucx.sh
 
-# npm install (not npm ci): the lock file records only the platform packages this
-# registry serves (e.g. no darwin or win32 builds of buf), which npm ci refuses.
-npm install --no-fund --no-audit
+# The npm dependencies exactly as package-lock.json records them (npm ci: the lock is never
+# rewritten, so a fresh clone stays clean); skipped when node_modules already matches the lock.
+if [ ! -f node_modules/.package-lock.json ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then
+  npm ci --no-fund --no-audit
+fi
 npm run build
 
 # `kvxfer` on the PATH (package.json "bin"): a link to this checkout in npm's

@@ -70,20 +70,42 @@ function descsFrom(s: unknown): Float64Array {
 }
 
 /**
- * Caller-progress agents (progress: "caller") move only while progress() is called: between the
- * requests of this protocol a pump calls it on every turn of the event loop, as NIXL's harness
- * polls its agent. The measuring loops below call it themselves.
+ * Caller-progress agents (progress: "caller") move only while progress() is called. As NIXL's
+ * harness does: the measuring loops below call it themselves; a request that awaits something
+ * (a KV write, notifications) is pumped while it waits (progress() on every turn of the event
+ * loop); and over TCP, where a put or get completes only when the target's UCX progresses too,
+ * the idle target is pumped all the time (NIXL's idleProgress). Otherwise an idle polling agent
+ * spins nothing.
  */
-let pumping = false;
-function startPump(a: Agent): void {
-  if (pumping) return;
-  pumping = true;
-  const pump = (): void => {
-    if (a.closed) return;
-    a.progress();
-    setImmediate(pump);
-  };
-  setImmediate(pump);
+let pumping = false; // caller-progress agent
+let alwaysPump = false;
+let waiting = 0;
+let pumpScheduled = false;
+/** A measuring loop counts what progress() settles: the pump must not take it meanwhile. */
+let pumpPaused = false;
+function pumpTurn(): void {
+  pumpScheduled = false;
+  const a = agent;
+  if (a === undefined || a.closed || pumpPaused || (!alwaysPump && waiting === 0)) return;
+  a.progress();
+  pumpScheduled = true;
+  setImmediate(pumpTurn);
+}
+function wakePump(): void {
+  if (pumping && !pumpScheduled) {
+    pumpScheduled = true;
+    setImmediate(pumpTurn);
+  }
+}
+/** Runs `f`, progressing a caller-progress agent until it settles. */
+async function pumped<T>(f: () => Promise<T>): Promise<T> {
+  waiting++;
+  wakePump();
+  try {
+    return await f();
+  } finally {
+    waiting--;
+  }
 }
 
 /**
@@ -120,19 +142,25 @@ async function bandwidthPolling(
   };
   const c0 = process.cpuUsage();
   const t0 = now();
-  for (let i = 0; i < Math.min(window, iters); i++) post();
-  let turns = 0;
-  while (done < iters) {
-    const n = a.progress();
-    done += n;
-    if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
-    for (let k = 0; k < n && started < iters; k++) post();
-    if (failed !== undefined) throw failed;
-    if (++turns % 65536 === 0) {
-      if (now() - t0 > timeoutMs * 1e6)
-        throw new KvxferError("ERR_TIMEOUT", `bw: ${done}/${iters} within ${timeoutMs} ms`);
-      await new Promise((res) => setImmediate(res));
+  pumpPaused = true;
+  try {
+    for (let i = 0; i < Math.min(window, iters); i++) post();
+    let turns = 0;
+    while (done < iters) {
+      const n = a.progress();
+      done += n;
+      if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
+      for (let k = 0; k < n && started < iters; k++) post();
+      if (failed !== undefined) throw failed;
+      if (++turns % 65536 === 0) {
+        if (now() - t0 > timeoutMs * 1e6)
+          throw new KvxferError("ERR_TIMEOUT", `bw: ${done}/${iters} within ${timeoutMs} ms`);
+        await new Promise((res) => setImmediate(res));
+      }
     }
+  } finally {
+    pumpPaused = false;
+    wakePump();
   }
   const seconds = (now() - t0) / 1e9;
   const cpu = process.cpuUsage(c0);
@@ -233,7 +261,11 @@ async function handle(req: Request): Promise<unknown> {
       if (req.progress === "caller") opts.progress = "caller";
       agent = new Agent(opts);
       agent.on("notifications", onNotifications);
-      if (opts.progress === "caller") startPump(agent);
+      if (opts.progress === "caller") {
+        pumping = true;
+        alwaysPump = req.idleProgress === true;
+        wakePump();
+      }
       return {
         system: "kvxfer",
         version: `kvxfer ${process.env.npm_package_version ?? "0.1.0"} (native addon)`,
@@ -282,7 +314,7 @@ async function handle(req: Request): Promise<unknown> {
         Buffer.from(String(req.tag)),
       );
       const tReturn = now();
-      await p;
+      await pumped(() => p);
       return { tPostNs: tPost, tReturnNs: tReturn, tDoneNs: now() };
     }
     case "descpost": {
@@ -304,7 +336,7 @@ async function handle(req: Request): Promise<unknown> {
       const t1 = now();
       const p = a.write(need(ep, "endpoint"), r, rem, d);
       const t2 = now();
-      await p;
+      await pumped(() => p);
       const t3 = now();
       return {
         buildMs: (t1 - t0) / 1e6,
@@ -317,17 +349,19 @@ async function handle(req: Request): Promise<unknown> {
     case "wait_notes": {
       const tags = new Set((req.tags as unknown[]).map(String));
       const seen: Record<string, number> = {};
-      await waitFor(
-        () => {
-          notes = notes.filter((n) => {
-            if (!tags.has(n.data)) return true;
-            seen[n.data] = n.t;
-            return false;
-          });
-          return Object.keys(seen).length === tags.size;
-        },
-        timeoutMs,
-        "notifications",
+      await pumped(() =>
+        waitFor(
+          () => {
+            notes = notes.filter((n) => {
+              if (!tags.has(n.data)) return true;
+              seen[n.data] = n.t;
+              return false;
+            });
+            return Object.keys(seen).length === tags.size;
+          },
+          timeoutMs,
+          "notifications",
+        ),
       );
       return { arrivals: seen };
     }
@@ -374,16 +408,18 @@ async function handle(req: Request): Promise<unknown> {
       const e = need(ep, "endpoint");
       const reps = Number(req.reps);
       let answered = 0;
-      await waitFor(
-        () => {
-          for (const n of notes.splice(0)) {
-            void a.notify(e, Buffer.from(n.data));
-            answered++;
-          }
-          return answered >= reps;
-        },
-        timeoutMs,
-        "pong",
+      await pumped(() =>
+        waitFor(
+          () => {
+            for (const n of notes.splice(0)) {
+              void a.notify(e, Buffer.from(n.data));
+              answered++;
+            }
+            return answered >= reps;
+          },
+          timeoutMs,
+          "pong",
+        ),
       );
       return { n: answered };
     }

@@ -24,6 +24,7 @@ EndpointWrap::EndpointWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<En
   if (!IsInternalCall(info)) {
     throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT", "Endpoint handles come from Agent.connect");
   }
+  TagObject(info.Env(), info.This().As<Napi::Object>(), kEndpointTag);
 }
 
 Napi::Value EndpointWrap::Id(const Napi::CallbackInfo& info) {

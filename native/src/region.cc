@@ -45,6 +45,7 @@ RegionWrap::RegionWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<Region
     throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT",
                     "Region handles come from Agent.registerMemory or Agent.mapFile");
   }
+  TagObject(info.Env(), info.This().As<Napi::Object>(), kRegionTag);
 }
 
 void RegionWrap::InitBuffer(Napi::Env env, Napi::Value owner, uint8_t* base, size_t length,

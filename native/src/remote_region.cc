@@ -18,6 +18,7 @@ RemoteWrap::RemoteWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<Remote
     throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT",
                     "RemoteRegion handles come from Endpoint.importRemote");
   }
+  TagObject(info.Env(), info.This().As<Napi::Object>(), kRemoteTag);
 }
 
 Napi::Value RemoteWrap::Length(const Napi::CallbackInfo& info) {

@@ -4,12 +4,35 @@
  * nothing is read from the request but its method and path.
  */
 import * as http from "node:http";
-import type { AddressInfo } from "node:net";
+import type { AddressInfo, Socket } from "node:net";
+
+import { ConnectionSlots, type SlotLimits } from "../peer/side-channel.js";
+
+/**
+ * An HTTP endpoint's connections (metrics, bootstrap): a scraper or a router needs one or two,
+ * so a few per source are enough. No deadline per connection (it could cut a router's request
+ * on a kept-alive connection): Node's own timers close what holds a slot without a request
+ * (HttpLimits).
+ */
+export const HTTP_SLOTS: SlotLimits = { inFlight: 64, perSource: 8, deadlineMs: 0 };
+
+/** How long a request may take to arrive whole, and an idle kept-alive connection to stay. */
+export interface HttpLimits {
+  readonly slots: SlotLimits;
+  /** Headers and body must have arrived this long after the connection's request began. */
+  readonly requestMs: number;
+  /** An idle kept-alive connection is closed after this long. */
+  readonly idleMs: number;
+}
+
+export const HTTP_LIMITS: HttpLimits = { slots: HTTP_SLOTS, requestMs: 10_000, idleMs: 5_000 };
 
 export interface HttpServer {
   readonly port: number;
   /** "host:port" as bound (IPv6 hosts in brackets). */
   readonly address: string;
+  /** Connections open now (each holds one of its slots). */
+  connections(): number;
   close(): Promise<void>;
 }
 
@@ -31,6 +54,7 @@ export async function serveGets(
   what: string,
   address: string,
   routes: Readonly<Record<string, GetRoute>>,
+  limits: HttpLimits = HTTP_LIMITS,
 ): Promise<HttpServer> {
   const parsed = splitHostPort(address);
   if (parsed === undefined) throw new Error(`bad ${what} address '${address}' (want host:port)`);
@@ -38,19 +62,34 @@ export async function serveGets(
   const served = Object.keys(routes)
     .map((p) => `GET ${p}`)
     .join(", ");
-  const server = http.createServer((req, res) => {
-    const path = (req.url ?? "").split("?")[0] ?? "";
-    const route = req.method === "GET" && Object.hasOwn(routes, path) ? routes[path] : undefined;
-    if (route === undefined) {
-      res.writeHead(404, { "content-type": "text/plain" }).end(`not found: try ${served}\n`);
-      return;
-    }
-    try {
-      res.writeHead(200, { "content-type": route.contentType }).end(route.body());
-    } catch (err) {
-      res.writeHead(500, { "content-type": "text/plain" }).end(String(err));
-    }
-  });
+  const server = http.createServer(
+    {
+      // A connection that sends nothing, or trickles, is closed once its request is overdue;
+      // Node checks every connectionsCheckingInterval.
+      headersTimeout: limits.requestMs,
+      requestTimeout: limits.requestMs,
+      keepAliveTimeout: limits.idleMs,
+      connectionsCheckingInterval: Math.min(1000, limits.requestMs),
+    },
+    (req, res) => {
+      const path = (req.url ?? "").split("?")[0] ?? "";
+      const route = req.method === "GET" && Object.hasOwn(routes, path) ? routes[path] : undefined;
+      if (route === undefined) {
+        res.writeHead(404, { "content-type": "text/plain" }).end(`not found: try ${served}\n`);
+        return;
+      }
+      try {
+        res.writeHead(200, { "content-type": route.contentType }).end(route.body());
+      } catch (err) {
+        res.writeHead(500, { "content-type": "text/plain" }).end(String(err));
+      }
+    },
+  );
+  // Connections past the caps are closed at accept (before any byte is read).
+  const slots = new ConnectionSlots(limits.slots);
+  server.on("connection", (socket: Socket) => slots.admit(socket));
+  // A connection silent this long is closed (a trickling one, by headersTimeout above).
+  server.setTimeout(limits.requestMs);
   await new Promise<void>((resolve, reject) => {
     server.once("error", reject);
     server.listen(port, host, () => {
@@ -61,6 +100,7 @@ export async function serveGets(
   const bound = (server.address() as AddressInfo).port;
   return {
     port: bound,
+    connections: () => slots.inFlight,
     address: `${host.includes(":") ? `[${host}]` : host}:${bound}`,
     close: () =>
       new Promise<void>((resolve) => {

@@ -3,6 +3,8 @@
  * and grpc.health.v1.Health. It reads the sidecar only through `SidecarView`
  * and the `EventLog`; status codes are listed in docs/api.md.
  */
+import * as net from "node:net";
+
 import * as grpc from "@grpc/grpc-js";
 import { create } from "@bufbuild/protobuf";
 import { pino, type Logger } from "pino";
@@ -24,6 +26,9 @@ import {
   WatchEventsResponseSchema,
 } from "../gen/kvxfer/v1/sidecar_pb.js";
 import { KvxferError } from "../errors.js";
+import { transferIdCharProblem } from "../peer/messages.js";
+import { ConnectionSlots } from "../peer/side-channel.js";
+import { splitHostPort } from "./http.js";
 import type { EventLog, EventSubscription } from "../sidecar/event-log.js";
 import type { SidecarEvent, SidecarView, TransferSide } from "../sidecar/view.js";
 import {
@@ -71,6 +76,21 @@ export interface ApiServerOptions {
   /** Most concurrent WatchEvents streams; more get RESOURCE_EXHAUSTED. Default 1 000. */
   readonly maxWatchers?: number;
   /**
+   * Most WatchEvents streams from one client address: the rest of maxWatchers stays free for
+   * other clients (routers). Default maxWatchers / 4.
+   */
+  readonly maxWatchersPerClient?: number;
+  /** Connections at once, and from one client address. Default 256 and 32. */
+  readonly maxConnections?: number;
+  readonly maxConnectionsPerClient?: number;
+  /**
+   * A connection with no call for this long is closed (GOAWAY; a client reconnects when it
+   * next calls). Default 60 000.
+   */
+  readonly maxConnectionIdleMs?: number;
+  /** A connection that sends no byte for this long after accept is closed. Default 10 000. */
+  readonly silentConnectionMs?: number;
+  /**
    * Health at start. Default true; the sidecar starts NOT_SERVING and turns SERVING once its
    * engine has registered (readiness), see `setServing`.
    */
@@ -84,6 +104,8 @@ export interface ApiServer {
   readonly serving: boolean;
   /** Open WatchEvents streams. */
   readonly watchers: number;
+  /** Open connections (each holds one of its slots). */
+  readonly connections: number;
   /**
    * Health of both "" and "kvxfer.v1.Sidecar": SERVING or NOT_SERVING. The
    * sidecar is NOT_SERVING until its engine has registered (it cannot answer
@@ -133,6 +155,12 @@ function toStatus(err: unknown): ServiceError {
   return fail(grpc.status.INTERNAL, err instanceof Error ? err.message : String(err));
 }
 
+/** A call's client address from grpc-js's peer string ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"). */
+function clientOf(peer: string): string {
+  const m = /^(?:ipv4:|ipv6:)?\[?(.*?)\]?:\d+$/.exec(peer);
+  return (m?.[1] ?? peer).replace(/^::ffff:/, "");
+}
+
 /** Enum numbers from a request as names; `what` ("event kind") names an unknown one. */
 function namesFromProto<N extends string>(
   map: EnumMap<N, number>,
@@ -157,6 +185,8 @@ function checkTransferId(id: string, what: string): void {
       "ERR_INVALID_ARGUMENT",
       `${what} is ${id.length} characters long (at most ${MAX_TRANSFER_ID})`,
     );
+  const bad = transferIdCharProblem(id, what);
+  if (bad !== undefined) throw new KvxferError("ERR_INVALID_ARGUMENT", bad);
 }
 
 function seqFromProto(v: bigint, what: string): number {
@@ -191,6 +221,9 @@ class ApiState {
   readonly maxAwaitMs: number;
   readonly progressIntervalMs: number;
   readonly maxWatchers: number;
+  readonly maxWatchersPerClient: number;
+  /** Open WatchEvents streams per client address (O(1) cap check). */
+  readonly watchersByClient = new Map<string, number>();
   readonly watchBufferLimit: number | undefined;
   /** The epoch never changes during a sidecar's life; watchers check it on resume. */
   readonly epoch: bigint;
@@ -209,6 +242,8 @@ class ApiState {
     this.maxAwaitMs = opts.maxAwaitMs ?? 300_000;
     this.progressIntervalMs = opts.progressIntervalMs ?? 5_000;
     this.maxWatchers = opts.maxWatchers ?? 1_000;
+    this.maxWatchersPerClient =
+      opts.maxWatchersPerClient ?? Math.max(1, Math.floor(this.maxWatchers / 4));
     this.watchBufferLimit = opts.watchBufferLimit;
     this.epoch = opts.view.status().epoch;
     this.serving = opts.serving ?? true;
@@ -308,8 +343,17 @@ class SidecarRpcs {
     const { events, watches } = s;
     const req = call.request;
     const w: ActiveWatch = { call, sub: undefined, lastSentSeq: 0, paused: false };
-    const finish = (status: ServiceError | undefined): void => {
+    const client = clientOf(call.getPeer());
+    const byClient = s.watchersByClient;
+    const release = (): void => {
       if (!watches.delete(w)) return;
+      const n = (byClient.get(client) ?? 1) - 1;
+      if (n <= 0) byClient.delete(client);
+      else byClient.set(client, n);
+    };
+    const finish = (status: ServiceError | undefined): void => {
+      if (!watches.has(w)) return;
+      release();
       w.sub?.close();
       if (call.cancelled) return;
       if (status === undefined) call.end();
@@ -328,6 +372,12 @@ class SidecarRpcs {
           "ERR_TOO_MANY_WAITERS",
           `${watches.size} watchers already (most ${s.maxWatchers})`,
         );
+      const mine = byClient.get(client) ?? 0;
+      if (mine >= s.maxWatchersPerClient)
+        throw new KvxferError(
+          "ERR_TOO_MANY_WAITERS",
+          `${mine} watchers from ${client} already (most ${s.maxWatchersPerClient} per client; the rest are kept for others)`,
+        );
       const kinds = namesFromProto(eventKinds, req.kinds, "event kind");
       if (req.transferIds.length > MAX_FILTER_IDS)
         throw new KvxferError(
@@ -345,6 +395,7 @@ class SidecarRpcs {
         );
       const afterSeq = req.liveOnly ? events.lastSeq : seqFromProto(req.afterSeq, "after_seq");
       watches.add(w);
+      byClient.set(client, mine + 1);
       w.sub = events.subscribe(
         afterSeq,
         {
@@ -371,7 +422,7 @@ class SidecarRpcs {
       // First message: where the stream starts and which epoch it belongs to.
       send(s.progress(afterSeq, false));
     } catch (err) {
-      watches.delete(w);
+      release();
       call.emit("error", toStatus(err));
       return;
     }
@@ -557,16 +608,43 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
     "grpc.max_receive_message_length": 1 << 20,
     "grpc.keepalive_time_ms": 30_000,
     "grpc.keepalive_timeout_ms": 10_000,
+    "grpc.max_connection_idle_ms": opts.maxConnectionIdleMs ?? 60_000,
   });
   server.addService(asServiceDefinition(sidecarService), sidecar.handlers());
   server.addService(asServiceDefinition(healthService), health.handlers());
 
   const address = opts.address ?? "127.0.0.1:0";
-  const port = await new Promise<number>((resolve, reject) =>
-    server.bindAsync(address, serverCredentials(opts.tls), (err, p) =>
-      err ? reject(err) : resolve(p),
-    ),
+  const hp = splitHostPort(address);
+  if (hp === undefined)
+    throw new KvxferError(
+      "ERR_INVALID_ARGUMENT",
+      `gRPC address must be host:port, got '${address}'`,
+    );
+  // Our own listener: every connection takes a slot (a cap, a cap per client address) before
+  // grpc-js sees it; grpc-js has no connection cap of its own.
+  const slots = new ConnectionSlots(
+    {
+      inFlight: opts.maxConnections ?? 256,
+      perSource: opts.maxConnectionsPerClient ?? 32,
+      deadlineMs: 0,
+      // No HTTP/2 preface within this long: not a gRPC client (a silent one gives its slot back).
+      silentMs: opts.silentConnectionMs ?? 10_000,
+    },
+    (code, message) => log.warn({ code }, `gRPC: ${message}`),
   );
+  const injector = server.createConnectionInjector(serverCredentials(opts.tls));
+  // No Nagle: events are small and latency is what a router waits on.
+  const tcp = net.createServer({ noDelay: true }, (socket) => {
+    if (slots.admit(socket)) injector.injectConnection(socket);
+  });
+  await new Promise<void>((resolve, reject) => {
+    tcp.once("error", reject);
+    tcp.listen(hp.port, hp.host, () => {
+      tcp.off("error", reject);
+      resolve();
+    });
+  });
+  const port = (tcp.address() as net.AddressInfo).port;
   const host = address.slice(0, address.lastIndexOf(":"));
   const bound = `${host}:${port}`;
 
@@ -584,6 +662,9 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
     get watchers() {
       return state.watches.size;
     },
+    get connections() {
+      return slots.inFlight;
+    },
     setServing: (next) => health.setServing(next),
     drain: () => health.setServing(false),
     async close(graceMs = 5_000) {
@@ -593,7 +674,10 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
       clearInterval(ticker);
       sidecar.endAll();
       health.endAll();
+      tcp.close();
       await shutdown(server, graceMs);
+      injector.destroy();
+      slots.destroyAll();
       log.info("gRPC API closed");
     },
   };

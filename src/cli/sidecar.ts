@@ -20,7 +20,7 @@ import { SidecarMetrics, startMetricsServer, type MetricsServer } from "../api/m
 import { ZmqNotifier } from "../api/zmq-notify.js";
 import { EngineLinkServer, defaultEngineEndpoint } from "../engine/link.js";
 import { KvxferError } from "../errors.js";
-import type { PeerCredentials } from "../peer/side-channel.js";
+import { isLoopback, validityProblem, type PeerCredentials } from "../peer/side-channel.js";
 import { EventLog } from "../sidecar/event-log.js";
 import { stderrSink } from "../sidecar/log-sink.js";
 import { Sidecar, type SidecarOptions } from "../sidecar/sidecar.js";
@@ -115,6 +115,16 @@ export const SIDECAR_SETTINGS = {
     help: "extra wait past P's registration lease before D reuses blocks of an unacknowledged abort",
   },
   "max-transfers": { type: "string", default: "65536", help: "live transfers per side at most" },
+  "max-per-peer": {
+    type: "string",
+    default: "",
+    help: "P: transfers one decode engine may open by PushReg before PrefillDone (default max-transfers / 8)",
+  },
+  "peer-messages-per-sec": {
+    type: "string",
+    default: "20000",
+    help: "notifications of one peer processed per second at most (burst: two seconds' worth)",
+  },
   "kv-dir": {
     type: "string",
     default: "/dev/shm",
@@ -351,6 +361,10 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     peerTimeoutMs: positiveInt("peer-timeout-ms", s["peer-timeout-ms"]),
     abortGraceMs: positiveInt("abort-grace-ms", s["abort-grace-ms"]),
     maxTransfers: positiveInt("max-transfers", s["max-transfers"]),
+    ...(s["max-per-peer"] === ""
+      ? {}
+      : { maxPerPeer: positiveInt("max-per-peer", s["max-per-peer"]) }),
+    peerMessagesPerSec: positiveInt("peer-messages-per-sec", s["peer-messages-per-sec"]),
     tombstoneMs: positiveInt("tombstone-ms", s["tombstone-ms"]),
     kvDir: kvDirectory(s["kv-dir"]),
     maxRegistrationBytes: byteSize(
@@ -448,6 +462,45 @@ export function readCa(flag: string, path: string): Buffer {
     }
   }
   return pem;
+}
+
+/**
+ * An endpoint listening beyond loopback without TLS: anyone who reaches it reads transfer ids,
+ * peers and events (gRPC) or metrics. Warned at start-up (a log line and GetStatus lastErrors);
+ * the gRPC API takes --tls-cert, the HTTP endpoints no TLS (keep them on a private network).
+ */
+function warnOpenEndpoints(
+  logger: Logger,
+  sidecar: Sidecar,
+  endpoints: readonly (readonly [flag: string, address: string, tls: boolean])[],
+): void {
+  for (const [flag, address, tls] of endpoints) {
+    if (address === "" || tls) continue;
+    const host = address.slice(0, address.lastIndexOf(":")).replace(/^\[|\]$/g, "");
+    if (isLoopback(host)) continue;
+    const text =
+      `${flag} ${address} listens beyond loopback without TLS: anyone who reaches it can read ` +
+      (flag === "--grpc"
+        ? "transfer ids, peers and events (give --tls-cert, --tls-key and --tls-ca)"
+        : "it (keep the port on a private network)");
+    logger.warn({ flag, address }, text);
+    sidecar.noteError(`WARNING: ${text}`);
+  }
+}
+
+/** Our own certificate must parse and be valid now: refused at start-up naming its dates. */
+function checkOwnCertificate(flag: string, path: string): void {
+  let cert: X509Certificate;
+  try {
+    cert = new X509Certificate(readPem(flag, path));
+  } catch (err) {
+    throw new KvxferError(
+      "ERR_CONFIG",
+      `--${flag} '${path}' is not a PEM certificate: ${(err as Error).message}`,
+    );
+  }
+  const when = validityProblem(cert, `--${flag} '${path}'`);
+  if (when !== undefined) throw new KvxferError("ERR_CONFIG", when);
 }
 
 /** Why a listen failed, as an operator acts on it (by the errno in the error or its message). */
@@ -575,6 +628,7 @@ export async function startSidecar(
   if (s["tls-ca"] !== "" && s["tls-cert"] === "")
     throw new KvxferError("ERR_CONFIG", "--tls-ca needs --tls-cert and --tls-key");
   // Read (and the CA checked) before anything listens: a TLS mistake stops the start.
+  if (s["tls-cert"] !== "") checkOwnCertificate("tls-cert", s["tls-cert"]);
   const tls =
     s["tls-cert"] !== ""
       ? {
@@ -641,6 +695,11 @@ export async function startSidecar(
           sideChannel: advertisedSideChannel(s.advertise, sidecar.sideChannelAddress),
         }),
       );
+    warnOpenEndpoints(logger, sidecar, [
+      ["--grpc", s.grpc, tls !== undefined],
+      ["--metrics", s.metrics, false],
+      ["--bootstrap", s.bootstrap, false],
+    ]);
   } catch (err) {
     await metricsServer?.close();
     await api?.close(0);
@@ -687,12 +746,18 @@ export async function startSidecar(
     metrics: metricsServer,
     bootstrap,
     drain: async (deadlineMs) => {
-      sidecar.draining = true;
+      sidecar.beginDrain();
       apiServer.setServing(false);
       const end = Date.now() + deadlineMs;
       while (sidecar.liveTransfers() > 0 && Date.now() < end)
         await new Promise((r) => setTimeout(r, 50));
-      return sidecar.liveTransfers();
+      const left = sidecar.liveTransfers();
+      if (left > 0) {
+        // Peers hear about every transfer this sidecar will not finish, before it closes.
+        sidecar.abandonAll();
+        await new Promise((r) => setTimeout(r, 100));
+      }
+      return left;
     },
     close: async () => {
       if (closed) return;

@@ -12,7 +12,7 @@ import type {
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { type KvLayout, PlanError } from "../plan/index.js";
 import { kvLayoutFromProto } from "../plan/layout-proto.js";
-import { MAX_TOKEN_BYTES } from "../peer/messages.js";
+import { MAX_TOKEN_BYTES, transferIdCharProblem } from "../peer/messages.js";
 
 export type EngineErrorCode =
   /** The frame is not one `EngineToSidecar` with its oneof set. */
@@ -84,6 +84,11 @@ function checkId(value: string, field: string): string | undefined {
   const n = Buffer.byteLength(value, "utf8");
   if (n > MAX_ID_BYTES) return `${field} is ${n} bytes, more than ${MAX_ID_BYTES}`;
   return undefined;
+}
+
+/** A transfer id: 1..MAX_ID_BYTES bytes of printable characters. */
+function checkTransferId(value: string): string | undefined {
+  return checkId(value, "transfer_id") ?? transferIdCharProblem(value, "transfer_id");
 }
 
 /**
@@ -218,7 +223,7 @@ function checkBlockIds(
 
 function checkPrefillDone(msg: PrefillDone, layout: KvLayout): EngineProblem | undefined {
   const tid = echoId(msg.transferId);
-  const idProblem = checkId(msg.transferId, "transfer_id");
+  const idProblem = checkTransferId(msg.transferId);
   if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
   if (msg.numTokens === 0) return problem("ERR_BAD_TOKENS", tid, "num_tokens must be > 0");
   const need = Math.ceil(msg.numTokens / layout.blockSize);
@@ -240,7 +245,7 @@ function checkToken(token: string, tid: string): EngineProblem | undefined {
 
 function checkExpectKv(msg: ExpectKv, layout: KvLayout): EngineProblem | undefined {
   const tid = echoId(msg.transferId);
-  const idProblem = checkId(msg.transferId, "transfer_id");
+  const idProblem = checkTransferId(msg.transferId);
   if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
   const srcProblem = checkId(msg.source, "source");
   if (srcProblem) return problem("ERR_BAD_SOURCE", tid, srcProblem);
@@ -295,7 +300,7 @@ export function checkEngineMessage(
       return checkAllocateKv(m.value);
     case "abort": {
       const tid = echoId(m.value.transferId);
-      const idProblem = checkId(m.value.transferId, "transfer_id");
+      const idProblem = checkTransferId(m.value.transferId);
       if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
       if (!layout) return notRegistered(m.value.transferId);
       return undefined;

@@ -80,13 +80,13 @@ interface NativeAgent {
     remote: NativeRemoteRegion,
     descriptors: Descriptors,
     notification?: Uint8Array,
-  ): Promise<OpTrace>;
+  ): Promise<Float64Array>;
   writeParts(
     ep: NativeEndpoint,
     parts: [NativeRegion, NativeRemoteRegion, Descriptors][],
     notification?: Uint8Array,
-  ): Promise<OpTrace>;
-  notify(ep: NativeEndpoint, bytes: Uint8Array): Promise<OpTrace>;
+  ): Promise<Float64Array>;
+  notify(ep: NativeEndpoint, bytes: Uint8Array): Promise<Float64Array>;
   transferMany(
     entries: [
       0 | 1,
@@ -96,7 +96,7 @@ interface NativeAgent {
       Descriptors,
       (Uint8Array | undefined)?,
     ][],
-  ): Promise<OpTrace>[];
+  ): Promise<Float64Array>[];
   progress(): number;
   close(): void;
   beginClose(): void;
@@ -330,12 +330,29 @@ function call<T>(fn: () => T): T {
  * V8's async stack traces ("at async ..." for each awaiting function), which cost nothing until an
  * error is made: capturing a stack at every call was 4-8% of a sidecar's JavaScript thread.
  */
-async function settle<T>(promise: Promise<T>): Promise<T> {
+async function settle(promise: Promise<Float64Array>): Promise<OpTrace> {
   try {
-    return await promise;
+    return toTrace(await promise);
   } catch (err) {
     throw KvxferError.from(err);
   }
+}
+
+/**
+ * An operation's steps as the addon reports them: a Float64Array in OpTrace's order (one
+ * allocation per completion in native code, where an object cost a property set per step).
+ */
+function toTrace(t: Float64Array): OpTrace {
+  return {
+    submittedUs: t[0]!,
+    startedUs: t[1]!,
+    firstPostUs: t[2]!,
+    postedUs: t[3]!,
+    flushedUs: t[4]!,
+    notifiedUs: t[5]!,
+    completedUs: t[6]!,
+    deliveredUs: t[7]!,
+  };
 }
 
 // --- handles -----------------------------------------------------------------

@@ -300,6 +300,21 @@ export class ReplayWindow {
   }
 }
 
+/**
+ * Characters a transfer id may not hold: control characters (NUL, newline, escape, C1), format
+ * characters (bidi overrides, zero-width), line and paragraph separators, lone surrogates. Ids
+ * reach logs, `kvxfer watch` and the router's output as they are.
+ */
+const UNPRINTABLE = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Cs}]/u;
+
+/** The one rule for a transfer id's characters (engine link, peers, gRPC): why not, or undefined. */
+export function transferIdCharProblem(id: string, field = "transfer id"): string | undefined {
+  const m = UNPRINTABLE.exec(id);
+  if (m === null) return undefined;
+  const cp = m[0].codePointAt(0)!.toString(16).toUpperCase().padStart(4, "0");
+  return `${field} holds U+${cp} at index ${m.index}: only printable characters`;
+}
+
 function checkTransferId(id: string): void {
   // Short ids need no count (utf8Bound: at most 3 bytes per UTF-16 unit).
   const short = utf8Bound(id) <= MAX_TRANSFER_ID_BYTES;
@@ -309,6 +324,8 @@ function checkTransferId(id: string): void {
       `transfer id must be 1..${MAX_TRANSFER_ID_BYTES} bytes`,
     );
   }
+  const bad = transferIdCharProblem(id);
+  if (bad !== undefined) throw new PeerMessageError("ERR_BAD_TRANSFER_ID", bad);
 }
 
 /** Parses and checks one notification; throws PeerMessageError naming what is wrong. */

@@ -29,8 +29,17 @@ import { KvxferError } from "../errors.js";
 export const MAX_HANDSHAKE_BYTES = 4 << 20;
 /** Handshake connections served at once; more are closed at accept. */
 export const MAX_HANDSHAKES_IN_FLIGHT = 64;
-/** A connection that has not sent its request within this long is closed. */
-export const HANDSHAKE_IDLE_MS = 10_000;
+/**
+ * Handshake connections from one source address at once: one address fills at most this many of
+ * the MAX_HANDSHAKES_IN_FLIGHT slots, so the rest stay free for other peers.
+ */
+export const MAX_HANDSHAKES_PER_SOURCE = 8;
+/**
+ * Every connection is closed this long after it was accepted, whatever it sent or sends (TLS,
+ * the request, our answer): a hard deadline, not an idle timer (one byte every few seconds
+ * keeps nothing open), and a destroy, not Node's handshakeTimeout (which only reports).
+ */
+export const HANDSHAKE_DEADLINE_MS = 10_000;
 
 /** The sidecar's credentials for its peers (PEM). */
 export interface PeerCredentials {
@@ -110,8 +119,8 @@ export function checkCredentials(creds: PeerCredentials, engineId: string): void
       `--peer-cert names '${id}' (subject CN) but this sidecar's engine id is '${engineId}'`,
     );
   }
-  if (Date.parse(cert.validTo) < Date.now())
-    throw new KvxferError("ERR_CONFIG", `--peer-cert expired on ${cert.validTo}`);
+  const when = validityProblem(cert, "--peer-cert");
+  if (when !== undefined) throw new KvxferError("ERR_CONFIG", when);
   try {
     tls.createSecureContext({ cert: creds.cert, key: creds.key, ca: creds.ca });
   } catch (err) {
@@ -120,6 +129,23 @@ export function checkCredentials(creds: PeerCredentials, engineId: string): void
       `--peer-key does not go with --peer-cert: ${(err as Error).message}`,
     );
   }
+}
+
+/**
+ * Why a certificate of ours cannot be used now (not yet valid, or expired), naming its dates;
+ * undefined when `nowMs` lies within them. Peers would refuse it anyway, one handshake at a time.
+ */
+export function validityProblem(
+  cert: X509Certificate,
+  flag: string,
+  nowMs = Date.now(),
+): string | undefined {
+  const from = Date.parse(cert.validFrom);
+  const to = Date.parse(cert.validTo);
+  const dates = `valid from ${cert.validFrom} to ${cert.validTo}, now ${new Date(nowMs).toUTCString()}`;
+  if (nowMs < from) return `${flag} is not valid yet (${dates})`;
+  if (nowMs > to) return `${flag} has expired (${dates})`;
+  return undefined;
 }
 
 export function pemBlocks(pem: Buffer): string[] {
@@ -166,9 +192,97 @@ function frame(body: Uint8Array): Buffer {
   return Buffer.concat([head, body]);
 }
 
+/** The address a slot is counted under (an IPv4 peer seen on an IPv6 socket as itself). */
+export function sourceOf(socket: net.Socket): string {
+  return (socket.remoteAddress ?? "?").replace(/^::ffff:/, "");
+}
+
+export interface SlotLimits {
+  /** Connections held at once, all sources together. */
+  readonly inFlight: number;
+  /** Connections one source address holds at once: the rest stay free for others. */
+  readonly perSource: number;
+  /** Each connection is destroyed this long after accept, whatever it sends (0: never). */
+  readonly deadlineMs: number;
+  /**
+   * A connection that has sent no byte this long after accept is destroyed (0 or absent:
+   * never). Read from the socket's byte count: no listener is added to its data.
+   */
+  readonly silentMs?: number;
+}
+
+/**
+ * Connection slots of one listening socket: a global cap, a cap per source address and a hard
+ * deadline per connection, each checked in O(1) at accept. The side channel, the gRPC API and
+ * the HTTP endpoints (metrics, bootstrap) each hold one.
+ */
+export class ConnectionSlots {
+  private readonly sockets = new Set<net.Socket>();
+  private readonly perSource = new Map<string, number>();
+
+  constructor(
+    readonly limits: SlotLimits,
+    /** Told about each connection closed at accept (code, message). */
+    private readonly onRefused?: (code: string, message: string) => void,
+  ) {}
+
+  /** Connections holding a slot now. */
+  get inFlight(): number {
+    return this.sockets.size;
+  }
+
+  /**
+   * Gives an accepted connection a slot until it closes (destroying it at the deadline), or
+   * destroys it at once when every slot, or its source's share, is taken; returns which.
+   */
+  admit(socket: net.Socket): boolean {
+    const src = sourceOf(socket);
+    const fromSrc = this.perSource.get(src) ?? 0;
+    const { inFlight, perSource, deadlineMs } = this.limits;
+    if (this.sockets.size >= inFlight || fromSrc >= perSource) {
+      socket.destroy();
+      this.onRefused?.(
+        "ERR_OVERLOADED",
+        fromSrc >= perSource
+          ? `${perSource} connections from ${src} already; one more was closed`
+          : `${inFlight} connections already; one from ${src} was closed`,
+      );
+      return false;
+    }
+    this.sockets.add(socket);
+    this.perSource.set(src, fromSrc + 1);
+    const deadline = deadlineMs > 0 ? setTimeout(() => socket.destroy(), deadlineMs) : undefined;
+    deadline?.unref();
+    const silentMs = this.limits.silentMs ?? 0;
+    const silent =
+      silentMs > 0
+        ? setTimeout(() => {
+            if (socket.bytesRead === 0) socket.destroy();
+          }, silentMs)
+        : undefined;
+    silent?.unref();
+    socket.once("close", () => {
+      clearTimeout(deadline);
+      clearTimeout(silent);
+      this.sockets.delete(socket);
+      const n = (this.perSource.get(src) ?? 1) - 1;
+      if (n <= 0) this.perSource.delete(src);
+      else this.perSource.set(src, n);
+    });
+    socket.on("error", () => socket.destroy());
+    return true;
+  }
+
+  /** Destroys every connection holding a slot. */
+  destroyAll(): void {
+    for (const s of this.sockets) s.destroy();
+  }
+}
+
 export class SideChannelServer {
   private server: net.Server | undefined;
-  private readonly sockets = new Set<net.Socket>();
+  /** Accepted connections (the TCP socket under TLS), each holding one slot until it closes. */
+  private readonly slots: ConnectionSlots;
   private closed = false;
   /** "host:port" actually bound (port 0 resolved). */
   address = "";
@@ -179,7 +293,24 @@ export class SideChannelServer {
     /** Told about connections refused before they reach the handler (malformed, too large, TLS). */
     private readonly onRefused?: (code: string, message: string) => void,
     private readonly creds?: PeerCredentials,
-  ) {}
+    limits: Partial<SlotLimits> = {},
+  ) {
+    this.slots = new ConnectionSlots(
+      {
+        inFlight: limits.inFlight ?? MAX_HANDSHAKES_IN_FLIGHT,
+        perSource: limits.perSource ?? MAX_HANDSHAKES_PER_SOURCE,
+        deadlineMs: limits.deadlineMs ?? HANDSHAKE_DEADLINE_MS,
+      },
+      (code, message) => {
+        if (!this.closed) this.onRefused?.(code, `side channel: ${message}`);
+      },
+    );
+  }
+
+  /** Connections holding a slot now (tests, status). */
+  get inFlight(): number {
+    return this.slots.inFlight;
+  }
 
   get authenticated(): boolean {
     return this.creds !== undefined;
@@ -190,7 +321,7 @@ export class SideChannelServer {
     const onConnection = (socket: net.Socket): void => this.serve(socket);
     const server =
       this.creds === undefined
-        ? net.createServer(onConnection)
+        ? net.createServer()
         : tls.createServer(
             {
               cert: this.creds.cert,
@@ -199,20 +330,22 @@ export class SideChannelServer {
               requestCert: true,
               rejectUnauthorized: true,
               minVersion: "TLSv1.3",
-              handshakeTimeout: HANDSHAKE_IDLE_MS,
+              handshakeTimeout: this.slots.limits.deadlineMs,
             },
             onConnection,
           );
-    server.maxConnections = MAX_HANDSHAKES_IN_FLIGHT;
+    // Every TCP connection (under TLS too: this runs at accept, before any TLS byte) takes a
+    // slot, or is closed at once.
+    server.on("connection", (socket: net.Socket) => {
+      if (this.closed) {
+        socket.destroy();
+        return;
+      }
+      if (this.slots.admit(socket) && this.creds === undefined) this.serve(socket);
+    });
     server.on("tlsClientError", (err: Error) => {
       // A peer without this cluster's credentials, or not speaking TLS at all.
       this.onRefused?.("ERR_UNAUTHENTICATED", `TLS handshake failed: ${err.message}`);
-    });
-    server.on("drop", () => {
-      this.onRefused?.(
-        "ERR_OVERLOADED",
-        `${MAX_HANDSHAKES_IN_FLIGHT} handshakes in flight; a connection was closed`,
-      );
     });
     this.server = server;
     await new Promise<void>((resolve, reject) => {
@@ -233,10 +366,7 @@ export class SideChannelServer {
       socket.destroy();
       return;
     }
-    this.sockets.add(socket);
-    socket.on("close", () => this.sockets.delete(socket));
     socket.on("error", () => socket.destroy());
-    socket.setTimeout(HANDSHAKE_IDLE_MS, () => socket.destroy());
     let identity: PeerIdentity;
     if (socket instanceof tls.TLSSocket) {
       identity = certificateIdentity(socket.getPeerCertificate());
@@ -294,7 +424,7 @@ export class SideChannelServer {
   async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
-    for (const s of this.sockets) s.destroy();
+    this.slots.destroyAll();
     const server = this.server;
     if (server !== undefined) await new Promise<void>((resolve) => server.close(() => resolve()));
   }

@@ -33,6 +33,11 @@ export interface LifecycleSettings {
   readonly tombstoneMs: number;
   /** Live transfers per side at most. */
   readonly maxTransfers: number;
+  /**
+   * P: transfers one decode engine may create by PushReg before PrefillDone (default
+   * maxTransfers / 8): a flooding peer fills its own share, never the table.
+   */
+  readonly maxPerPeer?: number;
   /** P refuses a PrefillDone listing a block a live transfer holds. */
   readonly exclusivePrefillBlocks: boolean;
 }

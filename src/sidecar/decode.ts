@@ -21,7 +21,6 @@ import { transferError, type SideContext } from "./context.js";
 import {
   DECODE_INITIAL,
   DECODE_NEXT,
-  begin,
   isTerminal,
   transition,
   type DecodeState,
@@ -230,10 +229,29 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       trace: new TransferTrace(),
     };
     t.trace.mark("engine.expectKv", receivedUs);
-    this.transfers.set(t.id, t);
     this.claims.claim(written, t.id);
-    begin(this.lc, t, "WAITING", "ExpectKv");
+    this.track(t, "WAITING", "ExpectKv");
     void this.start(t);
+  }
+
+  /**
+   * The sidecar stops with transfers left: each fails now (the engine recomputes) and P is told
+   * (a pull's Abort lets it free its blocks; a push's Abort stops its writes and frees them).
+   */
+  abandon(): void {
+    for (const t of this.transfers.values()) {
+      if (isTerminal(t.state) || t.state === "DRAINING") continue;
+      const safe = t.state === "WAITING" && (t.mode === "pull" || t.peer === undefined);
+      this.fail(
+        t,
+        "ABORTED",
+        FailureReason.ABORTED,
+        "ERR_DRAINING",
+        "the decode sidecar is stopping",
+        ReleaseReason.ABORTED,
+        safe,
+      );
+    }
   }
 
   /** The engine aborts: KvFailed at once, the blocks once no write can land. */
@@ -277,6 +295,20 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
           case: "abort",
           value: { transferId: t.id, reason: t.reason, token: t.token },
         });
+      return;
+    }
+    // A KV file that shrank would fault (SIGBUS) when P's writes or our reads reach it.
+    const shrunk = ctx.kv()!.shrunk?.();
+    if (shrunk !== undefined) {
+      this.fail(
+        t,
+        "FAILED",
+        FailureReason.BAD_REQUEST,
+        "ERR_REGION_CHANGED",
+        shrunk,
+        ReleaseReason.FAILED,
+        true,
+      );
       return;
     }
     t.peer = peer;
@@ -627,7 +659,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     for (const t of this.transfers.values()) {
       if (now < t.deadline) continue;
       if (isTerminal(t.state)) {
-        this.transfers.delete(t.id);
+        this.forget(t);
       } else if (t.state === "DRAINING") {
         if (t.readsInFlight === 0) this.settle(t); // P's registration lease has run out
       } else {

@@ -59,6 +59,11 @@ export interface RegisteredKv {
   readonly layout: KvLayout;
   readonly agents: readonly Agent[];
   readonly regions: readonly (readonly Region[])[];
+  /**
+   * Why a KV file no longer covers its region (it shrank after registration), or undefined:
+   * checked before this sidecar hands its memory to UCX for a transfer (docs/security.md).
+   */
+  readonly shrunk?: () => string | undefined;
 }
 
 export class PeerState {
@@ -76,6 +81,10 @@ export class PeerState {
   private recvKey: Uint8Array = new Uint8Array(0);
   /** The key before that: notifications sealed before a re-handshake may still be in flight. */
   private prevRecvKey: Uint8Array = new Uint8Array(0);
+  /** P: entries its PushRegs created that wait for PrefillDone (its share, checked in O(1)). */
+  named = 0;
+  /** Its notifications processed per second, at most (Sidecar's peerMessagesPerSec). */
+  readonly budget = new MessageBudget();
   /** Sequence number of our last notification to it. */
   sendSeq = 0n;
   /** Sequence numbers of its notifications seen (replays are refused). */
@@ -185,6 +194,42 @@ export class PeerState {
     this.remotes.clear();
     this.endpoints.clear();
     this.log.debug({ peer: this.engineId, epoch: String(this.epoch) }, "peer state closed");
+  }
+}
+
+/**
+ * How many of one peer's notifications the sidecar processes per second: a token bucket of
+ * `perSec` with a burst of two seconds' worth, checked in O(1). Past it, the peer's messages are
+ * dropped unprocessed (its own transfers suffer, no one else's).
+ */
+export class MessageBudget {
+  private tokens = -1;
+  private at = 0;
+  /** Messages dropped since the last time `dropped()` was read. */
+  private droppedSince = 0;
+
+  /**
+   * Takes `cost` messages' worth at `nowMs` (a message naming many transfers costs more);
+   * false when the budget is spent.
+   */
+  take(nowMs: number, perSec: number, cost = 1): boolean {
+    const burst = 2 * perSec;
+    if (this.tokens < 0) this.tokens = burst;
+    else this.tokens = Math.min(burst, this.tokens + ((nowMs - this.at) * perSec) / 1000);
+    this.at = nowMs;
+    if (this.tokens >= cost) {
+      this.tokens -= cost;
+      return true;
+    }
+    this.droppedSince++;
+    return false;
+  }
+
+  /** Dropped since the last call (for one error line per sweep, not one per message). */
+  dropped(): number {
+    const n = this.droppedSince;
+    this.droppedSince = 0;
+    return n;
   }
 }
 
@@ -570,6 +615,16 @@ export class PeerTable {
         peer.close();
       }
     }
+  }
+
+  /** Peers whose messages were dropped over budget since the last call, with how many. */
+  overBudget(): [string, number][] {
+    const out: [string, number][] = [];
+    for (const p of this.peers.values()) {
+      const n = p.budget.dropped();
+      if (n > 0) out.push([p.engineId, n]);
+    }
+    return out;
   }
 
   list(): PeerInfo[] {

@@ -17,7 +17,6 @@ import { transferError, type SideContext } from "./context.js";
 import {
   PREFILL_INITIAL,
   PREFILL_NEXT,
-  begin,
   isTerminal,
   transition,
   type PrefillState,
@@ -36,6 +35,14 @@ export interface PushRegistration {
   numTokens: number;
   prefixTokens: number;
   leaseMs: number;
+  /** No write for it may start after this (renewed by its D's heartbeats). */
+  deadline: number;
+  /**
+   * Before PrefillDone: how its decode engine withdrew it (Abort, Failed, its lease, going
+   * down). It counts only at PrefillDone, and only if its token is the transfer's: before the
+   * token is known, nothing a registrant says ends the transfer.
+   */
+  withdrawn?: { kind: "ABORTED" | "FAILED" | "EXPIRED"; reason: string };
 }
 
 /** P's side of one transfer. */
@@ -44,9 +51,15 @@ export interface PrefillTransfer {
   readonly state: PrefillState;
   blocks: number[] | undefined;
   numTokens: number;
+  /** The registration P writes for: chosen at PrefillDone by the token, or one after it. */
   reg: PushRegistration | undefined;
-  /** Registrations from other decode engines before PrefillDone named the token (at most 4). */
-  otherRegs: PushRegistration[];
+  /**
+   * Before PrefillDone, every registration (at most MAX_PENDING_REGISTRATIONS, one per decode
+   * engine), withdrawn ones included: the token picks one at PrefillDone.
+   */
+  pending: PushRegistration[];
+  /** The decode engine whose PushReg created this entry, until PrefillDone (its share, O(1)). */
+  namedBy: PeerState | undefined;
   /** PrefillDone.token: only a D presenting it may register, confirm, abort or fail the transfer. */
   token: string;
   /** Lease of held blocks (HELD), of a registration waiting for prefill (WAITING), or the tombstone's end. */
@@ -65,8 +78,11 @@ export interface PrefillTransfer {
   trace: TransferTrace;
 }
 
-/** Registrations from decode engines other than the first, before PrefillDone, at most. */
-const MAX_OTHER_REGISTRATIONS = 4;
+/** Registrations kept before PrefillDone for one transfer, at most (one per decode engine). */
+const MAX_PENDING_REGISTRATIONS = 5;
+
+/** Entries one decode engine may create by PushReg before PrefillDone: this share of maxTransfers. */
+export const PER_PEER_SHARE = 8;
 
 /** Why a terminal state hands P's blocks back. */
 function releaseReason(kind: TerminalKind | PrefillState): ReleaseReason {
@@ -92,6 +108,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
    * maxTransfers (oldest forgotten first); holds no blocks and emits no event.
    */
   private readonly givenUp = new Map<string, number>();
+  /** The sidecar is stopping: no new registration is kept (drain()). */
+  private draining = false;
 
   constructor(ctx: SideContext) {
     super(ctx, "prefill", PREFILL_INITIAL, PREFILL_NEXT);
@@ -101,8 +119,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     const now = this.ctx.clock.now();
     switch (to) {
       case "WAITING":
-        t.deadline = t.regDeadline;
-        break;
+        break; // its deadline is its registrations' (rearm)
       case "HELD":
         t.deadline = now + this.ctx.settings.leaseMs;
         break;
@@ -118,6 +135,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   }
 
   protected exit(t: PrefillTransfer, kind: PrefillState & TerminalKind): void {
+    this.unname(t);
     if (t.blocks !== undefined) {
       if (this.ctx.settings.exclusivePrefillBlocks) this.claims.release(t.blocks, t.id);
       this.ctx.toEngine({
@@ -158,7 +176,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       blocks: undefined,
       numTokens: 0,
       reg: undefined,
-      otherRegs: [],
+      pending: [],
+      namedBy: undefined,
       token: "",
       deadline: 0,
       regDeadline: 0,
@@ -188,8 +207,10 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     if (existing !== undefined && isTerminal(existing.state) && existing.blocks === undefined) {
       // The transfer ended before prefill did (D aborted, its registration ran out, D went
       // down): nobody will read these blocks, so they go straight back. Its one terminal event
-      // was already emitted; a second PrefillDone is a duplicate (blocks are now set).
+      // was already emitted; a second PrefillDone is a duplicate (blocks are now set). The
+      // token is recorded here too: D's ReadDone then hears "not held", not a token refusal.
       existing.blocks = [...m.blockIds];
+      existing.token = m.token;
       ctx.toEngine({
         case: "releaseBlocks",
         value: {
@@ -220,16 +241,35 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       return ctx.refuse(m.transferId, "ERR_OVERLOADED", `${s.maxTransfers} transfers live`);
     }
     const t = existing ?? this.fresh(m.transferId);
+    // A KV file that shrank: nothing may read these blocks (a pull's reads would fault).
+    const shrunk = ctx.kv()?.shrunk?.();
     t.blocks = [...m.blockIds];
     if (s.exclusivePrefillBlocks) this.claims.claim(t.blocks, t.id);
     t.numTokens = m.numTokens;
     t.token = m.token;
     t.t.prefillDoneMs = ctx.clock.now();
     t.trace.mark("engine.prefillDone", receivedUs);
-    this.transfers.set(t.id, t);
     const reg = this.settleRegistrations(t);
-    if (existing === undefined) begin(this.lc, t, "HELD", "PrefillDone");
-    else if (reg === undefined) transition(this.lc, t, "HELD", "PrefillDone, no registration");
+    if (shrunk !== undefined) {
+      if (reg !== undefined && reg.withdrawn === undefined)
+        ctx.toPeer(reg.peer, {
+          case: "failed",
+          value: { transferId: t.id, code: "ERR_REGION_CHANGED", message: shrunk },
+        });
+      if (existing === undefined) this.track(t, "HELD", "PrefillDone");
+      ctx.noteError(`PrefillDone for '${t.id}': ${shrunk}`);
+      this.end(t, "FAILED", "ERR_REGION_CHANGED");
+      return;
+    }
+    if (existing === undefined) {
+      this.track(t, "HELD", "PrefillDone");
+    } else if (reg?.withdrawn !== undefined) {
+      // The registration the token names was withdrawn before prefill finished: it counts now.
+      this.end(t, reg.withdrawn.kind, reg.withdrawn.reason);
+      return;
+    } else if (reg === undefined) {
+      transition(this.lc, t, "HELD", "PrefillDone, no registration");
+    }
     if (reg !== undefined) void this.push(t);
   }
 
@@ -242,8 +282,10 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       return;
     }
     if (t.state === "ABORTING") return;
-    if (t.reg !== undefined)
-      this.ctx.toPeer(t.reg.peer, {
+    // HELD or WAITING: a registration chosen at PrefillDone is written at once (MOVING), so
+    // only those kept aside before it can be waiting here.
+    for (const r of t.pending.filter((x) => !x.withdrawn))
+      this.ctx.toPeer(r.peer, {
         case: "failed",
         value: { transferId, code: "ERR_ABORTED", message: "aborted by the prefill engine" },
       });
@@ -273,15 +315,24 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     if (existing !== undefined && isTerminal(existing.state)) {
       // A late registration for blocks already released (lease expired, aborted): refused.
       return fail(
-        existing.state === "EXPIRED" ? "ERR_LEASE_EXPIRED" : "ERR_ENDED",
+        existing.state === "EXPIRED"
+          ? "ERR_LEASE_EXPIRED"
+          : existing.reason === "ERR_REGION_CHANGED"
+            ? "ERR_REGION_CHANGED" // P's KV broke: D should hear why, not only that it ended
+            : "ERR_ENDED",
         `transfer ended on P as ${existing.state}`,
       );
     }
-    if (existing?.reg?.peer === peer || existing?.otherRegs.some((r) => r.peer === peer)) return; // the same engine's registration again: idempotent
+    const mine = existing?.pending.find((r) => r.peer === peer);
+    if (existing?.reg?.peer === peer || (mine !== undefined && mine.withdrawn === undefined))
+      return; // the same engine's registration again: idempotent
     if (existing === undefined && this.givenUp.has(m.transferId))
       return fail("ERR_ABORTED", "the prefill engine gave up on this request before its prefill");
     if (m.numTokens === 0 || m.prefixTokens > m.numTokens)
       return fail("ERR_BAD_TOKENS", "bad token counts in PushReg");
+    if (this.draining && existing?.blocks === undefined)
+      // Its PrefillDone would be refused: D frees its blocks now, not at its watchdog.
+      return fail("ERR_DRAINING", "the prefill sidecar is stopping");
     if (existing?.blocks !== undefined && !tokensEqual(existing.token, m.token)) {
       // The transfer names its decode engine by its token: anyone else is refused, and the
       // transfer goes on waiting for the right one.
@@ -298,45 +349,132 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       numTokens: m.numTokens,
       prefixTokens: m.prefixTokens,
       leaseMs,
+      deadline: now + leaseMs,
     };
-    if (existing?.reg !== undefined) {
-      if (existing.blocks !== undefined || existing.otherRegs.length >= MAX_OTHER_REGISTRATIONS) {
+    if (existing !== undefined && existing.blocks === undefined) {
+      // Before PrefillDone nobody knows whose token is right: keep it until then.
+      if (mine !== undefined) {
+        // Its own withdrawn registration, made again: it replaces it.
+        existing.pending[existing.pending.indexOf(mine)] = reg;
+      } else {
+        if (existing.pending.length >= MAX_PENDING_REGISTRATIONS) {
+          // A withdrawn registration gives its place up; live ones keep theirs.
+          const gone = existing.pending.findIndex((r) => r.withdrawn !== undefined);
+          if (gone < 0) {
+            ctx.noteError(
+              `PushReg for '${m.transferId}' from '${peer.engineId}' refused: ERR_DUPLICATE ` +
+                `(${MAX_PENDING_REGISTRATIONS} decode engines registered)`,
+            );
+            return fail("ERR_DUPLICATE", "another decode engine registered for this transfer");
+          }
+          existing.pending.splice(gone, 1);
+        }
+        existing.pending.push(reg);
+      }
+      existing.trace.mark("peer.pushReg kept aside", receivedUs);
+      this.rearm(existing);
+      return;
+    }
+    if (existing !== undefined) {
+      // Prefill done and the token matches.
+      if (existing.reg !== undefined) {
         ctx.noteError(
           `PushReg for '${m.transferId}' from '${peer.engineId}' refused: ERR_DUPLICATE ` +
             `(registered by '${existing.reg.peer.engineId}')`,
         );
         return fail("ERR_DUPLICATE", "another decode engine registered for this transfer");
       }
-      // Before PrefillDone nobody knows whose token is right: keep it until then.
-      existing.otherRegs.push(reg);
-      existing.trace.mark("peer.pushReg kept aside", receivedUs);
+      existing.reg = reg;
+      existing.regDeadline = reg.deadline;
+      existing.peer = peer.engineId;
+      existing.mode = "push";
+      existing.t.registeredMs = now;
+      existing.trace.mark("peer.pushReg", receivedUs);
+      void this.push(existing); // HELD: prefill is done
       return;
     }
-    if (existing === undefined && this.atCapacity()) {
+    // A new entry named by this peer: bounded by its share, then by the table (both O(1)).
+    const share = this.perPeerCap();
+    if (peer.named >= share) {
+      ctx.noteError(
+        `PushReg for '${m.transferId}' from '${peer.engineId}' refused: ERR_OVERLOADED ` +
+          `(${share} registrations waiting for prefill from this engine)`,
+      );
+      return fail("ERR_OVERLOADED", `${share} registrations of yours wait for prefill on P`);
+    }
+    if (this.atCapacity()) {
       return fail("ERR_OVERLOADED", `${ctx.settings.maxTransfers} transfers live on P`);
     }
-    const t = existing ?? this.fresh(m.transferId);
-    t.reg = reg;
-    t.regDeadline = now + leaseMs;
+    const t = this.fresh(m.transferId);
+    t.pending = [reg];
+    t.namedBy = peer;
+    peer.named++;
     t.peer = peer.engineId;
     t.mode = "push";
     t.t.registeredMs = now;
     t.trace.mark("peer.pushReg", receivedUs);
-    this.transfers.set(t.id, t);
-    if (existing === undefined) begin(this.lc, t, "WAITING", "PushReg before PrefillDone");
-    else void this.push(t); // HELD: prefill is done
+    this.track(t, "WAITING", "PushReg before PrefillDone");
+    this.rearm(t);
+  }
+
+  /** Entries one decode engine may create before PrefillDone. */
+  private perPeerCap(): number {
+    const s = this.ctx.settings;
+    return s.maxPerPeer ?? Math.max(1, Math.floor(s.maxTransfers / PER_PEER_SHARE));
+  }
+
+  /** The entry no longer counts against the peer whose PushReg created it. */
+  private unname(t: PrefillTransfer): void {
+    if (t.namedBy === undefined) return;
+    t.namedBy.named--;
+    t.namedBy = undefined;
   }
 
   /**
-   * At PrefillDone: keeps the registration whose token matches the transfer's (the first one
-   * when the transfer has no token), refuses the others, and returns the one kept.
+   * A WAITING entry's deadline: its first live registration's, or (all withdrawn) the time its
+   * withdrawals are remembered for a late PrefillDone. At most MAX_PENDING_REGISTRATIONS.
+   */
+  private rearm(t: PrefillTransfer): void {
+    let next = Infinity;
+    for (const r of t.pending) if (r.withdrawn === undefined) next = Math.min(next, r.deadline);
+    t.deadline = next === Infinity ? this.ctx.clock.now() + this.ctx.settings.leaseMs : next;
+    const first = t.pending.find((r) => r.withdrawn === undefined) ?? t.pending[0];
+    t.peer = first?.peer.engineId ?? "";
+  }
+
+  /** A registration kept before PrefillDone is withdrawn; the transfer goes on. */
+  private withdraw(
+    t: PrefillTransfer,
+    r: PushRegistration,
+    kind: "ABORTED" | "FAILED" | "EXPIRED",
+    reason: string,
+  ): void {
+    r.withdrawn = { kind, reason };
+    t.trace.mark(`peer.pushReg withdrawn (${kind})`);
+    this.rearm(t);
+  }
+
+  /** `peer`'s live registration kept before PrefillDone, if any. */
+  private pendingOf(t: PrefillTransfer, peer: PeerState): PushRegistration | undefined {
+    if (t.blocks !== undefined) return undefined;
+    return t.pending.find((r) => r.peer === peer && r.withdrawn === undefined);
+  }
+
+  /**
+   * At PrefillDone: picks the registration whose token matches the transfer's (the first one
+   * when the transfer has no token), refuses the others still live, and returns the one picked
+   * (withdrawn or not).
    */
   private settleRegistrations(t: PrefillTransfer): PushRegistration | undefined {
-    const all = t.reg === undefined ? t.otherRegs : [t.reg, ...t.otherRegs];
-    t.otherRegs = [];
-    const chosen = all.find((r) => tokensEqual(r.token, t.token));
+    const all = t.pending;
+    t.pending = [];
+    this.unname(t);
+    // A live registration with the token first (the same D again after a restart, say), else a
+    // withdrawn one: then the transfer ends as its D asked.
+    const matches = all.filter((r) => tokensEqual(r.token, t.token));
+    const chosen = matches.find((r) => r.withdrawn === undefined) ?? matches[0];
     for (const r of all) {
-      if (r === chosen) continue;
+      if (r === chosen || r.withdrawn !== undefined) continue;
       const code =
         t.token === "" && chosen !== undefined ? "ERR_DUPLICATE" : "ERR_BAD_TRANSFER_TOKEN";
       this.ctx.noteError(`PushReg for '${t.id}' from '${r.peer.engineId}' refused: ${code}`);
@@ -345,17 +483,16 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         value: { transferId: t.id, code, message: "not the decode engine this transfer names" },
       });
     }
-    if (chosen === undefined) {
+    if (chosen === undefined || chosen.withdrawn !== undefined) {
       t.reg = undefined;
-      t.peer = "";
-      t.mode = "";
-      return undefined;
+      t.peer = chosen?.peer.engineId ?? "";
+      t.mode = chosen === undefined ? "" : "push";
+      return chosen;
     }
-    if (chosen !== t.reg) {
-      t.reg = chosen;
-      t.peer = chosen.peer.engineId;
-      t.regDeadline = this.ctx.clock.now() + chosen.leaseMs;
-    }
+    t.reg = chosen;
+    t.peer = chosen.peer.engineId;
+    t.mode = "push";
+    t.regDeadline = chosen.deadline;
     return chosen;
   }
 
@@ -368,6 +505,9 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     if (!transition(this.lc, t, "MOVING", "registration and prefill both here")) return;
     let plan: TransferPlan;
     try {
+      // A KV file that shrank would fault (SIGBUS) when the writes read it.
+      const shrunk = kv.shrunk?.();
+      if (shrunk !== undefined) throw new KvxferError("ERR_REGION_CHANGED", shrunk);
       if (reg.numTokens !== t.numTokens) {
         throw new KvxferError(
           "ERR_BAD_TOKENS",
@@ -382,6 +522,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       });
     } catch (err) {
       const e = transferError(err);
+      ctx.noteError(`push of '${t.id}' refused: ${e.code}: ${e.message}`);
       ctx.toPeer(peer, {
         case: "failed",
         value: { transferId: t.id, code: e.code, message: e.message },
@@ -509,14 +650,17 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       ctx.toPeer(peer, { case: "abortAck", value: { transferId } });
       return;
     }
-    if (!this.mayActOn(t, peer, token)) {
-      const other = t.otherRegs.findIndex((r) => r.peer === peer);
-      if (other >= 0) {
-        // A registration still waiting for PrefillDone withdrawn: nothing was written for it.
-        t.otherRegs.splice(other, 1);
+    if (t.blocks === undefined) {
+      // Before PrefillDone: the registrant withdraws its own registration, nothing more; it
+      // counts at PrefillDone if its token is the transfer's. Nothing was written for it.
+      const r = this.pendingOf(t, peer);
+      if (r !== undefined) {
+        this.withdraw(t, r, "ABORTED", "aborted by decode");
         ctx.toPeer(peer, { case: "abortAck", value: { transferId } });
         return;
       }
+    }
+    if (!this.mayActOn(t, peer, token)) {
       ctx.noteError(
         `Abort for '${transferId}' from '${peer.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
       );
@@ -537,6 +681,11 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     const t = this.transfers.get(transferId);
     if (t === undefined || isTerminal(t.state) || t.state === "MOVING" || t.state === "ABORTING")
       return false;
+    const r = this.pendingOf(t, peer);
+    if (r !== undefined) {
+      this.withdraw(t, r, "FAILED", code);
+      return true;
+    }
     if (!this.mayActOn(t, peer, token)) {
       this.ctx.noteError(
         `Failed for '${transferId}' from '${peer.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
@@ -548,12 +697,50 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   }
 
   /**
-   * True when `peer` may act on `t`: it is the registered decode engine, or (no registration)
-   * it presents the transfer's token.
+   * True when `peer` may end `t`: prefill is done (the token is known), it presents the token,
+   * and it is the registered decode engine if one registered. Before PrefillDone nobody may.
    */
   private mayActOn(t: PrefillTransfer, peer: PeerState, token: string): boolean {
-    if (t.reg !== undefined) return t.reg.peer === peer;
-    return t.blocks === undefined || tokensEqual(t.token, token);
+    if (t.blocks === undefined || !tokensEqual(t.token, token)) return false;
+    return t.reg === undefined || t.reg.peer === peer;
+  }
+
+  /**
+   * The sidecar starts stopping: every transfer still waiting for PrefillDone (which will be
+   * refused) fails now, and each decode engine registered for it is told at once, so it frees
+   * its blocks instead of waiting out our registration lease.
+   */
+  drain(): void {
+    this.draining = true;
+    for (const t of this.transfers.values()) {
+      if (t.state !== "WAITING") continue;
+      for (const r of t.pending.filter((x) => x.withdrawn === undefined))
+        this.ctx.toPeer(r.peer, {
+          case: "failed",
+          value: {
+            transferId: t.id,
+            code: "ERR_DRAINING",
+            message: "the prefill sidecar is stopping",
+          },
+        });
+      this.end(t, "FAILED", "ERR_DRAINING");
+    }
+  }
+
+  /**
+   * The drain's deadline passed: what is not moving fails now, its decode engine told (a pull's
+   * reader hears "not held" when it asks). Writes in flight settle or are abandoned at close.
+   */
+  abandon(): void {
+    this.drain();
+    // HELD: held for a pull (a registration is written at once): D hears "not held".
+    for (const t of this.transfers.values())
+      if (t.state === "HELD") this.end(t, "FAILED", "ERR_DRAINING");
+  }
+
+  /** The registered KV broke (a file shrank): what P holds for a pull fails, D's read unconfirmed. */
+  failHeld(code: string): void {
+    for (const t of this.transfers.values()) if (t.state === "HELD") this.end(t, "FAILED", code);
   }
 
   /** D's heartbeat renews the leases of the transfers it names. */
@@ -562,19 +749,32 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     for (const id of ids) {
       const t = this.transfers.get(id);
       if (t === undefined || isTerminal(t.state)) continue;
+      if (t.blocks === undefined) {
+        const r = this.pendingOf(t, peer);
+        if (r === undefined) continue;
+        r.deadline = now + r.leaseMs;
+        this.rearm(t);
+        continue;
+      }
       if (t.reg !== undefined && t.reg.peer !== peer) continue;
-      if (t.reg !== undefined) t.regDeadline = now + t.reg.leaseMs;
+      if (t.reg !== undefined) t.regDeadline = t.reg.deadline = now + t.reg.leaseMs;
       if (t.state === "HELD") t.deadline = now + this.ctx.settings.leaseMs;
-      else if (t.state === "WAITING" && t.reg !== undefined) t.deadline = t.regDeadline;
     }
   }
 
   /** The decode engine `peer` is gone: what it registered for fails (writes in flight abort). */
   peerDown(peer: PeerState): void {
     for (const t of this.transfers.values()) {
-      if (isTerminal(t.state) || t.reg?.peer !== peer) continue;
-      if (t.state === "MOVING") transition(this.lc, t, "ABORTING", "decode peer down");
-      else if (t.state !== "ABORTING") this.end(t, "FAILED", "ERR_PEER_DOWN");
+      if (isTerminal(t.state)) continue;
+      const r = this.pendingOf(t, peer);
+      if (r !== undefined) {
+        // Before PrefillDone its registration is withdrawn; the transfer is not its to end.
+        this.withdraw(t, r, "FAILED", "ERR_PEER_DOWN");
+        continue;
+      }
+      // After PrefillDone a registration is written at once: MOVING, or ABORTING already.
+      if (t.reg?.peer === peer && t.state === "MOVING")
+        transition(this.lc, t, "ABORTING", "decode peer down");
     }
   }
 
@@ -588,15 +788,20 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   /** Live transfers registered by `peer`. */
   liveWith(peer: PeerState): boolean {
     for (const t of this.transfers.values())
-      if (t.reg?.peer === peer && !isTerminal(t.state)) return true;
+      if (!isTerminal(t.state) && (t.reg?.peer === peer || this.pendingOf(t, peer) !== undefined))
+        return true;
     return false;
   }
 
   /** Peers with live registrations (each gets a heartbeat). */
   livePeers(): Set<PeerState> {
     const out = new Set<PeerState>();
-    for (const t of this.transfers.values())
-      if (t.reg !== undefined && !isTerminal(t.state)) out.add(t.reg.peer);
+    for (const t of this.transfers.values()) {
+      if (isTerminal(t.state)) continue;
+      if (t.reg !== undefined) out.add(t.reg.peer);
+      else if (t.blocks === undefined)
+        for (const r of t.pending) if (r.withdrawn === undefined) out.add(r.peer);
+    }
     return out;
   }
 
@@ -606,13 +811,17 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     for (const t of this.transfers.values()) {
       if (now < t.deadline) continue;
       if (isTerminal(t.state)) {
-        this.transfers.delete(t.id);
+        this.forget(t);
       } else if (t.state === "HELD") {
         this.end(t, "EXPIRED", "lease expired");
       } else if (t.state === "WAITING") {
-        // A registration nobody's prefill finished in time.
-        if (t.reg !== undefined)
-          this.ctx.toPeer(t.reg.peer, {
+        // Registrations nobody's prefill finished in time: each is over, the transfer is not
+        // (its token is unknown yet). With none left, the entry goes once its withdrawals are
+        // no longer worth remembering: P's engine never gave blocks for it, so no event.
+        const live = t.pending.filter((r) => r.withdrawn === undefined);
+        for (const r of live) {
+          if (now < r.deadline) continue;
+          this.ctx.toPeer(r.peer, {
             case: "failed",
             value: {
               transferId: t.id,
@@ -620,7 +829,12 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
               message: "no prefill before the registration lease ran out",
             },
           });
-        this.end(t, "EXPIRED", "registration lease expired");
+          this.withdraw(t, r, "EXPIRED", "registration lease expired");
+        }
+        if (live.length === 0) {
+          this.unname(t);
+          this.forget(t);
+        }
       }
       // MOVING and ABORTING end when their writes settle; each write is bounded by the endpoint.
     }

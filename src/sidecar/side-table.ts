@@ -4,13 +4,15 @@
  * listing. Each side adds its handlers.
  */
 import type { SideContext } from "./context.js";
-import { isTerminal, type Lifecycle, type Tracked } from "./lifecycle.js";
+import { begin, isTerminal, type Lifecycle, type Tracked } from "./lifecycle.js";
 import type { TransferTrace } from "./trace.js";
 import type { TerminalKind, TransferInfo, TransferSide } from "./view.js";
 
 export abstract class SideTable<S extends string, T extends Tracked<S> & { trace: TransferTrace }> {
   protected readonly transfers = new Map<string, T>();
   protected readonly lc: Lifecycle<S, T>;
+  /** Live (non-terminal) entries, kept as they start and end: every cap check is O(1). */
+  private liveCount = 0;
 
   constructor(
     protected readonly ctx: SideContext,
@@ -24,7 +26,10 @@ export abstract class SideTable<S extends string, T extends Tracked<S> & { trace
       next,
       log: ctx.log,
       enter: (t, to) => this.enter(t, to),
-      exit: (t, kind) => this.exit(t, kind),
+      exit: (t, kind) => {
+        this.liveCount--;
+        this.exit(t, kind);
+      },
       refused: (problem) => ctx.noteError(`ERR_INTERNAL: ${problem}`),
     };
   }
@@ -36,27 +41,31 @@ export abstract class SideTable<S extends string, T extends Tracked<S> & { trace
   /** How a transfer is listed (gRPC ListTransfers, `kvxfer status`). */
   protected abstract info(t: T): TransferInfo;
 
+  /** Adds `t` to the table and starts it in `state`. */
+  protected track(t: T, state: S, why: string): void {
+    this.transfers.set(t.id, t);
+    // Counted whatever begin says: a refused start is reported and the entry still live.
+    begin(this.lc, t, state, why);
+    this.liveCount++;
+  }
+
+  /** Removes `t`, an entry of the table (a tombstone, or a live entry that never started here). */
+  protected forget(t: T): void {
+    this.transfers.delete(t.id);
+    if (!isTerminal(t.state)) this.liveCount--;
+  }
+
   has(transferId: string): boolean {
     return this.transfers.has(transferId);
   }
 
-  /** Ids of the live (non-terminal) transfers, copied: ending one while iterating is safe. */
-  liveIds(): string[] {
-    const out: string[] = [];
-    for (const t of this.transfers.values()) if (!isTerminal(t.state)) out.push(t.id);
-    return out;
-  }
-
   live(): number {
-    let n = 0;
-    for (const t of this.transfers.values()) if (!isTerminal(t.state)) n++;
-    return n;
+    return this.liveCount;
   }
 
-  /** Live entries at the cap. Cheap while the table (tombstones included) is below it. */
+  /** Live entries at the cap (O(1): tombstones do not count). */
   protected atCapacity(): boolean {
-    const max = this.ctx.settings.maxTransfers;
-    return this.transfers.size >= max && this.live() >= max;
+    return this.liveCount >= this.ctx.settings.maxTransfers;
   }
 
   /** Adds a hop to a transfer's trace (now); unknown ids: nothing. */

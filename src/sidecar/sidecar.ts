@@ -7,7 +7,15 @@
  */
 import { create, equals } from "@bufbuild/protobuf";
 import { randomBytes } from "node:crypto";
-import { realpathSync, statSync } from "node:fs";
+import {
+  closeSync,
+  constants,
+  fstatSync,
+  ftruncateSync,
+  openSync,
+  realpathSync,
+  statSync,
+} from "node:fs";
 import { availableParallelism } from "node:os";
 import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
@@ -18,10 +26,12 @@ import {
   ReleaseReason,
   SidecarToEngineSchema,
   type EngineToSidecar,
+  type ExpectKv,
   type RegisterKvCache,
   type SidecarToEngine,
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
+import type { KvLayout } from "../plan/index.js";
 import {
   Agent,
   describeUcx,
@@ -107,6 +117,10 @@ export interface SidecarOptions {
   tombstoneMs?: number;
   /** Live transfers per side at most. */
   maxTransfers?: number;
+  /** P: transfers one decode engine may create by PushReg before PrefillDone (default maxTransfers / 8). */
+  maxPerPeer?: number;
+  /** Notifications of one peer processed per second at most (burst: two seconds' worth). */
+  peerMessagesPerSec?: number;
   /**
    * The engine's KV files must be regular files with one link, owned by this process's uid,
    * under this absolute directory, reached without a symbolic link or `..` (default /dev/shm).
@@ -131,6 +145,16 @@ export interface SidecarOptions {
   logger: Logger;
   /** Time and timers (tests pass a manual clock); default the system's. */
   clock?: Clock;
+}
+
+/** A KV file mapped for a region: a descriptor of the mapped inode and the bytes it must hold. */
+interface KvFile {
+  /** Opened read-write: a file that shrank is given its size back (ftruncate), see kvShrunk. */
+  readonly fd: number;
+  readonly path: string;
+  readonly end: number;
+  readonly rank: number;
+  readonly region: number;
 }
 
 /** Where a sidecar sends what its engine must hear. */
@@ -216,6 +240,10 @@ export class Sidecar implements SidecarView {
    * today; code that drops or replaces one (re-registration) must subtract its bytes.
    */
   private mappedBytes = 0;
+  /** The KV files mapped, watched for shrinking (openKvFiles). */
+  private kvFiles: KvFile[] = [];
+  /** Why the registered KV is broken (a file shrank after registration), once it is. */
+  private kvBroken: string | undefined;
   /** Regions allocated for the engine (AllocateKv) that no registration took yet. */
   private readonly allocations = new KvAllocations();
   private readonly side: SideChannelServer;
@@ -263,6 +291,9 @@ export class Sidecar implements SidecarView {
       handshakeTimeoutMs: options.handshakeTimeoutMs ?? 5000,
       tombstoneMs: options.tombstoneMs ?? 60_000,
       maxTransfers: options.maxTransfers ?? 65_536,
+      maxPerPeer:
+        options.maxPerPeer ?? Math.max(1, Math.floor((options.maxTransfers ?? 65_536) / 8)),
+      peerMessagesPerSec: options.peerMessagesPerSec ?? 20_000,
       kvDir: options.kvDir ?? "/dev/shm",
       maxRegistrationBytes: options.maxRegistrationBytes ?? Number.MAX_SAFE_INTEGER,
       maxKvBytes: options.maxKvBytes ?? Number.MAX_SAFE_INTEGER,
@@ -355,23 +386,40 @@ export class Sidecar implements SidecarView {
 
   /**
    * The registered engine is gone for good (issue 35): no new transfers, and every live one
-   * ends now, telling its peer (P's registrations get Failed, D's transfers an Abort), so peers
-   * recompute or free at once. The caller then stops this sidecar: a new engine's memory needs a
-   * new epoch, since peers hold remote keys for the old one and a late one-sided write cannot
-   * be recalled from a process that keeps living.
+   * fails now, each peer told (as at the drain's deadline), so peers recompute or free at once.
+   * The caller then stops this sidecar: a new engine's memory needs a new epoch, since peers
+   * hold remote keys for the old one and a late one-sided write cannot be recalled from a
+   * process that keeps living.
    */
   abandonEngine(why: string): void {
-    this.draining = true;
-    const live = this.liveTransfers();
-    this.log.warn({ why, live }, "engine gone: ending every transfer it held, telling peers");
+    this.log.warn(
+      { why, live: this.liveTransfers() },
+      "engine gone: ending every transfer it held, telling peers",
+    );
     this.noteError(`engine gone: ${why}`);
-    for (const id of this.prefill.liveIds()) this.prefill.abort(id);
-    for (const id of this.decode.liveIds()) this.decode.abort(id);
+    this.beginDrain();
+    this.abandonAll();
   }
 
   /** Live (non-terminal) transfers per side. */
   liveBySide(): { prefill: number; decode: number } {
     return { prefill: this.prefill.live(), decode: this.decode.live() };
+  }
+
+  /**
+   * SIGTERM: new transfers are refused from now on, and what will not happen is told to the
+   * peers at once (P: registrations waiting for a PrefillDone it will refuse).
+   */
+  beginDrain(): void {
+    if (this.draining) return;
+    this.draining = true;
+    this.prefill.drain();
+  }
+
+  /** The drain's deadline passed: the transfers left fail now, each peer told (before close). */
+  abandonAll(): void {
+    this.prefill.abandon();
+    this.decode.abandon();
   }
 
   /** Live (non-terminal) transfers on both sides. */
@@ -387,6 +435,7 @@ export class Sidecar implements SidecarView {
     await this.side.close();
     this.peers.close();
     this.allocations.freeAll();
+    for (const f of this.kvFiles.splice(0)) closeSync(f.fd);
     if (this.kv !== undefined) {
       // Every rank's shutdown starts at once: a stop waits out one deadline, not one per rank.
       for (const a of this.kv.agents) a.beginClose();
@@ -441,6 +490,7 @@ export class Sidecar implements SidecarView {
             },
           });
         }
+        if (msg.msg.case === "expectKv") this.tellSourceDraining(msg.msg.value);
         this.refuse(
           msg.msg.value.transferId,
           "ERR_DRAINING",
@@ -510,6 +560,57 @@ export class Sidecar implements SidecarView {
   noteError(text: string): void {
     this.lastErrors.push(`${new Date().toISOString()} ${text}`);
     if (this.lastErrors.length > 20) this.lastErrors.shift();
+  }
+
+  /**
+   * A descriptor of every KV file mapped (the same inode, by device and inode), with the bytes
+   * its region needs: how kvShrunk sees a file shrink under the mapping. Best effort: a file
+   * that cannot be opened again is not checked.
+   */
+  private openKvFiles(reg: RegisterKvCache, layout: KvLayout): KvFile[] {
+    const out: KvFile[] = [];
+    for (const rk of reg.ranks)
+      for (const [g, f] of rk.regions.entries()) {
+        if (f.segment !== undefined) continue; // a SysV segment cannot shrink
+        try {
+          const fd = openSync(f.path, constants.O_RDWR | constants.O_NOFOLLOW);
+          out.push({
+            fd,
+            path: f.path,
+            end: Number(f.offset) + layout.regionBytes[g]!,
+            rank: rk.rank,
+            region: g,
+          });
+        } catch (err) {
+          this.log.warn({ err, path: f.path }, "cannot reopen a KV file to watch its size");
+        }
+      }
+    return out;
+  }
+
+  /** Why a mapped KV file no longer covers its region, or undefined (one fstat per file). */
+  private kvShrunk(): string | undefined {
+    for (const f of this.kvFiles) {
+      let size: number;
+      try {
+        size = fstatSync(f.fd).size;
+      } catch {
+        continue;
+      }
+      if (size >= f.end) continue;
+      // What the file held is gone, and every page past its end faults (SIGBUS) when touched,
+      // by us or by a peer's read. Its size is given back at once (the lost pages read as
+      // zeros, they fault no more), and the KV stays broken: every transfer fails from now on.
+      this.kvBroken ??=
+        `rank ${f.rank} region ${f.region}: KV file '${f.path}' shrank to ${size} bytes ` +
+        `after registration; the region needs ${f.end} (restart the sidecar and the engine)`;
+      try {
+        ftruncateSync(f.fd, f.end);
+      } catch (err) {
+        this.log.error({ err, path: f.path }, "cannot give a shrunk KV file its size back");
+      }
+    }
+    return this.kvBroken;
   }
 
   /**
@@ -652,7 +753,8 @@ export class Sidecar implements SidecarView {
     // The registration owns what it uses; what it does not use is freed.
     for (const rank of owned) this.allocations.take(rank);
     this.allocations.freeAll();
-    this.kv = { layout, agents, regions };
+    this.kvFiles = this.openKvFiles(reg, layout);
+    this.kv = { layout, agents, regions, shrunk: () => this.kvShrunk() };
     this.mappedBytes += bytes;
     this.registration = { msg: reg, files: Sidecar.fileIdentities(reg) };
     conn?.adopt();
@@ -823,6 +925,31 @@ export class Sidecar implements SidecarView {
     };
   }
 
+  /**
+   * D refuses an ExpectKv while draining: P may hold the blocks for it (prefill done, waiting for
+   * our read or registration). Told now, with the transfer's token, P frees them at once instead
+   * of at its lease.
+   */
+  private tellSourceDraining(m: ExpectKv): void {
+    if (m.source === "") return;
+    this.peers
+      .resolve(m.source)
+      .then((peer) =>
+        this.peers.send(peer, {
+          case: "failed",
+          value: {
+            transferId: m.transferId,
+            code: "ERR_DRAINING",
+            message: "the decode sidecar is stopping",
+            token: m.token,
+          },
+        }),
+      )
+      .catch((err: unknown) =>
+        this.log.debug({ err, transferId: m.transferId }, "cannot tell P about a drain refusal"),
+      );
+  }
+
   /** What the peer table needs of this sidecar. */
   private peerHost(): PeerTableHost {
     return {
@@ -865,10 +992,15 @@ export class Sidecar implements SidecarView {
 
   /** Peer notifications that arrived at our agent `rank`: checked, then handed to their side. */
   private onNotifications(rank: number, batch: Notification[]): void {
+    const now = this.clock.now();
     for (const n of batch) {
       const v = this.peers.verify(n);
       if (v === undefined) continue;
       const { peer, body: b } = v;
+      // A peer's share of our work: past its budget its messages go unprocessed (O(1)). A
+      // heartbeat costs by the ids it names (each is a lookup), one message per 64.
+      const cost = b.case === "heartbeat" ? 1 + Math.floor(b.value.transferIds.length / 64) : 1;
+      if (!peer.budget.take(now, this.opts.peerMessagesPerSec, cost)) continue;
       switch (b.case) {
         case "pushReg":
           if (this.role === "decode") {
@@ -921,6 +1053,14 @@ export class Sidecar implements SidecarView {
   /** Every part's expiry; deadlines are not ordered, so each visits its whole table. */
   private sweep(): void {
     const now = this.clock.now();
+    // A KV file that shrank is found within one sweep, even with no transfer starting: its size
+    // is given back (no fault) and what P holds for a pull fails (D hears "not held").
+    const wasBroken = this.kvBroken;
+    if (this.kvFiles.length > 0 && this.kvShrunk() !== undefined && wasBroken === undefined) {
+      this.noteError(`ERR_REGION_CHANGED: ${this.kvBroken!}`);
+      this.log.error({ problem: this.kvBroken }, "a KV file shrank under the sidecar");
+      this.prefill.failHeld("ERR_REGION_CHANGED");
+    }
     this.prefill.expire(now);
     this.decode.expire(now);
     if (this.metrics !== undefined) {
@@ -932,6 +1072,10 @@ export class Sidecar implements SidecarView {
       );
     }
     this.peers.expire(now);
+    for (const [engineId, n] of this.peers.overBudget())
+      this.noteError(
+        `${n} notifications from '${engineId}' dropped: over ${this.opts.peerMessagesPerSec}/s (ERR_OVERLOADED)`,
+      );
   }
 
   private emit(

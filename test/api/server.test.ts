@@ -159,6 +159,11 @@ describe("AwaitTransfer", () => {
     expect((await rejection(client.awaitTransfer("x".repeat(600), 1_000))).code).toBe(
       grpc.status.INVALID_ARGUMENT,
     );
+    // Printable characters only (issue 31): a NUL or a newline is refused by name.
+    const nul = await rejection(client.awaitTransfer("a\u0000b", 1_000));
+    expect(nul.code).toBe(grpc.status.INVALID_ARGUMENT);
+    expect(nul.details).toMatch(/U\+0000 at index 1: only printable characters/);
+    expect((await rejection(client.awaitTransfer("a\nb", 1_000))).details).toMatch(/U\+000A/);
   });
 });
 

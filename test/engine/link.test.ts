@@ -390,6 +390,18 @@ describe("engine message checks", () => {
         /transfer_id is 257/,
         layout,
       ],
+      [
+        prefill({ transferId: "t\u0000x" }),
+        "ERR_BAD_TRANSFER_ID",
+        /transfer_id holds U\+0000 at index 1: only printable characters/,
+        layout,
+      ],
+      [
+        expectKv({ transferId: "t\nx" }),
+        "ERR_BAD_TRANSFER_ID",
+        /transfer_id holds U\+000A/,
+        layout,
+      ],
       [prefill({ numTokens: 0 }), "ERR_BAD_TOKENS", /num_tokens/, layout],
       [
         prefill({ numTokens: 33 }),

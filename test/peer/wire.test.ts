@@ -277,6 +277,17 @@ describe("decodeNotification", () => {
     // 86 three-byte characters: 258 bytes in 86 units (read by protobuf-es, not ASCII).
     expect(() => parse("€".repeat(86))).toThrow(/transfer id must be 1..256 bytes/);
     expect(() => parse("€".repeat(85))).not.toThrow();
+    // Printable characters only (issue 31): control, format and separator characters are refused.
+    for (const [id, cp] of [
+      ["a\u0000", "0000"],
+      ["line\nbreak", "000A"],
+      ["esc\u001b[31m", "001B"],
+      ["c1\u0085", "0085"],
+      ["bidi\u202e", "202E"],
+      ["sep\u2028", "2028"],
+    ] as const)
+      expect(() => parse(id), id).toThrow(new RegExp(`U\\+${cp} at index \\d+: only printable`));
+    expect(() => parse("cmpl-3f2a_0.é-漢字 ok")).not.toThrow();
   });
 
   it("leaves another layout and other bodies to protobuf-es", () => {

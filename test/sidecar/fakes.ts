@@ -214,6 +214,8 @@ export const SETTINGS: LifecycleSettings = {
   abortGraceMs: 200,
   tombstoneMs: 10_000,
   maxTransfers: 2,
+  // Each peer's share of P's table (by default maxTransfers / 8) is tested on its own.
+  maxPerPeer: 1000,
   exclusivePrefillBlocks: false,
 };
 

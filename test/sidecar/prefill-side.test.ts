@@ -175,9 +175,12 @@ describe("PrefillSide", () => {
     p.pushReg(d, pushReg("t1"));
     w.clock.advance(SETTINGS.regLeaseMs);
     p.expire(w.clock.now());
-    expect(state("t1")).toBe("EXPIRED");
+    // D is told; P's transfer waits for PrefillDone to say whose registration that was.
+    expect(state("t1")).toBe("WAITING");
     expect(w.peerSaid("t1")).toEqual(["failed:ERR_TIMEOUT"]);
     expect(w.engineSaid("t1")).toEqual([]);
+    expect(w.eventsOf("t1")).toEqual([]);
+    expect(p.livePeers().size, "no heartbeat for a registration that is over").toBe(0);
     p.prefillDone(prefillDone("t1"));
     expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.EXPIRED}`]);
     expect(w.eventsOf("t1")).toEqual(["EXPIRED"]);
@@ -193,8 +196,11 @@ describe("PrefillSide", () => {
     p.prefillDone(prefillDone("t2"));
     expect(p.writingTo(d)).toBe(true);
     p.peerDown(d);
-    expect(state("t1")).toBe("FAILED");
+    // t1: D's registration is withdrawn; it counts when PrefillDone names its token ("").
+    expect(state("t1")).toBe("WAITING");
     expect(state("t2")).toBe("ABORTING");
+    p.prefillDone(prefillDone("t1", "", [6, 7]));
+    expect(state("t1")).toBe("FAILED");
     w.agent.failAll();
     await settle();
     expect(state("t2")).toBe("ABORTED");
@@ -235,8 +241,8 @@ describe("PrefillSide", () => {
     expect(state("short")).toBe("WAITING");
     w.clock.advance(1);
     p.expire(w.clock.now());
-    expect(state("short")).toBe("EXPIRED");
     expect(w.peerSaid("short")).toEqual(["failed:ERR_TIMEOUT"]);
+    expect(p.livePeers().size).toBe(0);
     p.pushReg(d, pushReg("long", "", 24 * 3600_000)); // asks for a day: gets 10 min
     p.pushReg(d, pushReg("long", "", 24 * 3600_000)); // the same engine again: nothing new
     expect(w.peerSaid("long")).toEqual([]);
@@ -245,7 +251,6 @@ describe("PrefillSide", () => {
     expect(state("long")).toBe("WAITING");
     w.clock.advance(1);
     p.expire(w.clock.now());
-    expect(state("long")).toBe("EXPIRED");
     expect(w.peerSaid("long")).toEqual(["failed:ERR_TIMEOUT"]);
   });
 
@@ -293,10 +298,16 @@ describe("PrefillSide", () => {
     p.renewLeases(other, ["t1"]); // not the registered D: changes nothing
     w.clock.advance(101);
     p.expire(w.clock.now());
-    expect(state("t1"), "the other engine's heartbeat did not renew it").toBe("EXPIRED");
-    expect(w.peerSaid("t1")).toEqual(["failed:ERR_TIMEOUT"]); // D is told, the registration is over
-    expect(p.leased()).toBe(0);
+    // D is told, the registration is over (the other engine's heartbeat did not renew it).
+    expect(w.peerSaid("t1")).toEqual(["failed:ERR_TIMEOUT"]);
     expect(p.livePeers().size).toBe(0);
+    // Nothing waits for it any more: after the lease the entry goes, with no event.
+    w.clock.advance(SETTINGS.leaseMs);
+    p.expire(w.clock.now());
+    expect(state("t1")).toBeUndefined();
+    expect(w.eventsOf("t1")).toEqual([]);
+    expect(p.leased()).toBe(0);
+    expect(p.live()).toBe(0);
 
     p.pushReg(d, pushReg("t2", "", 1000));
     w.clock.advance(900);
@@ -306,7 +317,7 @@ describe("PrefillSide", () => {
     expect(state("t2"), "renewed 900 ms ago for 1000 ms").toBe("WAITING");
     w.clock.advance(101);
     p.expire(w.clock.now());
-    expect(state("t2")).toBe("EXPIRED");
+    expect(w.peerSaid("t2")).toEqual(["failed:ERR_TIMEOUT"]);
   });
 
   it("a held transfer's lease is renewed by a heartbeat only for a D that registered it, or any D before one did", () => {
@@ -330,7 +341,8 @@ describe("PrefillSide", () => {
     p.prefillDone(prefillDone("held", "", [6, 7]));
     expect(p.liveWith(d)).toBe(true);
     p.peerDown(d);
-    expect([state("mine"), state("theirs"), state("held")]).toEqual(["FAILED", "WAITING", "HELD"]);
+    // "mine" waits on (withdrawn: PrefillDone with its token ends it); the others go on.
+    expect([state("mine"), state("theirs"), state("held")]).toEqual(["WAITING", "WAITING", "HELD"]);
     expect(p.liveWith(d)).toBe(false);
     expect(p.liveWith(other)).toBe(true);
     expect([...p.livePeers()].map((x) => x.engineId)).toEqual(["d1"]);
@@ -567,14 +579,19 @@ describe("PrefillSide: the words it ends and refuses with", () => {
     p.abort("engine-abort-registered");
     p.prefillDone(prefillDone("decode-abort", "", blocks(3)));
     p.peerAbort(d, "decode-abort", "");
+    // Before PrefillDone, D's Failed, D going down and the registration's lease withdraw the
+    // registration; each counts at PrefillDone (the token, "", is the registrant's).
     p.pushReg(d, pushReg("decode-failed"));
     p.peerFailed(d, "decode-failed", "ERR_TIMEOUT", "");
+    p.prefillDone(prefillDone("decode-failed", "", blocks(5)));
     p.pushReg(d, pushReg("peer-down"));
     p.peerDown(d);
+    p.prefillDone(prefillDone("peer-down", "", blocks(6)));
     p.prefillDone(prefillDone("held", "", blocks(4)));
     p.pushReg(d, pushReg("registered"));
     w.clock.advance(SETTINGS.leaseMs);
     p.expire(w.clock.now());
+    p.prefillDone(prefillDone("registered", "", blocks(7)));
     expect(
       [
         "pull",

@@ -159,9 +159,6 @@ describe("sidecar failure cases (multi-process)", () => {
         expect(rel.reason).toBe("EXPIRED");
         const dEvents = engineEvents(d, id).map((e) => e.event);
         expect(dEvents).toEqual(["failed", "released"]);
-        // P saw the registration, then D's Abort: one ABORTED (it held no blocks).
-        const pEv = await oneTerminal(p, id);
-        expect(pEv.kind).toBe("ABORTED");
         const dEv = await oneTerminal(d, id);
         expect(dEv.kind).toBe("EXPIRED");
         expect(dEv.reason).toBe("ERR_TIMEOUT");
@@ -175,9 +172,13 @@ describe("sidecar failure cases (multi-process)", () => {
         console.log(
           `[t2] D watchdog ${WATCHDOG} ms: KvFailed after ${failMs} ms, ReleaseBlocks ${at(rel) - at(failed)} ms later (on AbortAck; fallback bound ${REG_LEASE + GRACE} ms)`,
         );
-        // A prefill that finishes after all: its PrefillDone is refused, its blocks come back.
+        // A prefill that finishes after all: P kept D's withdrawn registration aside (before
+        // PrefillDone a registrant's Abort only withdraws it, issue 31); the token ("") names it,
+        // so the transfer ends ABORTED there and its blocks come back at once.
         await p.engine.prefill(id, 40, 0).catch(() => undefined);
         await p.allBlocksFree(5000);
+        const pEv = await oneTerminal(p, id);
+        expect(pEv.kind).toBe("ABORTED");
         expect(p.terminal(id)).toHaveLength(1);
         await goodTransfer(p, d, "t2-after");
       },
@@ -329,24 +330,30 @@ describe("sidecar failure cases (multi-process)", () => {
       await pState(p, id, "WAITING");
       const tKill = Date.now();
       await d.kill();
-      // P: the registration runs out (no renewal) or D is silent past the peer timeout.
+      // P: the registration runs out (no renewal) or D is silent past the peer timeout. Before
+      // PrefillDone that withdraws the registration (issue 31: a registrant never ends a
+      // transfer whose token P does not know yet); PrefillDone then ends it as withdrawn.
       const BOUND = Math.min(REG_LEASE, PEER_TIMEOUT) + HEARTBEAT + SWEEP;
-      const pEv = await p.waitEvent(
-        (e) => e.transferId === id && e.side === "prefill",
+      await p.waitTransfer(
+        id,
+        "prefill",
+        (t) => t.trace.some((h) => h.hop.startsWith("peer.pushReg withdrawn")),
+        "the dead D's registration withdrawn",
         BOUND + SLACK,
       );
-      const endMs = pEv.timeMs - tKill;
-      expect(["EXPIRED", "FAILED"]).toContain(pEv.kind);
+      const endMs = Date.now() - tKill;
       expect(endMs).toBeLessThan(BOUND + SLACK);
       // The prefill finishes later; its blocks come straight back.
       const { blockIds } = await prefill;
+      const pEv = await p.waitEvent((e) => e.transferId === id && e.side === "prefill", 5000);
+      expect(["EXPIRED", "FAILED"]).toContain(pEv.kind);
       const rel = await p.engineEvent(id, "released", 5000);
       expect(["EXPIRED", "FAILED"]).toContain(rel.reason);
       expect(rel.blocks).toBe(blockIds.length);
       expect((await oneTerminal(p, id)).kind).toBe(pEv.kind);
       await p.allBlocksFree();
       console.log(
-        `[t5] D killed: P ended ${pEv.kind} (${pEv.reason}) at +${endMs} ms (bound ${BOUND}); late PrefillDone's blocks released ${String(rel.reason)}`,
+        `[t5] D killed: P withdrew its registration at +${endMs} ms (bound ${BOUND}), ended ${pEv.kind} (${pEv.reason}) at the late PrefillDone; its blocks released ${String(rel.reason)}`,
       );
       d2 = await KvNode.start({ role: "decode", mode: "push", sidecarArgs: fastArgs() });
       await goodTransfer(p, d2, "t5-after");
