@@ -4,6 +4,7 @@ would see (how long until each request is decided) and checks every block is bac
 
 from __future__ import annotations
 
+import socket
 import time
 
 from conftest import wait_for
@@ -31,9 +32,14 @@ def test_a_sidecar_that_stays_down_fails_every_request_fast_on_both_roles(sideca
         dw = d.connect(d_sc.socket, lost_timeout_s=0.5)
         pc, dc = Collector(pw), Collector(dw)
         side = pw.side_channel
-        # In flight at the loss: P holds t1 (no D reads it); D waits for a pull and a push.
+        # In flight at the loss: P holds t1 (no D reads it); D waits for a pull (from a P that
+        # accepts the connection and never answers) and a push.
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        nowhere = f"127.0.0.1:{silent.getsockname()[1]}"
         pw.on_step(StepMessages(prefill_done=[PrefillDoneMsg("p1", "t1", [1], 10)]))
-        dw.on_step(StepMessages(expect=[ExpectMsg("d-pull", "tx", [1], 10, 0, "127.0.0.1:1", [5]),
+        dw.on_step(StepMessages(expect=[ExpectMsg("d-pull", "tx", [1], 10, 0, nowhere, [5]),
                                         ExpectMsg("d-push", "ty", [2], 10, 0, side, None)]))
         wait_for(lambda: pw.in_flight() == 1 and dw.in_flight() == 2, 5, "the transfers to be sent")
         p_sc.kill()
@@ -75,6 +81,7 @@ def test_a_sidecar_that_stays_down_fails_every_request_fast_on_both_roles(sideca
         assert "d9" not in dc.r.failed_recving
         wait_for(lambda: "p9" in pc.poll().finished_sending, 15, "P's blocks back after D read them")
         assert pw.in_flight() == 0 and dw.in_flight() == 0
+        silent.close()
     finally:
         p.close()
         d.close()
