@@ -418,7 +418,7 @@ class KvxferConnector(KVConnectorBase_V1):
             finished_ok=request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED),
             block_ids=list(block_ids),
             num_computed_tokens=request.num_computed_tokens,
-            token_ids=request.all_token_ids if request.prompt_token_ids is not None else None,
+            token_ids=request.prompt_token_ids,
         )
 
     def has_pending_push_work(self) -> bool:

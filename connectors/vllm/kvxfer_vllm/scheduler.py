@@ -101,15 +101,17 @@ class SchedulerLogic:
         if prompt_token_ids is not None:
             # The KV must be this prompt's: P says which tokens its blocks hold (pull), and the
             # token D presents is bound to D's prompt (push: P's sidecar compares).
-            mine = prompt_digest(prompt_token_ids, remote.num_tokens or total)
+            mine = prompt_digest(prompt_token_ids, total)
             if remote.prompt_digest and mine != remote.prompt_digest:
+                # (P digests the prompt tokens its blocks hold, at most its prompt: the same
+                # ``total`` tokens for the same prompt, whatever P generated after them.)
                 params["do_remote_prefill"] = False  # decided: computed here, never expected
                 self.stats.count("mismatched")
                 self.stats.count("recomputed")
                 log.warning(
                     "kvxfer: request %s computes its prompt locally: ERR_PROMPT_MISMATCH: "
                     "kv_transfer_params.kvxfer_prompt_digest names other tokens than this prompt's "
-                    "first %d (transfer %s is not read)", request_id, remote.num_tokens or total, remote.transfer_id)
+                    "first %d (transfer %s is not read)", request_id, total, remote.transfer_id)
                 return 0, False
             self._digests[request_id] = mine
         count = total - num_computed
@@ -167,8 +169,8 @@ class SchedulerLogic:
         token_ids: Sequence[int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """(delay freeing the blocks, kv_transfer_params for the response). ``token_ids``: the
-        request's tokens (prompt, then output), of which the blocks hold the first
-        ``num_computed_tokens``: P's answer carries their digest."""
+        request's prompt; P's answer carries the digest of the part its blocks hold (the first
+        ``num_computed_tokens``, at most the prompt: what D's prompt is checked against)."""
         self._digests.pop(request_id, None)
         waiting = self._waiting.pop(request_id, None)
         if waiting is not None:
@@ -202,7 +204,7 @@ class SchedulerLogic:
             log.error("kvxfer: request %s: %s; D will compute it", request_id, err)
             self._give_up(request_id, params, "bad kvxfer_token")
             return False, None
-        digest = prompt_digest(token_ids, num_computed_tokens) if token_ids is not None else ""
+        digest = prompt_digest(token_ids, min(num_computed_tokens, len(token_ids))) if token_ids is not None else ""
         self._next.prefill_done.append(
             PrefillDoneMsg(request_id, tid, list(block_ids), num_computed_tokens, bind_token(token, digest))
         )

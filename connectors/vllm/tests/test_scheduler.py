@@ -198,7 +198,7 @@ def test_kv_is_bound_to_its_prompt():
     other = [5, 9, 2, 8] * 10
     p = sched()
     _, answer = p.request_finished("cmpl-r-0-deadbeef", {"do_remote_decode": True}, finished_ok=True,
-                                   block_ids=[1, 2], num_computed_tokens=40, token_ids=prompt + [11])
+                                   block_ids=[1, 2], num_computed_tokens=41, token_ids=prompt)
     assert answer["kvxfer_prompt_digest"] == prompt_digest(prompt, 40) != prompt_digest(other, 40)
     [done] = p.build_step().prefill_done
     assert done.token == bind_token(answer["kvxfer_token"], answer["kvxfer_prompt_digest"]) != answer["kvxfer_token"]
