@@ -77,9 +77,14 @@ export const ERROR_CODES = {
     "a transfer token that is too long, or not the one the transfer was given",
   ERR_BIND: "the engine link cannot bind its endpoint",
   ERR_BLOCKS_IN_USE: "blocks that a live transfer already holds",
+  ERR_BUSY: "a prepared transfer posted again while its last post is still in flight",
   ERR_CLOSED:
     "the object is closed or shutting down (agent, handle, engine link, event log, server)",
   ERR_CONFIG: "a setting (flag, KVXFER_* variable, config file, certificate) is refused",
+  ERR_CUDA:
+    "a CUDA driver call failed (an IPC handle that does not open, memory on another device, out of device memory)",
+  ERR_CUDA_UNAVAILABLE:
+    "CUDA memory asked for where there is no usable CUDA driver or no such device",
   ERR_DESC_MISALIGNED: "a descriptor byte view that does not start on an 8-byte boundary",
   ERR_DESC_TRUNCATED: "descriptors that are not a whole number of triples",
   ERR_DESC_TYPE: "descriptors that are not one of the accepted typed arrays",

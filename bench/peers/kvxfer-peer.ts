@@ -109,8 +109,9 @@ async function pumped<T>(f: () => Promise<T>): Promise<T> {
 }
 
 /**
- * Caller-progress bandwidth: post `window` requests, then call progress() in a loop; each
- * completion it reports is replaced at once, on the same thread, with no promise awaited.
+ * Caller-progress bandwidth, as NIXL's harness runs it: one prepared transfer per slot (checked
+ * once, Agent.prepare), posted, then progress() in a loop; each transfer found done is posted
+ * again at once, on the same thread, with no promise.
  */
 async function bandwidthPolling(
   kind: "write" | "read",
@@ -125,33 +126,36 @@ async function bandwidthPolling(
   const e = need(ep, "endpoint");
   const rem = need(remote, "remote region");
   const slots = Math.max(1, Math.min(window, Math.floor(Math.min(r.length, rem.length) / size)));
-  const lists = Array.from(
-    { length: slots },
-    (_, i) => new Float64Array([i * size, i * size, size]),
+  const xfers = Array.from({ length: slots }, (_, i) =>
+    a.prepare(kind, e, r, rem, new Float64Array([i * size, i * size, size])),
   );
   let started = 0;
   let done = 0;
-  let failed: unknown;
-  const onError = (err: unknown): void => {
-    failed ??= err;
-  };
-  const post = (): void => {
-    const d = lists[started % slots]!;
-    started++;
-    (kind === "write" ? a.write(e, r, rem, d) : a.read(e, r, rem, d)).catch(onError);
-  };
   const c0 = process.cpuUsage();
   const t0 = now();
   pumpPaused = true;
   try {
-    for (let i = 0; i < Math.min(window, iters); i++) post();
+    for (const x of xfers) {
+      if (started >= iters) break;
+      x.post();
+      started++;
+    }
+    const busy = new Set(xfers.slice(0, started));
     let turns = 0;
     while (done < iters) {
-      const n = a.progress();
-      done += n;
-      if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
-      for (let k = 0; k < n && started < iters; k++) post();
-      if (failed !== undefined) throw failed;
+      if (a.progress() > 0) {
+        for (const x of busy) {
+          if (x.state !== "done") continue; // a failure throws here
+          done++;
+          if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
+          if (started < iters) {
+            x.post();
+            started++;
+          } else {
+            busy.delete(x);
+          }
+        }
+      }
       if (++turns % 65536 === 0) {
         if (now() - t0 > timeoutMs * 1e6)
           throw new KvxferError("ERR_TIMEOUT", `bw: ${done}/${iters} within ${timeoutMs} ms`);
@@ -160,6 +164,7 @@ async function bandwidthPolling(
     }
   } finally {
     pumpPaused = false;
+    for (const x of xfers) x.close();
     wakePump();
   }
   const seconds = (now() - t0) / 1e9;

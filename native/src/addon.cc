@@ -18,7 +18,9 @@
 #include "memory_type.h"
 #include "region.h"
 #include "remote_region.h"
+#include "ucx_status.h"
 #include "wire.h"
+#include "xfer.h"
 
 namespace kvxfer {
 
@@ -68,6 +70,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   data->region_ctor = Napi::Persistent(RegionWrap::Define(env));
   data->endpoint_ctor = Napi::Persistent(EndpointWrap::Define(env));
   data->remote_ctor = Napi::Persistent(RemoteWrap::Define(env));
+  data->xfer_ctor = Napi::Persistent(XferWrap::Define(env));
   env.SetInstanceData<AddonData>(data);
   // Handles left open at exit: close every agent (and so its children)
   // before the environment goes away. No JavaScript runs from here.
@@ -79,8 +82,19 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("Region", data->region_ctor.Value());
   exports.Set("Endpoint", data->endpoint_ctor.Value());
   exports.Set("RemoteRegion", data->remote_ctor.Value());
+  exports.Set("PreparedTransfer", data->xfer_ctor.Value());
   exports.Set("ucxVersion", Napi::String::New(env, ucp_get_version_string()));
   exports.Set("ucxInfo", Napi::Function::New(env, UcxInfo, "ucxInfo"));
+  exports.Set("ucsStatusName", Napi::Function::New(
+                                   env,
+                                   [](const Napi::CallbackInfo& info) -> Napi::Value {
+                                     int s = info.Length() > 0 && info[0].IsNumber()
+                                                 ? info[0].As<Napi::Number>().Int32Value()
+                                                 : 0;
+                                     return Napi::String::New(
+                                         info.Env(), UcsStatusName(static_cast<ucs_status_t>(s)));
+                                   },
+                                   "ucsStatusName"));
   return exports;
 }
 

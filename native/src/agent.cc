@@ -20,6 +20,7 @@
 #include "remote_region.h"
 #include "ucx_status.h"
 #include "wire.h"
+#include "xfer.h"
 
 namespace kvxfer {
 
@@ -33,12 +34,15 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceAccessor<&AgentWrap::MemoryTypes>("memoryTypes"),
                          InstanceMethod<&AgentWrap::RegisterMemory>("registerMemory"),
                          InstanceMethod<&AgentWrap::RegisterAddress>("registerAddress"),
+                         InstanceMethod<&AgentWrap::OpenCudaIpc>("openCudaIpc"),
+                         InstanceMethod<&AgentWrap::AllocateCuda>("allocateCuda"),
                          InstanceMethod<&AgentWrap::MapFile>("mapFile"),
                          InstanceMethod<&AgentWrap::Allocate>("allocate"),
                          InstanceMethod<&AgentWrap::AttachSegment>("attachSegment"),
                          InstanceMethod<&AgentWrap::Connect>("connect"),
                          InstanceMethod<&AgentWrap::Transfer>("transfer"),
                          InstanceMethod<&AgentWrap::TransferMany>("transferMany"),
+                         InstanceMethod<&AgentWrap::Prepare>("prepare"),
                          InstanceMethod<&AgentWrap::Progress>("progress"),
                          InstanceMethod<&AgentWrap::WriteParts>("writeParts"),
                          InstanceMethod<&AgentWrap::Notify>("notify"),
@@ -923,6 +927,29 @@ Napi::Value AgentWrap::TransferMany(const Napi::CallbackInfo& info) {
   return promises;
 }
 
+// prepare(kind, endpoint, local, remote, descriptors, notification?): the transfer checked once,
+// as transfer() checks it, and kept as a PreparedTransfer to post() again and again.
+Napi::Value AgentWrap::Prepare(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  CheckOpen(env, "prepare");
+  Napi::Value args[6];
+  const size_t n = std::min<size_t>(info.Length(), 6);
+  for (size_t i = 0; i < n; ++i) args[i] = info[i];
+  Built b = BuildTransfer(env, "prepare", args, n);
+  b.op->id = next_op_id_++;
+  Napi::Object obj = data_->xfer_ctor.New({Napi::Number::New(env, kCtorToken)});
+  XferWrap* x = XferWrap::Unwrap(obj);
+  x->Init(env, std::move(b.op), b.ep, std::move(b.locals), std::move(b.remotes));
+  Adopt(x);
+  return obj;
+}
+
+void AgentWrap::PostPrepared(Napi::Env env, std::unique_ptr<TransferOp> op) {
+  ++prepared_posted_;
+  UpdateRef(env);
+  engine_->Submit(std::move(op));
+}
+
 // progress(): in caller-progress mode, posts what is queued, progresses the worker until idle and
 // delivers what completed (promises settled, notifications to onEvents), all on this thread.
 // Returns the number of operations settled. In the default mode it only delivers what the
@@ -1018,7 +1045,7 @@ Napi::Value AgentWrap::Track(Napi::Env env, TransferOp* op, EndpointWrap* ep,
 
 void AgentWrap::UpdateRef(Napi::Env env) {
   // Keep the process alive while transfers are in flight, not while idle.
-  bool want = !pending_.empty() && state_ == HandleState::kOpen;
+  bool want = (!pending_.empty() || prepared_posted_ > 0) && state_ == HandleState::kOpen;
   if (want != tsfn_ref_) {
     if (want) {
       tsfn_.Ref(env);
@@ -1078,8 +1105,13 @@ size_t AgentWrap::Deliver(Napi::Env env) {
   Napi::HandleScope scope(env);
   Napi::Array batch = Napi::Array::New(env);
   uint32_t n = 0;
-  for (const Event& ev : events) {
+  for (Event& ev : events) {
     switch (ev.kind) {
+      case Event::Kind::kPrepared:
+        --prepared_posted_;
+        static_cast<XferWrap*>(ev.owner)->Returned(std::move(ev.op), ev.status);
+        ++settled;
+        break;
       case Event::Kind::kCompletion:
         Settle(env, ev, delivered_us);
         ++settled;

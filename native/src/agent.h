@@ -11,6 +11,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "cuda.h"
 #include "endpoint.h"
 #include "handle.h"
 #include "memory_type.h"
@@ -40,6 +41,8 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
     children_.insert(c);
   }
   void Forget(Child* c) { children_.erase(c); }
+  // A prepared transfer posted (xfer.cc): handed to the engine, counted until it comes back.
+  void PostPrepared(Napi::Env env, std::unique_ptr<TransferOp> op);
   void Register(EndpointWrap* ep) { endpoints_[ep->core_->id] = ep; }
   void Unregister(EndpointWrap* ep) {
     if (ep->core_) endpoints_.erase(ep->core_->id);
@@ -68,6 +71,11 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   static int FindSegment(const void* addr);
   ucs_status_t RegisterRange(void* addr, size_t length, ucp_mem_h* memh, MemKind kind);
   Napi::Value RegisterAddress(const Napi::CallbackInfo& info);
+  // agent_cuda.cc: CUDA device memory opened from an IPC handle or allocated here.
+  Napi::Value OpenCudaIpc(const Napi::CallbackInfo& info);
+  Napi::Value AllocateCuda(const Napi::CallbackInfo& info);
+  Napi::Object CudaRegion(Napi::Env env, const char* what, std::shared_ptr<cuda::DeviceMemory> mem,
+                          uint64_t offset, uint64_t length);
   Napi::Value Transports(const Napi::CallbackInfo& info);
   Napi::Value MemoryTypes(const Napi::CallbackInfo& info);
   Napi::Value Connect(const Napi::CallbackInfo& info);
@@ -80,6 +88,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   Built BuildTransfer(Napi::Env env, const std::string& what, const Napi::Value* args, size_t n);
   Napi::Value Transfer(const Napi::CallbackInfo& info);
   Napi::Value TransferMany(const Napi::CallbackInfo& info);
+  Napi::Value Prepare(const Napi::CallbackInfo& info);
   Napi::Value Progress(const Napi::CallbackInfo& info);
   Napi::Value WriteParts(const Napi::CallbackInfo& info);
   // One region pair of a transfer: checks its handles and descriptors, appends them to `op`.
@@ -115,6 +124,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   std::unordered_set<Child*> children_;
   std::unordered_map<uint64_t, EndpointWrap*> endpoints_;
   uint64_t next_op_id_ = 1;
+  uint64_t prepared_posted_ = 0;  // prepared transfers in flight
   AddonData* data_ = nullptr;
 };
 

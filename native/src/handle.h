@@ -30,6 +30,7 @@ struct AddonData {
   Napi::FunctionReference region_ctor;
   Napi::FunctionReference endpoint_ctor;
   Napi::FunctionReference remote_ctor;
+  Napi::FunctionReference xfer_ctor;
   std::unordered_set<AgentWrap*> agents;
 };
 

@@ -372,16 +372,20 @@ void ProgressEngine::AbandonEndpoint(std::shared_ptr<EndpointCore> ep, ucs_statu
         continue;
       }
       Event ev;
-      ev.kind = Event::Kind::kCompletion;
+      ev.kind = it->second->prepared ? Event::Kind::kPrepared : Event::Kind::kCompletion;
+      ev.owner = it->second->owner;
       ev.id = it->first;
       ev.status = status;
-      PushEvent(std::move(ev));
       // Still posting: no UCX request points at it (its puts/gets were freed unwatched), so it
-      // can go now. Flushing or notifying: UCX will call back into it, so it stays.
+      // can go now (a prepared one back to its owner). Flushing or notifying: UCX will call back
+      // into it, so it stays (a prepared one is lost to its owner: the event carries no op).
       if (it->second->phase != TransferOp::Phase::kPosting) {
         it->second->abandoned = true;
         abandoned_.push_back(std::move(it->second));
+      } else if (it->second->prepared) {
+        ev.op = std::move(it->second);
       }
+      PushEvent(std::move(ev));
       it = ops_.erase(it);
     }
   });
@@ -481,7 +485,8 @@ bool ProgressEngine::ShutdownDone() {
   // alive until the worker is destroyed.
   for (auto& kv : ops_) {
     Event ev;
-    ev.kind = Event::Kind::kCompletion;
+    ev.kind = kv.second->prepared ? Event::Kind::kPrepared : Event::Kind::kCompletion;
+    ev.owner = kv.second->owner;
     ev.id = kv.first;
     ev.status = UCS_ERR_CANCELED;
     PushEvent(std::move(ev));
@@ -729,6 +734,16 @@ void ProgressEngine::Complete(TransferOp* op, ucs_status_t status) {
   ev.status = status;
   ev.trace = op->trace;
   ev.trace.completed = MonoUs();
+  if (op->prepared) {
+    // Back to its owner, to be posted again: the event carries it.
+    auto it = ops_.find(op->id);
+    ev.kind = Event::Kind::kPrepared;
+    ev.owner = op->owner;
+    ev.op = std::move(it->second);
+    ops_.erase(it);
+    PushEvent(std::move(ev));
+    return;
+  }
   ops_.erase(op->id);  // destroys op
   PushEvent(std::move(ev));
 }

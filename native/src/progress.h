@@ -66,6 +66,10 @@ struct EndpointCore {
 // JavaScript already, bounds already checked.
 struct TransferOp {
   uint64_t id = 0;
+  // A prepared transfer (Agent.prepare): posted again and again; on completion it goes back to its
+  // owner through the event queue instead of being destroyed. `owner` is opaque to the engine.
+  bool prepared = false;
+  void* owner = nullptr;
   // Settled for JavaScript by AbandonEndpoint while UCX may still call back into it: kept in
   // ProgressEngine::abandoned_ until UCX does (or for good).
   bool abandoned = false;
@@ -98,13 +102,16 @@ struct TransferOp {
 
 struct Event {
   // kDropped: a notification refused unread (too large, or not eager); id = its size.
-  enum class Kind { kCompletion, kNotification, kEndpointFailed, kDropped } kind;
+  // kPrepared: a prepared transfer completed; `op` is the transfer, handed back to its owner.
+  enum class Kind { kCompletion, kNotification, kEndpointFailed, kDropped, kPrepared } kind;
   uint64_t id = 0;  // transfer id (completion) or endpoint id (failure)
   ucs_status_t status = UCS_OK;
-  std::string peer;            // notifications: the sender agent's name
-  std::vector<uint8_t> bytes;  // notifications: the payload
-  OpTrace trace;               // completions: the operation's steps
-  uint64_t received_us = 0;    // notifications: when the progress thread received it
+  std::string peer;                // notifications: the sender agent's name
+  std::vector<uint8_t> bytes;      // notifications: the payload
+  OpTrace trace;                   // completions: the operation's steps
+  uint64_t received_us = 0;        // notifications: when the progress thread received it
+  std::unique_ptr<TransferOp> op;  // kPrepared: the transfer back (null: lost, UCX still holds it)
+  void* owner = nullptr;           // kPrepared: TransferOp::owner
 };
 
 struct EngineOptions {

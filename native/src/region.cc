@@ -101,6 +101,7 @@ void RegionWrap::Release(bool js) {
   }
   memh_ = nullptr;
   mapping_.reset();
+  device_memory_.reset();
   owner_.Reset();
   if (agent_) agent_->Forget(this);
   agent_ = nullptr;

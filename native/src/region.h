@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "handle.h"
@@ -78,6 +79,9 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
     device_ = device;
   }
   MemKind kind() const { return kind_; }
+  // CUDA memory the region's bytes live in (an opened IPC mapping, or an allocation), released
+  // after the region is unregistered.
+  void HoldDeviceMemory(std::shared_ptr<void> mem) { device_memory_ = std::move(mem); }
 
  private:
   Napi::Value Address(const Napi::CallbackInfo& info);
@@ -99,6 +103,7 @@ class RegionWrap : public Napi::ObjectWrap<RegionWrap>, public Child {
   // A mapped file stays mapped while any JavaScript view of it may still be
   // reachable: each view holds a reference, released by its finalizer.
   std::shared_ptr<Mapping> mapping_;
+  std::shared_ptr<void> device_memory_;
   bool allocated_ = false;
   std::string path_;
   // The SysV shared-memory id of the region's memory (allocated by UCX from its sysv memory

@@ -42,6 +42,8 @@ export interface EngineProblem {
 export const MAX_ID_BYTES = 256;
 /** Most block ids one message may carry (a bound on work, far above any real request). */
 export const MAX_BLOCK_IDS = 1 << 20;
+/** A CUDA IPC memory handle (cudaIpcMemHandle_t) is 64 opaque bytes. */
+export const CUDA_IPC_HANDLE_BYTES = 64;
 /** Most ranks or regions per rank a registration may list. */
 export const MAX_RANKS = 1024;
 export const MAX_REGIONS_PER_RANK = 65536;
@@ -53,6 +55,8 @@ export const MAX_REGIONS_PER_RANK = 65536;
 export interface RegionSource {
   readonly path: string;
   readonly segment?: number;
+  /** CUDA device memory the engine's process exported: its IPC handle and device (docs/gpu.md). */
+  readonly cudaIpc?: { readonly handle: Uint8Array; readonly device: number };
   readonly offset: number;
   readonly length: number;
 }
@@ -161,7 +165,21 @@ export function checkRegisterKvCache(msg: RegisterKvCache): RegisterCheck {
     const regions: RegionSource[] = [];
     for (const [g, file] of entry.regions.entries()) {
       const where = `ranks[${i}].regions[${g}]`;
-      if (file.segment !== undefined) {
+      const cuda = file.cudaIpcHandle.length > 0;
+      if (cuda) {
+        if (file.cudaIpcHandle.length !== CUDA_IPC_HANDLE_BYTES) {
+          return fail(
+            "ERR_BAD_REGIONS",
+            `${where}.cuda_ipc_handle has ${file.cudaIpcHandle.length} bytes, a CUDA IPC handle ${CUDA_IPC_HANDLE_BYTES}`,
+          );
+        }
+        if (file.path.length !== 0 || file.segment !== undefined) {
+          return fail(
+            "ERR_BAD_REGIONS",
+            `${where} names a CUDA IPC handle: path must be empty and no segment given`,
+          );
+        }
+      } else if (file.segment !== undefined) {
         if (file.path.length !== 0 || file.offset !== 0n) {
           return fail(
             "ERR_BAD_REGIONS",
@@ -169,7 +187,10 @@ export function checkRegisterKvCache(msg: RegisterKvCache): RegisterCheck {
           );
         }
       } else if (file.path.length === 0 || Buffer.byteLength(file.path) > 4096) {
-        return fail("ERR_BAD_REGIONS", `${where}.path must be 1..4096 bytes (or a segment given)`);
+        return fail(
+          "ERR_BAD_REGIONS",
+          `${where}.path must be 1..4096 bytes (or a segment or CUDA IPC handle given)`,
+        );
       }
       if (
         file.offset > BigInt(Number.MAX_SAFE_INTEGER) ||
@@ -188,6 +209,9 @@ export function checkRegisterKvCache(msg: RegisterKvCache): RegisterCheck {
       regions.push({
         path: file.path,
         ...(file.segment !== undefined ? { segment: file.segment } : {}),
+        ...(cuda
+          ? { cudaIpc: { handle: Uint8Array.from(file.cudaIpcHandle), device: file.cudaDevice } }
+          : {}),
         offset: Number(file.offset),
         length,
       });

@@ -33,6 +33,12 @@ interface NativeRegion {
   close(): void;
 }
 
+interface NativePrepared {
+  post(): void;
+  state(): number;
+  close(): void;
+}
+
 interface NativeRemoteRegion {
   readonly length: number;
   close(): void;
@@ -71,6 +77,8 @@ interface NativeAgent {
     options?: { confineDir?: string; populate?: boolean },
   ): NativeRegion;
   allocate(length: number, populate?: boolean): NativeRegion;
+  openCudaIpc(handle: Uint8Array, device: number, offset: number, length: number): NativeRegion;
+  allocateCuda(length: number, device: number): NativeRegion;
   attachSegment(id: number, length: number): NativeRegion;
   connect(address: Uint8Array, errorMode: ErrorMode): NativeEndpoint;
   transfer(
@@ -98,6 +106,14 @@ interface NativeAgent {
     ][],
   ): Promise<Float64Array>[];
   progress(): number;
+  prepare(
+    kind: 0 | 1,
+    ep: NativeEndpoint,
+    local: NativeRegion,
+    remote: NativeRemoteRegion,
+    descriptors: Descriptors,
+    notification?: Uint8Array,
+  ): NativePrepared;
   close(): void;
   beginClose(): void;
 }
@@ -117,6 +133,7 @@ interface NativeAddon {
   ) => NativeAgent;
   ucxVersion: string;
   ucxInfo(transports?: string): UcxInfo;
+  ucsStatusName(status: number): string;
 }
 
 function findPackageRoot(start: string): string {
@@ -412,6 +429,56 @@ export class Region {
   }
 }
 
+/**
+ * A write or read checked once by `agent.prepare()` and posted again and again: `post()` hands it
+ * over with no argument check, no promise and no allocation, and `state` says where it is, as a
+ * NIXL transfer handle is reposted and its state polled. With caller progress, nothing moves
+ * unless the caller calls `agent.progress()`. The handles it names stay open until it closes.
+ */
+export class PreparedTransfer {
+  /** @internal */
+  constructor(
+    readonly agent: Agent,
+    /** @internal */ readonly native: NativePrepared,
+  ) {}
+
+  /**
+   * Posts the transfer. ERR_BUSY while the last post is in flight; ERR_CLOSED once it or its
+   * agent is closed; the endpoint's failure once it failed.
+   */
+  post(): void {
+    call(() => this.native.post());
+  }
+
+  /**
+   * `idle` (never posted), `pending` (in flight), `done` (the last post completed: every byte
+   * remotely complete for a write, local for a read). A failed post throws its error here, each
+   * time it is asked until the next post.
+   */
+  get state(): "idle" | "pending" | "done" {
+    const s = this.native.state();
+    if (s === 1) return "pending";
+    if (s === 0) return "done";
+    if (s === 2) return "idle";
+    if (s === -10000)
+      throw new KvxferError(
+        "ERR_CLOSED",
+        "the prepared transfer was lost (its endpoint abandoned or its agent closed mid-flight)",
+      );
+    throw KvxferError.from(
+      Object.assign(new Error(`the prepared transfer failed: UCX status ${s}`), {
+        code: addon.ucsStatusName(s),
+        ucsStatus: s,
+      }),
+    );
+  }
+
+  /** Idempotent; once it is not in flight, the handles it named are released. */
+  close(): void {
+    this.native.close();
+  }
+}
+
 /** A peer's region, imported on one endpoint. */
 export class RemoteRegion {
   /** @internal */
@@ -616,6 +683,51 @@ export class Agent extends EventEmitter<AgentEvents> {
   }
 
   /**
+   * Opens CUDA device memory another process on this host exported (`cudaIpcGetMemHandle`, or
+   * torch's `untyped_storage()._share_cuda_()`): `length` bytes at `offset` of the allocation
+   * that the 64-byte `handle` names, on CUDA device `device` as this process numbers it, and
+   * registers them as a `cuda` region. The driver (libcuda.so.1) is loaded on first use; without
+   * it this refuses with ERR_CUDA_UNAVAILABLE naming the library and the loader's error. A handle
+   * the driver cannot open, or memory on another device, is ERR_CUDA; a range outside the
+   * allocation ERR_OUT_OF_BOUNDS; a UCX without CUDA transports ERR_MEMORY_TYPE_UNSUPPORTED.
+   * Closing the region closes the mapping (docs/gpu.md).
+   */
+  openCudaIpc(
+    handle: Uint8Array,
+    options: { device: number; offset?: number; length: number },
+  ): Region {
+    check(isBytes(handle), "ERR_INVALID_ARGUMENT", "openCudaIpc: handle must be a Uint8Array");
+    check(
+      typeof options?.device === "number" && typeof options.length === "number",
+      "ERR_INVALID_ARGUMENT",
+      "openCudaIpc: options.device and options.length must be numbers",
+    );
+    return new Region(
+      this,
+      call(() =>
+        this.native.openCudaIpc(handle, options.device, options.offset ?? 0, options.length),
+      ),
+    );
+  }
+
+  /**
+   * Allocates `length` bytes of device memory on CUDA device `device` in this process
+   * (cuMemAlloc) and registers them as a `cuda` region; closing the region frees them. Refusals
+   * as for openCudaIpc.
+   */
+  allocateCuda(length: number, options: { device: number }): Region {
+    check(
+      typeof length === "number" && typeof options?.device === "number",
+      "ERR_INVALID_ARGUMENT",
+      "allocateCuda: length and options.device must be numbers",
+    );
+    return new Region(
+      this,
+      call(() => this.native.allocateCuda(length, options.device)),
+    );
+  }
+
+  /**
    * Attaches and registers `length` bytes of a SysV shared-memory segment: one of this
    * process's user, owner-only (mode 0600), at least `length` bytes long. An engine maps the
    * regions its sidecar allocated this way; it is detached once closed and no view remains.
@@ -752,6 +864,48 @@ export class Agent extends EventEmitter<AgentEvents> {
       ] as [0 | 1, NativeEndpoint, NativeRegion, NativeRemoteRegion, Descriptors, Uint8Array?];
     });
     return call(() => this.native.transferMany(native)).map((p) => settle(p));
+  }
+
+  /**
+   * A write (`kind` "write", with an optional notification delivered after its data) or a read,
+   * checked now as write() and read() check theirs, and kept to be posted again and again
+   * (PreparedTransfer.post()): the per-request path without a promise, for callers that poll.
+   */
+  prepare(
+    kind: "write" | "read",
+    ep: Endpoint,
+    local: Region,
+    remote: RemoteRegion,
+    descriptors: Descriptors,
+    notification?: Uint8Array,
+  ): PreparedTransfer {
+    this.checkNotClosing("prepare");
+    check(
+      kind === "write" || kind === "read",
+      "ERR_INVALID_ARGUMENT",
+      "prepare: kind must be 'write' or 'read'",
+    );
+    this.checkTransfer(ep, local, remote, descriptors, "prepare: ");
+    if (notification !== undefined) {
+      check(
+        isBytes(notification),
+        "ERR_INVALID_ARGUMENT",
+        "prepare: notification must be a Buffer",
+      );
+    }
+    return new PreparedTransfer(
+      this,
+      call(() =>
+        this.native.prepare(
+          kind === "write" ? 0 : 1,
+          ep.native,
+          local.native,
+          remote.native,
+          descriptors,
+          notification,
+        ),
+      ),
+    );
   }
 
   /**

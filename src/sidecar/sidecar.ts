@@ -621,6 +621,10 @@ export class Sidecar implements SidecarView {
     return reg.ranks.flatMap((rk) =>
       rk.regions.map((f) => {
         if (f.segment !== undefined) return `segment:${f.segment}`;
+        // A CUDA IPC handle names one allocation of a live process (the open mapping keeps it).
+        if (f.cudaIpcHandle.length > 0) {
+          return `cuda:${f.cudaDevice}:${Buffer.from(f.cudaIpcHandle).toString("hex")}`;
+        }
         try {
           const st = statSync(f.path, { bigint: true });
           return `${st.dev}:${st.ino}`;
@@ -793,6 +797,19 @@ export class Sidecar implements SidecarView {
     own: { regions: readonly Region[] } | undefined,
   ): Region {
     const where = `rank ${rank} region ${g}`;
+    if (f.cudaIpc !== undefined) {
+      // The engine's GPU KV, registered in place (placement `device`, docs/gpu.md).
+      try {
+        return agent.openCudaIpc(f.cudaIpc.handle, {
+          device: f.cudaIpc.device,
+          offset: f.offset,
+          length: need,
+        });
+      } catch (err) {
+        const e = KvxferError.from(err);
+        throw new KvxferError(e.code, `${where}: ${e.message}`);
+      }
+    }
     if (f.segment === undefined) {
       if (own !== undefined) {
         throw new KvxferError(

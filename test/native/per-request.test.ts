@@ -217,3 +217,101 @@ describe("caller progress: the JavaScript thread drives the worker", () => {
     expect(a.progress()).toBe(0);
   });
 });
+
+describe("prepared transfers: checked once, posted again and again", () => {
+  it("a prepared WRITE and READ posted 2000 times each move the bytes exactly, with caller progress", async () => {
+    const a = agent({ name: "prep-a", progress: "caller" });
+    const b = agent({ name: "prep-b" });
+    const srcBuf = pattern(SIZE, 7);
+    const dstBuf = new Uint8Array(SIZE);
+    const backBuf = new Uint8Array(SIZE);
+    const src = a.registerMemory(srcBuf);
+    const back = a.registerMemory(backBuf);
+    const dst = b.registerMemory(dstBuf);
+    const ep = a.connect(b.address);
+    const remote = ep.importRemote(dst.remoteKey());
+    const chunk = SIZE / 8;
+    const writes = Array.from({ length: 8 }, (_, i) =>
+      a.prepare("write", ep, src, remote, new Float64Array([i * chunk, i * chunk, chunk])),
+    );
+    expect(writes.map((w) => w.state)).toEqual(Array(8).fill("idle"));
+    let posts = 0;
+    for (const w of writes) {
+      w.post();
+      posts++;
+    }
+    expect(() => writes[0]!.post()).toThrow(expect.objectContaining({ code: "ERR_BUSY" }));
+    const end = Date.now() + 20_000;
+    while (posts < 2000 || writes.some((w) => w.state === "pending")) {
+      if (Date.now() > end) throw new Error(`prepared writes stuck after ${posts} posts`);
+      a.progress();
+      for (const w of writes) if (w.state === "done" && posts < 2000) (w.post(), posts++);
+    }
+    expect(Buffer.compare(dstBuf, srcBuf)).toBe(0);
+    const read = a.prepare("read", ep, back, remote, new Float64Array([0, 0, SIZE]));
+    for (let i = 0; i < 2000; i++) {
+      backBuf.fill(0, 0, 16);
+      read.post();
+      while (read.state === "pending") a.progress();
+      expect(read.state).toBe("done");
+    }
+    expect(Buffer.compare(backBuf, srcBuf)).toBe(0);
+  });
+
+  it("with the progress thread, a prepared WRITE completes on its own", async () => {
+    const a = agent({ name: "prep-t-a" });
+    const b = agent({ name: "prep-t-b" });
+    const srcBuf = pattern(65536, 8);
+    const dstBuf = new Uint8Array(65536);
+    const ep = a.connect(b.address);
+    const w = a.prepare(
+      "write",
+      ep,
+      a.registerMemory(srcBuf),
+      ep.importRemote(b.registerMemory(dstBuf).remoteKey()),
+      new Float64Array([0, 0, 65536]),
+    );
+    for (let i = 0; i < 100; i++) {
+      w.post();
+      await pump(a, () => w.state !== "pending");
+      expect(w.state).toBe("done");
+    }
+    expect(Buffer.compare(dstBuf, srcBuf)).toBe(0);
+  });
+
+  it("is checked at prepare (a bad descriptor refused, nothing posted); its handles stay open until it closes", () => {
+    const a = agent({ name: "prep-bad-a", progress: "caller" });
+    const b = agent({ name: "prep-bad-b" });
+    const src = a.registerMemory(new Uint8Array(4096));
+    const ep = a.connect(b.address);
+    const remote = ep.importRemote(b.registerMemory(new Uint8Array(4096)).remoteKey());
+    expect(() => a.prepare("write", ep, src, remote, new Float64Array([0, 1, 4096]))).toThrow(
+      expect.objectContaining({ code: "ERR_OUT_OF_BOUNDS" }),
+    );
+    expect(() =>
+      a.prepare("copy" as "write", ep, src, remote, new Float64Array([0, 0, 8])),
+    ).toThrow(expect.objectContaining({ code: "ERR_INVALID_ARGUMENT" }));
+    const w = a.prepare("write", ep, src, remote, new Float64Array([0, 0, 4096]));
+    src.close(); // held by the prepared transfer: released when it closes
+    expect(src.closed).toBe(true);
+    w.close();
+    w.close();
+    expect(() => w.post()).toThrow(expect.objectContaining({ code: "ERR_CLOSED" }));
+  });
+
+  it("a prepared transfer in flight when its agent closes is lost, not left to crash", () => {
+    const a = new Agent({ name: "prep-close", transports: "shm,self", progress: "caller" });
+    const b = agent({ name: "prep-close-b" });
+    const ep = a.connect(b.address);
+    const w = a.prepare(
+      "write",
+      ep,
+      a.registerMemory(new Uint8Array(SIZE)),
+      ep.importRemote(b.registerMemory(new Uint8Array(SIZE)).remoteKey()),
+      new Float64Array([0, 0, SIZE]),
+    );
+    w.post();
+    a.close();
+    expect(() => w.post()).toThrow(expect.objectContaining({ code: "ERR_CLOSED" }));
+  });
+});

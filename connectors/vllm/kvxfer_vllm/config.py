@@ -22,7 +22,10 @@ _ENGINE_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 #: - ``host_buffer``: the KV cache stays where vLLM put it (GPU memory) and a
 #:   shared-memory mirror holds the blocks that move: P copies device -> host after
 #:   prefill, D copies host -> device once the KV has landed.
-PLACEMENTS = ("shared", "host_buffer")
+#: - ``device``: the KV cache stays in GPU memory and the sidecar moves it in place: each worker
+#:   exports its KV allocations as CUDA IPC handles, the sidecar opens them (``device.py``,
+#:   docs/gpu.md). Not yet the default on GPUs: it has not run on a GPU yet.
+PLACEMENTS = ("shared", "host_buffer", "device")
 #: Where the shared KV lives (``kv_memory``): files the sidecar maps, or segments it allocates.
 KV_MEMORY = ("file", "segment")
 
@@ -99,6 +102,12 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
             "ERR_CONFIG",
             f"placement 'shared' needs the KV cache in host memory, but this engine's device is "
             f"{device_type!r}: use placement 'host_buffer' (with kv_buffer_device 'cpu')",
+        )
+    if placement == "device" and device_type != "cuda":
+        raise ConfigError(
+            "ERR_CONFIG",
+            f"placement 'device' registers the KV cache in GPU memory in place, but this engine's device is "
+            f"{device_type!r}: use placement 'shared'",
         )
     socket = extra.get("engine_socket", default_engine_socket(engine_id))
     if not isinstance(socket, str) or "://" not in socket:

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.platforms import current_platform
 
 from .config import ConnectorConfig, load_config
+from .device import DeviceKv, TorchCuda
 from .errors import ConfigError, LayoutError
 from .layout import describe, expand_block_ids, packing_of
 from .messages import StepMessages
@@ -237,10 +238,16 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._rank = self._tp_rank()
+        device_kv: DeviceKv | None = None
+        if self.cfg.placement == "device":
+            # vLLM's GPU tensors in place: exported as CUDA IPC handles for the sidecar.
+            device_kv = DeviceKv(TorchCuda())
+            device_kv.add(kv_caches)
+            self._files = device_kv
         if self._files is None:
             self._files = self._shared_kv()
         if self.cfg.placement == "host_buffer":
-            self._host = HostBuffer(self._files)
+            self._host = HostBuffer(self._files, TorchCuda() if current_platform.device_type == "cuda" else None)
             described_tensors = self._host.mirror(kv_caches)
         else:
             described_tensors = kv_caches
@@ -260,7 +267,8 @@ class KvxferConnector(KVConnectorBase_V1):
             "kvxfer: KV cache of %d layers, %s, block %d, head/token stride %d/%d, %d region(s) in %s",
             described.layout.num_layers, described.layout.dtype, described.layout.block_size,
             described.layout.head_stride, described.layout.token_stride, len(self._files.files),
-            "segments the sidecar allocated" if self.cfg.kv_memory == "segment" else self.cfg.shm_dir,
+            "GPU memory, in place" if device_kv is not None
+            else "segments the sidecar allocated" if self.cfg.kv_memory == "segment" else self.cfg.shm_dir,
         )
         every_rank = self._gather(region_files(self._files))
         if self._rank != 0:
@@ -276,7 +284,9 @@ class KvxferConnector(KVConnectorBase_V1):
             max_frame_bytes=self.cfg.max_frame_bytes,
             expand_blocks=lambda ids: expand_block_ids(ids, bpb),
             on_kv_ready=host.to_device if host is not None else None,
-            before_prefill_done=host.to_host if host is not None else None,
+            before_prefill_done=(
+                host.to_host if host is not None else device_kv.before_prefill_done if device_kv is not None else None
+            ),
         )
         ans = self.worker.register(registration(self.cfg.engine_id, described, every_rank))
         log.info("kvxfer: registered with the sidecar (side channel %s, epoch %d)", ans.side_channel, ans.epoch)

@@ -32,13 +32,15 @@ def tensor_views(kv_caches: dict[str, torch.Tensor], files: SharedKv) -> list[Te
     return views
 
 
-#: One region as rank 0 gathers it: (path, offset, length, segment id or None for a file).
-RegionEntry = tuple[str, int, int, int | None]
+#: One region as rank 0 gathers it: (path, offset, length, segment id or None for a file, CUDA IPC
+#: handle or b"" for host memory, CUDA device as the sidecar numbers it). A CUDA region's offset
+#: is into the allocation its handle names (placement ``device``, ``device.py``).
+RegionEntry = tuple[str, int, int, int | None, bytes, int]
 
 
 def region_files(files: SharedKv) -> list[RegionEntry]:
     """This rank's regions, in region order (what rank 0 gathers)."""
-    return [(f.path, 0, f.nbytes, f.segment) for f in files.files]
+    return files.regions()
 
 
 def registration(
@@ -56,7 +58,11 @@ def registration(
     return layout
 
 
-def _region(path: str, offset: int, length: int, segment: int | None) -> engine_pb2.RegionFile:
+def _region(
+    path: str, offset: int, length: int, segment: int | None, cuda_handle: bytes = b"", cuda_device: int = 0
+) -> engine_pb2.RegionFile:
+    if cuda_handle:
+        return engine_pb2.RegionFile(offset=offset, length=length, cuda_ipc_handle=cuda_handle, cuda_device=cuda_device)
     if segment is not None:
         return engine_pb2.RegionFile(length=length, segment=segment)
     return engine_pb2.RegionFile(path=path, offset=offset, length=length)

@@ -30,7 +30,7 @@ import subprocess
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -38,6 +38,9 @@ from torch.overrides import TorchFunctionMode
 from ._gen.kvxfer.v1 import engine_pb2
 from .errors import LayoutError, RegistrationError
 from .link import DEFAULT_MAX_FRAME_BYTES, EngineLink
+
+if TYPE_CHECKING:
+    from .device import CudaBoundary
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,10 @@ class SharedKv:
     def placement(self) -> AbstractContextManager[Any]:
         """Inside it, large 1-D int8 CPU ``torch.zeros`` allocations come from ``allocate``."""
         return _PlaceInSharedMemory(self)
+
+    def regions(self) -> list[tuple[str, int, int, int | None, bytes, int]]:
+        """This rank's regions as rank 0 gathers them (``registration.RegionEntry``)."""
+        return [(f.path, 0, f.nbytes, f.segment, b"", 0) for f in self.files]
 
     def locate(self, tensor: torch.Tensor) -> tuple[int, int]:
         """(region index, byte offset) of a tensor's first element; LayoutError when it is in none."""
@@ -320,10 +327,17 @@ class HostBuffer:
     engine put them (GPU memory). The mirror has the same shapes and strides, so the
     layout described from it matches the engine's; blocks are copied when they move:
     device -> mirror on P before the sidecar reads them, mirror -> device on D once the
-    sidecar says they landed."""
+    sidecar says they landed.
 
-    def __init__(self, files: SharedKv) -> None:
+    With GPU tensors the copies run on a copy stream of their own (``cuda``, the CUDA boundary
+    in ``device.py``) and are ordered by events, never by synchronising the device: P's copy
+    waits for the engine's compute stream and the worker waits for that copy alone before
+    ``PrefillDone``; D's copy is queued and the engine's compute stream waits for it, so the host
+    does not wait at all. The mirror is page-locked so both directions are DMA."""
+
+    def __init__(self, files: SharedKv, cuda: CudaBoundary | None = None) -> None:
         self.files = files
+        self.cuda = cuda
         self.device: dict[str, torch.Tensor] = {}
         self.host: dict[str, torch.Tensor] = {}
 
@@ -336,29 +350,76 @@ class HostBuffer:
             if raw is None:
                 raw = self.files.allocate(t.untyped_storage().nbytes())
                 by_storage[key] = raw
+                if self.cuda is not None and self.cuda.is_device(t):
+                    self.cuda.pin(raw)
             host = torch.as_strided(raw.view(t.dtype), t.shape, t.stride(), t.storage_offset())
             self.device[name] = t
             self.host[name] = host
         return dict(self.host)
 
-    def to_host(self, block_ids: list[int]) -> None:
-        self._copy(self.device, self.host, block_ids)
+    def _gpu(self) -> int | None:
+        """The engine's CUDA device, or None when its KV is plain memory."""
+        if self.cuda is None:
+            return None
+        for t in self.device.values():
+            if self.cuda.is_device(t):
+                return self.cuda.device_of(t)
+        return None
 
-    def to_device(self, block_ids: list[int]) -> None:
-        self._copy(self.host, self.device, block_ids)
-
-    @staticmethod
-    def _copy(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], block_ids: list[int]) -> None:
-        if not block_ids:
-            return
+    def _pairs(self, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         done: set[int] = set()
+        out = []
         for name, s in src.items():
             d = dst[name]
             if d.data_ptr() in done:  # layers sharing one cache
                 continue
             done.add(d.data_ptr())
-            idx = torch.tensor(block_ids, dtype=torch.long, device=s.device)
-            rows = s.index_select(0, idx)
-            d.index_copy_(0, idx.to(d.device), rows.to(d.device, non_blocking=False))
-        if any(t.is_cuda for t in dst.values()) and torch.cuda.is_available():
-            torch.cuda.synchronize()
+            out.append((s, d))
+        return out
+
+    def to_host(self, block_ids: list[int]) -> None:
+        """P, before PrefillDone: the request's blocks, device -> mirror, complete on return."""
+        if not block_ids:
+            return
+        gpu = self._gpu()
+        if gpu is None:
+            _copy_rows(self._pairs(self.device, self.host), block_ids)
+            return
+        cuda = self.cuda
+        assert cuda is not None
+        with cuda.side_stream(gpu):
+            cuda.side_waits_for_compute(gpu)  # the kernels that wrote the blocks first
+            staged = []
+            for s, d in self._pairs(self.device, self.host):
+                idx = torch.tensor(block_ids, dtype=torch.long, device=s.device)
+                staged.append((d, s.index_select(0, idx).to(d.device, non_blocking=True)))
+            event = cuda.record_on_side(gpu)
+        cuda.host_waits_for(event)  # this copy alone, not the device
+        idx_host = torch.tensor(block_ids, dtype=torch.long)
+        for d, rows in staged:
+            d.index_copy_(0, idx_host, rows)
+
+    def to_device(self, block_ids: list[int]) -> None:
+        """D, on KvReady: the landed blocks, mirror -> device, ahead of the engine's next kernels."""
+        if not block_ids:
+            return
+        gpu = self._gpu()
+        if gpu is None:
+            _copy_rows(self._pairs(self.host, self.device), block_ids)
+            return
+        cuda = self.cuda
+        assert cuda is not None
+        idx_host = torch.tensor(block_ids, dtype=torch.long)
+        with cuda.side_stream(gpu):
+            for s, d in self._pairs(self.host, self.device):
+                rows = s.index_select(0, idx_host)
+                d.index_copy_(0, idx_host.to(d.device, non_blocking=True), rows.to(d.device, non_blocking=True))
+            event = cuda.record_on_side(gpu)
+        cuda.compute_waits_for(gpu, event)  # the engine's next kernels read these blocks
+
+
+def _copy_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> None:
+    """Plain memory on both sides: the blocks, row by row."""
+    idx = torch.tensor(block_ids, dtype=torch.long)
+    for s, d in pairs:
+        d.index_copy_(0, idx, s.index_select(0, idx))

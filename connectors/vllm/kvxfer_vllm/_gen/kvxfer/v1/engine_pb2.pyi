@@ -45,16 +45,20 @@ RELEASE_REASON_ABORTED: ReleaseReason
 RELEASE_REASON_FAILED: ReleaseReason
 
 class RegionFile(_message.Message):
-    __slots__ = ("path", "offset", "length", "segment")
+    __slots__ = ("path", "offset", "length", "segment", "cuda_ipc_handle", "cuda_device")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     path: str
     offset: int
     length: int
     segment: int
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., segment: _Optional[int] = ...) -> None: ...
+    cuda_ipc_handle: bytes
+    cuda_device: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., segment: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_device: _Optional[int] = ...) -> None: ...
 
 class AllocateKv(_message.Message):
     __slots__ = ("rank", "lengths", "tp_size")

@@ -1,0 +1,123 @@
+#include "xfer.h"
+
+#include <utility>
+
+#include "agent.h"
+#include "endpoint.h"
+#include "region.h"
+#include "remote_region.h"
+#include "wire.h"
+
+namespace kvxfer {
+
+Napi::Function XferWrap::Define(Napi::Env env) {
+  return DefineClass(env, "PreparedTransfer",
+                     {
+                         InstanceMethod<&XferWrap::Post>("post"),
+                         InstanceMethod<&XferWrap::State>("state"),
+                         InstanceMethod<&XferWrap::Close>("close"),
+                     });
+}
+
+XferWrap::XferWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<XferWrap>(info) {
+  if (!IsInternalCall(info)) {
+    throw MakeError(info.Env(), "ERR_INVALID_ARGUMENT",
+                    "PreparedTransfer handles come from Agent.prepare");
+  }
+}
+
+void XferWrap::Init(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap* ep,
+                    std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes) {
+  op_ = std::move(op);
+  op_->prepared = true;
+  op_->owner = this;
+  ep_ = ep;
+  locals_ = std::move(locals);
+  remotes_ = std::move(remotes);
+  refs_.push_back(Napi::Persistent(ep_->Value()));
+  ep_->inflight_++;
+  for (RegionWrap* r : locals_) {
+    refs_.push_back(Napi::Persistent(r->Value()));
+    r->inflight_++;
+  }
+  for (RemoteWrap* r : remotes_) {
+    refs_.push_back(Napi::Persistent(r->Value()));
+    r->inflight_++;
+  }
+}
+
+Napi::Value XferWrap::Post(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  auto* agent = agent_;
+  if (state_ != HandleState::kOpen || agent == nullptr || !agent->open()) {
+    throw MakeError(env, "ERR_CLOSED", "post: the prepared transfer or its agent is closed");
+  }
+  if (lost_) {
+    throw MakeError(env, "ERR_CLOSED",
+                    "post: the prepared transfer was lost with its endpoint or its agent's close");
+  }
+  if (posted_) throw MakeError(env, "ERR_BUSY", "post: the prepared transfer is still in flight");
+  if (ep_->core_->failed.load()) {
+    throw UcsError(env, "post: the endpoint has failed", ep_->core_->fail_status);
+  }
+  TransferOp* op = op_.get();
+  op->next = 0;
+  op->seg = 0;
+  op->status = UCS_OK;
+  op->phase = TransferOp::Phase::kPosting;
+  op->abandoned = false;
+  op->trace = OpTrace{};
+  posted_ = true;
+  ever_posted_ = true;
+  self_ = Napi::Persistent(Value());
+  agent->PostPrepared(env, std::move(op_));
+  return env.Undefined();
+}
+
+void XferWrap::Returned(std::unique_ptr<TransferOp> op, ucs_status_t status) {
+  posted_ = false;
+  last_ = status;
+  if (op) {
+    op_ = std::move(op);
+  } else {
+    lost_ = true;
+  }
+  self_.Reset();
+  if (state_ == HandleState::kClosing) Release(true);
+}
+
+// state(): 1 in flight, 2 never posted, 0 the last post completed, a negative UCX status when it
+// failed, -10000 when the transfer was lost (its endpoint abandoned mid-flush, or a close).
+Napi::Value XferWrap::State(const Napi::CallbackInfo& info) {
+  int s = posted_ ? 1 : !ever_posted_ ? 2 : lost_ ? -10000 : static_cast<int>(last_);
+  return Napi::Number::New(info.Env(), s);
+}
+
+Napi::Value XferWrap::Close(const Napi::CallbackInfo& info) {
+  if (state_ == HandleState::kOpen) {
+    state_ = HandleState::kClosing;
+    if (!posted_) Release(true);
+  }
+  return info.Env().Undefined();
+}
+
+void XferWrap::Release(bool js) {
+  if (state_ == HandleState::kClosed) return;
+  state_ = HandleState::kClosed;
+  // Posted and never returned (the agent closed without delivering): the operation went with the
+  // engine's events; only the references are left to drop.
+  posted_ = false;
+  op_.reset();
+  if (ep_ != nullptr) ep_->OpDone();
+  for (RegionWrap* r : locals_) r->OpDone();
+  for (RemoteWrap* r : remotes_) r->OpDone();
+  ep_ = nullptr;
+  locals_.clear();
+  remotes_.clear();
+  refs_.clear();
+  self_.Reset();
+  if (agent_) agent_->Forget(this);
+  agent_ = nullptr;
+}
+
+}  // namespace kvxfer
