@@ -82,6 +82,7 @@ const SIDECAR_KINDS: Partial<Record<SettingName, Kind>> = {
   "tls-key": STR,
   "tls-ca": STR,
   "drain-ms": POS_INT,
+  "engine-lease-ms": NON_NEG_INT,
   "log-level": choice(...LOG_LEVELS),
   config: STR,
 };

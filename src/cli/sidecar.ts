@@ -206,6 +206,14 @@ export const SIDECAR_SETTINGS = {
     default: "10000",
     help: "on SIGTERM, how long in-flight transfers get to finish",
   },
+  "engine-lease-ms": {
+    type: "string",
+    default: "0",
+    help:
+      "> 0: once the engine is provably gone (its connection ended and its KV files were " +
+      "removed, or it stayed away this long) end what it held, tell peers and exit 75 so the " +
+      "supervisor restarts the sidecar for the next engine; 0: off",
+  },
   "log-level": { type: "string", default: "info", help: "pino level" },
   config: {
     type: "string",
@@ -406,6 +414,12 @@ export interface RunningSidecar {
   bootstrap: HttpServer | undefined;
   /** NOT_SERVING, refuse new transfers, wait (bounded) for in-flight ones to end. */
   drain(deadlineMs: number): Promise<number>;
+  /**
+   * Settles (with why) once the registered engine is provably gone (`--engine-lease-ms` > 0):
+   * its transfers were ended and its peers told; the caller stops the sidecar. Never settles
+   * otherwise.
+   */
+  readonly engineGone: Promise<string>;
   close(): Promise<void>;
   /** The part `close()` is closing now ("" when not closing, or closed). */
   readonly closing: string;
@@ -584,6 +598,18 @@ export async function startSidecar(
   });
   const metrics = new SidecarMetrics();
   metrics.watchEventLog(events);
+  // Read at each scrape: transfers not yet ended, per side (ended ones stay listed for
+  // --tombstone-ms in status, so a count of the listing overstates what is live).
+  const liveGauge = metrics.registry.gauge(
+    "kvxfer_live_transfers",
+    "Transfers not yet in a terminal state, by side.",
+    { labelNames: ["side"], maxSeries: 2 },
+  );
+  metrics.registry.onCollect(() => {
+    const n = sidecar.liveBySide();
+    liveGauge.set({ side: "prefill" }, n.prefill);
+    liveGauge.set({ side: "decode" }, n.decode);
+  });
   if (s.bootstrap !== "" && s.role === "decode")
     throw new KvxferError(
       "ERR_CONFIG",
@@ -614,6 +640,8 @@ export async function startSidecar(
         }
       : undefined;
   let api: ApiServer | undefined;
+  // Readiness follows the engine: SERVING only while a registered engine's connection is up.
+  const engineReady = (): boolean => sidecar.acceptsHandshakes && link.ownerConnected;
   const link = new EngineLinkServer({
     endpoint:
       s["engine-socket"] !== "" ? s["engine-socket"] : defaultEngineEndpoint(s["engine-id"]),
@@ -626,10 +654,14 @@ export async function startSidecar(
         adopt: () => link.adopt(from),
       });
       // Readiness: SERVING once a registration was accepted (and not while draining).
-      api?.setServing(sidecar.acceptsHandshakes);
+      api?.setServing(engineReady());
     },
     onRefused: (code, message) => sidecar.noteError(`engine frame refused: ${code}: ${message}`),
-    onConnectionEnded: (peer) => sidecar.engineConnectionEnded(peer.id),
+    onConnectionEnded: (peer) => {
+      sidecar.engineConnectionEnded(peer.id);
+      // The link marks its owner away after telling us: look once it has.
+      setImmediate(() => api?.setServing(engineReady()));
+    },
     logger,
   });
   await link.start();
@@ -646,11 +678,11 @@ export async function startSidecar(
         address: s.grpc,
         logger,
         // Readiness: NOT_SERVING until the engine registers (an engine may have come first).
-        serving: sidecar.acceptsHandshakes,
+        serving: engineReady(),
         ...(tls !== undefined ? { tls } : {}),
       }),
     );
-    api.setServing(sidecar.acceptsHandshakes);
+    api.setServing(engineReady());
     if (s.metrics !== "")
       metricsServer = await listening("metrics", s.metrics, () =>
         startMetricsServer({ registry: metrics.registry, address: s.metrics }),
@@ -680,7 +712,33 @@ export async function startSidecar(
   const apiServer = api;
   let closed = false;
   let closing = "";
+  const engineLeaseMs = nonNegativeInt("engine-lease-ms", s["engine-lease-ms"]);
+  let goneWith: (why: string) => void = () => {};
+  const engineGone = new Promise<string>((resolve) => (goneWith = resolve));
+  let awaySince: number | undefined;
+  const engineWatch =
+    engineLeaseMs > 0
+      ? setInterval(() => {
+          if (!sidecar.registered || link.ownerConnected || sidecar.draining) {
+            awaySince = undefined;
+            return;
+          }
+          awaySince ??= Date.now();
+          const why = sidecar.engineFilesGone()
+            ? "its connection ended and its KV files were removed"
+            : Date.now() - awaySince >= engineLeaseMs
+              ? `its connection ended ${engineLeaseMs} ms ago (--engine-lease-ms) and it did not register again`
+              : undefined;
+          if (why === undefined) return;
+          clearInterval(engineWatch);
+          sidecar.abandonEngine(why);
+          apiServer.setServing(false);
+          goneWith(why);
+        }, ENGINE_WATCH_MS)
+      : undefined;
+  engineWatch?.unref();
   return {
+    engineGone,
     sidecar,
     link,
     events,
@@ -704,6 +762,7 @@ export async function startSidecar(
     close: async () => {
       if (closed) return;
       closed = true;
+      clearInterval(engineWatch);
       closing = "gRPC API";
       await apiServer.close(1000);
       closing = "metrics";
@@ -728,6 +787,12 @@ export async function startSidecar(
 
 /** How long closing may take after the drain (or SIGINT) before the process exits anyway. */
 const CLOSE_DEADLINE_MS = 5000;
+/** How often a sidecar with --engine-lease-ms looks whether its absent engine is gone. */
+const ENGINE_WATCH_MS = 200;
+/** The exit code of a sidecar that stopped because its engine is gone (EX_TEMPFAIL): restart it. */
+export const ENGINE_GONE_EXIT = 75;
+/** How long a sidecar whose engine is gone waits for its peers to acknowledge the ends. */
+const ENGINE_GONE_DRAIN_MS = 2000;
 
 export async function runSidecar(argv: string[]): Promise<number> {
   const settings = resolveSettings(argv);
@@ -786,7 +851,7 @@ export async function runSidecar(argv: string[]): Promise<number> {
       ...(running.bootstrap !== undefined ? { bootstrap: running.bootstrap.address } : {}),
     }) + "\n",
   );
-  const sig = await signal;
+  const sig = await Promise.race([signal, running.engineGone.then(() => "ENGINE_GONE")]);
   // Stopping is bounded too: the drain, then a few seconds to close everything.
   const drainMs = positiveInt("drain-ms", settings["drain-ms"]);
   setTimeout(() => {
@@ -795,7 +860,11 @@ export async function runSidecar(argv: string[]): Promise<number> {
   }, drainMs + 15_000).unref();
   // SIGTERM drains: health goes NOT_SERVING, new transfers are refused, and
   // in-flight ones get --drain-ms to end (each also has its own deadlines).
-  if (sig === "SIGTERM") {
+  if (sig === "ENGINE_GONE") {
+    // Every transfer was ended and its peer told: wait (bounded) for the acknowledgements.
+    const left = await running.drain(Math.min(drainMs, ENGINE_GONE_DRAIN_MS));
+    logger.warn({ left, exitCode: ENGINE_GONE_EXIT }, "engine gone: stopping for a restart");
+  } else if (sig === "SIGTERM") {
     logger.info({ drainMs, live: running.sidecar.liveTransfers() }, "draining");
     const left = await running.drain(drainMs);
     logger.info({ left }, left === 0 ? "drained" : "drain deadline passed");
@@ -818,5 +887,6 @@ export async function runSidecar(argv: string[]): Promise<number> {
     );
   // Let the last log lines reach stderr (bounded: the sink never blocks).
   await new Promise((r) => setTimeout(r, 50));
+  if (sig === "ENGINE_GONE") return ENGINE_GONE_EXIT;
   return closedInTime ? 0 : 1;
 }

@@ -65,12 +65,17 @@ export interface DecodeTransfer {
   readsInFlight: number;
   /** Push: P's time from PrefillDone to posting its last pair's writes (from the XferDones). */
   sincePrefillDoneMs: number;
+  /** Pull: when P first answered that it does not know the transfer (0: it has not). */
+  unknownSinceMs: number;
   bytes: number;
   descriptors: number;
   reason: string;
   t: Timings;
   trace: TransferTrace;
 }
+
+/** Pull: how long D keeps asking P about a transfer P says it does not know. */
+export const UNKNOWN_GIVE_UP_MS = 5000;
 
 /** How D reaches P: its metadata from the cache or by a handshake. */
 export type PeerResolver = (sideChannel: string) => Promise<PeerState>;
@@ -216,6 +221,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       outcome: undefined,
       readsInFlight: 0,
       sincePrefillDoneMs: 0,
+      unknownSinceMs: 0,
       bytes: 0,
       descriptors: 0,
       reason: "",
@@ -444,7 +450,23 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     }
     if (unknown) {
       // P has not seen PrefillDone yet, so it cannot have released the blocks: ask again
-      // shortly (the watchdog bounds how long).
+      // shortly. P's engine sends PrefillDone within an engine step of answering the router;
+      // a transfer P still does not know after UNKNOWN_GIVE_UP_MS was never P's (made-up
+      // params): it fails then, not at the watchdog.
+      const now = this.ctx.clock.now();
+      if (t.unknownSinceMs === 0) t.unknownSinceMs = now;
+      else if (now - t.unknownSinceMs >= UNKNOWN_GIVE_UP_MS) {
+        this.fail(
+          t,
+          "FAILED",
+          FailureReason.PEER_FAILED,
+          "ERR_UNKNOWN_TRANSFER",
+          `P has not known this transfer for ${UNKNOWN_GIVE_UP_MS} ms (no PrefillDone for it)`,
+          ReleaseReason.FAILED,
+          true,
+        );
+        return;
+      }
       this.ctx.clock.after(10, () => {
         if (t.state === "CONFIRMING" && t.peer !== undefined) this.askHeld(t, t.peer);
       });

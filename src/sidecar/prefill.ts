@@ -101,6 +101,13 @@ function releaseReason(kind: TerminalKind | PrefillState): ReleaseReason {
 export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   /** Only with exclusivePrefillBlocks: a transfer claims its whole block_ids from PrefillDone to its end. */
   private readonly claims = new BlockClaims();
+  /**
+   * Transfer ids the engine gave up on before this side heard of them (its Abort of an id it
+   * never sent PrefillDone for: the request ended before prefill), each until its forget time.
+   * D's PushReg for one is answered Failed at once, not after D's transfer timeout. Bounded by
+   * maxTransfers (oldest forgotten first); holds no blocks and emits no event.
+   */
+  private readonly givenUp = new Map<string, number>();
   /** The sidecar is stopping: no new registration is kept (drain()). */
   private draining = false;
 
@@ -285,6 +292,16 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     this.end(t, "ABORTED", "aborted by the engine");
   }
 
+  /** The engine's Abort of an id this side does not know (see `givenUp`). */
+  giveUp(transferId: string): void {
+    if (this.givenUp.size >= this.ctx.settings.maxTransfers) {
+      const oldest = this.givenUp.keys().next().value;
+      if (oldest !== undefined) this.givenUp.delete(oldest);
+    }
+    this.givenUp.delete(transferId);
+    this.givenUp.set(transferId, this.ctx.clock.now() + this.ctx.settings.tombstoneMs);
+  }
+
   // --- the decode peer -----------------------------------------------------------
 
   /** `receivedUs`: when our progress thread received D's notification (monoUs). */
@@ -309,6 +326,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     const mine = existing?.pending.find((r) => r.peer === peer);
     if (existing?.reg?.peer === peer || (mine !== undefined && mine.withdrawn === undefined))
       return; // the same engine's registration again: idempotent
+    if (existing === undefined && this.givenUp.has(m.transferId))
+      return fail("ERR_ABORTED", "the prefill engine gave up on this request before its prefill");
     if (m.numTokens === 0 || m.prefixTokens > m.numTokens)
       return fail("ERR_BAD_TOKENS", "bad token counts in PushReg");
     if (this.draining && existing?.blocks === undefined)
@@ -788,6 +807,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
 
   /** Ends what ran out of time and forgets old tombstones. */
   expire(now: number): void {
+    for (const [id, until] of this.givenUp) if (now >= until) this.givenUp.delete(id);
     for (const t of this.transfers.values()) {
       if (now < t.deadline) continue;
       if (isTerminal(t.state)) {

@@ -366,6 +366,46 @@ export class Sidecar implements SidecarView {
     return this.sideChannel;
   }
 
+  /** Whether an engine's registration was accepted (it may have left since). */
+  get registered(): boolean {
+    return this.kv !== undefined;
+  }
+
+  /**
+   * Whether the registered engine removed its KV: every file of the accepted registration is
+   * gone from disk or replaced (the simulated engine and the vLLM connector remove theirs when
+   * they end). A segment shows nothing here: false.
+   */
+  engineFilesGone(): boolean {
+    const cur = this.registration;
+    if (cur === undefined || cur.files.length === 0) return false;
+    if (cur.files.some((id) => id === "" || id.startsWith("segment:"))) return false;
+    const now = Sidecar.fileIdentities(cur.msg);
+    return cur.files.every((id, i) => now[i] !== id);
+  }
+
+  /**
+   * The registered engine is gone for good (issue 35): no new transfers, and every live one
+   * fails now, each peer told (as at the drain's deadline), so peers recompute or free at once.
+   * The caller then stops this sidecar: a new engine's memory needs a new epoch, since peers
+   * hold remote keys for the old one and a late one-sided write cannot be recalled from a
+   * process that keeps living.
+   */
+  abandonEngine(why: string): void {
+    this.log.warn(
+      { why, live: this.liveTransfers() },
+      "engine gone: ending every transfer it held, telling peers",
+    );
+    this.noteError(`engine gone: ${why}`);
+    this.beginDrain();
+    this.abandonAll();
+  }
+
+  /** Live (non-terminal) transfers per side. */
+  liveBySide(): { prefill: number; decode: number } {
+    return { prefill: this.prefill.live(), decode: this.decode.live() };
+  }
+
   /**
    * SIGTERM: new transfers are refused from now on, and what will not happen is told to the
    * peers at once (P: registrations waiting for a PrefillDone it will refuse).
@@ -630,7 +670,9 @@ export class Sidecar implements SidecarView {
       if (!this.isSameCache(reg)) {
         return fail(
           "ERR_ALREADY_REGISTERED: the engine that registered is gone, but this registration names " +
-            "other memory; a new engine process needs a new sidecar (restart the sidecar: new epoch)",
+            "other memory; a new engine process needs a new sidecar (new epoch): with " +
+            "--engine-lease-ms this sidecar stops by itself once the old engine is provably gone " +
+            "(its KV files removed, or its connection gone that long), else restart it",
         );
       }
       // The owner's connection ended and the same engine (same files) registers again from a
@@ -956,8 +998,11 @@ export class Sidecar implements SidecarView {
   // --- dispatch ----------------------------------------------------------------------
 
   private onEngineAbort(transferId: string): void {
-    if (!this.decode.has(transferId) && !this.prefill.has(transferId))
+    if (!this.decode.has(transferId) && !this.prefill.has(transferId)) {
+      // P's engine may give up on a push before D registers: D's registration is refused then.
+      if (this.role !== "decode") this.prefill.giveUp(transferId);
       return this.refuse(transferId, "ERR_UNKNOWN_TRANSFER", `no transfer '${transferId}'`);
+    }
     this.decode.abort(transferId);
     this.prefill.abort(transferId);
   }

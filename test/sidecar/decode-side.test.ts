@@ -8,7 +8,7 @@ import { describe, expect, it } from "vitest";
 import { FailureReason, ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import type { KvLayout } from "../../src/plan/index.js";
-import { DecodeSide } from "../../src/sidecar/decode.js";
+import { DecodeSide, UNKNOWN_GIVE_UP_MS } from "../../src/sidecar/decode.js";
 import type { PeerState } from "../../src/sidecar/peers.js";
 import { FakeWorld, OP_STEPS, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
 
@@ -197,6 +197,22 @@ describe("DecodeSide", () => {
     d.readAck(p, "t1", true, false);
     expect(state("t1")).toBe("KV_READY");
     expect(w.eventsOf("t1")).toEqual(["KV_READY"]);
+  });
+
+  it("pull: a transfer P still does not know after UNKNOWN_GIVE_UP_MS fails then, not at the watchdog", async () => {
+    const { w, d, p, state } = setup();
+    d.expectKv(expectKv("t1", true), true);
+    await settle();
+    w.agent.landAll();
+    await settle();
+    for (let ms = 0; ms < UNKNOWN_GIVE_UP_MS; ms += 10) {
+      d.readAck(p, "t1", false, true);
+      expect(state("t1")).toBe("CONFIRMING");
+      w.clock.advance(10);
+    }
+    d.readAck(p, "t1", false, true);
+    expect(state("t1")).toBe("FAILED");
+    expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.FAILED}`]);
   });
 
   it("pull: P released the blocks before confirming: FAILED, never ready", async () => {

@@ -521,6 +521,31 @@ describe("PrefillSide: the edges", () => {
     p.prefillDone(prefillDone("t1"));
     expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.ABORTED}`]);
   });
+
+  it("the engine giving up a transfer before D registered: D's registration fails at once, until the tombstone time", () => {
+    const { w, p, d } = setup();
+    p.giveUp("g1");
+    expect(p.has("g1")).toBe(false); // nothing held, no event
+    p.pushReg(d, pushReg("g1"));
+    expect(w.peerSaid("g1")).toEqual(["failed:ERR_ABORTED"]);
+    expect(p.has("g1")).toBe(false);
+    expect(w.eventsOf("g1")).toEqual([]);
+    // Forgotten after --tombstone-ms: a registration then is an ordinary one.
+    w.clock.advance(SETTINGS.tombstoneMs + 1);
+    p.expire(w.clock.now());
+    p.pushReg(d, pushReg("g1"));
+    expect(w.peerSaid("g1")).toEqual(["failed:ERR_ABORTED"]);
+    expect(p.has("g1")).toBe(true);
+  });
+
+  it("what the engine gave up is bounded by the transfer cap: the oldest is forgotten first", () => {
+    const { w, p, d } = setup({ maxTransfers: 2 });
+    for (const id of ["a", "b", "c"]) p.giveUp(id);
+    for (const id of ["a", "b", "c"]) p.pushReg(d, pushReg(id));
+    expect(w.peerSaid("a")).toEqual([]);
+    expect(w.peerSaid("b")).toEqual(["failed:ERR_ABORTED"]);
+    expect(w.peerSaid("c")).toEqual(["failed:ERR_ABORTED"]);
+  });
 });
 
 describe("PrefillSide: the words it ends and refuses with", () => {

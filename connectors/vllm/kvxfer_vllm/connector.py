@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.platforms import current_platform
 
 from .config import ConnectorConfig, load_config
@@ -40,11 +41,13 @@ from .messages import StepMessages
 from .registration import RegionEntry, region_files, registration, tensor_views
 from .scheduler import SchedulerLogic
 from .shm import HostBuffer, SharedKv, SharedKvFiles, SharedKvSegments
+from .stats import COUNTERS, merge, reduce
 from .versions import check_vllm_version
 from .worker import WorkerLogic
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -89,6 +92,68 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
     epoch: int
     #: kvxfer blocks per vLLM block (the attention backend's split), for P's answers.
     blocks_per_block: int = 1
+
+
+@dataclass
+class KvxferConnectorStats(KVConnectorStats):
+    """The counters of stats.py as vLLM carries them from the workers (and the scheduler) to its
+    logger process: ``data`` is a plain dict of numbers, summed by ``aggregate``."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data = merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return reduce(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+#: Prometheus counter per kvxfer counter, in vLLM's /metrics (``_total`` is added by the client).
+PROM_COUNTERS = {
+    "transfers": ("vllm:kvxfer_transfers", "KV transfers completed through kvxfer (D: loaded; P: sent)."),
+    "bytes": ("vllm:kvxfer_transfer_bytes", "KV bytes of the completed kvxfer transfers."),
+    "seconds": ("vllm:kvxfer_transfer_seconds", "D: seconds from ExpectKv to KV ready, summed over transfers."),
+    "failures": ("vllm:kvxfer_transfer_failures", "kvxfer transfers that failed, any reason."),
+    "expired": ("vllm:kvxfer_transfers_expired", "kvxfer transfers failed because a lease or deadline ran out."),
+    "recomputed": ("vllm:kvxfer_recomputed_requests", "D requests computed locally instead of loading KV."),
+    "link_down": ("vllm:kvxfer_link_down_requests", "Requests failed at once because the sidecar link was down."),
+    "mismatched": ("vllm:kvxfer_prompt_mismatches", "D requests whose prompt did not match P's kvxfer_prompt_digest."),
+}
+assert set(PROM_COUNTERS) == set(COUNTERS)
+
+
+class KvxferPromMetrics(KVConnectorPromMetrics):
+    """One counter per kvxfer counter and engine (vLLM's labels), fed by ``observe``."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in PROM_COUNTERS.items():
+            c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = {i: c.labels(*v) for i, v in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            per_engine = self._counters.get(key)
+            if per_engine is not None and engine_idx in per_engine and value > 0:
+                per_engine[engine_idx].inc(value)
+
+
+def _bytes_per_token(layout: Any) -> int:
+    """KV bytes of one token on one rank: the rank's regions over its token slots."""
+    slots = layout.num_blocks * layout.block_size
+    return sum(layout.region_bytes) // slots if slots else 0
 
 
 def _allow_amx_tiles() -> None:
@@ -211,6 +276,7 @@ class KvxferConnector(KVConnectorBase_V1):
         bpb = self._blocks_per_block = described.blocks_per_block
         host = self._host
         self.worker = WorkerLogic(
+            bytes_per_token=described.layout.tp_size * _bytes_per_token(described.layout),
             engine_id=self.cfg.engine_id,
             engine_socket=self.cfg.engine_socket,
             register_timeout_s=self.cfg.register_timeout_s,
@@ -287,6 +353,26 @@ class KvxferConnector(KVConnectorBase_V1):
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending, r.finished_recving
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What was counted since the last call, on TP rank 0's worker and on the scheduler."""
+        half = self.worker or self.scheduler
+        data = half.stats.take() if half is not None else {}
+        return KvxferConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvxferConnectorStats(data=dict(data) if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def get_finished_count(self) -> int | None:
         # TP rank 0 reports for every rank: it registered all of them with the sidecar.
         return 1
@@ -308,7 +394,8 @@ class KvxferConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.num_new_matched_tokens(
-            request.request_id, request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens
+            request.request_id, request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens,
+            prompt_token_ids=request.prompt_token_ids,
         )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -341,6 +428,7 @@ class KvxferConnector(KVConnectorBase_V1):
             finished_ok=request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED),
             block_ids=list(block_ids),
             num_computed_tokens=request.num_computed_tokens,
+            token_ids=request.prompt_token_ids,
         )
 
     def has_pending_push_work(self) -> bool:

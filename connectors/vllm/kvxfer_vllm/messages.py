@@ -46,11 +46,21 @@ class AbortMsg:
     transfer_id: str
 
 
+@dataclass(frozen=True)
+class GiveUpMsg:
+    """P: a request the router named a transfer for ended without KV (aborted, finished without
+    blocks): P's sidecar tells D, which may have registered for it (push), to compute it."""
+
+    request_id: str
+    transfer_id: str
+
+
 @dataclass
 class StepMessages:
     prefill_done: list[PrefillDoneMsg] = field(default_factory=list)
     expect: list[ExpectMsg] = field(default_factory=list)
     abort: list[AbortMsg] = field(default_factory=list)
+    give_up: list[GiveUpMsg] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prefill_done or self.expect or self.abort)
+        return bool(self.prefill_done or self.expect or self.abort or self.give_up)

@@ -19,7 +19,10 @@ else the request id with vLLM's internal ``-<8 hex>`` suffix removed.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +48,29 @@ def token_of(params: dict[str, Any] | None) -> str:
     if not isinstance(token, str) or len(token.encode()) > MAX_TOKEN_BYTES:
         raise BadParams("kvxfer_token", f"must be a string of at most {MAX_TOKEN_BYTES} bytes")
     return token
+
+
+#: Hex digits of ``kvxfer_prompt_digest`` (128 bits of SHA-256).
+DIGEST_HEX = 32
+
+
+def prompt_digest(token_ids: Sequence[int], n: int) -> str:
+    """The digest of the first ``n`` token ids: what KV of ``n`` tokens is the KV of. ``""``
+    when fewer than ``n`` ids are known (no digest can be made)."""
+    if n <= 0 or len(token_ids) < n:
+        return ""
+    return hashlib.sha256(struct.pack(f"<{n}q", *token_ids[:n])).hexdigest()[:DIGEST_HEX]
+
+
+def bind_token(token: str, digest: str) -> str:
+    """The token a sidecar sees: the router's (or P's) ``kvxfer_token`` bound to the prompt's
+    digest. P's PrefillDone and D's ExpectKv each carry it made from their own prompt, so P's
+    sidecar serves a decode engine only when both tokens *and* prompts agree (a push registration
+    for another prompt is refused before any write, ``ERR_BAD_TRANSFER_TOKEN``). Without a digest
+    the token is as given."""
+    if not digest:
+        return token
+    return "kvxfer-p1." + hashlib.sha256(f"{token}\0{digest}".encode()).hexdigest()
 
 
 def transfer_id_of(params: dict[str, Any] | None, request_id: str) -> str:
@@ -76,6 +102,8 @@ class RemotePrefill:
     num_tokens: int | None
     #: The transfer's token (``kvxfer_token``), presented to P's sidecar; empty if none.
     token: str = ""
+    #: P's digest of the tokens its blocks hold (``kvxfer_prompt_digest``); empty if P gave none.
+    prompt_digest: str = ""
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
@@ -123,12 +151,16 @@ def parse_remote_prefill(params: dict[str, Any], request_id: str) -> RemotePrefi
     n = params.get("remote_num_tokens")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise BadParams("remote_num_tokens", f"must be a token count, got {n!r}")
+    digest = params.get("kvxfer_prompt_digest", "")
+    if not isinstance(digest, str) or (digest and not re.fullmatch(f"[0-9a-f]{{{DIGEST_HEX}}}", digest)):
+        raise BadParams("kvxfer_prompt_digest", f"must be {DIGEST_HEX} hex digits, got {digest!r}")
     return RemotePrefill(
         transfer_id=tid,
         source=f"{host}:{port}",
         source_block_ids=source_blocks,
         num_tokens=n or None,
         token=token_of(params),
+        prompt_digest=digest,
     )
 
 
@@ -148,6 +180,7 @@ def prefill_answer(
     tp_size: int,
     blocks_per_block: int = 1,
     token: str = "",
+    digest: str = "",
 ) -> dict[str, Any]:
     """What P returns for D (vLLM relays it in the response's ``kv_transfer_params``)."""
     host, port = split_host_port(side_channel)
@@ -167,4 +200,6 @@ def prefill_answer(
         "kvxfer_blocks_per_block": blocks_per_block,
         # Binds the transfer to the decode engine this answer reaches (docs/security.md).
         "kvxfer_token": token,
+        # The tokens P's blocks hold: D checks its prompt against it before it reads.
+        "kvxfer_prompt_digest": digest,
     }

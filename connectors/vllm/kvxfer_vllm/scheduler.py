@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .bootstrap import BootstrapResolver, fill_source
-from .messages import AbortMsg, ExpectMsg, PrefillDoneMsg, StepMessages
+from .messages import AbortMsg, ExpectMsg, GiveUpMsg, PrefillDoneMsg, StepMessages
+from .stats import TransferStats
 from .params import (
     BadParams,
+    bind_token,
     parse_remote_prefill,
+    prompt_digest,
     prefill_answer,
     token_of,
     transfer_id_of,
@@ -60,6 +64,10 @@ class SchedulerLogic:
         self._warned: set[str] = set()
         #: kvxfer blocks per vLLM block on this engine (from the worker's handshake metadata).
         self.blocks_per_block = 1
+        #: D: the digest of each expecting request's prompt, from the check to ExpectKv.
+        self._digests: dict[str, str] = {}
+        #: What this half counts for vLLM's metrics (prompt mismatches).
+        self.stats = TransferStats()
 
     def set_side_channel(self, address: str, blocks_per_block: int = 1) -> None:
         """What the worker learned at registration: the sidecar's side channel (an ``advertise``
@@ -71,7 +79,12 @@ class SchedulerLogic:
     # --- D --------------------------------------------------------------------------
 
     def num_new_matched_tokens(
-        self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int, num_computed: int
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        num_prompt_tokens: int,
+        num_computed: int,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> tuple[int, bool]:
         if not wants_remote_prefill(params):
             return 0, False
@@ -85,6 +98,22 @@ class SchedulerLogic:
                 log.warning("kvxfer: request %s computes its prompt locally: %s", request_id, err)
             return 0, False
         total = min(remote.num_tokens or num_prompt_tokens, num_prompt_tokens)
+        if prompt_token_ids is not None:
+            # The KV must be this prompt's: P says which tokens its blocks hold (pull), and the
+            # token D presents is bound to D's prompt (push: P's sidecar compares).
+            mine = prompt_digest(prompt_token_ids, total)
+            if remote.prompt_digest and mine != remote.prompt_digest:
+                # (P digests the prompt tokens its blocks hold, at most its prompt: the same
+                # ``total`` tokens for the same prompt, whatever P generated after them.)
+                params["do_remote_prefill"] = False  # decided: computed here, never expected
+                self.stats.count("mismatched")
+                self.stats.count("recomputed")
+                log.warning(
+                    "kvxfer: request %s computes its prompt locally: ERR_PROMPT_MISMATCH: "
+                    "kv_transfer_params.kvxfer_prompt_digest names other tokens than this prompt's "
+                    "first %d (transfer %s is not read)", request_id, total, remote.transfer_id)
+                return 0, False
+            self._digests[request_id] = mine
         count = total - num_computed
         return (count, True) if count > 0 else (0, False)
 
@@ -101,6 +130,7 @@ class SchedulerLogic:
         assert params is not None
         # Asked once per request: a later allocation for the same request must not re-expect.
         params["do_remote_prefill"] = False
+        digest = self._digests.pop(request_id, "")
         if num_external_tokens <= 0:
             return
         try:
@@ -121,7 +151,7 @@ class SchedulerLogic:
                 prefix_tokens=prefix,
                 source=remote.source,
                 source_block_ids=remote.source_block_ids,
-                token=remote.token,
+                token=bind_token(remote.token, digest),
             )
         )
         self._waiting[request_id] = _Waiting(remote.transfer_id, sent=False)
@@ -136,8 +166,12 @@ class SchedulerLogic:
         finished_ok: bool,
         block_ids: list[int],
         num_computed_tokens: int,
+        token_ids: Sequence[int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(delay freeing the blocks, kv_transfer_params for the response)."""
+        """(delay freeing the blocks, kv_transfer_params for the response). ``token_ids``: the
+        request's prompt; P's answer carries the digest of the part its blocks hold (the first
+        ``num_computed_tokens``, at most the prompt: what D's prompt is checked against)."""
+        self._digests.pop(request_id, None)
         waiting = self._waiting.pop(request_id, None)
         if waiting is not None:
             # D: the request ended while its KV was still coming.
@@ -149,12 +183,16 @@ class SchedulerLogic:
             self._next.abort.append(AbortMsg(request_id, waiting.transfer_id))
             self._aborting.add(request_id)
             return True, None
-        if not wants_remote_decode(params) or not finished_ok or not block_ids:
+        if not wants_remote_decode(params):
+            return False, None
+        assert params is not None
+        if not finished_ok or not block_ids or num_computed_tokens <= 0:
+            self._give_up(request_id, params, "ended without KV" if finished_ok else "aborted")
             return False, None
         if not self.side_channel:
             log.error("kvxfer: request %s: no side channel known for this engine's sidecar; D will compute it", request_id)
+            self._give_up(request_id, params, "no side channel")
             return False, None
-        assert params is not None
         tid = transfer_id_of(params, request_id)
         try:
             # The router's token when it gave one (push: it told D too). A router that names the
@@ -164,9 +202,11 @@ class SchedulerLogic:
             token = token_of(params) or ("" if _router_named(params) else secrets.token_hex(16))
         except BadParams as err:
             log.error("kvxfer: request %s: %s; D will compute it", request_id, err)
+            self._give_up(request_id, params, "bad kvxfer_token")
             return False, None
+        digest = prompt_digest(token_ids, min(num_computed_tokens, len(token_ids))) if token_ids is not None else ""
         self._next.prefill_done.append(
-            PrefillDoneMsg(request_id, tid, list(block_ids), num_computed_tokens, token)
+            PrefillDoneMsg(request_id, tid, list(block_ids), num_computed_tokens, bind_token(token, digest))
         )
         self._holding.add(request_id)
         return True, prefill_answer(
@@ -179,7 +219,17 @@ class SchedulerLogic:
             tp_size=self.tp_size,
             blocks_per_block=self.blocks_per_block,
             token=token,
+            digest=digest,
         )
+
+    def _give_up(self, request_id: str, params: dict[str, Any], why: str) -> None:
+        """P: no KV will come for this request. Only a transfer the router named can have reached
+        D before P's answer (push: D registers while P computes), so only that one is told."""
+        if not _router_named(params):
+            return
+        tid = transfer_id_of(params, request_id)
+        log.info("kvxfer: request %s (transfer %s) %s: telling D not to wait", request_id, tid, why)
+        self._next.give_up.append(GiveUpMsg(request_id, tid))
 
     def build_step(self) -> StepMessages:
         step, self._next = self._next, StepMessages()

@@ -4,7 +4,8 @@ Tests and the benchmark need a real model and cannot download one, so they make
 one: GQA (fewer KV heads than attention heads), a few layers, bfloat16, written
 with ``transformers``' ``save_pretrained``. Weights come from a fixed seed, so
 every run serves the same model. The tokenizer maps ``w<i>`` to id ``3 + i``;
-prompts can also be given as token ids.
+prompts can also be given as token ids. A chat template (each message's content, then a space)
+lets ``/v1/chat/completions`` serve it without ``--chat-template``.
 
     python -m kvxfer_vllm.tiny_model OUT_DIR [--layers 2] [--kv-heads 2]
 """
@@ -30,12 +31,17 @@ class TinyModelSpec:
     seed: int = 0
 
 
+#: The tokenizer's chat template: the messages' contents, space-separated (words are ``w<i>``).
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
 def make_tiny_model(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
     """Writes the model and tokenizer to ``out_dir`` (once: an existing one with the same spec is kept)."""
     stamp = os.path.join(out_dir, "kvxfer-tiny-model.json")
+    made = {**asdict(spec), "chat_template": CHAT_TEMPLATE}
     if os.path.exists(stamp):
         with open(stamp) as f:
-            if json.load(f) == asdict(spec):
+            if json.load(f) == made:
                 return out_dir
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -48,6 +54,7 @@ def make_tiny_model(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
@@ -70,7 +77,7 @@ def make_tiny_model(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
     model.save_pretrained(out_dir)
     fast.save_pretrained(out_dir)
     with open(stamp, "w") as f:
-        json.dump(asdict(spec), f)
+        json.dump(made, f)
     return out_dir
 
 

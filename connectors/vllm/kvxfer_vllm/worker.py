@@ -12,6 +12,11 @@ registers again. A sidecar with a new epoch (or one that answers
 ``ERR_NOT_REGISTERED``) forgot every transfer, so they fail here at once (D
 recomputes, P frees). A sidecar that does not come back within
 ``sidecar_lost_timeout_s`` gets the same treatment.
+
+While the link is down (from the lost connection until a re-registration is
+accepted) every new transfer fails here at once instead of being queued for a
+sidecar that may never answer: D recomputes, P frees its blocks. The bound
+above is only for what was already in flight when the link dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from ._gen.kvxfer.v1 import engine_pb2
 from .errors import LinkError, RegistrationError
 from .link import EngineLink
 from .messages import StepMessages
+from .stats import TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +41,24 @@ log = logging.getLogger(__name__)
 _MAX_ALREADY_RETRIES = 25
 _ALREADY_RETRY_S = 0.2
 
+_MAX_GIVING_UP = 10_000
+
+#: A registration the sidecar cannot take yet is asked again this often (register()).
+_REREGISTER_S = 0.5
+
+
+def _retryable(error: str) -> bool:
+    """Refusals that a later answer (or the next sidecar) may turn into an acceptance."""
+    return error.startswith("ERR_ALREADY_REGISTERED") and (
+        "is gone" in error or "another live connection" in error
+    )
+
+_EXPIRED_REASONS = (engine_pb2.FAILURE_REASON_TIMEOUT, engine_pb2.FAILURE_REASON_LEASE_EXPIRED)
+
 @dataclass
 class _P:
     request_id: str
+    num_tokens: int = 0
 
 
 @dataclass
@@ -46,6 +67,9 @@ class _D:
     block_ids: list[int]
     failing: bool = False
     aborted: bool = False
+    #: Tokens that move ([prefix, num_tokens)) and when ExpectKv left, for the statistics.
+    tokens: int = 0
+    started: float = 0.0
 
 
 @dataclass
@@ -77,6 +101,7 @@ class WorkerLogic:
         on_kv_ready: Callable[[list[int]], None] | None = None,
         before_prefill_done: Callable[[list[int]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        bytes_per_token: int = 0,
     ) -> None:
         self.engine_id = engine_id
         self.register_timeout_s = register_timeout_s
@@ -85,15 +110,23 @@ class WorkerLogic:
         self._on_kv_ready = on_kv_ready
         self._before_prefill_done = before_prefill_done
         self._clock = clock
+        #: KV bytes of one token on every rank together (for the bytes counter).
+        self.bytes_per_token = bytes_per_token
+        #: What vLLM's /metrics reports (stats.py).
+        self.stats = TransferStats()
         self._lock = threading.Lock()
         self._p: dict[str, _P] = {}
         self._d: dict[str, _D] = {}
         self._results = Results()
+        #: P: transfer ids given up (GiveUpMsg) whose ERR_UNKNOWN_TRANSFER answer is expected.
+        self._giving_up: set[str] = set()
         #: Set whenever the sidecar says something (or the link changes): wakes an idle wait.
         self._activity = threading.Event()
         self._registration: engine_pb2.EngineToSidecar | None = None
         self._registered = threading.Event()
         self._reg_answer: engine_pb2.Registered | None = None
+        #: True while ``register`` waits: answers go to it, reconnects do not re-register.
+        self._initial = False
         self.epoch = 0
         self.side_channel = ""
         self._lost_since: float | None = None
@@ -110,22 +143,47 @@ class WorkerLogic:
     # --- registration -----------------------------------------------------------------
 
     def register(self, reg: engine_pb2.RegisterKvCache) -> engine_pb2.Registered:
-        """Sends RegisterKvCache and waits (bounded) for the answer; RegistrationError otherwise."""
+        """Sends RegisterKvCache and waits (bounded) for the answer; RegistrationError otherwise.
+
+        A refusal that says the sidecar still holds an engine that is gone (a restarted engine
+        under a running sidecar: the sidecar stops for a restart once the old one is provably
+        gone, ``--engine-lease-ms``), or still sees another live connection, is asked again every
+        ``_REREGISTER_S`` until ``register_timeout_s``; the next sidecar takes it."""
         self._registration = engine_pb2.EngineToSidecar(register=reg)
+        self._initial = True
         self.link.start()
-        self._registered.clear()
-        self.link.send(self._registration)
-        if not self._registered.wait(self.register_timeout_s):
-            raise RegistrationError(
-                "ERR_REGISTER_TIMEOUT",
-                f"no kvxfer sidecar answered on {self.link.endpoint} within {self.register_timeout_s:g} s: "
-                f"start `kvxfer sidecar --engine-id {self.engine_id}` with that --engine-socket",
-            )
-        ans = self._reg_answer
-        assert ans is not None
-        if not ans.ok:
-            raise RegistrationError("ERR_REGISTER_REFUSED", f"the sidecar refused the KV cache: {ans.error}")
-        return ans
+        deadline = self._clock() + self.register_timeout_s
+        last = ""
+        try:
+            while True:
+                self._registered.clear()
+                self._reg_answer = None
+                self.link.send(self._registration)
+                left = deadline - self._clock()
+                if left <= 0 or not self._registered.wait(left):
+                    raise RegistrationError(
+                        "ERR_REGISTER_TIMEOUT",
+                        f"no kvxfer sidecar accepted this engine on {self.link.endpoint} within "
+                        f"{self.register_timeout_s:g} s"
+                        + (f" (last answer: {last})" if last else "")
+                        + f": start `kvxfer sidecar --engine-id {self.engine_id}` with that --engine-socket",
+                    )
+                ans = self._reg_answer
+                assert ans is not None
+                if ans.ok:
+                    self.epoch = ans.epoch
+                    self.side_channel = ans.side_channel
+                    with self._lock:
+                        self._lost_since = None  # a sidecar that went away while we asked
+                    return ans
+                if not _retryable(ans.error):
+                    raise RegistrationError("ERR_REGISTER_REFUSED", f"the sidecar refused the KV cache: {ans.error}")
+                if last != ans.error:
+                    log.warning("kvxfer: the sidecar cannot take this engine yet (%s); asking again", ans.error)
+                last = ans.error
+                time.sleep(max(0.0, min(_REREGISTER_S, deadline - self._clock())))
+        finally:
+            self._initial = False
 
     # --- engine steps -------------------------------------------------------------------
 
@@ -135,7 +193,25 @@ class WorkerLogic:
             return
         for a in step.abort:
             self._abort(a.request_id, a.transfer_id)
+        for g in step.give_up:
+            # P's request ended without KV: its sidecar answers D's registration (push) with a
+            # failure at once. It knows nothing of the transfer yet, so it answers
+            # ERR_UNKNOWN_TRANSFER (nothing is held), which is expected here.
+            if self.link_down():
+                continue  # a sidecar we cannot reach is not holding D's registration for long
+            with self._lock:
+                if len(self._giving_up) >= _MAX_GIVING_UP:
+                    self._giving_up.clear()  # answers lost with a sidecar: only log noise at stake
+                self._giving_up.add(g.transfer_id)
+            self._send(engine_pb2.EngineToSidecar(abort=engine_pb2.Abort(transfer_id=g.transfer_id)))
         for m in step.prefill_done:
+            if self.link_down():
+                # Nobody can read these blocks now: the engine gets them back at once.
+                self.stats.count("link_down")
+                self.stats.count("failures")
+                with self._lock:
+                    self._results.finished_sending.add(m.request_id)
+                continue
             if self._before_prefill_done is not None:
                 # Host-buffer mode: the blocks reach shared memory before the sidecar may read them.
                 self._before_prefill_done(self._expand(m.block_ids))
@@ -144,7 +220,7 @@ class WorkerLogic:
                     log.error("kvxfer: transfer id %s is already live here; request %s is not sent", m.transfer_id, m.request_id)
                     self._results.finished_sending.add(m.request_id)
                     continue
-                self._p[m.transfer_id] = _P(m.request_id)
+                self._p[m.transfer_id] = _P(m.request_id, m.num_tokens)
             log.debug("kvxfer: PrefillDone %s (%d blocks, %d tokens)", m.transfer_id, len(m.block_ids), m.num_tokens)
             msg = engine_pb2.EngineToSidecar(
                 prefill_done=engine_pb2.PrefillDone(
@@ -155,15 +231,25 @@ class WorkerLogic:
                 )
             )
             if not self._send(msg):
-                self._end_p(m.transfer_id)
+                self._end_p(m.transfer_id, failed=True)
         for e in step.expect:
+            if self.link_down():
+                # The KV cannot come through a sidecar we cannot reach: D computes it.
+                self.stats.count("link_down")
+                self.stats.count("failures")
+                self.stats.count("recomputed")
+                with self._lock:
+                    self._results.finished_recving.add(e.request_id)
+                    self._results.failed_recving.add(e.request_id)
+                continue
             with self._lock:
                 if e.transfer_id in self._d or e.transfer_id in self._p:
                     log.error("kvxfer: transfer id %s is already live here; request %s computes locally", e.transfer_id, e.request_id)
                     self._results.finished_recving.add(e.request_id)
                     self._results.failed_recving.add(e.request_id)
                     continue
-                self._d[e.transfer_id] = _D(e.request_id, self._expand(e.block_ids))
+                self._d[e.transfer_id] = _D(e.request_id, self._expand(e.block_ids),
+                                            tokens=e.num_tokens - e.prefix_tokens, started=self._clock())
             expect = engine_pb2.ExpectKv(
                 transfer_id=e.transfer_id,
                 source=e.source,
@@ -197,14 +283,20 @@ class WorkerLogic:
         self._activity.clear()
         with self._lock:
             lost = self._lost_since
-        if lost is not None and self._clock() - lost > self.lost_timeout_s:
+        if lost is not None and self._clock() - lost > self.lost_timeout_s and self.in_flight():
+            # Fires for whatever is in flight each time the bound has passed; _lost_since stays
+            # set until a re-registration is accepted, and nothing new joins meanwhile (on_step
+            # fails it at once), so this runs once per loss in practice.
             log.error("kvxfer: sidecar gone for %.1f s: failing every transfer in flight", self._clock() - lost)
             self._fail_all_in_flight()
-            with self._lock:
-                self._lost_since = None
         with self._lock:
             out, self._results = self._results, Results()
         return out
+
+    def link_down(self) -> bool:
+        """True from a lost connection until the sidecar accepts a registration again."""
+        with self._lock:
+            return self._lost_since is not None
 
     def in_flight(self) -> int:
         with self._lock:
@@ -233,11 +325,13 @@ class WorkerLogic:
             d.aborted = True
         self._send(engine_pb2.EngineToSidecar(abort=engine_pb2.Abort(transfer_id=transfer_id)))
 
-    def _end_p(self, tid: str) -> None:
+    def _end_p(self, tid: str, *, failed: bool = False) -> None:
         with self._lock:
             p = self._p.pop(tid, None)
             if p is not None:
                 self._results.finished_sending.add(p.request_id)
+        if p is not None and failed:
+            self.stats.count("failures")
 
     def _fail_d(self, tid: str) -> None:
         """D's blocks are safe (nothing can write them any more): report the load as failed."""
@@ -255,6 +349,12 @@ class WorkerLogic:
         self._results.finished_recving.add(d.request_id)
         if failed:
             self._results.failed_recving.add(d.request_id)
+            self.stats.count("failures")
+            self.stats.count("recomputed")
+        else:
+            self.stats.count("transfers")
+            self.stats.count("bytes", d.tokens * self.bytes_per_token)
+            self.stats.count("seconds", self._clock() - d.started)
 
     def _ready_d(self, tid: str) -> None:
         with self._lock:
@@ -270,12 +370,25 @@ class WorkerLogic:
             if d is not None:
                 self._finish_d(d, failed=False)
 
+    def _count_p_release(self, tid: str, reason: int) -> None:
+        with self._lock:
+            p = self._p.get(tid)
+        if p is None:
+            return
+        if reason == engine_pb2.RELEASE_REASON_TRANSFERRED:
+            self.stats.count("transfers")
+            self.stats.count("bytes", p.num_tokens * self.bytes_per_token)
+            return
+        self.stats.count("failures")
+        if reason == engine_pb2.RELEASE_REASON_EXPIRED:
+            self.stats.count("expired")
+
     def _fail_all_in_flight(self) -> None:
         with self._lock:
             p_ids = list(self._p)
             d_ids = list(self._d)
         for tid in p_ids:
-            self._end_p(tid)
+            self._end_p(tid, failed=True)
         for tid in d_ids:
             self._fail_d(tid)
 
@@ -289,6 +402,8 @@ class WorkerLogic:
         elif state == "connected":
             first = not self._ever_connected
             self._ever_connected = True
+            # A reconnect while register() waits also sends: a frame the old sidecar never read
+            # died with it (register() keeps the first answer).
             if not first and self._registration is not None:
                 log.info("kvxfer: sidecar connection back; registering again")
                 self._send(self._registration)
@@ -312,6 +427,8 @@ class WorkerLogic:
                 d = self._d.get(f.transfer_id)
                 if d is not None:
                     d.failing = True
+                    if f.reason in _EXPIRED_REASONS:
+                        self.stats.count("expired")
                 self.failures.append((f.transfer_id, engine_pb2.FailureReason.Name(f.reason), f.message))
             log.info("kvxfer: transfer %s failed (%s): %s; waiting for its blocks",
                      msg.kv_failed.transfer_id, engine_pb2.FailureReason.Name(msg.kv_failed.reason), msg.kv_failed.message)
@@ -320,6 +437,7 @@ class WorkerLogic:
             with self._lock:
                 is_p, is_d = tid in self._p, tid in self._d
             if is_p:
+                self._count_p_release(tid, msg.release_blocks.reason)
                 self._end_p(tid)
             elif is_d:
                 self._fail_d(tid)
@@ -327,17 +445,15 @@ class WorkerLogic:
             self._on_refused(msg.refused)
 
     def _on_registered(self, ans: engine_pb2.Registered) -> None:
-        first = not self._registered.is_set()
-        if first:
-            self._reg_answer = ans
-            if ans.ok:
-                self.epoch = ans.epoch
-                self.side_channel = ans.side_channel
-            self._registered.set()
+        if self._initial:
+            if not self._registered.is_set():
+                self._reg_answer = ans
+                self._registered.set()
             return
-        # A re-registration after a reconnect.
-        with self._lock:
-            self._lost_since = None
+        # A re-registration after a reconnect: the link is up again once it is accepted.
+        if ans.ok:
+            with self._lock:
+                self._lost_since = None
         counted, self._restart_counted = self._restart_counted, False
         if ans.ok:
             self._already_retries = 0
@@ -360,6 +476,8 @@ class WorkerLogic:
                 retry = threading.Timer(_ALREADY_RETRY_S, self._send, args=(self._registration,))
                 retry.daemon = True
                 retry.start()
+        elif not ans.ok and "already registered" in ans.error:
+            pass  # this connection owns the link already (a registration sent twice)
         elif not ans.ok:
             log.error("kvxfer: the sidecar refused the re-registration: %s", ans.error)
 
@@ -379,10 +497,14 @@ class WorkerLogic:
             return
         with self._lock:
             is_p, is_d = tid in self._p, tid in self._d
+            given_up = r.code == "ERR_UNKNOWN_TRANSFER" and tid in self._giving_up
+            self._giving_up.discard(tid)
+        if given_up:
+            return
         log.warning("kvxfer: sidecar refused %s for transfer %r: %s", r.code, tid, r.message)
         # The refused message never started a transfer on the sidecar: nothing of it can
         # write (D) or read (P) these blocks.
         if is_p:
-            self._end_p(tid)
+            self._end_p(tid, failed=True)
         elif is_d:
             self._fail_d(tid)

@@ -95,3 +95,38 @@ def test_other_vllm_versions_are_refused_at_start_up(model, monkeypatch):
     with pytest.raises(ConfigError) as e:
         KvxferConnector(cfg, KVConnectorRole.SCHEDULER, None)
     assert e.value.code == "ERR_VLLM_VERSION" and "0.29.1" in e.value.message
+
+
+def test_transfer_counters_reach_vllms_prometheus_metrics():
+    """The connector's stats as vLLM's logger process handles them: built from each worker's dict,
+    aggregated, reduced for the log line, and observed into per-engine Prometheus counters."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from kvxfer_vllm.connector import PROM_COUNTERS, KvxferConnector
+
+    a = KvxferConnector.build_kv_connector_stats({"transfers": 2, "bytes": 4096, "seconds": 0.5})
+    b = KvxferConnector.build_kv_connector_stats({"transfers": 1, "failures": 1, "recomputed": 1, "mismatched": 1})
+    s = a.aggregate(b)
+    assert s.reduce()["transfers"] == 3 and s.reduce()["avg_transfer_ms"] == pytest.approx(166.667)
+    assert KvxferConnector.build_kv_connector_stats({}).is_empty() and not s.is_empty()
+    reg = CollectorRegistry()
+    types = {t: functools.partial(t, registry=reg) for t in (Counter, Gauge, Histogram)}
+    from types import SimpleNamespace
+
+    prom = KvxferConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(s.to_dict(), 0)
+    text = generate_latest(reg).decode()
+    for key, value in {"transfers": 3, "bytes": 4096, "mismatched": 1, "recomputed": 1, "expired": 0}.items():
+        assert f'{PROM_COUNTERS[key][0]}_total{{engine="0",model_name="m"}} {float(value)}' in text
+
+
+def test_the_tiny_model_has_a_chat_template(model):
+    """Chat requests to the test engines need no --chat-template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok.apply_chat_template([{"role": "user", "content": "w1 w2"}, {"role": "user", "content": "w3"}])
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert list(ids) == [4, 5, 6]

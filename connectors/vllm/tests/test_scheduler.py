@@ -43,6 +43,7 @@ def test_prefill_finished_holds_blocks_and_answers_what_d_needs():
         "tp_size": 2,
         "transfer_mode": "pull",
         "kvxfer_blocks_per_block": 1,
+        "kvxfer_prompt_digest": "",
     }
     assert s.has_pending_work()
     step = s.build_step()
@@ -163,3 +164,64 @@ def test_the_routers_token_binds_the_transfer_and_reaches_d():
                               block_ids=[1], num_computed_tokens=10) == (False, None)
     with pytest.raises(BadParams, match="kvxfer_token"):
         parse_remote_prefill({"remote_host": "h", "remote_port": 1, "kvxfer_token": 7}, "r")
+
+
+@pytest.mark.parametrize(
+    "finished_ok, blocks, computed",
+    [(False, [1], 40), (True, [], 0), (True, [1], 0)],
+    ids=["aborted", "no-blocks", "nothing-computed"],
+)
+def test_p_gives_up_a_router_named_transfer_that_ends_without_kv(finished_ok, blocks, computed):
+    """Push: D may have registered for a transfer the router named before P finished. When P's
+    request ends without KV, the worker is told to give it up (its sidecar tells D at once)."""
+    s = sched()
+    params = {"do_remote_decode": True, "transfer_id": "router-9"}
+    assert s.request_finished("cmpl-a-0-deadbeef", params, finished_ok=finished_ok, block_ids=blocks,
+                              num_computed_tokens=computed) == (False, None)
+    step = s.build_step()
+    assert [(g.request_id, g.transfer_id) for g in step.give_up] == [("cmpl-a-0-deadbeef", "router-9")]
+    assert not step.prefill_done and not s.has_pending_work()
+    # A transfer P named itself reaches D only in P's answer: nobody to tell.
+    s.request_finished("cmpl-b-0-deadbeef", {"do_remote_decode": True}, finished_ok=False, block_ids=[1],
+                       num_computed_tokens=4)
+    assert not s.build_step()
+
+
+def test_kv_is_bound_to_its_prompt():
+    """P's answer carries the digest of the tokens its blocks hold; D checks its prompt against it
+    before anything is expected (a mismatch is computed locally, counted, named). The token each
+    side hands its sidecar is bound to its own prompt, so P's sidecar also tells prompts apart
+    (push, where D never sees P's answer)."""
+    from kvxfer_vllm.params import bind_token, prompt_digest
+
+    prompt = [5, 9, 2, 7] * 10  # 40 tokens
+    other = [5, 9, 2, 8] * 10
+    p = sched()
+    _, answer = p.request_finished("cmpl-r-0-deadbeef", {"do_remote_decode": True}, finished_ok=True,
+                                   block_ids=[1, 2], num_computed_tokens=41, token_ids=prompt)
+    assert answer["kvxfer_prompt_digest"] == prompt_digest(prompt, 40) != prompt_digest(other, 40)
+    [done] = p.build_step().prefill_done
+    assert done.token == bind_token(answer["kvxfer_token"], answer["kvxfer_prompt_digest"]) != answer["kvxfer_token"]
+    # D with the same prompt: expected, with the same bound token as P's.
+    d = sched()
+    assert d.num_new_matched_tokens("d1", dict(answer), 40, 0, prompt_token_ids=prompt) == (40, True)
+    params = dict(answer)
+    d.num_new_matched_tokens("d1", params, 40, 0, prompt_token_ids=prompt)
+    d.after_alloc("d1", params, [7, 8], 40, 40)
+    [e] = d.build_step().expect
+    assert e.token == done.token
+    # D with another prompt (another request's params, right token): refused by name, computed here.
+    forged = dict(answer)
+    assert d.num_new_matched_tokens("d2", forged, 40, 0, prompt_token_ids=other) == (0, False)
+    d.after_alloc("d2", forged, [3, 4], 0, 40)
+    assert not d.build_step() and d.stats.snapshot() == {"mismatched": 1, "recomputed": 1}
+    # A digest that is not one is bad params (computed locally).
+    assert d.num_new_matched_tokens("d3", {**answer, "kvxfer_prompt_digest": "zz"}, 40, 0, prompt_token_ids=prompt) == (0, False)
+    # Push: D has no answer from P, only the router's params; its token is bound to its prompt.
+    push = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 9, "transfer_id": "t9", "kvxfer_token": "k"}
+    for pid, ids in (("d4", prompt), ("d5", other)):
+        params = dict(push)
+        assert d.num_new_matched_tokens(pid, params, 40, 0, prompt_token_ids=ids) == (40, True)
+        d.after_alloc(pid, params, [1], 40, 40)
+    e4, e5 = d.build_step().expect
+    assert e4.token == bind_token("k", prompt_digest(prompt, 40)) and e5.token != e4.token
