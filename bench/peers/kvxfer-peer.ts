@@ -108,6 +108,33 @@ async function pumped<T>(f: () => Promise<T>): Promise<T> {
   }
 }
 
+/** What a bandwidth loop moves, and how many `size` slots (at most `window`) fit both regions. */
+function bwSetup(
+  size: number,
+  window: number,
+): { a: Agent; r: Region; e: Endpoint; rem: RemoteRegion; slots: number } {
+  const a = need(agent, "agent");
+  const r = need(region, "region");
+  const e = need(ep, "endpoint");
+  const rem = need(remote, "remote region");
+  const slots = Math.max(1, Math.min(window, Math.floor(Math.min(r.length, rem.length) / size)));
+  return { a, r, e, rem, slots };
+}
+
+/** A bandwidth loop's figures: `iters` requests of `size` bytes since `t0` (ns) and `c0`. */
+function bwResult(iters: number, size: number, t0: number, c0: NodeJS.CpuUsage): unknown {
+  const seconds = (now() - t0) / 1e9;
+  const cpu = process.cpuUsage(c0);
+  return {
+    seconds,
+    n: iters,
+    gbps: (iters * size) / seconds / 1e9,
+    msgRate: iters / seconds,
+    // The initiator's CPU (every thread), a figure other load on the machine barely moves.
+    cpuMs: (cpu.user + cpu.system) / 1e3,
+  };
+}
+
 /**
  * Caller-progress bandwidth, as NIXL's harness runs it: one prepared transfer per slot (checked
  * once, Agent.prepare), posted, then progress() in a loop; each transfer found done is posted
@@ -121,11 +148,7 @@ async function bandwidthPolling(
   timeoutMs: number,
   maxMs: number,
 ): Promise<unknown> {
-  const a = need(agent, "agent");
-  const r = need(region, "region");
-  const e = need(ep, "endpoint");
-  const rem = need(remote, "remote region");
-  const slots = Math.max(1, Math.min(window, Math.floor(Math.min(r.length, rem.length) / size)));
+  const { a, r, e, rem, slots } = bwSetup(size, window);
   const xfers = Array.from({ length: slots }, (_, i) =>
     a.prepare(kind, e, r, rem, new Float64Array([i * size, i * size, size])),
   );
@@ -167,15 +190,7 @@ async function bandwidthPolling(
     for (const x of xfers) x.close();
     wakePump();
   }
-  const seconds = (now() - t0) / 1e9;
-  const cpu = process.cpuUsage(c0);
-  return {
-    seconds,
-    n: iters,
-    gbps: (iters * size) / seconds / 1e9,
-    msgRate: iters / seconds,
-    cpuMs: (cpu.user + cpu.system) / 1e3,
-  };
+  return bwResult(iters, size, t0, c0);
 }
 
 /**
@@ -191,11 +206,7 @@ async function bandwidth(
   timeoutMs: number,
   maxMs: number,
 ): Promise<unknown> {
-  const a = need(agent, "agent");
-  const r = need(region, "region");
-  const e = need(ep, "endpoint");
-  const rem = need(remote, "remote region");
-  const slots = Math.max(1, Math.min(window, Math.floor(Math.min(r.length, rem.length) / size)));
+  const { a, r, e, rem, slots } = bwSetup(size, window);
   const lists = Array.from(
     { length: slots },
     (_, i) => new Float64Array([i * size, i * size, size]),
@@ -239,16 +250,7 @@ async function bandwidth(
     };
     for (let i = 0; i < Math.min(window, iters); i++) launch(i);
   });
-  const seconds = (now() - t0) / 1e9;
-  const cpu = process.cpuUsage(c0);
-  return {
-    seconds,
-    n: iters,
-    gbps: (iters * size) / seconds / 1e9,
-    msgRate: iters / seconds,
-    // The initiator's CPU (every thread), a figure other load on the machine barely moves.
-    cpuMs: (cpu.user + cpu.system) / 1e3,
-  };
+  return bwResult(iters, size, t0, c0);
 }
 
 async function handle(req: Request): Promise<unknown> {
