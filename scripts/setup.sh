@@ -17,6 +17,9 @@ command -v make >/dev/null 2>&1 || need+=(make)
 command -v clang-format >/dev/null 2>&1 || need+=(clang-format)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+# bench/gpu/prepare.sh (the device check, staged by npm test) compresses Node with xz and strips
+# libraries with binutils' strip (g++ brings it).
+command -v xz >/dev/null 2>&1 || need+=(xz-utils)
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "kvxfer setup: installing ${need[*]}"
