@@ -145,6 +145,25 @@ def test_peers_are_authenticated_unless_asked_not_to():
     assert "kvxfer-peer" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
 
 
+def test_the_grpc_api_uses_tls_by_default_with_readiness_over_http():
+    """gRPC over mutual TLS with the peers' Secret by default; the kubelet's gRPC probe speaks no
+    TLS, so readiness is then probed on the metrics port's GET /ready (gRPC health's answer)."""
+    for role in ("prefill", "decode"):
+        side = containers(one(render("--set", "peerTls.secretName=kv-peers"), "StatefulSet",
+                              f"kv-kvxfer-pd-{role}"))["kvxfer"]
+        env = env_of(side)
+        assert env["KVXFER_TLS_CERT"] == env["KVXFER_PEER_CERT"] == "/etc/kvxfer/peer/$(KVXFER_ENGINE_ID).crt"
+        assert env["KVXFER_TLS_KEY"] == env["KVXFER_PEER_KEY"] and env["KVXFER_TLS_CA"] == env["KVXFER_PEER_CA"]
+        assert side["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 9400}
+        assert "grpc" not in side["readinessProbe"]
+    # Plain gRPC (asked for, or no certificates at all): the kubelet's gRPC probe.
+    for sets in (("--set", "peerTls.secretName=kv-peers", "--set", "kvxfer.grpcTls=false"),
+                 ("--set", "peerTls.insecure=true")):
+        side = containers(one(render(*sets), "StatefulSet", "kv-kvxfer-pd-prefill"))["kvxfer"]
+        assert "KVXFER_TLS_CERT" not in env_of(side)
+        assert side["readinessProbe"]["grpc"] == {"port": 7700}
+
+
 def expand(value: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion of an env value or argument."""
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)

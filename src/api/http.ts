@@ -39,6 +39,8 @@ export interface HttpServer {
 export interface GetRoute {
   readonly contentType: string;
   body(): string;
+  /** The response's status (default 200). */
+  status?(): number;
 }
 
 /** "host:port" (IPv6 hosts in brackets) → host without brackets and port 0..65535; else undefined. */
@@ -79,7 +81,9 @@ export async function serveGets(
         return;
       }
       try {
-        res.writeHead(200, { "content-type": route.contentType }).end(route.body());
+        res
+          .writeHead(route.status?.() ?? 200, { "content-type": route.contentType })
+          .end(route.body());
       } catch (err) {
         res.writeHead(500, { "content-type": "text/plain" }).end(String(err));
       }

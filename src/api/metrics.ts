@@ -346,15 +346,30 @@ export class SidecarMetrics implements TransferMetrics {
 
 export type MetricsServer = HttpServer;
 
-/** Serves `GET /metrics` in Prometheus text format on `address` ("host:port", default "127.0.0.1:0"). */
+/**
+ * Serves `GET /metrics` in Prometheus text format on `address` ("host:port", default
+ * "127.0.0.1:0"), and with `ready`, `GET /ready`: 200 `SERVING` or 503 `NOT_SERVING`, the gRPC
+ * health's answer in plain HTTP, for probes that cannot speak gRPC over TLS (the kubelet's).
+ */
 export function startMetricsServer(opts: {
   readonly registry: MetricsRegistry;
   readonly address?: string;
+  readonly ready?: () => boolean;
 }): Promise<MetricsServer> {
+  const ready = opts.ready;
   return serveGets("metrics", opts.address ?? "127.0.0.1:0", {
     "/metrics": {
       contentType: "text/plain; version=0.0.4; charset=utf-8",
       body: () => opts.registry.expose(),
     },
+    ...(ready !== undefined
+      ? {
+          "/ready": {
+            contentType: "text/plain",
+            status: () => (ready() ? 200 : 503),
+            body: () => (ready() ? "SERVING\n" : "NOT_SERVING\n"),
+          },
+        }
+      : {}),
   });
 }

@@ -685,7 +685,12 @@ export async function startSidecar(
     api.setServing(engineReady());
     if (s.metrics !== "")
       metricsServer = await listening("metrics", s.metrics, () =>
-        startMetricsServer({ registry: metrics.registry, address: s.metrics }),
+        startMetricsServer({
+          registry: metrics.registry,
+          address: s.metrics,
+          // The same answer as gRPC health's (SERVING while a registered engine is connected).
+          ready: () => api?.serving === true,
+        }),
       );
     if (s.bootstrap !== "")
       bootstrap = await listening("bootstrap", s.bootstrap, () =>
