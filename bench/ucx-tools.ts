@@ -4,21 +4,13 @@
  * figure comes from the same UCX as kvxfer's. Without that install, the program on the PATH.
  */
 import { existsSync } from "node:fs";
-import { dirname, join, resolve } from "node:path";
-import { fileURLToPath } from "node:url";
+import { join, resolve } from "node:path";
 
-function projectRoot(): string {
-  let dir = dirname(fileURLToPath(import.meta.url));
-  for (let i = 0; i < 6; i++) {
-    if (existsSync(join(dir, "package.json")) && existsSync(join(dir, "native"))) return dir;
-    dir = dirname(dir);
-  }
-  return process.cwd();
-}
+import { packageRoot } from "./report.js";
 
 /** The pinned UCX's prefix (.ucx/libucx), or undefined when it is not installed. */
 export function pinnedUcxPrefix(): string | undefined {
-  const prefix = resolve(projectRoot(), ".ucx", "libucx");
+  const prefix = resolve(packageRoot(), ".ucx", "libucx");
   return existsSync(join(prefix, "bin", "ucx_perftest")) ? prefix : undefined;
 }
 

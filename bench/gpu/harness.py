@@ -206,19 +206,26 @@ def _ref_worker(src: torch.Tensor, dst: torch.Tensor, sizes: list[int], dry: boo
         q.put(("error", f"{type(err).__name__}: {err}"))
 
 
-def ipc_reference(src: torch.Tensor, dst: torch.Tensor, sizes: list[int], dry: bool) -> dict[int, float]:
-    if dry:  # file-backed CPU tensors do not travel to another process; the copy is only timed
-        src, dst = src.clone().share_memory_(), torch.empty_like(dst).share_memory_()
+def _spawned(target, args: tuple) -> tuple[str, object]:
+    """Runs target(*args, queue) in a spawned process (CUDA tensors travel to it by IPC) and returns
+    what it put on the queue: ("ok", value) or ("error", text). Bounded: 180 s for the answer,
+    then the process is joined or killed."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_ref_worker, args=(src, dst, sizes, dry, q))
+    proc = ctx.Process(target=target, args=(*args, q))
     proc.start()
     try:
-        status, value = q.get(timeout=180)
+        return q.get(timeout=180)
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def ipc_reference(src: torch.Tensor, dst: torch.Tensor, sizes: list[int], dry: bool) -> dict[int, float]:
+    if dry:  # file-backed CPU tensors do not travel to another process; the copy is only timed
+        src, dst = src.clone().share_memory_(), torch.empty_like(dst).share_memory_()
+    status, value = _spawned(_ref_worker, (src, dst, sizes, dry))
     if status != "ok":
         raise RuntimeError(f"reference process: {value}")
     return value
@@ -402,16 +409,7 @@ def part_b(mem: Any, node: str, carry: Path | None, res: dict[str, Any]) -> None
             row = {"tokens": tokens, "bytes": nbytes, "descriptors": out["descriptors"], "kvxfer_s": statistics.median(out["seconds"]),
                    "bytes_ok": ok, "others_untouched": untouched}
             if not mem.dry:
-                ctx = mp.get_context("spawn")
-                q = ctx.Queue()
-                proc = ctx.Process(target=_native_worker, args=(src, dst, triples, rep, q))
-                proc.start()
-                try:
-                    status, value = q.get(timeout=180)
-                finally:
-                    proc.join(30)
-                    if proc.is_alive():
-                        proc.kill()
+                status, value = _spawned(_native_worker, (src, dst, triples, rep))
                 if status == "ok":
                     row["native_s"] = statistics.median(value["seconds"])
                     row["native_how"] = value["how"]

@@ -54,13 +54,8 @@ Napi::Value UcxInfo(const Napi::CallbackInfo& info) {
   ucp_cleanup(context);
   Napi::Object o = Napi::Object::New(env);
   o.Set("version", Napi::String::New(env, ucp_get_version_string()));
-  Napi::Array tls = Napi::Array::New(env, ci.resources.size());
-  for (uint32_t i = 0; i < ci.resources.size(); ++i) tls.Set(i, ci.resources[i]);
-  o.Set("transports", tls);
-  std::vector<std::string> names = MemoryTypeNames(ci.memory_types);
-  Napi::Array mts = Napi::Array::New(env, names.size());
-  for (uint32_t i = 0; i < names.size(); ++i) mts.Set(i, names[i]);
-  o.Set("memoryTypes", mts);
+  o.Set("transports", StringArray(env, ci.resources));
+  o.Set("memoryTypes", StringArray(env, MemoryTypeNames(ci.memory_types)));
   return o;
 }
 

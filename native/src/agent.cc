@@ -135,16 +135,6 @@ ucs_status_t AgentWrap::RegisterRange(void* addr, size_t length, ucp_mem_h* memh
   return ucp_mem_map(engine_->context(), &params, memh);
 }
 
-namespace {
-
-Napi::Array StringArray(Napi::Env env, const std::vector<std::string>& items) {
-  Napi::Array a = Napi::Array::New(env, items.size());
-  for (uint32_t i = 0; i < items.size(); ++i) a.Set(i, Napi::String::New(env, items[i]));
-  return a;
-}
-
-}  // namespace
-
 Napi::Value AgentWrap::Transports(const Napi::CallbackInfo& info) {
   CheckOpen(info.Env(), "transports");
   return StringArray(info.Env(), engine_->context_info().resources);
@@ -209,11 +199,10 @@ Napi::Value AgentWrap::RegisterAddress(const Napi::CallbackInfo& info) {
         std::string("registerAddress: ucp_mem_map failed for ") + MemKindName(kind) + " memory",
         status);
   }
-  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
-  RegionWrap* region = RegionWrap::Unwrap(obj);
+  Napi::Object obj;
+  RegionWrap* region = NewRegion(env, &obj);
   region->InitAddress(reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(address)),
                       static_cast<size_t>(len_d), memh, kind, device);
-  Adopt(region);
   return obj;
 }
 
@@ -232,10 +221,9 @@ Napi::Value AgentWrap::RegisterMemory(const Napi::CallbackInfo& info) {
   ucp_mem_h memh = nullptr;
   ucs_status_t status = RegisterRange(const_cast<uint8_t*>(data), size, &memh, MemKind::kHost);
   if (status != UCS_OK) throw UcsError(env, "ucp_mem_map failed", status);
-  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
-  RegionWrap* region = RegionWrap::Unwrap(obj);
+  Napi::Object obj;
+  RegionWrap* region = NewRegion(env, &obj);
   region->InitBuffer(env, info[0], const_cast<uint8_t*>(data), size, memh);
-  Adopt(region);
   return obj;
 }
 
@@ -478,10 +466,9 @@ Napi::Value AgentWrap::MapFile(const Napi::CallbackInfo& info) {
     munmap(map, map_len);
     throw UcsError(env, "ucp_mem_map failed for '" + path + "'", status);
   }
-  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
-  RegionWrap* region = RegionWrap::Unwrap(obj);
+  Napi::Object obj;
+  RegionWrap* region = NewRegion(env, &obj);
   region->InitFile(map, map_len, base, length, memh, path);
-  Adopt(region);
   return obj;
 }
 
@@ -537,10 +524,9 @@ Napi::Value AgentWrap::Allocate(const Napi::CallbackInfo& info) {
   }
   // populate: fault every page in now, as mapFile's populate does for a file.
   if (info.Length() >= 2 && info[1].ToBoolean().Value()) PopulateWrite(attr.address, params.length);
-  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
-  RegionWrap* region = RegionWrap::Unwrap(obj);
+  Napi::Object obj;
+  RegionWrap* region = NewRegion(env, &obj);
   region->InitAllocated(static_cast<uint8_t*>(attr.address), params.length, memh, segment);
-  Adopt(region);
   return obj;
 }
 
@@ -628,10 +614,9 @@ Napi::Value AgentWrap::AttachSegment(const Napi::CallbackInfo& info) {
     shmdt(addr);
     throw UcsError(env, "ucp_mem_map failed for " + name, status);
   }
-  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
-  RegionWrap* region = RegionWrap::Unwrap(obj);
+  Napi::Object obj;
+  RegionWrap* region = NewRegion(env, &obj);
   region->InitSegment(addr, length, memh, id);
-  Adopt(region);
   return obj;
 }
 
@@ -877,14 +862,25 @@ AgentWrap::Built AgentWrap::BuildTransfer(Napi::Env env, const std::string& what
   return b;
 }
 
+RegionWrap* AgentWrap::NewRegion(Napi::Env env, Napi::Object* obj) {
+  *obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
+  RegionWrap* region = RegionWrap::Unwrap(*obj);
+  Adopt(region);
+  return region;
+}
+
+AgentWrap::Built AgentWrap::BuildTransfer(const Napi::CallbackInfo& info, const std::string& what) {
+  Napi::Value args[6];
+  const size_t n = std::min<size_t>(info.Length(), 6);
+  for (size_t i = 0; i < n; ++i) args[i] = info[i];
+  return BuildTransfer(info.Env(), what, args, n);
+}
+
 // transfer(kind: 0 write | 1 read, endpoint, localRegion, remoteRegion, descriptors, notification?)
 Napi::Value AgentWrap::Transfer(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   CheckOpen(env, "transfer");
-  Napi::Value args[6];
-  const size_t n = std::min<size_t>(info.Length(), 6);
-  for (size_t i = 0; i < n; ++i) args[i] = info[i];
-  Built b = BuildTransfer(env, "transfer", args, n);
+  Built b = BuildTransfer(info, "transfer");
   Napi::Value promise = Track(env, b.op.get(), b.ep, std::move(b.locals), std::move(b.remotes));
   engine_->Submit(std::move(b.op));
   return promise;
@@ -932,10 +928,7 @@ Napi::Value AgentWrap::TransferMany(const Napi::CallbackInfo& info) {
 Napi::Value AgentWrap::Prepare(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   CheckOpen(env, "prepare");
-  Napi::Value args[6];
-  const size_t n = std::min<size_t>(info.Length(), 6);
-  for (size_t i = 0; i < n; ++i) args[i] = info[i];
-  Built b = BuildTransfer(env, "prepare", args, n);
+  Built b = BuildTransfer(info, "prepare");
   b.op->id = next_op_id_++;
   Napi::Object obj = data_->xfer_ctor.New({Napi::Number::New(env, kCtorToken)});
   XferWrap* x = XferWrap::Unwrap(obj);
@@ -1023,20 +1016,7 @@ Napi::Value AgentWrap::Track(Napi::Env env, TransferOp* op, EndpointWrap* ep,
   op->id = id;
   auto pending = std::make_unique<Pending>(env);
   pending->kind = op->kind;
-  pending->ep = ep;
-  pending->refs.reserve(1 + locals.size() + remotes.size());
-  pending->refs.push_back(Napi::Persistent(ep->Value()));
-  ep->inflight_++;
-  for (RegionWrap* local : locals) {
-    pending->refs.push_back(Napi::Persistent(local->Value()));
-    local->inflight_++;
-  }
-  for (RemoteWrap* remote : remotes) {
-    pending->refs.push_back(Napi::Persistent(remote->Value()));
-    remote->inflight_++;
-  }
-  pending->locals = std::move(locals);
-  pending->remotes = std::move(remotes);
+  pending->held.Hold(ep, std::move(locals), std::move(remotes));
   Napi::Promise promise = pending->deferred.Promise();
   pending_[id] = std::move(pending);
   UpdateRef(env);
@@ -1077,9 +1057,7 @@ void AgentWrap::Settle(Napi::Env env, const Event& ev, uint64_t delivered_us) {
   if (it == pending_.end()) return;
   std::unique_ptr<Pending> p = std::move(it->second);
   pending_.erase(it);
-  if (p->ep) p->ep->OpDone();
-  for (RegionWrap* local : p->locals) local->OpDone();
-  for (RemoteWrap* remote : p->remotes) remote->OpDone();
+  p->held.Release();
   if (ev.status == UCS_OK) {
     p->deferred.Resolve(TraceObject(env, ev.trace, delivered_us));
   } else if (ev.status == UCS_ERR_CANCELED &&

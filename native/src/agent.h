@@ -14,6 +14,7 @@
 #include "cuda.h"
 #include "endpoint.h"
 #include "handle.h"
+#include "held.h"
 #include "memory_type.h"
 #include "progress.h"
 
@@ -55,10 +56,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
     explicit Pending(Napi::Env env) : deferred(Napi::Promise::Deferred::New(env)) {}
     Napi::Promise::Deferred deferred;
     OpKind kind = OpKind::kWrite;
-    EndpointWrap* ep = nullptr;
-    std::vector<RegionWrap*> locals;
-    std::vector<RemoteWrap*> remotes;
-    std::vector<Napi::ObjectReference> refs;  // keep the handle objects alive while in flight
+    HeldHandles held;  // until it settles
   };
 
   Napi::Value Address(const Napi::CallbackInfo& info);
@@ -86,6 +84,10 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
     std::vector<RemoteWrap*> remotes;
   };
   Built BuildTransfer(Napi::Env env, const std::string& what, const Napi::Value* args, size_t n);
+  // A new Region handle, adopted by this agent (its memory set by the caller's Init*).
+  RegionWrap* NewRegion(Napi::Env env, Napi::Object* obj);
+  // The same from a call's own arguments (transfer(), prepare()).
+  Built BuildTransfer(const Napi::CallbackInfo& info, const std::string& what);
   Napi::Value Transfer(const Napi::CallbackInfo& info);
   Napi::Value TransferMany(const Napi::CallbackInfo& info);
   Napi::Value Prepare(const Napi::CallbackInfo& info);

@@ -41,8 +41,8 @@ Napi::Object AgentWrap::CudaRegion(Napi::Env env, const char* what,
   if (status != UCS_OK) {
     throw UcsError(env, std::string(what) + ": ucp_mem_map failed for cuda memory", status);
   }
-  Napi::Object obj = data_->region_ctor.New({Napi::Number::New(env, kCtorToken)});
-  RegionWrap* region = RegionWrap::Unwrap(obj);
+  Napi::Object obj;
+  RegionWrap* region = NewRegion(env, &obj);
   // The progress thread gets the device's context (unless it has one): UCX's cuda_ipc asks it.
   const int device = mem->device();
   engine_->RunAsync([device]() {
@@ -51,7 +51,6 @@ Napi::Object AgentWrap::CudaRegion(Napi::Env env, const char* what,
   });
   region->InitAddress(base, length, memh, MemKind::kCuda, device);
   region->HoldDeviceMemory(std::move(mem));
-  Adopt(region);
   return obj;
 }
 

@@ -130,4 +130,10 @@ bool BytesOf(const Napi::Value& v, const uint8_t** data, size_t* size) {
   return false;
 }
 
+Napi::Array StringArray(Napi::Env env, const std::vector<std::string>& items) {
+  Napi::Array a = Napi::Array::New(env, items.size());
+  for (uint32_t i = 0; i < items.size(); ++i) a.Set(i, Napi::String::New(env, items[i]));
+  return a;
+}
+
 }  // namespace kvxfer

@@ -36,4 +36,7 @@ bool UnwrapRemote(const uint8_t* p, size_t n, RemoteBlob* out);
 // Raw bytes of a Buffer, TypedArray, DataView or ArrayBuffer.
 bool BytesOf(const Napi::Value& v, const uint8_t** data, size_t* size);
 
+// A JavaScript array of these strings.
+Napi::Array StringArray(Napi::Env env, const std::vector<std::string>& items);
+
 }  // namespace kvxfer

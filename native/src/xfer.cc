@@ -31,19 +31,7 @@ void XferWrap::Init(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap*
   op_ = std::move(op);
   op_->prepared = true;
   op_->owner = this;
-  ep_ = ep;
-  locals_ = std::move(locals);
-  remotes_ = std::move(remotes);
-  refs_.push_back(Napi::Persistent(ep_->Value()));
-  ep_->inflight_++;
-  for (RegionWrap* r : locals_) {
-    refs_.push_back(Napi::Persistent(r->Value()));
-    r->inflight_++;
-  }
-  for (RemoteWrap* r : remotes_) {
-    refs_.push_back(Napi::Persistent(r->Value()));
-    r->inflight_++;
-  }
+  held_.Hold(ep, std::move(locals), std::move(remotes));
 }
 
 Napi::Value XferWrap::Post(const Napi::CallbackInfo& info) {
@@ -57,8 +45,8 @@ Napi::Value XferWrap::Post(const Napi::CallbackInfo& info) {
                     "post: the prepared transfer was lost with its endpoint or its agent's close");
   }
   if (posted_) throw MakeError(env, "ERR_BUSY", "post: the prepared transfer is still in flight");
-  if (ep_->core_->failed.load()) {
-    throw UcsError(env, "post: the endpoint has failed", ep_->core_->fail_status);
+  if (held_.ep->core_->failed.load()) {
+    throw UcsError(env, "post: the endpoint has failed", held_.ep->core_->fail_status);
   }
   TransferOp* op = op_.get();
   op->next = 0;
@@ -108,13 +96,7 @@ void XferWrap::Release(bool js) {
   // engine's events; only the references are left to drop.
   posted_ = false;
   op_.reset();
-  if (ep_ != nullptr) ep_->OpDone();
-  for (RegionWrap* r : locals_) r->OpDone();
-  for (RemoteWrap* r : remotes_) r->OpDone();
-  ep_ = nullptr;
-  locals_.clear();
-  remotes_.clear();
-  refs_.clear();
+  held_.Release();
   self_.Reset();
   if (agent_) agent_->Forget(this);
   agent_ = nullptr;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "handle.h"
+#include "held.h"
 #include "progress.h"
 
 namespace kvxfer {
@@ -44,11 +45,8 @@ class XferWrap : public Napi::ObjectWrap<XferWrap>, public Child {
   bool lost_ = false;
   bool ever_posted_ = false;
   ucs_status_t last_ = UCS_OK;
-  EndpointWrap* ep_ = nullptr;
-  std::vector<RegionWrap*> locals_;
-  std::vector<RemoteWrap*> remotes_;
-  std::vector<Napi::ObjectReference> refs_;  // the handle objects
-  Napi::ObjectReference self_;               // held while posted: not collected under UCX
+  HeldHandles held_;            // for as long as it exists
+  Napi::ObjectReference self_;  // held while posted: not collected under UCX
 };
 
 }  // namespace kvxfer

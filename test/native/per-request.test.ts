@@ -22,6 +22,24 @@ function pattern(n: number, seed: number): Uint8Array {
   return b;
 }
 
+/**
+ * Two agents and what most cases move: `a`'s SIZE bytes of pattern `seed` (src) and a buffer to
+ * read back into (back), `b`'s SIZE zero bytes (dst), and a's endpoint to b with dst imported.
+ */
+function rig(name: string, seed: number, aOpts: ConstructorParameters<typeof Agent>[0] = {}) {
+  const a = agent({ name: `${name}-a`, ...aOpts });
+  const b = agent({ name: `${name}-b` });
+  const srcBuf = pattern(SIZE, seed);
+  const dstBuf = new Uint8Array(SIZE);
+  const backBuf = new Uint8Array(SIZE);
+  const src = a.registerMemory(srcBuf);
+  const back = a.registerMemory(backBuf);
+  const dst = b.registerMemory(dstBuf);
+  const ep = a.connect(b.address);
+  const remote = ep.importRemote(dst.remoteKey());
+  return { a, srcBuf, dstBuf, backBuf, src, back, ep, remote };
+}
+
 /** Calls agent.progress() until `done()` holds; fails after `ms`. Every turn is bounded. */
 async function pump(a: Agent, done: () => boolean, ms = 10_000): Promise<number> {
   const end = Date.now() + ms;
@@ -46,16 +64,7 @@ afterEach(() => {
 
 describe("transferMany: many operations, one call", () => {
   it("moves 64 writes and reads of one call byte for byte, each settling on its own", async () => {
-    const a = agent({ name: "many-a" });
-    const b = agent({ name: "many-b" });
-    const srcBuf = pattern(SIZE, 1);
-    const dstBuf = new Uint8Array(SIZE);
-    const backBuf = new Uint8Array(SIZE);
-    const src = a.registerMemory(srcBuf);
-    const back = a.registerMemory(backBuf);
-    const dst = b.registerMemory(dstBuf);
-    const ep = a.connect(b.address);
-    const remote = ep.importRemote(dst.remoteKey());
+    const { a, srcBuf, dstBuf, backBuf, src, back, ep, remote } = rig("many", 1);
     const chunk = SIZE / 64;
     const writes = Array.from({ length: 64 }, (_, i) => ({
       kind: "write" as const,
@@ -125,14 +134,9 @@ describe("transferMany: many operations, one call", () => {
 
 describe("caller progress: the JavaScript thread drives the worker", () => {
   it("settles nothing until progress() is called, then moves the bytes exactly", async () => {
-    const a = agent({ name: "caller-a", progress: "caller" });
-    const b = agent({ name: "caller-b" });
-    const srcBuf = pattern(SIZE, 3);
-    const dstBuf = new Uint8Array(SIZE);
-    const src = a.registerMemory(srcBuf);
-    const dst = b.registerMemory(dstBuf);
-    const ep = a.connect(b.address);
-    const remote = ep.importRemote(dst.remoteKey());
+    const { a, srcBuf, dstBuf, backBuf, src, back, ep, remote } = rig("caller", 3, {
+      progress: "caller",
+    });
     let settled = false;
     const p = a.write(ep, src, remote, new Float64Array([0, 0, SIZE])).then((t) => {
       settled = true;
@@ -146,8 +150,6 @@ describe("caller progress: the JavaScript thread drives the worker", () => {
     expect(trace.flushedUs).toBeGreaterThanOrEqual(trace.postedUs);
     expect(Buffer.compare(dstBuf, srcBuf)).toBe(0);
     // A read back, and many small requests in flight at once.
-    const backBuf = new Uint8Array(SIZE);
-    const back = a.registerMemory(backBuf);
     let done = 0;
     for (let i = 0; i < 256; i++) {
       const off = i * 4096;
@@ -220,16 +222,9 @@ describe("caller progress: the JavaScript thread drives the worker", () => {
 
 describe("prepared transfers: checked once, posted again and again", () => {
   it("a prepared WRITE and READ posted 2000 times each move the bytes exactly, with caller progress", async () => {
-    const a = agent({ name: "prep-a", progress: "caller" });
-    const b = agent({ name: "prep-b" });
-    const srcBuf = pattern(SIZE, 7);
-    const dstBuf = new Uint8Array(SIZE);
-    const backBuf = new Uint8Array(SIZE);
-    const src = a.registerMemory(srcBuf);
-    const back = a.registerMemory(backBuf);
-    const dst = b.registerMemory(dstBuf);
-    const ep = a.connect(b.address);
-    const remote = ep.importRemote(dst.remoteKey());
+    const { a, srcBuf, dstBuf, backBuf, src, back, ep, remote } = rig("prep", 7, {
+      progress: "caller",
+    });
     const chunk = SIZE / 8;
     const writes = Array.from({ length: 8 }, (_, i) =>
       a.prepare("write", ep, src, remote, new Float64Array([i * chunk, i * chunk, chunk])),
