@@ -29,25 +29,25 @@ struct AgentLink {
   AgentWrap* agent = nullptr;
 };
 
-class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
+class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
  public:
   static Napi::Function Define(Napi::Env env);
   explicit AgentWrap(const Napi::CallbackInfo& info);
   ~AgentWrap() override;
 
-  ProgressEngine* engine() { return engine_.get(); }
-  bool open() const { return state_ == HandleState::kOpen; }
-  void Adopt(Child* c) {
+  // Parent: what its child handles ask of it.
+  ProgressEngine* engine() override { return engine_.get(); }
+  bool open() const override { return state_ == HandleState::kOpen; }
+  void Adopt(Child* c) override {
     c->agent_ = this;
     children_.insert(c);
   }
-  void Forget(Child* c) { children_.erase(c); }
-  // A prepared transfer posted (xfer.cc): handed to the engine, counted until it comes back.
-  void PostPrepared(Napi::Env env, std::unique_ptr<TransferOp> op);
-  void Register(EndpointWrap* ep) { endpoints_[ep->core_->id] = ep; }
-  void Unregister(EndpointWrap* ep) {
+  void Forget(Child* c) override { children_.erase(c); }
+  void PostPrepared(Napi::Env env, std::unique_ptr<TransferOp> op) override;
+  void Unregister(EndpointWrap* ep) override {
     if (ep->core_) endpoints_.erase(ep->core_->id);
   }
+  void Register(EndpointWrap* ep) { endpoints_[ep->core_->id] = ep; }
   // Closes everything; delivers outstanding completions when `env` is usable.
   void CloseAll(Napi::Env env, bool deliver);
 
