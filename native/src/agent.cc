@@ -195,7 +195,7 @@ namespace {
 
 // The operation's steps for JavaScript, in microseconds of CLOCK_MONOTONIC (0: not reached).
 Napi::Float64Array TraceObject(Napi::Env env, const OpTrace& t, uint64_t delivered) {
-  // A Float64Array of the eight steps in OpTrace's order (src/native/index.ts names them): one
+  // A Float64Array of the eight steps in OpTrace's order (src/native/trace.ts names them): one
   // allocation, where an object took a property set per step (the largest share of a polling
   // agent's CPU per 4 KiB request, measured with perf).
   Napi::Float64Array a = Napi::Float64Array::New(env, 8);
