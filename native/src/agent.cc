@@ -1,3 +1,7 @@
+// The Agent object itself: its construction and accessors, connect(), progress() and close(), and
+// the operations it tracks from submission until the engine hands them back (Track, Deliver,
+// Settle). Its memory and transfer methods are in agent_memory.cc, agent_transfer.cc and
+// agent_cuda.cc.
 #include "agent.h"
 
 #include <string>

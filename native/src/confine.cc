@@ -1,3 +1,5 @@
+// File confinement (confine.h): a path walked one component at a time from the KV directory,
+// each opened relative to its parent without following links, and checked on what was opened.
 #include "confine.h"
 
 #include <fcntl.h>

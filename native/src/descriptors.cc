@@ -1,3 +1,4 @@
+// Descriptor parsing (descriptors.h): one typed array read once into a checked copy.
 #include "descriptors.h"
 
 #include <cmath>

@@ -1,3 +1,5 @@
+// SysV shared-memory segments (segment.h): found through /proc/self/maps, narrowed to their owner,
+// checked and attached.
 #include "segment.h"
 
 #include <sys/shm.h>
