@@ -3,8 +3,9 @@
 // thread, before anything is handed to the progress thread ("baton" style);
 // results come back as Events and are turned into JavaScript values here.
 //
-// One file per class (agent.cc, region.cc, endpoint.cc, remote_region.cc),
-// their shared helpers in wire.cc and handle.h; this file registers them.
+// One file per class (agent.cc, region.cc, endpoint.cc, remote_region.cc, xfer.cc; the
+// agent's memory and transfer methods in agent_memory.cc and agent_transfer.cc), their shared
+// helpers in wire.cc and handle.h; this file registers them.
 #include <napi.h>
 #include <ucp/api/ucp.h>
 

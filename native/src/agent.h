@@ -29,25 +29,25 @@ struct AgentLink {
   AgentWrap* agent = nullptr;
 };
 
-class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
+class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
  public:
   static Napi::Function Define(Napi::Env env);
   explicit AgentWrap(const Napi::CallbackInfo& info);
   ~AgentWrap() override;
 
-  ProgressEngine* engine() { return engine_.get(); }
-  bool open() const { return state_ == HandleState::kOpen; }
-  void Adopt(Child* c) {
+  // Parent: what its child handles ask of it.
+  ProgressEngine* engine() override { return engine_.get(); }
+  bool open() const override { return state_ == HandleState::kOpen; }
+  void Adopt(Child* c) override {
     c->agent_ = this;
     children_.insert(c);
   }
-  void Forget(Child* c) { children_.erase(c); }
-  // A prepared transfer posted (xfer.cc): handed to the engine, counted until it comes back.
-  void PostPrepared(Napi::Env env, std::unique_ptr<TransferOp> op);
-  void Register(EndpointWrap* ep) { endpoints_[ep->core_->id] = ep; }
-  void Unregister(EndpointWrap* ep) {
+  void Forget(Child* c) override { children_.erase(c); }
+  void PostPrepared(Napi::Env env, std::unique_ptr<TransferOp> op) override;
+  void Unregister(EndpointWrap* ep) override {
     if (ep->core_) endpoints_.erase(ep->core_->id);
   }
+  void Register(EndpointWrap* ep) { endpoints_[ep->core_->id] = ep; }
   // Closes everything; delivers outstanding completions when `env` is usable.
   void CloseAll(Napi::Env env, bool deliver);
 
@@ -59,24 +59,43 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
     HeldHandles held;  // until it settles
   };
 
+  // agent.cc: the object itself (its accessors, connect(), progress(), close()) and the
+  // operations it tracks until they settle.
   Napi::Value Address(const Napi::CallbackInfo& info);
   Napi::Value Name(const Napi::CallbackInfo& info);
   Napi::Value Inflight(const Napi::CallbackInfo& info);
+  Napi::Value Transports(const Napi::CallbackInfo& info);
+  Napi::Value MemoryTypes(const Napi::CallbackInfo& info);
+  Napi::Value Connect(const Napi::CallbackInfo& info);
+  Napi::Value Progress(const Napi::CallbackInfo& info);
+  Napi::Value Close(const Napi::CallbackInfo& info);
+  Napi::Value BeginClose(const Napi::CallbackInfo& info);
+  void CheckOpen(Napi::Env env, const char* what);
+  // Gives `op` its id and a pending promise holding its handles; the caller then submits it.
+  Napi::Value Track(Napi::Env env, TransferOp* op, EndpointWrap* ep,
+                    std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes);
+  // Settles and delivers what the engine has queued; returns the operations settled.
+  size_t Deliver(Napi::Env env);
+  void Settle(Napi::Env env, const Event& ev, uint64_t delivered_us);
+  void UpdateRef(Napi::Env env);
+
+  // agent_memory.cc: host memory registered as regions.
   Napi::Value RegisterMemory(const Napi::CallbackInfo& info);
+  Napi::Value RegisterAddress(const Napi::CallbackInfo& info);
   Napi::Value MapFile(const Napi::CallbackInfo& info);
   Napi::Value Allocate(const Napi::CallbackInfo& info);
   Napi::Value AttachSegment(const Napi::CallbackInfo& info);
-  static int FindSegment(const void* addr);
   ucs_status_t RegisterRange(void* addr, size_t length, ucp_mem_h* memh, MemKind kind);
-  Napi::Value RegisterAddress(const Napi::CallbackInfo& info);
+  // A new Region handle, adopted by this agent (its memory set by the caller's Init*).
+  RegionWrap* NewRegion(Napi::Env env, Napi::Object* obj);
+
   // agent_cuda.cc: CUDA device memory opened from an IPC handle or allocated here.
   Napi::Value OpenCudaIpc(const Napi::CallbackInfo& info);
   Napi::Value AllocateCuda(const Napi::CallbackInfo& info);
   Napi::Object CudaRegion(Napi::Env env, const char* what, std::shared_ptr<cuda::DeviceMemory> mem,
                           uint64_t offset, uint64_t length);
-  Napi::Value Transports(const Napi::CallbackInfo& info);
-  Napi::Value MemoryTypes(const Napi::CallbackInfo& info);
-  Napi::Value Connect(const Napi::CallbackInfo& info);
+
+  // agent_transfer.cc: transfers checked and handed to the engine.
   struct Built {
     std::unique_ptr<TransferOp> op;
     EndpointWrap* ep = nullptr;
@@ -84,15 +103,13 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
     std::vector<RemoteWrap*> remotes;
   };
   Built BuildTransfer(Napi::Env env, const std::string& what, const Napi::Value* args, size_t n);
-  // A new Region handle, adopted by this agent (its memory set by the caller's Init*).
-  RegionWrap* NewRegion(Napi::Env env, Napi::Object* obj);
   // The same from a call's own arguments (transfer(), prepare()).
   Built BuildTransfer(const Napi::CallbackInfo& info, const std::string& what);
   Napi::Value Transfer(const Napi::CallbackInfo& info);
   Napi::Value TransferMany(const Napi::CallbackInfo& info);
   Napi::Value Prepare(const Napi::CallbackInfo& info);
-  Napi::Value Progress(const Napi::CallbackInfo& info);
   Napi::Value WriteParts(const Napi::CallbackInfo& info);
+  Napi::Value Notify(const Napi::CallbackInfo& info);
   // One region pair of a transfer: checks its handles and descriptors, appends them to `op`.
   // `where` leads descriptor errors ("writeParts part 2: "; empty for transfer()).
   void AddSegment(Napi::Env env, const char* what, const std::string& where, EndpointWrap* ep,
@@ -102,18 +119,6 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap> {
   void SetNotification(Napi::Env env, const char* what, const Napi::Value& v, TransferOp* op);
   // An endpoint of this agent, open; otherwise ERR_CLOSED / ERR_WRONG_AGENT naming `what`.
   EndpointWrap* OpenEndpoint(Napi::Env env, const Napi::Value& v, const char* what);
-  Napi::Value Notify(const Napi::CallbackInfo& info);
-  Napi::Value Close(const Napi::CallbackInfo& info);
-  Napi::Value BeginClose(const Napi::CallbackInfo& info);
-
-  void CheckOpen(Napi::Env env, const char* what);
-  // Gives `op` its id and a pending promise holding its handles; the caller then submits it.
-  Napi::Value Track(Napi::Env env, TransferOp* op, EndpointWrap* ep,
-                    std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes);
-  // Settles and delivers what the engine has queued; returns the operations settled.
-  size_t Deliver(Napi::Env env);
-  void Settle(Napi::Env env, const Event& ev, uint64_t delivered_us);
-  void UpdateRef(Napi::Env env);
 
   std::unique_ptr<ProgressEngine> engine_;
   HandleState state_ = HandleState::kOpen;

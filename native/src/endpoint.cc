@@ -2,7 +2,6 @@
 
 #include <string>
 
-#include "agent.h"
 #include "region.h"
 #include "remote_region.h"
 #include "wire.h"

@@ -1,11 +1,13 @@
 // What the handle classes share: their open/closing/closed state, a child
-// handle's link to its agent, the addon's per-environment data, and the token
-// that keeps JavaScript from constructing child handles itself.
+// handle's link to its agent (Parent: what a child may ask of it), the addon's
+// per-environment data, and the token that keeps JavaScript from constructing
+// child handles itself.
 #pragma once
 
 #include <napi.h>
 
 #include <cstdint>
+#include <memory>
 #include <unordered_set>
 #include <vector>
 
@@ -14,6 +16,27 @@ namespace kvxfer {
 enum class HandleState { kOpen, kClosing, kClosed };
 
 class AgentWrap;
+class Child;
+class EndpointWrap;
+class ProgressEngine;
+struct TransferOp;
+
+// What a child handle asks of the agent that owns it. AgentWrap (agent.h) is the one Parent; the
+// handle classes reach it through this, so that none of them depends on the agent's own header.
+class Parent {
+ public:
+  // Null once the agent has shut its engine down.
+  virtual ProgressEngine* engine() = 0;
+  virtual bool open() const = 0;
+  virtual void Adopt(Child* c) = 0;
+  virtual void Forget(Child* c) = 0;
+  virtual void Unregister(EndpointWrap* ep) = 0;
+  // A prepared transfer posted (xfer.cc): handed to the engine, counted until it comes back.
+  virtual void PostPrepared(Napi::Env env, std::unique_ptr<TransferOp> op) = 0;
+
+ protected:
+  ~Parent() = default;
+};
 
 // A handle owned by an agent: closed by its parent when the agent closes.
 class Child {
@@ -22,7 +45,7 @@ class Child {
   // `js`: called where JavaScript handles may be made (not from a finalizer or
   // the environment's cleanup hook).
   virtual void CloseFromParent(bool js) = 0;
-  AgentWrap* agent_ = nullptr;
+  Parent* agent_ = nullptr;
 };
 
 struct AddonData {

@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "agent.h"
+#include "progress.h"
 #include "wire.h"
 
 namespace kvxfer {

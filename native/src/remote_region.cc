@@ -1,6 +1,5 @@
 #include "remote_region.h"
 
-#include "agent.h"
 #include "wire.h"
 
 namespace kvxfer {

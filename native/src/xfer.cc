@@ -2,7 +2,6 @@
 
 #include <utility>
 
-#include "agent.h"
 #include "endpoint.h"
 #include "region.h"
 #include "remote_region.h"
