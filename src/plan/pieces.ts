@@ -1,4 +1,5 @@
-import { type KvLayout, headStride, tokenStride } from "./layout.js";
+import { type KvLayout, type KvRunOrder, headStride } from "./layout.js";
+import { tokenStride } from "./layout.js";
 import type { HeadSource } from "./ranks.js";
 import type { Chunks } from "./request.js";
 
@@ -138,6 +139,49 @@ export function relativePieces(
             const merge = coalesce && (acrossChunks || out.n > start);
             out.add(sStart + h * sHs + t * sTs, dStart + h * dHs + t * dTs, len, merge);
           }
+        }
+      }
+    }
+  }
+  out.chunkStart[chunks.n] = out.n;
+  return out;
+}
+
+/**
+ * The copies of one rank pair for slots whose (block, head) runs are in run order `order`
+ * (`KvRunOrder`; both sides dense HND, one order, checked by the pairing): per chunk, head and
+ * group of dims, one byte range of the chunk's tokens, which stays one range in any block size.
+ * Coalescing joins a group's range with the next when both sides continue (whole runs of
+ * consecutive heads when the blocks match).
+ */
+export function runOrderPieces(
+  src: KvLayout,
+  dst: KvLayout,
+  chunks: Chunks,
+  sources: readonly HeadSource[],
+  coalesce: boolean,
+  order: KvRunOrder,
+): RelativePieces {
+  const sHs = headStride(src);
+  const dHs = headStride(dst);
+  const cell = order.dimGroup * src.dtypeBytes;
+  const groups = src.headDim / order.dimGroup;
+  const sGroup = src.blockSize * cell;
+  const dGroup = dst.blockSize * cell;
+  let heads = 0;
+  for (const s of sources) heads += s.numHeads;
+  const out = new RelativePieces(chunks.n * heads * groups, chunks.n);
+  for (let c = 0; c < chunks.n; c++) {
+    out.chunkStart[c] = out.n;
+    const len = chunks.len[c]! * cell;
+    const sBase = chunks.srcBlock[c]! * src.blockStride + chunks.srcPos[c]! * cell;
+    const dBase = chunks.dstBlock[c]! * dst.blockStride + chunks.dstPos[c]! * cell;
+    for (const s of sources) {
+      for (let h = 0; h < s.numHeads; h++) {
+        const sHead = sBase + (s.srcHeadOffset + h) * sHs;
+        const dHead = dBase + (s.dstHeadOffset + h) * dHs;
+        for (let g = 0; g < groups; g++) {
+          out.add(sHead + g * sGroup, dHead + g * dGroup, len, coalesce);
         }
       }
     }

@@ -1,9 +1,17 @@
 import { assertCompatible } from "./compat.js";
 import { DescriptorList, type RegionPairDescriptors } from "./descriptor-list.js";
-import { type KvLayout, kvBlockFootprint, kvPerLayer, kvRowBytes } from "./layout.js";
-import { relativePieces } from "./pieces.js";
+import {
+  type KvLayout,
+  type KvRunOrder,
+  kvBlockFootprint,
+  kvPerLayer,
+  kvRowBytes,
+  runOrderOf,
+} from "./layout.js";
+import { relativePieces, runOrderPieces } from "./pieces.js";
 import { type DstRankSources, type HeadSource, mapRanks } from "./ranks.js";
 import {
+  type Chunks,
   type PlanOptions,
   type PlanRequest,
   buildChunks,
@@ -110,6 +118,41 @@ export interface LayoutPairing {
   /** Per planned slot (one entry each): its offset within its block on each side. */
   readonly srcOff: Float64Array;
   readonly dstOff: Float64Array;
+  /**
+   * Tokens that move only together, counted from a block's start: 1 for rows, a whole block for
+   * opaque blocks without run orders, else the least common multiple of the run orders' tiles.
+   */
+  readonly tokenUnit: number;
+  /**
+   * Per kv (K, V; one for MLA), the run order both sides share, when some run is not plain rows:
+   * slots are then planned kv by kv (`runOrderPieces`), not with one set of pieces for all.
+   */
+  readonly runOrders: readonly KvRunOrder[] | undefined;
+}
+
+function gcd(a: number, b: number): number {
+  while (b !== 0) [a, b] = [b, a % b];
+  return a;
+}
+
+/** `tokenUnit` and `runOrders` of a compatible pair (see `LayoutPairing`). */
+function pairRunOrders(
+  src: KvLayout,
+  dst: KvLayout,
+): { tokenUnit: number; runOrders: readonly KvRunOrder[] | undefined } {
+  const orders: KvRunOrder[] = [];
+  for (let kv = 0; kv < kvPerLayer(src); kv++) {
+    const o = runOrderOf(src, kv);
+    // Opaque on either side with no run order: whole blocks, one block size (compat checked).
+    if (o === undefined || runOrderOf(dst, kv) === undefined) {
+      return { tokenUnit: src.blockSize, runOrders: undefined };
+    }
+    orders.push(o);
+  }
+  let tokenUnit = 1;
+  for (const o of orders) tokenUnit = (tokenUnit / gcd(tokenUnit, o.tokenTile)) * o.tokenTile;
+  const rows = orders.every((o) => o.dimGroup === src.headDim);
+  return { tokenUnit, runOrders: rows ? undefined : orders };
 }
 
 /**
@@ -118,11 +161,13 @@ export interface LayoutPairing {
  */
 export function pairLayouts(src: KvLayout, dst: KvLayout): LayoutPairing {
   assertCompatible(src, dst);
+  const { tokenUnit, runOrders } = pairRunOrders(src, dst);
   // Planned slots: every (layer, K|V) slot, or with fused K|V rows on both sides one slot per
   // layer (the K slot, rows `2 * row` wide covering K's row and V's).
-  const wide = kvRowsAdjacent(src) && kvRowsAdjacent(dst);
+  const grouped = runOrders !== undefined;
+  const wide = !grouped && kvRowsAdjacent(src) && kvRowsAdjacent(dst);
   const slotStep = wide ? 2 : 1;
-  const interleaved = !wide && slotsInterleaved(src) && slotsInterleaved(dst);
+  const interleaved = !wide && !grouped && slotsInterleaved(src) && slotsInterleaved(dst);
   const nSlots = (src.numLayers * kvPerLayer(src)) / slotStep;
 
   // Region pairs are fixed by slot, the same for every rank pair.
@@ -155,12 +200,14 @@ export function pairLayouts(src: KvLayout, dst: KvLayout): LayoutPairing {
     ranks: mapRanks(src, dst),
     row: kvRowBytes(src) * slotStep,
     interleaved,
-    kvPaired: !wide && !interleaved && kvRowsInterleaved(src) && kvRowsInterleaved(dst),
+    kvPaired: !wide && !interleaved && !grouped && kvRowsInterleaved(src) && kvRowsInterleaved(dst),
     slotPair,
     pairKeys,
     slotsPerPair,
     srcOff,
     dstOff,
+    tokenUnit,
+    runOrders,
   };
 }
 
@@ -190,11 +237,11 @@ export function planPaired(
     pairing;
   const nSlots = srcOff.length;
   const dstRegions = dst.regionBytes.length;
-  const prefix = checkRequest(src, dst, request);
+  const prefix = checkRequest(src, dst, request, pairing.tokenUnit);
   checkRanks("srcRanks", options.srcRanks, src.tpSize);
   checkRanks("dstRanks", options.dstRanks, dst.tpSize);
   const coalesce = options.coalesce ?? true;
-  const chunks = buildChunks(src, dst, request, prefix);
+  const chunks = buildChunks(src, dst, request, prefix, pairing.tokenUnit);
   const wantSrc = options.srcRanks ? new Set(options.srcRanks) : undefined;
   const wantDst = options.dstRanks ? new Set(options.dstRanks) : undefined;
 
@@ -213,6 +260,14 @@ export function planPaired(
     }
     for (const srcRank of [...bySrc.keys()].sort((x, y) => x - y)) {
       const sources = bySrc.get(srcRank)!;
+      if (pairing.runOrders !== undefined) {
+        const pair = planRunOrders(pairing, chunks, sources, coalesce, srcRank, dstRank);
+        pairs.push(pair);
+        bytes += pair.bytes;
+        descriptorCount += pair.descriptorCount;
+        rawDescriptorCount += pair.rawDescriptorCount;
+        continue;
+      }
       const pieces = relativePieces(src, dst, chunks, sources, coalesce, !interleaved, row);
       // Slot by slot, pieces.n per slot bounds a list exactly; interleaved layouts mostly merge
       // whole blocks across slots, so their lists start small and grow.
@@ -276,6 +331,48 @@ export function planPaired(
     bytes,
     descriptorCount,
     rawDescriptorCount,
+  };
+}
+
+/** One rank pair's plan when slots have run orders: each kv's pieces, placed slot by slot. */
+function planRunOrders(
+  pairing: LayoutPairing,
+  chunks: Chunks,
+  sources: readonly HeadSource[],
+  coalesce: boolean,
+  srcRank: number,
+  dstRank: number,
+): RankPairPlan {
+  const { src, dst, slotPair, pairKeys, slotsPerPair, srcOff, dstOff } = pairing;
+  const orders = pairing.runOrders!;
+  const dstRegions = dst.regionBytes.length;
+  const pieces = orders.map((o) => runOrderPieces(src, dst, chunks, sources, coalesce, o));
+  const most = Math.max(...pieces.map((p) => p.n));
+  const lists = pairKeys.map(
+    (key, i) =>
+      new DescriptorList(
+        Math.floor(key / dstRegions),
+        key % dstRegions,
+        most * slotsPerPair[i]!,
+        coalesce,
+      ),
+  );
+  let bytes = 0;
+  let raw = 0;
+  for (let s = 0; s < srcOff.length; s++) {
+    const p = pieces[s % orders.length]!;
+    lists[slotPair[s]!]!.append(srcOff[s]!, dstOff[s]!, p.src, p.dst, p.len, 0, p.n);
+    bytes += p.bytes;
+    raw += p.raw;
+  }
+  const regionPairs = lists.filter((l) => l.count > 0).map((l) => l.finish());
+  return {
+    srcRank,
+    dstRank,
+    bytes,
+    descriptorCount: regionPairs.reduce((sum, r) => sum + r.count, 0),
+    rawDescriptorCount: raw,
+    regionPairs,
   };
 }
 

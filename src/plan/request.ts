@@ -53,12 +53,17 @@ function readBlockId(ids: ArrayLike<number>, i: number, layout: KvLayout, field:
   return id;
 }
 
-export function buildChunks(src: KvLayout, dst: KvLayout, req: PlanRequest, first: number): Chunks {
-  // Opaque blocks move whole: the last block's tail past the last token goes with it.
+export function buildChunks(
+  src: KvLayout,
+  dst: KvLayout,
+  req: PlanRequest,
+  first: number,
+  unit: number,
+): Chunks {
+  // Tokens move in units (whole opaque blocks, whole tiles): the last unit's tail past the last
+  // token goes with it. A unit divides both block sizes, so the tail stays in the last blocks.
   const last =
-    src.opaqueBlocks === true && first < req.numTokens
-      ? Math.ceil(req.numTokens / src.blockSize) * src.blockSize
-      : req.numTokens;
+    unit > 1 && first < req.numTokens ? Math.ceil(req.numTokens / unit) * unit : req.numTokens;
   const bp = src.blockSize;
   const bd = dst.blockSize;
   // A chunk ends at a P or D block boundary or the last token, so there are at most this many.
@@ -109,7 +114,11 @@ export function buildChunks(src: KvLayout, dst: KvLayout, req: PlanRequest, firs
   return { ...c, n };
 }
 
-export function checkRequest(src: KvLayout, dst: KvLayout, req: PlanRequest): number {
+/**
+ * The prefix a request keeps on D, after checking the request; `unit`: tokens that move only
+ * together from a block's start (`LayoutPairing.tokenUnit`), which the prefix must respect.
+ */
+export function checkRequest(src: KvLayout, dst: KvLayout, req: PlanRequest, unit: number): number {
   const n = req.numTokens;
   if (!Number.isSafeInteger(n) || n < 0) {
     throw requestError("numTokens", `numTokens must be an integer >= 0, got ${String(n)}`);
@@ -118,10 +127,12 @@ export function checkRequest(src: KvLayout, dst: KvLayout, req: PlanRequest): nu
   if (!Number.isSafeInteger(k) || k < 0 || k > n) {
     throw requestError("prefixTokens", `prefixTokens ${String(k)} is not within 0..${n}`);
   }
-  if (src.opaqueBlocks === true && k % src.blockSize !== 0 && k !== n) {
+  if (k % unit !== 0 && k !== n) {
     throw requestError(
       "prefixTokens",
-      `prefixTokens ${k} is not a multiple of the block size ${src.blockSize}: opaque blocks move whole`,
+      unit === src.blockSize
+        ? `prefixTokens ${k} is not a multiple of the block size ${src.blockSize}: opaque blocks move whole`
+        : `prefixTokens ${k} is not a multiple of ${unit} tokens: the run order moves whole tiles of ${unit}`,
     );
   }
   for (const [field, ids, layout] of [
