@@ -128,6 +128,12 @@ export interface LayoutPairing {
    * slots are then planned kv by kv (`runOrderPieces`), not with one set of pieces for all.
    */
   readonly runOrders: readonly KvRunOrder[] | undefined;
+  /**
+   * With run orders and one block size on both sides: a request whose prefix is whole blocks moves
+   * whole (block, head) runs, planned as rows (a block of a layer in one copy, as for opaque
+   * blocks; the last block's tail goes along) instead of cut by run order.
+   */
+  readonly wholeBlocks: boolean;
 }
 
 function gcd(a: number, b: number): number {
@@ -162,12 +168,15 @@ function pairRunOrders(
 export function pairLayouts(src: KvLayout, dst: KvLayout): LayoutPairing {
   assertCompatible(src, dst);
   const { tokenUnit, runOrders } = pairRunOrders(src, dst);
+  const wholeBlocks = runOrders !== undefined && src.blockSize === dst.blockSize;
+  // Whether some plan of this pair may be planned as rows (else always by run order).
+  const rows = runOrders === undefined || wholeBlocks;
   // Planned slots: every (layer, K|V) slot, or with fused K|V rows on both sides one slot per
-  // layer (the K slot, rows `2 * row` wide covering K's row and V's).
-  const grouped = runOrders !== undefined;
-  const wide = !grouped && kvRowsAdjacent(src) && kvRowsAdjacent(dst);
+  // layer (the K slot, rows `2 * row` wide covering K's row and V's). Plans by run order take
+  // every slot, so run orders never fuse.
+  const wide = runOrders === undefined && kvRowsAdjacent(src) && kvRowsAdjacent(dst);
   const slotStep = wide ? 2 : 1;
-  const interleaved = !wide && !grouped && slotsInterleaved(src) && slotsInterleaved(dst);
+  const interleaved = !wide && rows && slotsInterleaved(src) && slotsInterleaved(dst);
   const nSlots = (src.numLayers * kvPerLayer(src)) / slotStep;
 
   // Region pairs are fixed by slot, the same for every rank pair.
@@ -200,7 +209,7 @@ export function pairLayouts(src: KvLayout, dst: KvLayout): LayoutPairing {
     ranks: mapRanks(src, dst),
     row: kvRowBytes(src) * slotStep,
     interleaved,
-    kvPaired: !wide && !interleaved && !grouped && kvRowsInterleaved(src) && kvRowsInterleaved(dst),
+    kvPaired: !wide && !interleaved && rows && kvRowsInterleaved(src) && kvRowsInterleaved(dst),
     slotPair,
     pairKeys,
     slotsPerPair,
@@ -208,6 +217,7 @@ export function pairLayouts(src: KvLayout, dst: KvLayout): LayoutPairing {
     dstOff,
     tokenUnit,
     runOrders,
+    wholeBlocks,
   };
 }
 
@@ -241,7 +251,9 @@ export function planPaired(
   checkRanks("srcRanks", options.srcRanks, src.tpSize);
   checkRanks("dstRanks", options.dstRanks, dst.tpSize);
   const coalesce = options.coalesce ?? true;
-  const chunks = buildChunks(src, dst, request, prefix, pairing.tokenUnit);
+  const whole = pairing.wholeBlocks && prefix % src.blockSize === 0;
+  const byRunOrder = pairing.runOrders !== undefined && !whole;
+  const chunks = buildChunks(src, dst, request, prefix, whole ? src.blockSize : pairing.tokenUnit);
   const wantSrc = options.srcRanks ? new Set(options.srcRanks) : undefined;
   const wantDst = options.dstRanks ? new Set(options.dstRanks) : undefined;
 
@@ -260,7 +272,7 @@ export function planPaired(
     }
     for (const srcRank of [...bySrc.keys()].sort((x, y) => x - y)) {
       const sources = bySrc.get(srcRank)!;
-      if (pairing.runOrders !== undefined) {
+      if (byRunOrder) {
         const pair = planRunOrders(pairing, chunks, sources, coalesce, srcRank, dstRank);
         pairs.push(pair);
         bytes += pair.bytes;

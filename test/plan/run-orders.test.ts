@@ -88,8 +88,21 @@ describe("run orders: vLLM CPU blocks (K column-major) between block sizes", () 
     moveAndCheck(cpu(16, 20), cpu(32, 10), 77, 16);
     moveAndCheck(cpu(32, 10), cpu(16, 20), 77, 5);
     const same = moveAndCheck(cpu(32, 8), cpu(32, 8), 64, 0, 4);
-    // Same block size: a (block, head) run's K columns join into one range, then K and V join.
-    expect(same.descriptorCount).toBeLessThan(same.rawDescriptorCount / 8);
+    // One block size: whole blocks, K and V of all heads of a layer's block in one copy.
+    expect(same.descriptorCount).toBe(2 * 2);
+  });
+
+  it("one block size: whole blocks as before when the prefix allows, by run order when not", () => {
+    const { runOrders: _, ...opaque } = cpu(32, 8);
+    const ids = { srcBlockIds: [3, 1, 6], dstBlockIds: [0, 5, 2] };
+    const req = { numTokens: 70, prefixTokens: 32, ...ids };
+    const before = planTransfer(opaque, opaque, req);
+    const now = planTransfer(cpu(32, 8), cpu(32, 8), req);
+    expect(now.pairs).toEqual(before.pairs);
+    expect(now.bytes).toBe(2 * 32 * 2 * 2 * 2 * row);
+    // A prefix inside a block (no vLLM prefix cache makes one) moves exactly the tokens after it.
+    const p = moveAndCheck(cpu(32, 8), cpu(32, 8), 70, 5);
+    expect(p.bytes).toBe(65 * 2 * 2 * 2 * row);
   });
 
   it("TP 2 -> 1 and 1 -> 2 with a head split", () => {
@@ -172,7 +185,12 @@ describe("run orders: vLLM CPU blocks (K column-major) between block sizes", () 
           const dst = make(tpD, bd!, r.scattered[1], r.seed + 7);
           const unit = Math.max(...orders.map((o) => o.tokenTile));
           const prefix = Math.min(r.n, unit * Math.floor((r.prefixFrac * r.n) / unit));
-          const end = prefix < r.n ? Math.ceil(r.n / unit) * unit : r.n;
+          // What moves past the last token: the last tile, or with one block size and a prefix of
+          // whole blocks, the last block.
+          const whole =
+            bp === bd && prefix % bp! === 0 && orders.some((o) => o.dimGroup < r.headDim);
+          const last = whole ? bp! : unit;
+          const end = prefix < r.n ? Math.ceil(r.n / last) * last : r.n;
           moveAndCheck(src, dst, r.n, prefix, r.seed, end);
         },
       ),
