@@ -5,6 +5,7 @@ export {
   type KvBlockOrder,
   type KvLayout,
   type KvLayoutShape,
+  type KvRunOrder,
   type KvRegionScheme,
   type KvSlotAddress,
   KV_REGION_SCHEMES,
@@ -17,6 +18,7 @@ export {
   kvLayout,
   kvPerLayer,
   kvRowBytes,
+  runOrderOf,
   tokenStride,
   validateKvLayout,
 } from "./layout.js";

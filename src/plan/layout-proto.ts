@@ -3,6 +3,7 @@ import {
   KvBlockOrder as KvBlockOrderPb,
   type KvLayout as KvLayoutPb,
   KvLayoutSchema,
+  KvRunOrderSchema,
   KvSlotAddressSchema,
 } from "../gen/kvxfer/v1/layout_pb.js";
 import { PlanError } from "./errors.js";
@@ -31,6 +32,9 @@ export function kvLayoutToProto(layout: KvLayout): KvLayoutPb {
     headStride: BigInt(layout.headStride ?? 0),
     tokenStride: BigInt(layout.tokenStride ?? 0),
     opaqueBlocks: layout.opaqueBlocks === true,
+    runOrders: (layout.runOrders ?? []).map((o) =>
+      create(KvRunOrderSchema, { dimGroup: o.dimGroup, tokenTile: o.tokenTile }),
+    ),
   });
 }
 
@@ -69,6 +73,10 @@ export function kvLayoutFromProto(msg: KvLayoutPb): KvLayout {
     ...(msg.headStride !== 0n ? { headStride: toNumber(msg.headStride, "headStride") } : {}),
     ...(msg.tokenStride !== 0n ? { tokenStride: toNumber(msg.tokenStride, "tokenStride") } : {}),
     ...(msg.opaqueBlocks ? { opaqueBlocks: true } : {}),
+    // None on the wire is plain rows; the field is left out then.
+    ...(msg.runOrders.length > 0
+      ? { runOrders: msg.runOrders.map((o) => ({ dimGroup: o.dimGroup, tokenTile: o.tokenTile })) }
+      : {}),
   };
   validateKvLayout(layout);
   return layout;

@@ -67,12 +67,40 @@ export interface KvLayout {
    * with dense rows inside a head. Absent: false.
    */
   readonly opaqueBlocks?: boolean;
+  /**
+   * How each (block, head) run of a K and of a V slot orders its `blockSize x headDim` elements,
+   * one entry per kv (K, then V; one for MLA); absent: plain rows. With it, runs that are not
+   * plain rows can still be cut by token, so P and D may use different block sizes (see
+   * `KvRunOrder`); it supersedes `opaqueBlocks`, which an engine keeps setting for peers that
+   * predate this field. Needs HND with dense rows inside a head.
+   */
+  readonly runOrders?: readonly KvRunOrder[];
+}
+
+/**
+ * The order of one (block, head) run of `blockSize` tokens x `headDim` elements: the head's dims in
+ * groups of `dimGroup` elements, groups outermost (`[headDim / dimGroup][blockSize][dimGroup]`),
+ * and tokens in tiles of `tokenTile` whose `tokenTile * dimGroup` elements are in an order private
+ * to the engine. Plain rows are `{ dimGroup: headDim, tokenTile: 1 }`; vLLM's CPU attention (ISA
+ * `vec`) keeps K column-major, `{ dimGroup: 1, tokenTile: 1 }`. Tokens `[a, a + n)` of a head,
+ * `a` and `n` whole tiles, are then `headDim / dimGroup` byte ranges of `n * dimGroup` elements,
+ * `blockSize * dimGroup` elements apart: the ranges move between any two block sizes.
+ */
+export interface KvRunOrder {
+  readonly dimGroup: number;
+  readonly tokenTile: number;
 }
 
 /** The shape of a layout without its addressing, as `kvLayout` takes it. */
 export type KvLayoutShape = Omit<
   KvLayout,
-  "blockStride" | "slots" | "regionBytes" | "headStride" | "tokenStride" | "opaqueBlocks"
+  | "blockStride"
+  | "slots"
+  | "regionBytes"
+  | "headStride"
+  | "tokenStride"
+  | "opaqueBlocks"
+  | "runOrders"
 >;
 
 /**
@@ -132,6 +160,20 @@ export function firstKvHeadOfRank(
     return Math.floor(rank / (layout.tpSize / layout.totalKvHeads));
   }
   return rank * kvHeadsPerRank(layout);
+}
+
+/**
+ * The run order of K (`kv` 0) or V (1) slots: the layout's own, plain rows when it has none, or
+ * `undefined` when its blocks are opaque with no run order (whole blocks only).
+ */
+export function runOrderOf(
+  layout: Pick<KvLayout, "headDim" | "opaqueBlocks" | "runOrders">,
+  kv: number,
+): KvRunOrder | undefined {
+  const own = layout.runOrders?.[kv];
+  if (own) return own;
+  if (layout.opaqueBlocks === true) return undefined;
+  return { dimGroup: layout.headDim, tokenTile: 1 };
 }
 
 /** Bytes of one block of one slot on one rank. */
@@ -375,6 +417,7 @@ export function validateKvLayout(layout: KvLayout): void {
       `opaque blocks need HND order with a head's rows dense (tokenStride ${row}), got ${layout.order} with tokenStride ${ts}`,
     );
   }
+  checkRunOrders(layout, ts, row);
   if (layout.numBlocks > 1 && layout.blockStride < footprint) {
     throw invalid(
       "blockStride",
@@ -424,6 +467,41 @@ export function validateKvLayout(layout: KvLayout): void {
     row,
   ]);
   checkSlotsDisjoint(layout, lattice, span);
+}
+
+/** Run orders: one per kv, each a divisor of the head and of the block, over dense HND rows. */
+function checkRunOrders(layout: KvLayout, ts: number, row: number): void {
+  const orders = layout.runOrders;
+  if (orders === undefined) return;
+  const nKv = kvPerLayer(layout);
+  if (!Array.isArray(orders) || orders.length !== nKv) {
+    throw invalid(
+      "runOrders",
+      `runOrders must have ${nKv} entries (one per kv), got ${String(orders?.length)}`,
+    );
+  }
+  orders.forEach((o, kv) => {
+    const g = o?.dimGroup;
+    const t = o?.tokenTile;
+    if (!Number.isSafeInteger(g) || g < 1 || layout.headDim % g !== 0) {
+      throw invalid(
+        "runOrders",
+        `runOrders[${kv}].dimGroup ${String(g)} does not divide headDim ${layout.headDim}`,
+      );
+    }
+    if (!Number.isSafeInteger(t) || t < 1 || layout.blockSize % t !== 0) {
+      throw invalid(
+        "runOrders",
+        `runOrders[${kv}].tokenTile ${String(t)} does not divide blockSize ${layout.blockSize}`,
+      );
+    }
+  });
+  if (layout.order !== "HND" || ts !== row) {
+    throw invalid(
+      "runOrders",
+      `run orders need HND order with a head's rows dense (tokenStride ${row}), got ${layout.order} with tokenStride ${ts}`,
+    );
+  }
 }
 
 /**

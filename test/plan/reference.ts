@@ -20,7 +20,10 @@ export function headsOf(layout: KvLayout, rank: number): number[] {
   return [Math.floor((rank * H) / tp)];
 }
 
-/** Byte address of (layer, kv, token, local head index, byte in row) in a rank's region. */
+/**
+ * Byte address of (layer, kv, token, local head index, byte in row) in a rank's region; with run
+ * orders (`KvRunOrder`) a row's bytes are not one range, so ask byte by byte.
+ */
 export function addressOf(
   layout: KvLayout,
   blockIds: ArrayLike<number>,
@@ -41,11 +44,56 @@ export function addressOf(
   const hnd = layout.order === "HND";
   const headStride = layout.headStride || (hnd ? layout.blockSize * rowBytes : rowBytes);
   const tokenStride = layout.tokenStride || (hnd ? rowBytes : headsHere * rowBytes);
+  const run = layout.runOrders?.[kv];
+  if (run) {
+    // A (block, head) run is [dim group][token][dim in group], tokens in tiles whose private
+    // order is, here, the tile's elements reversed.
+    const e = layout.dtypeBytes;
+    const d = Math.floor(byte / e);
+    const g = run.dimGroup;
+    const u = run.tokenTile;
+    const inTile = (pos % u) * g + (d % g);
+    const element =
+      Math.floor(d / g) * layout.blockSize * g +
+      Math.floor(pos / u) * u * g +
+      (u > 1 ? u * g - 1 - inTile : inTile);
+    return {
+      region: slot.region,
+      offset:
+        slot.offset +
+        block * layout.blockStride +
+        localHead * headStride +
+        element * e +
+        (byte % e),
+    };
+  }
   return {
     region: slot.region,
     offset:
       slot.offset + block * layout.blockStride + localHead * headStride + pos * tokenStride + byte,
   };
+}
+
+/** Writes one row's bytes (`byteOf(b)`) where a layout keeps them: per byte when runs reorder. */
+function writeRow(
+  mem: RankMemory,
+  layout: KvLayout,
+  blockIds: ArrayLike<number>,
+  coords: [layer: number, kv: number, token: number, localHead: number],
+  headsHere: number,
+  byteOf: (b: number) => number,
+) {
+  const [l, kv, t, lh] = coords;
+  const rowBytes = layout.headDim * layout.dtypeBytes;
+  if (layout.runOrders?.[kv]) {
+    for (let b = 0; b < rowBytes; b++) {
+      const a = addressOf(layout, blockIds, l, kv, t, lh, b, headsHere);
+      mem[a.region]![a.offset] = byteOf(b);
+    }
+    return;
+  }
+  const a = addressOf(layout, blockIds, l, kv, t, lh, 0, headsHere);
+  for (let b = 0; b < rowBytes; b++) mem[a.region]![a.offset + b] = byteOf(b);
 }
 
 /** The byte the logical tensor holds at these coordinates (a 32-bit mix, low byte). */
@@ -97,10 +145,8 @@ export function prefillMemories(
   for (let q = 0; q < src.tpSize; q++) {
     const mem = noise(src, seed + q);
     const nHeads = headsOf(src, q).length;
-    const rowBytes = src.headDim * src.dtypeBytes;
     forEachRow(src, q, 0, numTokens, (l, kv, t, lh, g) => {
-      const a = addressOf(src, srcBlockIds, l, kv, t, lh, 0, nHeads);
-      for (let b = 0; b < rowBytes; b++) mem[a.region]![a.offset + b] = kvByte(l, kv, t, g, b);
+      writeRow(mem, src, srcBlockIds, [l, kv, t, lh], nHeads, (b) => kvByte(l, kv, t, g, b));
     });
     mems.push(mem);
   }
@@ -125,8 +171,7 @@ export function decodeMemories(
     let n = 0;
     const rowBytes = dst.headDim * dst.dtypeBytes;
     forEachRow(dst, r, prefixTokens, numTokens, (l, kv, t, lh, g) => {
-      const a = addressOf(dst, dstBlockIds, l, kv, t, lh, 0, nHeads);
-      for (let b = 0; b < rowBytes; b++) exp[a.region]![a.offset + b] = kvByte(l, kv, t, g, b);
+      writeRow(exp, dst, dstBlockIds, [l, kv, t, lh], nHeads, (b) => kvByte(l, kv, t, g, b));
       n += rowBytes;
     });
     before.push(mem);

@@ -262,6 +262,7 @@ class KvxferConnector(KVConnectorBase_V1):
             tp_rank=0,
             block_size=self._vllm_config.cache_config.block_size,
             region_bytes=[f.nbytes for f in self._files.files],
+            cpu_isa=self._cpu_isa(list(kv_caches)),
         )
         log.info(
             "kvxfer: KV cache of %d layers, %s, block %d, head/token stride %d/%d, %d region(s) in %s",
@@ -302,6 +303,12 @@ class KvxferConnector(KVConnectorBase_V1):
         if len(names) != 1:
             raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"layers use several attention backends {sorted(names)}")
         return names.pop()
+
+    def _cpu_isa(self, layer_names: list[str]) -> str | None:
+        """The CPU attention's ISA, which its metadata builder sets on every layer; None if unset or mixed."""
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        isas = {getattr(ctx.get(n), "isa", None) for n in layer_names}
+        return isas.pop() if len(isas) == 1 else None
 
     def _gather(self, mine: list[RegionEntry]) -> list[list[RegionEntry]]:
         """Every rank's region files, in rank order (rank 0 registers them all)."""

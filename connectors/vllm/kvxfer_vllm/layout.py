@@ -15,11 +15,23 @@ packing           backend (examples)                          where K and V live
 ``latent``        MLA backends                                one latent per (block, token)
 ================  ==========================================  ====================
 
-``kv_in_tokens`` blocks are *opaque*: the CPU kernels keep K column-major
-(``[dim][token]``) inside a (block, head) and V row-major, so a token's K is not
-one row. The layout says so (``opaque_blocks``): whole (block, head) runs move,
-P and D need one block size, and a prefix must be block-aligned (vLLM's prefix
-cache only hits whole blocks anyway).
+``kv_in_tokens`` blocks are not plain rows: the CPU kernels reorder a (block,
+head) run by ISA (``cpu_attn_reshape_and_cache``, probed against this table in
+``tests/test_layout.py``):
+
+==========  ===================================  =================================
+ISA         K of one (block, head), N tokens     V
+==========  ===================================  =================================
+vec, vec16  column-major ``[dim][token]``        rows ``[token][dim]``
+amx         tiles of 16 tokens, private inside   ``[dim / 16][token / 2][...]`` (pairs)
+==========  ===================================  =================================
+
+The layout carries that as run orders (``KvRunOrder``: dims in groups
+outermost, tokens in tiles), so the planner cuts runs by token and P and D may
+use different block sizes. It still sets ``opaque_blocks``, so a sidecar that
+predates run orders refuses a pairing it cannot map instead of moving the wrong
+bytes; an ISA missing from ``CPU_RUN_ORDERS`` (neon, vsx, ...) gets no run
+orders: whole (block, head) runs, one block size on both sides.
 
 A backend missing from ``BACKEND_PACKING`` is refused at start-up by name
 (``LayoutError ERR_LAYOUT_UNSUPPORTED``): guessing a packing would move the
@@ -47,6 +59,22 @@ BACKEND_PACKING: dict[str, str] = {
     "CPU_MLA": "latent",
 }
 PACKINGS = ("kv_in_tokens", "kv_in_cell", "kv_in_heads", "latent")
+
+#: CPU attention ISA -> (K, V) run orders as (dim group, token tile); a dim group of 0 is the head
+#: size (plain rows). Only ISAs whose order was probed from the kernel are here.
+CPU_RUN_ORDERS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "vec": ((1, 1), (0, 1)),
+    "vec16": ((1, 1), (0, 1)),
+    "amx": ((0, 16), (16, 2)),
+}
+
+
+def cpu_run_orders(isa: str | None, head_size: int) -> list[layout_pb2.KvRunOrder]:
+    """The K and V run orders of CPU attention with ``isa``, or [] when unknown (whole blocks only)."""
+    orders = CPU_RUN_ORDERS.get(isa or "")
+    if orders is None:
+        return []
+    return [layout_pb2.KvRunOrder(dim_group=g or head_size, token_tile=t) for g, t in orders]
 
 
 def packing_of(backend_name: str) -> str:
@@ -106,8 +134,10 @@ def describe(
     tp_rank: int,
     block_size: int,
     region_bytes: list[int],
+    cpu_isa: str | None = None,
 ) -> DescribedLayout:
-    """The kvxfer layout of one rank. ``block_size`` is vLLM's (scheduler) block size."""
+    """The kvxfer layout of one rank. ``block_size`` is vLLM's (scheduler) block size; ``cpu_isa``
+    the CPU attention's ISA (``layer.isa``) for ``kv_in_tokens``, which fixes its run orders."""
     if packing not in PACKINGS:
         raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"packing {packing!r} is not one of {PACKINGS}")
     if not views:
@@ -193,6 +223,7 @@ def describe(
         head_stride=head_stride,
         token_stride=token_stride,
         opaque_blocks=packing == "kv_in_tokens",
+        run_orders=cpu_run_orders(cpu_isa, head_size) if packing == "kv_in_tokens" else [],
     )
     return DescribedLayout(layout=layout, layers=[v.name for v in unique], blocks_per_block=block_size // tokens)
 

@@ -114,3 +114,137 @@ def test_vllm_versions():
     with pytest.raises(ConfigError) as e:
         check_vllm_version("0.31.2")
     assert e.value.code == "ERR_VLLM_VERSION" and "0.31.2" in e.value.message and "0.32.x" in e.value.message
+
+
+# --- vLLM's CPU blocks, probed from the installed kernel -------------------------------------------
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from google.protobuf import json_format  # noqa: E402
+
+from kvxfer_vllm.layout import CPU_RUN_ORDERS, cpu_run_orders  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _kernel_positions(isa: str, n: int, d: int):
+    """Element index of (token, dim) inside one (block, head) K run and V run, as the installed
+    ``cpu_attn_reshape_and_cache`` writes them (ids written as raw bf16 bit patterns)."""
+    torch = pytest.importorskip("torch")
+    ops = pytest.importorskip("vllm._custom_ops")
+    ids = torch.arange(n * d, dtype=torch.int16).reshape(n, 1, d)
+    cache = torch.full((2, 1, n, 2 * d), -1, dtype=torch.int16).view(torch.bfloat16)
+    k_cache, v_cache = cache.view(2, 1, 2 * n, d).chunk(2, dim=2)
+    # Tokens 0..n-1 into block 1 (slots n..2n-1): block 0 must stay untouched.
+    ops.cpu_attn_reshape_and_cache(ids.view(torch.bfloat16), ids.view(torch.bfloat16), k_cache, v_cache,
+                                   torch.arange(n, 2 * n, dtype=torch.int64), isa)
+    raw = cache.view(torch.int16)
+    assert bool((raw[0] == -1).all())
+    run = raw[1, 0].flatten().tolist()
+    out = []
+    for part in (run[: n * d], run[n * d :]):
+        pos = [0] * (n * d)
+        for i, x in enumerate(part):
+            pos[x] = i
+        out.append(pos)
+    return out
+
+
+@pytest.mark.parametrize("isa", sorted(CPU_RUN_ORDERS))
+@pytest.mark.parametrize("head_size", [32, 64])
+def test_cpu_run_orders_match_the_installed_kernel(isa, head_size):
+    # Each element must sit where the run order puts its group and tile, and inside a tile at a
+    # place that depends only on its place in the tile: then tiles move between block sizes.
+    for kv, (g, u) in enumerate(CPU_RUN_ORDERS[isa]):
+        g = g or head_size
+        inside: dict[tuple[int, int], int] = {}
+        for n in (32, 64, 96):
+            pos = _kernel_positions(isa, n, head_size)[kv]
+            for t in range(n):
+                for d in range(head_size):
+                    k = pos[t * head_size + d] - ((d // g) * n * g + (t // u) * u * g)
+                    assert 0 <= k < u * g, (isa, kv, n, t, d)
+                    assert inside.setdefault((t % u, d % g), k) == k, (isa, kv, n, t, d)
+        if u == 1:
+            assert all(k == dd for (_, dd), k in inside.items())
+    orders = cpu_run_orders(isa, head_size)
+    assert [(o.dim_group, o.token_tile) for o in orders] == [(g or head_size, u) for g, u in CPU_RUN_ORDERS[isa]]
+
+
+def _plan(src: layout_pb2.KvLayout, dst: layout_pb2.KvLayout, n: int, src_ids, dst_ids):
+    """The TypeScript planner's copies (built dist/), as (src offset, dst offset, length) in region 0."""
+    script = """
+import { fromJson } from "@bufbuild/protobuf";
+import { KvLayoutSchema } from "./dist/src/gen/kvxfer/v1/layout_pb.js";
+import { kvLayoutFromProto } from "./dist/src/plan/layout-proto.js";
+import { planTransfer } from "./dist/src/plan/index.js";
+const a = JSON.parse(process.argv[1]);
+const lay = (j) => kvLayoutFromProto(fromJson(KvLayoutSchema, j));
+const p = planTransfer(lay(a.src), lay(a.dst), { numTokens: a.n, srcBlockIds: a.srcIds, dstBlockIds: a.dstIds });
+const out = [];
+for (const pair of p.pairs) for (const rp of pair.regionPairs) {
+  if (rp.srcRegion !== 0 || rp.dstRegion !== 0) throw new Error("one region each");
+  out.push(...rp.descriptors);
+}
+console.log(JSON.stringify({ bytes: p.bytes, d: out }));
+"""
+    arg = json.dumps({
+        "src": json_format.MessageToDict(src), "dst": json_format.MessageToDict(dst),
+        "n": n, "srcIds": src_ids, "dstIds": dst_ids,
+    })
+    res = subprocess.run(["node", "--input-type=module", "-e", script, arg], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.parametrize("p_block, d_block, isas", [(32, 64, ("vec", "vec")), (64, 32, ("vec", "vec")),
+                                                    (16, 32, ("vec16", "vec")), (32, 16, ("vec", "vec16"))])
+def test_cpu_blocks_move_between_block_sizes_byte_exact(p_block, d_block, isas):
+    # P's cache written by the kernel with P's block size; D's after the planned copies must equal,
+    # byte for byte over the whole cache, what the kernel writes into D's own (noise) cache when
+    # one engine with D's block size holds the same tokens.
+    torch = pytest.importorskip("torch")
+    ops = pytest.importorskip("vllm._custom_ops")
+    layers, heads, hd, n = 2, 2, 32, 100
+    g = torch.Generator().manual_seed(7)
+
+    def cache(block, blocks):
+        region = torch.randint(-30000, 30000, (layers, blocks, heads, block, 2 * hd), generator=g, dtype=torch.int16)
+        return region.view(torch.bfloat16)
+
+    def describe_(region, block, isa):
+        vs = [TensorView(f"model.layers.{i}.self_attn.attn", tuple(region[i].shape), tuple(region[i].stride()),
+                         i * region[i].numel() * 2, 2, "bfloat16") for i in range(layers)]
+        return describe(vs, packing="kv_in_tokens", head_size=hd, total_kv_heads=heads, tp_size=1, tp_rank=0,
+                        block_size=block, region_bytes=[region.numel() * 2], cpu_isa=isa).layout
+
+    def write(region, block, ids, keys, values, isa):
+        slots = torch.tensor([ids[t // block] * block + t % block for t in range(n)], dtype=torch.int64)
+        for i in range(layers):
+            kc, vc = region[i].view(region.shape[1], heads, 2 * block, hd).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(keys[i], values[i], kc, vc, slots, isa)
+
+    keys = [torch.randn(n, heads, hd, generator=g).to(torch.bfloat16) for _ in range(layers)]
+    values = [torch.randn(n, heads, hd, generator=g).to(torch.bfloat16) for _ in range(layers)]
+    p = cache(p_block, 256 // p_block)
+    d = cache(d_block, 256 // d_block)
+    # Shuffled block tables, as vLLM's allocator hands them out.
+    p_ids = torch.randperm(256 // p_block, generator=g)[: -(-n // p_block)].tolist()
+    d_ids = torch.randperm(256 // d_block, generator=g)[: -(-n // d_block)].tolist()
+    write(p, p_block, p_ids, keys, values, isas[0])
+    one_engine = d.clone()
+    write(one_engine, d_block, d_ids, keys, values, isas[1])
+    src, dst = describe_(p, p_block, isas[0]), describe_(d, d_block, isas[1])
+    assert [(o.dim_group, o.token_tile) for o in dst.run_orders] == [(1, 1), (hd, 1)]
+    plan = _plan(src, dst, n, p_ids, d_ids)
+    assert plan["bytes"] == n * layers * 2 * heads * hd * 2
+    pb, db = p.view(torch.uint8).flatten(), d.view(torch.uint8).flatten()
+    assert not torch.equal(db, one_engine.view(torch.uint8).flatten())
+    desc = plan["d"]
+    for i in range(0, len(desc), 3):
+        so, do, ln = (int(x) for x in desc[i : i + 3])
+        db[do : do + ln] = pb[so : so + ln]
+    assert torch.equal(db, one_engine.view(torch.uint8).flatten())

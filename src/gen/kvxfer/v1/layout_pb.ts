@@ -10,7 +10,36 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvxfer/v1/layout.proto.
  */
 export const file_kvxfer_v1_layout: GenFile = /*@__PURE__*/
-  fileDesc("ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiLwoNS3ZTbG90QWRkcmVzcxIOCgZyZWdpb24YASABKA0SDgoGb2Zmc2V0GAIgASgEIoIDCghLdkxheW91dBISCgpudW1fbGF5ZXJzGAEgASgNEgsKA21sYRgCIAEoCBIWCg50b3RhbF9rdl9oZWFkcxgDIAEoDRIQCghoZWFkX2RpbRgEIAEoDRINCgVkdHlwZRgFIAEoCRITCgtkdHlwZV9ieXRlcxgGIAEoDRISCgpibG9ja19zaXplGAcgASgNEhIKCm51bV9ibG9ja3MYCCABKA0SJgoFb3JkZXIYCSABKA4yFy5rdnhmZXIudjEuS3ZCbG9ja09yZGVyEg8KB3RwX3NpemUYCiABKA0SDwoHdHBfcmFuaxgLIAEoDRIUCgxibG9ja19zdHJpZGUYDCABKAQSJwoFc2xvdHMYDSADKAsyGC5rdnhmZXIudjEuS3ZTbG90QWRkcmVzcxIUCgxyZWdpb25fYnl0ZXMYDiADKAQSEwoLaGVhZF9zdHJpZGUYDyABKAQSFAoMdG9rZW5fc3RyaWRlGBAgASgEEhUKDW9wYXF1ZV9ibG9ja3MYESABKAgqXgoMS3ZCbG9ja09yZGVyEh4KGktWX0JMT0NLX09SREVSX1VOU1BFQ0lGSUVEEAASFgoSS1ZfQkxPQ0tfT1JERVJfSE5EEAESFgoSS1ZfQkxPQ0tfT1JERVJfTkhEEAJiBnByb3RvMw");
+  fileDesc("ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiMwoKS3ZSdW5PcmRlchIRCglkaW1fZ3JvdXAYASABKA0SEgoKdG9rZW5fdGlsZRgCIAEoDSIvCg1LdlNsb3RBZGRyZXNzEg4KBnJlZ2lvbhgBIAEoDRIOCgZvZmZzZXQYAiABKAQirQMKCEt2TGF5b3V0EhIKCm51bV9sYXllcnMYASABKA0SCwoDbWxhGAIgASgIEhYKDnRvdGFsX2t2X2hlYWRzGAMgASgNEhAKCGhlYWRfZGltGAQgASgNEg0KBWR0eXBlGAUgASgJEhMKC2R0eXBlX2J5dGVzGAYgASgNEhIKCmJsb2NrX3NpemUYByABKA0SEgoKbnVtX2Jsb2NrcxgIIAEoDRImCgVvcmRlchgJIAEoDjIXLmt2eGZlci52MS5LdkJsb2NrT3JkZXISDwoHdHBfc2l6ZRgKIAEoDRIPCgd0cF9yYW5rGAsgASgNEhQKDGJsb2NrX3N0cmlkZRgMIAEoBBInCgVzbG90cxgNIAMoCzIYLmt2eGZlci52MS5LdlNsb3RBZGRyZXNzEhQKDHJlZ2lvbl9ieXRlcxgOIAMoBBITCgtoZWFkX3N0cmlkZRgPIAEoBBIUCgx0b2tlbl9zdHJpZGUYECABKAQSFQoNb3BhcXVlX2Jsb2NrcxgRIAEoCBIpCgpydW5fb3JkZXJzGBIgAygLMhUua3Z4ZmVyLnYxLkt2UnVuT3JkZXIqXgoMS3ZCbG9ja09yZGVyEh4KGktWX0JMT0NLX09SREVSX1VOU1BFQ0lGSUVEEAASFgoSS1ZfQkxPQ0tfT1JERVJfSE5EEAESFgoSS1ZfQkxPQ0tfT1JERVJfTkhEEAJiBnByb3RvMw");
+
+/**
+ * How one (block, head) run of block_size tokens x head_dim elements of a K or V slot is ordered:
+ * the head's dims in groups of dim_group elements, groups outermost
+ * ([head_dim / dim_group][block_size][dim_group]), and tokens in tiles of token_tile whose
+ * elements are in an order private to the engine (only whole tiles move). Plain rows:
+ * dim_group = head_dim, token_tile = 1; vLLM's CPU attention (ISA vec) keeps K column-major:
+ * dim_group = 1.
+ *
+ * @generated from message kvxfer.v1.KvRunOrder
+ */
+export type KvRunOrder = Message<"kvxfer.v1.KvRunOrder"> & {
+  /**
+   * @generated from field: uint32 dim_group = 1;
+   */
+  dimGroup: number;
+
+  /**
+   * @generated from field: uint32 token_tile = 2;
+   */
+  tokenTile: number;
+};
+
+/**
+ * Describes the message kvxfer.v1.KvRunOrder.
+ * Use `create(KvRunOrderSchema)` to create a new message.
+ */
+export const KvRunOrderSchema: GenMessage<KvRunOrder> = /*@__PURE__*/
+  messageDesc(file_kvxfer_v1_layout, 0);
 
 /**
  * Where one (layer, K|V) slot lives: block b of the slot starts at
@@ -36,7 +65,7 @@ export type KvSlotAddress = Message<"kvxfer.v1.KvSlotAddress"> & {
  * Use `create(KvSlotAddressSchema)` to create a new message.
  */
 export const KvSlotAddressSchema: GenMessage<KvSlotAddress> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_layout, 0);
+  messageDesc(file_kvxfer_v1_layout, 1);
 
 /**
  * The KV cache of one tensor-parallel rank, as the planner sees it
@@ -154,6 +183,15 @@ export type KvLayout = Message<"kvxfer.v1.KvLayout"> & {
    * @generated from field: bool opaque_blocks = 17;
    */
   opaqueBlocks: boolean;
+
+  /**
+   * One per kv (K, then V; one for MLA), or none (plain rows). With them, runs that are not plain
+   * rows can be cut by token, so block sizes may differ; they supersede opaque_blocks, which an
+   * engine keeps setting so that peers predating this field still refuse what they cannot map.
+   *
+   * @generated from field: repeated kvxfer.v1.KvRunOrder run_orders = 18;
+   */
+  runOrders: KvRunOrder[];
 };
 
 /**
@@ -161,7 +199,7 @@ export type KvLayout = Message<"kvxfer.v1.KvLayout"> & {
  * Use `create(KvLayoutSchema)` to create a new message.
  */
 export const KvLayoutSchema: GenMessage<KvLayout> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_layout, 1);
+  messageDesc(file_kvxfer_v1_layout, 2);
 
 /**
  * Order of tokens and heads inside one block of one (layer, K|V) slot.

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/layout.proto\x12\tkvxfer.v1\"/\n\rKvSlotAddress\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x82\x03\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x0b\n\x03mla\x18\x02 \x01(\x08\x12\x16\n\x0etotal_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x64type_bytes\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12&\n\x05order\x18\t \x01(\x0e\x32\x17.kvxfer.v1.KvBlockOrder\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07tp_rank\x18\x0b \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x0c \x01(\x04\x12\'\n\x05slots\x18\r \x03(\x0b\x32\x18.kvxfer.v1.KvSlotAddress\x12\x14\n\x0cregion_bytes\x18\x0e \x03(\x04\x12\x13\n\x0bhead_stride\x18\x0f \x01(\x04\x12\x14\n\x0ctoken_stride\x18\x10 \x01(\x04\x12\x15\n\ropaque_blocks\x18\x11 \x01(\x08*^\n\x0cKvBlockOrder\x12\x1e\n\x1aKV_BLOCK_ORDER_UNSPECIFIED\x10\x00\x12\x16\n\x12KV_BLOCK_ORDER_HND\x10\x01\x12\x16\n\x12KV_BLOCK_ORDER_NHD\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/layout.proto\x12\tkvxfer.v1\"3\n\nKvRunOrder\x12\x11\n\tdim_group\x18\x01 \x01(\r\x12\x12\n\ntoken_tile\x18\x02 \x01(\r\"/\n\rKvSlotAddress\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\xad\x03\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x0b\n\x03mla\x18\x02 \x01(\x08\x12\x16\n\x0etotal_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x64type_bytes\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12&\n\x05order\x18\t \x01(\x0e\x32\x17.kvxfer.v1.KvBlockOrder\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07tp_rank\x18\x0b \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x0c \x01(\x04\x12\'\n\x05slots\x18\r \x03(\x0b\x32\x18.kvxfer.v1.KvSlotAddress\x12\x14\n\x0cregion_bytes\x18\x0e \x03(\x04\x12\x13\n\x0bhead_stride\x18\x0f \x01(\x04\x12\x14\n\x0ctoken_stride\x18\x10 \x01(\x04\x12\x15\n\ropaque_blocks\x18\x11 \x01(\x08\x12)\n\nrun_orders\x18\x12 \x03(\x0b\x32\x15.kvxfer.v1.KvRunOrder*^\n\x0cKvBlockOrder\x12\x1e\n\x1aKV_BLOCK_ORDER_UNSPECIFIED\x10\x00\x12\x16\n\x12KV_BLOCK_ORDER_HND\x10\x01\x12\x16\n\x12KV_BLOCK_ORDER_NHD\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxfer.v1.layout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVBLOCKORDER']._serialized_start=475
-  _globals['_KVBLOCKORDER']._serialized_end=569
-  _globals['_KVSLOTADDRESS']._serialized_start=37
-  _globals['_KVSLOTADDRESS']._serialized_end=84
-  _globals['_KVLAYOUT']._serialized_start=87
-  _globals['_KVLAYOUT']._serialized_end=473
+  _globals['_KVBLOCKORDER']._serialized_start=571
+  _globals['_KVBLOCKORDER']._serialized_end=665
+  _globals['_KVRUNORDER']._serialized_start=37
+  _globals['_KVRUNORDER']._serialized_end=88
+  _globals['_KVSLOTADDRESS']._serialized_start=90
+  _globals['_KVSLOTADDRESS']._serialized_end=137
+  _globals['_KVLAYOUT']._serialized_start=140
+  _globals['_KVLAYOUT']._serialized_end=569
 # @@protoc_insertion_point(module_scope)

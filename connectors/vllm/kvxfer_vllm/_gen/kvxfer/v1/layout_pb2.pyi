@@ -16,6 +16,14 @@ KV_BLOCK_ORDER_UNSPECIFIED: KvBlockOrder
 KV_BLOCK_ORDER_HND: KvBlockOrder
 KV_BLOCK_ORDER_NHD: KvBlockOrder
 
+class KvRunOrder(_message.Message):
+    __slots__ = ("dim_group", "token_tile")
+    DIM_GROUP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TILE_FIELD_NUMBER: _ClassVar[int]
+    dim_group: int
+    token_tile: int
+    def __init__(self, dim_group: _Optional[int] = ..., token_tile: _Optional[int] = ...) -> None: ...
+
 class KvSlotAddress(_message.Message):
     __slots__ = ("region", "offset")
     REGION_FIELD_NUMBER: _ClassVar[int]
@@ -25,7 +33,7 @@ class KvSlotAddress(_message.Message):
     def __init__(self, region: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "mla", "total_kv_heads", "head_dim", "dtype", "dtype_bytes", "block_size", "num_blocks", "order", "tp_size", "tp_rank", "block_stride", "slots", "region_bytes", "head_stride", "token_stride", "opaque_blocks")
+    __slots__ = ("num_layers", "mla", "total_kv_heads", "head_dim", "dtype", "dtype_bytes", "block_size", "num_blocks", "order", "tp_size", "tp_rank", "block_stride", "slots", "region_bytes", "head_stride", "token_stride", "opaque_blocks", "run_orders")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MLA_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +51,7 @@ class KvLayout(_message.Message):
     HEAD_STRIDE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STRIDE_FIELD_NUMBER: _ClassVar[int]
     OPAQUE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ORDERS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     mla: bool
     total_kv_heads: int
@@ -60,4 +69,5 @@ class KvLayout(_message.Message):
     head_stride: int
     token_stride: int
     opaque_blocks: bool
-    def __init__(self, num_layers: _Optional[int] = ..., mla: _Optional[bool] = ..., total_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., order: _Optional[_Union[KvBlockOrder, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., block_stride: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[KvSlotAddress, _Mapping]]] = ..., region_bytes: _Optional[_Iterable[int]] = ..., head_stride: _Optional[int] = ..., token_stride: _Optional[int] = ..., opaque_blocks: _Optional[bool] = ...) -> None: ...
+    run_orders: _containers.RepeatedCompositeFieldContainer[KvRunOrder]
+    def __init__(self, num_layers: _Optional[int] = ..., mla: _Optional[bool] = ..., total_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., order: _Optional[_Union[KvBlockOrder, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., block_stride: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[KvSlotAddress, _Mapping]]] = ..., region_bytes: _Optional[_Iterable[int]] = ..., head_stride: _Optional[int] = ..., token_stride: _Optional[int] = ..., opaque_blocks: _Optional[bool] = ..., run_orders: _Optional[_Iterable[_Union[KvRunOrder, _Mapping]]] = ...) -> None: ...
