@@ -40,7 +40,7 @@ import {
   planTransfer,
 } from "../src/plan/index.js";
 import type { TransferInfo } from "../src/sidecar/view.js";
-import { DEFAULT_DEMO, runDemo, type DemoRequestRecord } from "../src/sim/demo.js";
+import { DEFAULT_DEMO, runDemo, type DemoRequestRecord } from "../sim/demo.js";
 import {
   BenchArgs,
   type Stats,

@@ -8,8 +8,8 @@ import { join } from "node:path";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 
 import { SidecarClient } from "../../src/api/client.js";
-import { SimEngineProcess } from "../../src/sim/engine-client.js";
-import { SidecarProcess } from "../../src/sim/sidecar-process.js";
+import { SimEngineProcess } from "../../sim/engine-client.js";
+import { SidecarProcess } from "../../sim/sidecar-process.js";
 import { SMALL_ENGINE, uniqueId, until } from "../sidecar/multiprocess/fixtures.js";
 
 let shmDir: string;

@@ -13,13 +13,18 @@ import { fileURLToPath } from "node:url";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { type ApiServer, startApiServer } from "../../src/api/server.js";
-import { COMMANDS } from "../../src/cli/commands.js";
+import { commands as BENCH_COMMANDS } from "../../bench/commands.js";
+import { COMMANDS as PRODUCT_COMMANDS } from "../../src/cli/commands.js";
+import { commands as SIM_COMMANDS } from "../../sim/commands.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
-import { cliScript } from "../../src/sim/sidecar-process.js";
+import { cliScript } from "../../sim/sidecar-process.js";
 import { kvxfer } from "./run.js";
 import { FixtureSidecar } from "../api/fixtures.js";
 
 const ROOT = fileURLToPath(new URL("../..", import.meta.url));
+
+/** The product's commands and those of the packages it loads them from (src/cli/optional.ts). */
+const COMMANDS = [...PRODUCT_COMMANDS, ...SIM_COMMANDS, ...BENCH_COMMANDS];
 
 const lines = (s: string): string[] => s.split("\n").filter((l) => l.trim() !== "");
 

@@ -23,7 +23,7 @@ import {
   type SidecarToEngine,
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { SMALL } from "../sidecar/fakes.js";
-import { SidecarProcess } from "../../src/sim/sidecar-process.js";
+import { SidecarProcess } from "../../sim/sidecar-process.js";
 import {
   KvNode,
   type Pair,

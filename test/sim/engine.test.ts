@@ -26,8 +26,8 @@ import {
   type SimEngineOptions,
   SimEngineProcess,
   type SimEngineStats,
-} from "../../src/sim/engine-client.js";
-import { fillKv, verifyKv } from "../../src/sim/kv-pattern.js";
+} from "../../sim/engine-client.js";
+import { fillKv, verifyKv } from "../../sim/kv-pattern.js";
 
 const log = pino({ level: "silent" });
 const SIDE_CHANNEL = "127.0.0.1:7000";

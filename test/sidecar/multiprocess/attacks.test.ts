@@ -10,9 +10,9 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { HANDSHAKE_DEADLINE_MS, MAX_HANDSHAKES_IN_FLIGHT } from "../../../src/peer/side-channel.js";
 import { SidecarClient } from "../../../src/api/client.js";
-import { simKvFilePath } from "../../../src/sim/engine.js";
-import { sharedPki } from "../../../src/sim/pki.js";
-import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
+import { simKvFilePath } from "../../../sim/engine.js";
+import { sharedPki } from "../../../sim/pki.js";
+import { SidecarProcess } from "../../../sim/sidecar-process.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
 import {
   KvNode,

@@ -11,9 +11,9 @@ import {
   startNode,
   type DemoOptions,
   type Node,
-} from "../../../src/sim/demo.js";
-import type { SimEngineProcess } from "../../../src/sim/engine-client.js";
-import type { SidecarProcess } from "../../../src/sim/sidecar-process.js";
+} from "../../../sim/demo.js";
+import type { SimEngineProcess } from "../../../sim/engine-client.js";
+import type { SidecarProcess } from "../../../sim/sidecar-process.js";
 import type { TransferInfo, TransferState } from "../../../src/sidecar/view.js";
 import { kvxfer } from "../../cli/run.js";
 import { OP_STEPS } from "../fakes.js";

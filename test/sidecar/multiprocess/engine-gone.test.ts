@@ -10,8 +10,8 @@ import { join } from "node:path";
 import { afterEach, describe, expect, it } from "vitest";
 
 import { SidecarClient } from "../../../src/api/client.js";
-import { SimEngineProcess } from "../../../src/sim/engine-client.js";
-import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
+import { SimEngineProcess } from "../../../sim/engine-client.js";
+import { SidecarProcess } from "../../../sim/sidecar-process.js";
 import { KvNode, SMALL_ENGINE, uniqueId, until } from "./fixtures.js";
 
 const ENGINE_GONE_EXIT = 75;

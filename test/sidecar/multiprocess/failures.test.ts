@@ -9,7 +9,7 @@ import { readFileSync } from "node:fs";
 import { describe, expect, it } from "vitest";
 
 import type { SidecarEvent } from "../../../src/sidecar/view.js";
-import type { SimEngineEvent } from "../../../src/sim/engine-client.js";
+import type { SimEngineEvent } from "../../../sim/engine-client.js";
 import {
   KvNode,
   type Pair,

@@ -20,8 +20,8 @@ import {
   type SimEngineEvent,
   type SimEngineOptions,
   type SimEngineStats,
-} from "../../../src/sim/engine-client.js";
-import { SidecarProcess, type SidecarReady } from "../../../src/sim/sidecar-process.js";
+} from "../../../sim/engine-client.js";
+import { SidecarProcess, type SidecarReady } from "../../../sim/sidecar-process.js";
 
 /** Waits (bounded) until `pred` holds; throws naming `what` otherwise. */
 export async function until(

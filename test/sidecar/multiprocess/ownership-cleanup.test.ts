@@ -10,9 +10,9 @@ import { join } from "node:path";
 
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 
-import { runDemo, DEFAULT_DEMO, type SidecarSummary } from "../../../src/sim/demo.js";
-import { SimEngineProcess, simEngineScript } from "../../../src/sim/engine-client.js";
-import { cliScript, SidecarProcess } from "../../../src/sim/sidecar-process.js";
+import { runDemo, DEFAULT_DEMO, type SidecarSummary } from "../../../sim/demo.js";
+import { SimEngineProcess, simEngineScript } from "../../../sim/engine-client.js";
+import { cliScript, SidecarProcess } from "../../../sim/sidecar-process.js";
 import { SMALL_ENGINE, uniqueId, until } from "./fixtures.js";
 
 const SHM_ROOT = existsSync("/dev/shm") ? "/dev/shm" : tmpdir();

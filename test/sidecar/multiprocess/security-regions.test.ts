@@ -22,7 +22,7 @@ import { EngineLinkClient, engineMessage, kvCacheRegistration } from "../../../s
 import { type Registered } from "../../../src/gen/kvxfer/v1/engine_pb.js";
 import type { KvLayout } from "../../../src/plan/index.js";
 import { byteSize, kvDirectory } from "../../../src/cli/sidecar.js";
-import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
+import { SidecarProcess } from "../../../sim/sidecar-process.js";
 import {
   HeldNode,
   KvNode,

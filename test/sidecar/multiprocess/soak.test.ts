@@ -13,7 +13,7 @@
 // `npm run build` first.
 import { describe, expect, it } from "vitest";
 
-import type { SimEngineEvent } from "../../../src/sim/engine-client.js";
+import type { SimEngineEvent } from "../../../sim/engine-client.js";
 import { type Pair, rssKiB, startPair, until } from "./fixtures.js";
 
 const WARMUP = 2000;

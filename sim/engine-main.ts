@@ -1,5 +1,5 @@
 #!/usr/bin/env node
-/** Runs a simulated engine directly: `node dist/src/sim/engine-main.js --engine-id ... --role ...`. */
+/** Runs a simulated engine directly: `node dist/sim/engine-main.js --engine-id ... --role ...`. */
 import { runSimEngine } from "./engine.js";
 
 runSimEngine(process.argv.slice(2)).then(

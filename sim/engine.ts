@@ -26,7 +26,7 @@ import {
   defaultEngineEndpoint,
   engineMessage,
   kvCacheRegistration,
-} from "../engine/link.js";
+} from "../src/engine/link.js";
 import {
   AbortSchema,
   EngineToSidecarSchema,
@@ -37,19 +37,19 @@ import {
   type Allocated,
   ReleaseReason,
   type SidecarToEngine,
-} from "../gen/kvxfer/v1/engine_pb.js";
-import { Agent, type Region } from "../native/index.js";
+} from "../src/gen/kvxfer/v1/engine_pb.js";
+import { Agent, type Region } from "../src/native/index.js";
 import {
   type KvLayout,
   type KvRegionScheme,
   KV_REGION_SCHEMES,
   kvLayout,
   validateKvLayout,
-} from "../plan/index.js";
+} from "../src/plan/index.js";
 import { fillKv, verifyKv } from "./kv-pattern.js";
 import { prng } from "./prng.js";
-import { stderrSink } from "../sidecar/log-sink.js";
-import { ENGINE_ID_RULE, engineIdProblem } from "../engine/validate.js";
+import { stderrSink } from "../src/sidecar/log-sink.js";
+import { ENGINE_ID_RULE, engineIdProblem } from "../src/engine/validate.js";
 
 export type SimEngineRole = "prefill" | "decode" | "both";
 export type SimModel = "llama3-8b" | "llama3-70b" | "deepseek-mla";

@@ -7,16 +7,16 @@ import { randomBytes } from "node:crypto";
 import { performance } from "node:perf_hooks";
 import { parseArgs } from "node:util";
 
-import { SidecarClient, type ResumableWatch } from "../api/client.js";
+import { SidecarClient, type ResumableWatch } from "../src/api/client.js";
 import {
   KV_REGION_SCHEMES,
   kvHeadsPerRank,
   kvPerLayer,
   type KvLayout,
   type KvRegionScheme,
-} from "../plan/index.js";
-import { dataPhase } from "../sidecar/trace.js";
-import type { SidecarEvent, TransferMode } from "../sidecar/view.js";
+} from "../src/plan/index.js";
+import { dataPhase } from "../src/sidecar/trace.js";
+import type { SidecarEvent, TransferMode } from "../src/sidecar/view.js";
 import { SimEngineProcess, type SimEngineOptions } from "./engine-client.js";
 import { SIM_MODELS, type SimModel } from "./engine.js";
 import { SidecarProcess, type SidecarReady } from "./sidecar-process.js";

@@ -10,7 +10,7 @@ import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 
-import { KvxferError } from "../errors.js";
+import { KvxferError } from "../src/errors.js";
 
 export interface PeerCredentialFiles {
   readonly cert: string;
