@@ -32,8 +32,8 @@ import {
   sleep,
   startPair,
   uniqueId,
-  until,
 } from "../sidecar/multiprocess/fixtures.js";
+import { until } from "../until.js";
 
 const WAIT = 10_000;
 const log = pino({ level: "silent" });

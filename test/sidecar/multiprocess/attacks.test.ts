@@ -14,16 +14,8 @@ import { simKvFilePath } from "../../../sim/engine.js";
 import { sharedPki } from "../../../sim/pki.js";
 import { SidecarProcess } from "../../../sim/sidecar-process.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
-import {
-  KvNode,
-  type Pair,
-  goodTransfer,
-  rssKiB,
-  sleep,
-  startPair,
-  uniqueId,
-  until,
-} from "./fixtures.js";
+import { KvNode, type Pair, goodTransfer, rssKiB, sleep, startPair, uniqueId } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const WAIT = 10_000;
 const MiB = (kib: number) => Math.round(kib / 1024);

@@ -18,7 +18,8 @@ import { encodePeerMessage, sealPeerMessage } from "../../../src/peer/messages.j
 import { parseAddress } from "../../../src/peer/side-channel.js";
 import { sharedPki } from "../../../sim/pki.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
-import { KvNode, type Pair, goodTransfer, startPair, until } from "./fixtures.js";
+import { KvNode, type Pair, goodTransfer, startPair } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const WAIT = 10_000;
 /** Bytes no protobuf parser accepts: a field tag whose varint never ends. */

@@ -17,9 +17,9 @@ import {
   goodTransfer,
   sleep,
   startPair,
-  until,
   uniqueId,
 } from "./fixtures.js";
+import { until } from "../../until.js";
 
 // Timers of every sidecar here (ms). The sweep runs every 100 ms (the sidecar's default).
 const HEARTBEAT = 100;
