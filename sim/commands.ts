@@ -14,8 +14,9 @@ import {
   STR,
 } from "../src/cli/contract.js";
 import { KV_REGION_SCHEMES } from "../src/plan/layout.js";
-import { parseDemoArgs, runDemoCommand } from "./demo.js";
-import { parseSimEngineArgs, runSimEngine, SIM_MODELS } from "./engine.js";
+import { parseDemoArgs, runDemoCommand } from "./demo-command.js";
+import { parseSimEngineArgs, SIM_MODELS } from "./engine-input.js";
+import { runSimEngine } from "./engine-process.js";
 
 export const commands: readonly CommandSpec[] = [
   {

@@ -10,7 +10,7 @@ import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
 import type { KvLayout } from "../src/plan/index.js";
-import type { SimEngineRole, SimModel } from "./engine.js";
+import type { SimEngineRole, SimModel } from "./engine-input.js";
 import { JsonLinesChild } from "./json-lines-child.js";
 
 /** Flags of `kvxfer sim-engine`, as options. */

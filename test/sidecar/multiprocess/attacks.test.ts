@@ -10,7 +10,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { HANDSHAKE_DEADLINE_MS, MAX_HANDSHAKES_IN_FLIGHT } from "../../../src/peer/side-channel.js";
 import { SidecarClient } from "../../../src/api/client.js";
-import { simKvFilePath } from "../../../sim/engine.js";
+import { simKvFilePath } from "../../../sim/engine-input.js";
 import { sharedPki } from "../../../sim/pki.js";
 import { SidecarProcess } from "../../../sim/sidecar-process.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";

@@ -10,7 +10,8 @@ import { join } from "node:path";
 
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 
-import { runDemo, DEFAULT_DEMO, type SidecarSummary } from "../../../sim/demo.js";
+import { runDemo } from "../../../sim/demo.js";
+import { DEFAULT_DEMO, type SidecarSummary } from "../../../sim/demo-types.js";
 import { SimEngineProcess, simEngineScript } from "../../../sim/engine-client.js";
 import { cliScript, SidecarProcess } from "../../../sim/sidecar-process.js";
 import { SMALL_ENGINE, uniqueId } from "./fixtures.js";
