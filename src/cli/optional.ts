@@ -61,7 +61,7 @@ async function load(pkg: OptionalPackage): Promise<readonly CommandSpec[]> {
 function absent(pkg: OptionalPackage, command: string, err: unknown): CommandSpec {
   return {
     path: [command],
-    summary: `not installed: in the package ${pkg.name} (${pkg.holds})`,
+    summary: `not available: needs the package ${pkg.name} (${pkg.holds}); kvxfer ${command} says why`,
     options: [],
     valueStyle: "eq",
     run: () => Promise.reject(missing(pkg, command, err)),
