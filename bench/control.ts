@@ -17,7 +17,8 @@ import { performance } from "node:perf_hooks";
 import { pathToFileURL } from "node:url";
 
 import { ucxVersion } from "../src/native/index.js";
-import { DEFAULT_DEMO, runDemo, type SidecarSummary } from "../src/sim/demo.js";
+import { DEFAULT_DEMO, type SidecarSummary } from "../sim/demo-types.js";
+import { runDemo } from "../sim/demo.js";
 import { PeerProcess } from "./native/peer-client.js";
 import { type ModesCombo, comboName } from "./modes.js";
 import {

@@ -40,7 +40,8 @@ import {
   planTransfer,
 } from "../src/plan/index.js";
 import type { TransferInfo } from "../src/sidecar/view.js";
-import { DEFAULT_DEMO, runDemo, type DemoRequestRecord } from "../src/sim/demo.js";
+import { DEFAULT_DEMO, type DemoRequestRecord } from "../sim/demo-types.js";
+import { runDemo } from "../sim/demo.js";
 import {
   BenchArgs,
   type Stats,

@@ -17,7 +17,8 @@
 //   [--ms-per-token 0.05] [--decode-step-ms 10] [--concurrency 1] [--layers 4]`.
 import { pathToFileURL } from "node:url";
 
-import { DEFAULT_DEMO, runDemo, type DemoRequestRecord } from "../src/sim/demo.js";
+import { DEFAULT_DEMO, type DemoRequestRecord } from "../sim/demo-types.js";
+import { runDemo } from "../sim/demo.js";
 import type { TransferMode } from "../src/sidecar/view.js";
 import {
   BenchArgs,

@@ -19,8 +19,8 @@ import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 
 import { kvLayout, planTransfer, type KvLayout } from "../src/plan/index.js";
-import { prng } from "../src/sim/prng.js";
-import { JsonLinesChild } from "../src/sim/json-lines-child.js";
+import { prng } from "../sim/prng.js";
+import { JsonLinesChild } from "../sim/json-lines-child.js";
 import { runE2eBench } from "./e2e.js";
 import { canCreateNetns, createNetnsPair, type NetnsPair } from "./native/netns.js";
 import {

@@ -30,3 +30,34 @@ describe("src/sidecar/", () => {
     expect(wrong).toEqual([]);
   });
 });
+
+/** Every .ts file under `dir` (relative to the repository), recursively. */
+function tsFiles(dir: string): string[] {
+  const root = fileURLToPath(new URL(`../${dir}/`, import.meta.url));
+  return readdirSync(root, { recursive: true, withFileTypes: true })
+    .filter((e) => e.isFile() && e.name.endsWith(".ts"))
+    .map((e) => join(e.parentPath, e.name));
+}
+
+describe("the product (src/) apart from its harness", () => {
+  it("imports nothing from sim/ or bench/ (their commands load by package name: src/cli/optional.ts)", () => {
+    const files = tsFiles("src");
+    expect(files.length).toBeGreaterThan(50);
+    const wrong: string[] = [];
+    for (const file of files)
+      for (const spec of importsOf(readFileSync(file, "utf8")))
+        if (/^(\.\.\/)+(sim|bench)\//.test(spec) || /^kvxfer-(sim|bench)/.test(spec))
+          wrong.push(`${file} -> ${spec}`);
+    expect(wrong).toEqual([]);
+  });
+
+  it("depends on no plotting or simulation package (those are the harness packages' own)", () => {
+    const pkg = JSON.parse(readFileSync(new URL("../package.json", import.meta.url), "utf8")) as {
+      dependencies: Record<string, string>;
+      devDependencies: Record<string, string>;
+    };
+    expect(Object.keys(pkg.dependencies).filter((d) => /resvg|kvxfer-/.test(d))).toEqual([]);
+    expect(pkg.devDependencies["kvxfer-sim"]).toBe("file:sim");
+    expect(pkg.devDependencies["kvxfer-bench"]).toBe("file:bench");
+  });
+});

@@ -29,7 +29,7 @@ function offending(files: string[], re: RegExp): string[] {
 
 describe("structure", () => {
   it("a transfer's state is written only by src/sidecar/lifecycle.ts (no `.state =` elsewhere)", () => {
-    const files = [...sources("src"), ...sources("bench")].filter(
+    const files = [...sources("src"), ...sources("sim"), ...sources("bench")].filter(
       (f) => f !== "src/sidecar/lifecycle.ts",
     );
     expect(files.length).toBeGreaterThan(20);

@@ -21,10 +21,14 @@ import { createInterface } from "node:readline";
 import { performance } from "node:perf_hooks";
 import { pathToFileURL } from "node:url";
 
-const nativePath = process.env.KVXFER_NATIVE ?? new URL("../../dist/src/native/index.js", import.meta.url).pathname;
+const nativePath =
+  process.env.KVXFER_NATIVE ?? new URL("../../dist/src/native/index.js", import.meta.url).pathname;
 const { Agent, ucxInfo } = await import(pathToFileURL(nativePath).href);
 
-const agent = new Agent({ name: process.env.KVXFER_AGENT_NAME ?? "gpu-check", transports: process.env.KVXFER_TLS ?? "" });
+const agent = new Agent({
+  name: process.env.KVXFER_AGENT_NAME ?? "gpu-check",
+  transports: process.env.KVXFER_TLS ?? "",
+});
 const regions = new Map();
 const remotes = new Map();
 let ep;
@@ -77,7 +81,11 @@ async function handle(m) {
       const u = ucxInfo();
       // Which files this process really runs: the carried ones, on the device and in the dry run.
       const maps = readFileSync("/proc/self/maps", "utf8").split("\n");
-      const loaded = (name) => maps.find((l) => l.includes(name))?.split(/\s+/).pop() ?? null;
+      const loaded = (name) =>
+        maps
+          .find((l) => l.includes(name))
+          ?.split(/\s+/)
+          .pop() ?? null;
       return {
         ucx: u.version,
         transports: agent.transports,
@@ -89,7 +97,14 @@ async function handle(m) {
       };
     }
     case "open":
-      regions.set(m.id, agent.openCudaIpc(bytes(m.handle), { device: m.device, offset: m.offset, length: m.length }));
+      regions.set(
+        m.id,
+        agent.openCudaIpc(bytes(m.handle), {
+          device: m.device,
+          offset: m.offset,
+          length: m.length,
+        }),
+      );
       return { memoryType: regions.get(m.id).memoryType };
     case "alloc":
       regions.set(m.id, agent.allocateCuda(m.length, { device: m.device }));

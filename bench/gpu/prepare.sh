@@ -67,13 +67,13 @@ find "$C/py" -name __pycache__ -prune -exec rm -rf {} +
 
 # The sidecar's CLI, bundled into one file (rolldown) for part (c)'s real sidecars, with the
 # node_modules a bundle cannot hold: zeromq's JavaScript and its one prebuilt addon that loads on
-# glibc >= 2.25 (linux-x64 glibc-127-Release), cmake-ts's loader for it, and a stand-in for
-# @resvg/resvg-js (bench charts only; the sidecar never renders one). Packed with xz.
+# glibc >= 2.25 (linux-x64 glibc-127-Release) and cmake-ts's loader for it. The simulator's and the
+# benchmarks' packages are not in the bundle (the CLI loads them by a name it computes). Packed with xz.
 sc=$(mktemp -d)
 trap 'rm -rf "$sc"' EXIT
 node_modules/.bin/rolldown dist/src/cli/main.js --dir "$sc/cli" --format esm --platform node --external zeromq \
-  --external zeromq/draft --external @resvg/resvg-js --no-code-splitting >/dev/null
-mkdir -p "$sc/node_modules/zeromq/build/linux/x64/node" "$sc/node_modules/cmake-ts/build" "$sc/node_modules/@resvg/resvg-js"
+  --external zeromq/draft --no-code-splitting >/dev/null
+mkdir -p "$sc/node_modules/zeromq/build/linux/x64/node" "$sc/node_modules/cmake-ts/build"
 cp node_modules/zeromq/package.json "$sc/node_modules/zeromq/"
 cp -r node_modules/zeromq/lib "$sc/node_modules/zeromq/"
 find "$sc/node_modules/zeromq/lib" \( -name '*.map' -o -name '*.ts' \) -delete
@@ -81,9 +81,6 @@ cp node_modules/zeromq/build/manifest.json "$sc/node_modules/zeromq/build/"
 cp -r node_modules/zeromq/build/linux/x64/node/glibc-127-Release "$sc/node_modules/zeromq/build/linux/x64/node/"
 cp node_modules/cmake-ts/package.json "$sc/node_modules/cmake-ts/"
 cp node_modules/cmake-ts/build/loader.js "$sc/node_modules/cmake-ts/build/"
-printf '{ "name": "@resvg/resvg-js", "main": "index.js" }\n' >"$sc/node_modules/@resvg/resvg-js/package.json"
-printf 'class Resvg {\n  constructor() {\n    throw new Error("@resvg/resvg-js is not carried to the GPU machine");\n  }\n}\nmodule.exports = { Resvg };\n' \
-  >"$sc/node_modules/@resvg/resvg-js/index.js"
 tar -cJf "$C/sidecar.tar.xz" -C "$sc" cli node_modules
 
 # pyzmq for the GPU machine's Python 3.12 (the engine link of part c's workers): one abi3 wheel,

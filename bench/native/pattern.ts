@@ -4,7 +4,7 @@
  */
 import { createHash } from "node:crypto";
 
-export { prng } from "../../src/sim/prng.js";
+export { prng } from "../../sim/prng.js";
 
 function word(seed: number, index: number): number {
   let x = (Math.imul(index, 0x9e3779b1) ^ seed) >>> 0;

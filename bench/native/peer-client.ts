@@ -7,7 +7,7 @@ import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { existsSync } from "node:fs";
 
-import { JsonLinesChild } from "../../src/sim/json-lines-child.js";
+import { JsonLinesChild } from "../../sim/json-lines-child.js";
 
 export interface PeerError {
   code: string;

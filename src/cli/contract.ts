@@ -43,6 +43,19 @@ export const BOOL_STR: Kind = { t: "choice", of: ["true", "false"] };
 export const choice = (...of: string[]): Kind => ({ t: "choice", of });
 export const list = (...of: string[]): Kind => ({ t: "list", of });
 
+/** Flags that commands in more than one package share (the product's and the optional ones). */
+export const JSON_OPT: OptSpec = {
+  name: "json",
+  kind: FLAG,
+  help: "one JSON document instead of tables",
+};
+export const PEER_AUTH: OptSpec = {
+  name: "peer-auth",
+  kind: choice("on", "off"),
+  help: "side channel with mutual TLS (on) or without (off)",
+};
+export const LOG_LEVELS = ["fatal", "error", "warn", "info", "debug", "trace", "silent"];
+
 export interface OptSpec {
   readonly name: string;
   readonly kind: Kind;

@@ -6,7 +6,7 @@ import { existsSync } from "node:fs";
 import { afterEach, describe, expect, it } from "vitest";
 
 import { bootstrapAnswer } from "../../src/api/bootstrap.js";
-import { SidecarProcess } from "../../src/sim/sidecar-process.js";
+import { SidecarProcess } from "../../sim/sidecar-process.js";
 import { kvxfer } from "../cli/run.js";
 
 const started: SidecarProcess[] = [];

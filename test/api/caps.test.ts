@@ -13,7 +13,8 @@ import { HTTP_SLOTS, serveGets } from "../../src/api/http.js";
 import { MetricsRegistry, startMetricsServer } from "../../src/api/metrics.js";
 import { type ApiServer, startApiServer } from "../../src/api/server.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
-import { FixtureSidecar, until } from "./fixtures.js";
+import { FixtureSidecar } from "./fixtures.js";
+import { until } from "../until.js";
 
 const cleanup: (() => Promise<void> | void)[] = [];
 afterEach(async () => {

@@ -5,7 +5,8 @@ import { runAwait } from "../../src/cli/await.js";
 import { runStatus } from "../../src/cli/status.js";
 import { runWatch } from "../../src/cli/watch.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
-import { FixtureSidecar, until } from "./fixtures.js";
+import { FixtureSidecar } from "./fixtures.js";
+import { until } from "../until.js";
 
 let events: EventLog;
 let fx: FixtureSidecar;

@@ -155,20 +155,6 @@ export class FixtureSidecar implements SidecarView {
   }
 }
 
-/** Resolves when `pred` holds, polling; rejects after `timeoutMs`. */
-export async function until(
-  pred: () => boolean,
-  timeoutMs = 10_000,
-  what = "condition",
-): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while (!pred()) {
-    if (Date.now() > deadline)
-      throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 5));
-  }
-}
-
 /** The rejection of `p` (fails when it resolves), bounded. */
 export async function rejection(
   p: Promise<unknown>,

@@ -8,9 +8,10 @@ import { join } from "node:path";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 
 import { SidecarClient } from "../../src/api/client.js";
-import { SimEngineProcess } from "../../src/sim/engine-client.js";
-import { SidecarProcess } from "../../src/sim/sidecar-process.js";
-import { SMALL_ENGINE, uniqueId, until } from "../sidecar/multiprocess/fixtures.js";
+import { SimEngineProcess } from "../../sim/engine-client.js";
+import { SidecarProcess } from "../../sim/sidecar-process.js";
+import { SMALL_ENGINE, uniqueId } from "../sidecar/multiprocess/fixtures.js";
+import { until } from "../until.js";
 
 let shmDir: string;
 const sidecars: SidecarProcess[] = [];

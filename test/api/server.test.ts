@@ -11,7 +11,8 @@ import { type ApiServer, startApiServer } from "../../src/api/server.js";
 import { WatchEventsRequestSchema, EventKind } from "../../src/gen/kvxfer/v1/sidecar_pb.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
 import type { TransferState } from "../../src/sidecar/view.js";
-import { FixtureSidecar, rejection, until } from "./fixtures.js";
+import { FixtureSidecar, rejection } from "./fixtures.js";
+import { until } from "../until.js";
 
 let events: EventLog;
 let sidecar: FixtureSidecar;

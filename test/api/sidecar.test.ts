@@ -5,9 +5,10 @@
 import { afterEach, describe, expect, it } from "vitest";
 
 import { SidecarClient, type EventWatch } from "../../src/api/client.js";
-import { DEFAULT_DEMO, startNode, type NodeShape } from "../../src/sim/demo.js";
-import type { SimEngineProcess } from "../../src/sim/engine-client.js";
-import type { SidecarProcess } from "../../src/sim/sidecar-process.js";
+import { DEFAULT_DEMO } from "../../sim/demo-types.js";
+import { startNode, type NodeShape } from "../../sim/demo-node.js";
+import type { SimEngineProcess } from "../../sim/engine-client.js";
+import type { SidecarProcess } from "../../sim/sidecar-process.js";
 import type { SidecarEvent } from "../../src/sidecar/view.js";
 
 const TINY: NodeShape = {

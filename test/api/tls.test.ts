@@ -1,18 +1,14 @@
-// TLS and mutual TLS: certificates made here with openssl.
+// TLS and mutual TLS: certificates from the test CA (sim/pki.ts).
 import * as grpc from "@grpc/grpc-js";
-import { execFileSync, spawnSync } from "node:child_process";
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { readFileSync } from "node:fs";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { SidecarClient } from "../../src/api/client.js";
 import { type ApiServer, startApiServer } from "../../src/api/server.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
+import { Pki } from "../../sim/pki.js";
 import { FixtureSidecar, rejection } from "./fixtures.js";
 
-const hasOpenssl = spawnSync("openssl", ["version"]).status === 0;
-
-interface Pki {
+interface Credentials {
   ca: Buffer;
   serverCert: Buffer;
   serverKey: Buffer;
@@ -22,88 +18,31 @@ interface Pki {
   otherCaClientKey: Buffer;
 }
 
-let dir = "";
-let pki: Pki;
-
-function makePki(d: string): Pki {
-  const ssl = (...args: string[]) => execFileSync("openssl", args, { cwd: d, stdio: "pipe" });
-  const ca = (name: string) => {
-    ssl(
-      "req",
-      "-x509",
-      "-newkey",
-      "rsa:2048",
-      "-nodes",
-      "-keyout",
-      `${name}.key`,
-      "-out",
-      `${name}.pem`,
-      "-days",
-      "1",
-      "-subj",
-      `/CN=${name}`,
-    );
-  };
-  const leaf = (name: string, caName: string, ext: string) => {
-    ssl(
-      "req",
-      "-newkey",
-      "rsa:2048",
-      "-nodes",
-      "-keyout",
-      `${name}.key`,
-      "-out",
-      `${name}.csr`,
-      "-subj",
-      `/CN=${name}`,
-    );
-    writeFileSync(join(d, `${name}.ext`), ext);
-    ssl(
-      "x509",
-      "-req",
-      "-in",
-      `${name}.csr`,
-      "-CA",
-      `${caName}.pem`,
-      "-CAkey",
-      `${caName}.key`,
-      "-CAcreateserial",
-      "-out",
-      `${name}.pem`,
-      "-days",
-      "1",
-      "-extfile",
-      `${name}.ext`,
-    );
-  };
-  ca("ca");
-  ca("other-ca");
-  leaf("server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n");
-  leaf("client", "ca", "extendedKeyUsage=clientAuth\n");
-  leaf("intruder", "other-ca", "extendedKeyUsage=clientAuth\n");
-  const r = (f: string) => readFileSync(join(d, f));
-  return {
-    ca: r("ca.pem"),
-    serverCert: r("server.pem"),
-    serverKey: r("server.key"),
-    clientCert: r("client.pem"),
-    clientKey: r("client.key"),
-    otherCaClientCert: r("intruder.pem"),
-    otherCaClientKey: r("intruder.key"),
-  };
-}
+let ca: Pki | undefined;
+let otherCa: Pki | undefined;
+let pki: Credentials;
 
 beforeAll(() => {
-  // scripts/setup.sh installs openssl: without it this file fails, rather than skip the mTLS checks.
-  if (!hasOpenssl)
-    throw new Error(
-      "the openssl command is missing: run scripts/setup.sh (or apt-get install openssl)",
-    );
-  dir = mkdtempSync(join(tmpdir(), "kvxfer-tls-"));
-  pki = makePki(dir);
+  // Pki needs the openssl command (scripts/setup.sh installs it): without it this file fails,
+  // naming it, rather than skip the mTLS checks.
+  ca = new Pki("kvxfer test CA");
+  otherCa = new Pki("another CA");
+  const server = ca.issue("localhost", "server");
+  const client = ca.issue("client", "client");
+  const intruder = otherCa.issue("intruder", "client");
+  pki = {
+    ca: readFileSync(ca.caCert),
+    serverCert: readFileSync(server.cert),
+    serverKey: readFileSync(server.key),
+    clientCert: readFileSync(client.cert),
+    clientKey: readFileSync(client.key),
+    otherCaClientCert: readFileSync(intruder.cert),
+    otherCaClientKey: readFileSync(intruder.key),
+  };
 });
 afterAll(() => {
-  if (dir) rmSync(dir, { recursive: true, force: true });
+  ca?.close();
+  otherCa?.close();
 });
 
 const cleanup: (() => Promise<void> | void)[] = [];

@@ -15,7 +15,8 @@ import {
 } from "../../src/gen/kvxfer/v1/sidecar_pb.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
 import type { SidecarEvent, TerminalKind } from "../../src/sidecar/view.js";
-import { FixtureSidecar, rejection, until } from "./fixtures.js";
+import { FixtureSidecar, rejection } from "./fixtures.js";
+import { until } from "../until.js";
 
 const cleanup: (() => Promise<void> | void)[] = [];
 afterEach(async () => {

@@ -8,19 +8,12 @@ import { MetricsRegistry } from "../../src/api/metrics.js";
 import { ZmqNotifier, encodeReqId } from "../../src/api/zmq-notify.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
 import { logEvent } from "../sidecar/fakes.js";
+import { until } from "../until.js";
 
 const open: { close(): void }[] = [];
 afterEach(() => {
   for (const o of open.splice(0)) o.close();
 });
-
-async function until(pred: () => boolean, ms = 5000): Promise<void> {
-  const end = Date.now() + ms;
-  while (!pred()) {
-    if (Date.now() > end) throw new Error(`not within ${ms} ms`);
-    await new Promise((r) => setTimeout(r, 5));
-  }
-}
 
 describe("--notify-zmq", () => {
   it("encodes MessagePack {req_id: id} with the string length forms msgpack defines", () => {

@@ -8,7 +8,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 
-import { cliScript } from "../../src/sim/sidecar-process.js";
+import { cliScript } from "../../sim/sidecar-process.js";
 
 interface Run {
   status: number | null;

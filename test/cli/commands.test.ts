@@ -7,7 +7,7 @@ import { join } from "node:path";
 import { describe, expect, it } from "vitest";
 
 import { resolveSettings } from "../../src/cli/sidecar.js";
-import { cliScript } from "../../src/sim/sidecar-process.js";
+import { cliScript } from "../../sim/sidecar-process.js";
 
 function kvxfer(
   args: string[],

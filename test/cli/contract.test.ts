@@ -4,22 +4,27 @@
  * bad value is refused with one line naming the flag, exit 2; --version is one
  * line; the client commands say "nothing listening" and "TLS" in one line.
  */
-import { execFileSync, spawnSync } from "node:child_process";
-import { mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { spawnSync } from "node:child_process";
+import { readFileSync } from "node:fs";
 import { createServer } from "node:net";
-import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { type ApiServer, startApiServer } from "../../src/api/server.js";
-import { COMMANDS } from "../../src/cli/commands.js";
+import { commands as BENCH_COMMANDS } from "../../bench/commands.js";
+import { COMMANDS as PRODUCT_COMMANDS } from "../../src/cli/commands.js";
+import { commands as SIM_COMMANDS } from "../../sim/commands.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
-import { cliScript } from "../../src/sim/sidecar-process.js";
+import { type PeerCredentialFiles, Pki } from "../../sim/pki.js";
+import { cliScript } from "../../sim/sidecar-process.js";
 import { kvxfer } from "./run.js";
 import { FixtureSidecar } from "../api/fixtures.js";
 
 const ROOT = fileURLToPath(new URL("../..", import.meta.url));
+
+/** The product's commands and those of the packages it loads them from (src/cli/optional.ts). */
+const COMMANDS = [...PRODUCT_COMMANDS, ...SIM_COMMANDS, ...BENCH_COMMANDS];
 
 const lines = (s: string): string[] => s.split("\n").filter((l) => l.trim() !== "");
 
@@ -149,34 +154,13 @@ describe("client commands", () => {
   });
 
   describe("against a TLS sidecar", () => {
-    let dir = "";
+    let ca: Pki | undefined;
+    let serverFiles: PeerCredentialFiles;
     let server: ApiServer;
     let events: EventLog;
     beforeAll(async () => {
-      dir = mkdtempSync(join(tmpdir(), "kvxfer-cli-tls-"));
-      execFileSync(
-        "openssl",
-        [
-          "req",
-          "-x509",
-          "-newkey",
-          "ec",
-          "-pkeyopt",
-          "ec_paramgen_curve:P-256",
-          "-nodes",
-          "-keyout",
-          "server.key",
-          "-out",
-          "server.pem",
-          "-days",
-          "1",
-          "-subj",
-          "/CN=kvxfer-test",
-          "-addext",
-          "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        { cwd: dir, stdio: "pipe" },
-      );
+      ca = new Pki("kvxfer-test CA");
+      serverFiles = ca.issue("kvxfer-test", "server");
       events = new EventLog();
       const fx = new FixtureSidecar(events);
       fx.end("t1", "KV_READY");
@@ -184,15 +168,15 @@ describe("client commands", () => {
         view: fx,
         events,
         tls: {
-          cert: readFileSync(join(dir, "server.pem")),
-          key: readFileSync(join(dir, "server.key")),
+          cert: readFileSync(serverFiles.cert),
+          key: readFileSync(serverFiles.key),
         },
       });
     });
     afterAll(async () => {
       await server?.close(1_000);
       events?.close();
-      if (dir !== "") rmSync(dir, { recursive: true, force: true });
+      ca?.close();
     });
 
     it("without --ca: one line naming TLS, the address and the flag to pass", async () => {
@@ -214,7 +198,7 @@ describe("client commands", () => {
     });
 
     it("with --ca: works, and no Node deprecation warning for the IP address (DEP0123)", async () => {
-      const r = await kvxfer(["status", server.address, "--ca", join(dir, "server.pem")]);
+      const r = await kvxfer(["status", server.address, "--ca", ca!.caCert]);
       expect(r.status, r.stderr).toBe(0);
       expect(r.stdout).toMatch(/^SIDECAR/);
       expect(r.stderr).not.toMatch(/DEP0123|DeprecationWarning/);

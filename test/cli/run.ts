@@ -2,7 +2,7 @@
 // returned, killed (SIGKILL) past its bound. Asynchronous, so an in-process server can answer it.
 import { spawn } from "node:child_process";
 
-import { cliScript } from "../../src/sim/sidecar-process.js";
+import { cliScript } from "../../sim/sidecar-process.js";
 
 export interface Run {
   status: number | null;

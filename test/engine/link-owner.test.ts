@@ -23,7 +23,7 @@ import {
   type SidecarToEngine,
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { SMALL } from "../sidecar/fakes.js";
-import { SidecarProcess } from "../../src/sim/sidecar-process.js";
+import { SidecarProcess } from "../../sim/sidecar-process.js";
 import {
   KvNode,
   type Pair,
@@ -32,8 +32,8 @@ import {
   sleep,
   startPair,
   uniqueId,
-  until,
 } from "../sidecar/multiprocess/fixtures.js";
+import { until } from "../until.js";
 
 const WAIT = 10_000;
 const log = pino({ level: "silent" });

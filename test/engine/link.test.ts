@@ -37,17 +37,9 @@ import {
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { type KvLayout, kvLayout } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
+import { until } from "../until.js";
 
 const log = pino({ level: "silent" });
-
-/** Polls `pred` every 5 ms; throws after `ms`. */
-async function until(pred: () => boolean, ms: number, what: string): Promise<void> {
-  const end = Date.now() + ms;
-  while (!pred()) {
-    if (Date.now() > end) throw new Error(`timed out after ${ms} ms waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 5));
-  }
-}
 
 const layout: KvLayout = kvLayout({
   numLayers: 2,

@@ -18,6 +18,7 @@ import {
   prng,
   randomDescriptors,
 } from "../../bench/native/pattern.js";
+import { until } from "../until.js";
 
 interface Side {
   agent: Agent;
@@ -46,15 +47,6 @@ function side(agent: Agent, size: number, seed?: number): Side {
 function link(from: Side, to: Side): { ep: Endpoint; remote: RemoteRegion } {
   const ep = from.agent.connect(to.agent.address);
   return { ep, remote: ep.importRemote(to.region.remoteKey()) };
-}
-
-/** Waits (bounded) until `pred` holds, turning the event loop. */
-async function until(pred: () => boolean, ms = 5000): Promise<void> {
-  const end = Date.now() + ms;
-  while (!pred()) {
-    if (Date.now() > end) throw new Error(`condition not met within ${ms} ms`);
-    await new Promise((r) => setTimeout(r, 2));
-  }
 }
 
 describe("in-process transfers over shared memory", () => {

@@ -6,7 +6,7 @@ import { X509Certificate } from "node:crypto";
 import { afterAll, afterEach, describe, expect, it, vi } from "vitest";
 
 import { checkCredentials, validityProblem } from "../../src/peer/side-channel.js";
-import { Pki } from "../../src/sim/pki.js";
+import { Pki } from "../../sim/pki.js";
 import { credentials } from "../sidecar/multiprocess/rogue-peer.js";
 
 const pki = new Pki("validity test CA");

@@ -20,7 +20,7 @@ import {
   handshake,
   type PeerCredentials,
 } from "../../src/peer/side-channel.js";
-import { Pki } from "../../src/sim/pki.js";
+import { Pki } from "../../sim/pki.js";
 import { credentials } from "../sidecar/multiprocess/rogue-peer.js";
 
 const servers: SideChannelServer[] = [];

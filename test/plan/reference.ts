@@ -3,7 +3,7 @@
 // [layer][k|v][token][head][dim-byte] into P rank memories, apply a plan with plain copies into D
 // rank memories, and compare every D byte with what it should be.
 import type { KvLayout, TransferPlan } from "../../src/plan/index.js";
-import { prng } from "../../src/sim/prng.js";
+import { prng } from "../../sim/prng.js";
 
 /** Small deterministic PRNG (mulberry32) for backgrounds and test layouts. */
 export const rng = prng;

@@ -26,7 +26,7 @@ import {
 import { SideChannelServer, refusal, type PeerCredentials } from "../../src/peer/side-channel.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import { MAX_PEERS, type PeerState } from "../../src/sidecar/peers.js";
-import { Pki } from "../../src/sim/pki.js";
+import { Pki } from "../../sim/pki.js";
 import { PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 import { credentials } from "./multiprocess/rogue-peer.js";
 

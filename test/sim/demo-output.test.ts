@@ -2,7 +2,8 @@
 // prefix caching saved, settings the demo changed, binary units. Pure formatting: no processes.
 import { describe, expect, it } from "vitest";
 
-import { formatDemoSummary, parseDemoArgs, type DemoSummary } from "../../src/sim/demo.js";
+import { formatDemoSummary, parseDemoArgs } from "../../sim/demo-command.js";
+import type { DemoSummary } from "../../sim/demo-types.js";
 
 const base: DemoSummary = {
   verified: true,

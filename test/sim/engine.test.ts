@@ -26,20 +26,13 @@ import {
   type SimEngineOptions,
   SimEngineProcess,
   type SimEngineStats,
-} from "../../src/sim/engine-client.js";
-import { fillKv, verifyKv } from "../../src/sim/kv-pattern.js";
+} from "../../sim/engine-client.js";
+import { fillKv, verifyKv } from "../../sim/kv-pattern.js";
+import { until } from "../until.js";
 
 const log = pino({ level: "silent" });
 const SIDE_CHANNEL = "127.0.0.1:7000";
 const WAIT = 10_000;
-
-async function until(pred: () => boolean, ms: number, what: string): Promise<void> {
-  const end = Date.now() + ms;
-  while (!pred()) {
-    if (Date.now() > end) throw new Error(`timed out after ${ms} ms waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 5));
-  }
-}
 
 type MsgKind = NonNullable<EngineToSidecar["msg"]["case"]>;
 type EngineMsg<K extends MsgKind> = Extract<EngineToSidecar["msg"], { case: K }>["value"];

@@ -11,7 +11,7 @@ import {
   planTransfer,
   validateKvLayout,
 } from "../../src/plan/index.js";
-import { fillKv, kvPatternByte, transferSeed, verifyKv } from "../../src/sim/kv-pattern.js";
+import { fillKv, kvPatternByte, transferSeed, verifyKv } from "../../sim/kv-pattern.js";
 import { llama8b, scatteredLayout, stridedLayout } from "../plan/cases.js";
 import { addressOf, applyPlan, headsOf, rng } from "../plan/reference.js";
 

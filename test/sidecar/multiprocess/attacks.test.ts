@@ -10,20 +10,12 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { HANDSHAKE_DEADLINE_MS, MAX_HANDSHAKES_IN_FLIGHT } from "../../../src/peer/side-channel.js";
 import { SidecarClient } from "../../../src/api/client.js";
-import { simKvFilePath } from "../../../src/sim/engine.js";
-import { sharedPki } from "../../../src/sim/pki.js";
-import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
+import { simKvFilePath } from "../../../sim/engine-input.js";
+import { sharedPki } from "../../../sim/pki.js";
+import { SidecarProcess } from "../../../sim/sidecar-process.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
-import {
-  KvNode,
-  type Pair,
-  goodTransfer,
-  rssKiB,
-  sleep,
-  startPair,
-  uniqueId,
-  until,
-} from "./fixtures.js";
+import { KvNode, type Pair, goodTransfer, rssKiB, sleep, startPair, uniqueId } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const WAIT = 10_000;
 const MiB = (kib: number) => Math.round(kib / 1024);

@@ -16,9 +16,10 @@ import {
 } from "../../../src/gen/kvxfer/v1/peer_pb.js";
 import { encodePeerMessage, sealPeerMessage } from "../../../src/peer/messages.js";
 import { parseAddress } from "../../../src/peer/side-channel.js";
-import { sharedPki } from "../../../src/sim/pki.js";
+import { sharedPki } from "../../../sim/pki.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
-import { KvNode, type Pair, goodTransfer, startPair, until } from "./fixtures.js";
+import { KvNode, type Pair, goodTransfer, startPair } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const WAIT = 10_000;
 /** Bytes no protobuf parser accepts: a field tag whose varint never ends. */

@@ -5,15 +5,11 @@
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { SidecarClient } from "../../../src/api/client.js";
-import {
-  DEFAULT_DEMO,
-  runDemo,
-  startNode,
-  type DemoOptions,
-  type Node,
-} from "../../../src/sim/demo.js";
-import type { SimEngineProcess } from "../../../src/sim/engine-client.js";
-import type { SidecarProcess } from "../../../src/sim/sidecar-process.js";
+import { DEFAULT_DEMO, type DemoOptions } from "../../../sim/demo-types.js";
+import { runDemo } from "../../../sim/demo.js";
+import { startNode, type Node } from "../../../sim/demo-node.js";
+import type { SimEngineProcess } from "../../../sim/engine-client.js";
+import type { SidecarProcess } from "../../../sim/sidecar-process.js";
 import type { TransferInfo, TransferState } from "../../../src/sidecar/view.js";
 import { kvxfer } from "../../cli/run.js";
 import { OP_STEPS } from "../fakes.js";

@@ -10,9 +10,10 @@ import { join } from "node:path";
 import { afterEach, describe, expect, it } from "vitest";
 
 import { SidecarClient } from "../../../src/api/client.js";
-import { SimEngineProcess } from "../../../src/sim/engine-client.js";
-import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
-import { KvNode, SMALL_ENGINE, uniqueId, until } from "./fixtures.js";
+import { SimEngineProcess } from "../../../sim/engine-client.js";
+import { SidecarProcess } from "../../../sim/sidecar-process.js";
+import { KvNode, SMALL_ENGINE, uniqueId } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const ENGINE_GONE_EXIT = 75;
 const nodes: KvNode[] = [];

@@ -9,7 +9,7 @@ import { readFileSync } from "node:fs";
 import { describe, expect, it } from "vitest";
 
 import type { SidecarEvent } from "../../../src/sidecar/view.js";
-import type { SimEngineEvent } from "../../../src/sim/engine-client.js";
+import type { SimEngineEvent } from "../../../sim/engine-client.js";
 import {
   KvNode,
   type Pair,
@@ -17,9 +17,9 @@ import {
   goodTransfer,
   sleep,
   startPair,
-  until,
   uniqueId,
 } from "./fixtures.js";
+import { until } from "../../until.js";
 
 // Timers of every sidecar here (ms). The sweep runs every 100 ms (the sidecar's default).
 const HEARTBEAT = 100;

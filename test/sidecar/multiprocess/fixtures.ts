@@ -20,26 +20,9 @@ import {
   type SimEngineEvent,
   type SimEngineOptions,
   type SimEngineStats,
-} from "../../../src/sim/engine-client.js";
-import { SidecarProcess, type SidecarReady } from "../../../src/sim/sidecar-process.js";
-
-/** Waits (bounded) until `pred` holds; throws naming `what` otherwise. */
-export async function until(
-  pred: () => boolean | Promise<boolean>,
-  timeoutMs: number,
-  what: string | (() => string),
-  everyMs = 20,
-): Promise<void> {
-  const end = Date.now() + timeoutMs;
-  for (;;) {
-    if (await pred()) return;
-    if (Date.now() > end) {
-      const w = typeof what === "string" ? what : what();
-      throw new Error(`timed out after ${timeoutMs} ms waiting for ${w}`);
-    }
-    await sleep(everyMs);
-  }
-}
+} from "../../../sim/engine-client.js";
+import { SidecarProcess, type SidecarReady } from "../../../sim/sidecar-process.js";
+import { until } from "../../until.js";
 
 export function sleep(ms: number): Promise<void> {
   return new Promise((r) => setTimeout(r, ms));

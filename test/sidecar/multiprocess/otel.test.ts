@@ -7,7 +7,8 @@ import { createServer, type Server } from "node:http";
 import type { AddressInfo } from "node:net";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
-import { DEFAULT_DEMO, runDemo } from "../../../src/sim/demo.js";
+import { DEFAULT_DEMO } from "../../../sim/demo-types.js";
+import { runDemo } from "../../../sim/demo.js";
 
 interface OtlpSpan {
   spanId: string;

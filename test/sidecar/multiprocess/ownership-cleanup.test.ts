@@ -10,10 +10,12 @@ import { join } from "node:path";
 
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 
-import { runDemo, DEFAULT_DEMO, type SidecarSummary } from "../../../src/sim/demo.js";
-import { SimEngineProcess, simEngineScript } from "../../../src/sim/engine-client.js";
-import { cliScript, SidecarProcess } from "../../../src/sim/sidecar-process.js";
-import { SMALL_ENGINE, uniqueId, until } from "./fixtures.js";
+import { runDemo } from "../../../sim/demo.js";
+import { DEFAULT_DEMO, type SidecarSummary } from "../../../sim/demo-types.js";
+import { SimEngineProcess, simEngineScript } from "../../../sim/engine-client.js";
+import { cliScript, SidecarProcess } from "../../../sim/sidecar-process.js";
+import { SMALL_ENGINE, uniqueId } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const SHM_ROOT = existsSync("/dev/shm") ? "/dev/shm" : tmpdir();
 

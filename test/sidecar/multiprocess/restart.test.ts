@@ -7,8 +7,9 @@
 // bound, and a new transfer after the restart verifies. Real processes; `npm run build` first.
 import { afterEach, describe, expect, it } from "vitest";
 
-import type { SimEngineEvent } from "../../../src/sim/engine-client.js";
-import { KvNode, type Pair, freePort, goodTransfer, sleep, startPair, until } from "./fixtures.js";
+import type { SimEngineEvent } from "../../../sim/engine-client.js";
+import { KvNode, type Pair, freePort, goodTransfer, sleep, startPair } from "./fixtures.js";
+import { until } from "../../until.js";
 
 /** Short leases and timeouts, so every bound below is seconds. */
 const SIDECAR_ARGS = [

@@ -25,7 +25,7 @@ import {
 import { handshake, type PeerCredentials } from "../../../src/peer/side-channel.js";
 import type { KvLayout } from "../../../src/plan/index.js";
 import { kvLayoutToProto } from "../../../src/plan/layout-proto.js";
-import type { Pki } from "../../../src/sim/pki.js";
+import type { Pki } from "../../../sim/pki.js";
 
 /** The credentials `pki` issues for `engineId`, read into memory. */
 export function credentials(pki: Pki, engineId: string): PeerCredentials {

@@ -22,7 +22,8 @@ import { EngineLinkClient, engineMessage, kvCacheRegistration } from "../../../s
 import { type Registered } from "../../../src/gen/kvxfer/v1/engine_pb.js";
 import type { KvLayout } from "../../../src/plan/index.js";
 import { byteSize, kvDirectory } from "../../../src/cli/sidecar.js";
-import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
+import { type PeerCredentialFiles, Pki } from "../../../sim/pki.js";
+import { SidecarProcess } from "../../../sim/sidecar-process.js";
 import {
   HeldNode,
   KvNode,
@@ -31,8 +32,8 @@ import {
   rssKiB,
   sleep,
   uniqueId,
-  until,
 } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const WAIT = 10_000;
 const MiB = 1 << 20;
@@ -400,27 +401,12 @@ describe("P's blocks may be shared by default (--exclusive-prefill-blocks false)
 
 describe("a malformed --tls-ca", () => {
   let dir = "";
+  let ca: Pki | undefined;
+  let serverFiles: PeerCredentialFiles;
   beforeAll(() => {
     dir = mkdtempSync(join(tmpdir(), "kvxfer-bad-ca-"));
-    execFileSync(
-      "openssl",
-      [
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.pem",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=localhost",
-      ],
-      { cwd: dir, stdio: "pipe" },
-    );
+    ca = new Pki("kvxfer test CA");
+    serverFiles = ca.issue("localhost", "server");
     writeFileSync(join(dir, "garbage.pem"), "this is not a certificate\n");
     writeFileSync(
       join(dir, "broken.pem"),
@@ -429,6 +415,7 @@ describe("a malformed --tls-ca", () => {
   });
   afterAll(() => {
     if (dir) rmSync(dir, { recursive: true, force: true });
+    ca?.close();
   });
 
   for (const [name, why] of [
@@ -443,9 +430,9 @@ describe("a malformed --tls-ca", () => {
         "--engine-socket",
         `ipc:///tmp/kvxfer-test-${uniqueId("ca")}.sock`,
         "--tls-cert",
-        join(dir, "server.pem"),
+        serverFiles.cert,
         "--tls-key",
-        join(dir, "server.key"),
+        serverFiles.key,
         "--tls-ca",
         ca,
       ]);

@@ -7,10 +7,11 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { agentName } from "../../../src/peer/messages.js";
 import type { PeerCredentials } from "../../../src/peer/side-channel.js";
-import { Pki, sharedPki } from "../../../src/sim/pki.js";
-import { SidecarProcess } from "../../../src/sim/sidecar-process.js";
+import { Pki, sharedPki } from "../../../sim/pki.js";
+import { SidecarProcess } from "../../../sim/sidecar-process.js";
 import { RoguePeer, credentials } from "./rogue-peer.js";
-import { KvNode, type Pair, goodTransfer, startPair, until } from "./fixtures.js";
+import { KvNode, type Pair, goodTransfer, startPair } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const WAIT = 10_000;
 

@@ -16,7 +16,8 @@ import {
   type Registered,
 } from "../../../src/gen/kvxfer/v1/engine_pb.js";
 import type { KvLayout } from "../../../src/plan/index.js";
-import { HeldNode, KvNode, goodTransfer, oneLayerLayout, uniqueId, until } from "./fixtures.js";
+import { HeldNode, KvNode, goodTransfer, oneLayerLayout, uniqueId } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const WAIT = 10_000;
 const log = pino({ level: "silent" });

@@ -13,8 +13,9 @@
 // `npm run build` first.
 import { describe, expect, it } from "vitest";
 
-import type { SimEngineEvent } from "../../../src/sim/engine-client.js";
-import { type Pair, rssKiB, startPair, until } from "./fixtures.js";
+import type { SimEngineEvent } from "../../../sim/engine-client.js";
+import { type Pair, rssKiB, startPair } from "./fixtures.js";
+import { until } from "../../until.js";
 
 const WARMUP = 2000;
 const TRANSFERS = 20_000;

@@ -9,7 +9,7 @@ import { execFileSync } from "node:child_process";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { canCreateNetns, createNetnsPair, type NetnsPair } from "../../../bench/native/netns.js";
-import { runDemo } from "../../../src/sim/demo.js";
+import { runDemo } from "../../../sim/demo.js";
 
 const SOAK_MS = 60_000;
 

@@ -1,22 +1,35 @@
 /**
- * A throwaway certificate authority for the demo, tests and benchmarks: peers
- * authenticate with mutual TLS (docs/security.md), so every sidecar they start
- * gets a certificate naming its engine id, made here with the `openssl`
- * command (scripts/setup.sh installs it). Files live in one temporary folder,
- * removed by close() or when this process exits.
+ * A throwaway certificate authority for the demo, tests and benchmarks, and the
+ * only place they make certificates: peers authenticate with mutual TLS
+ * (docs/security.md), so every sidecar they start gets a certificate naming
+ * its engine id; the gRPC API's TLS tests get a server's and clients'. Made
+ * here with the `openssl` command (scripts/setup.sh installs it). Files live
+ * in one temporary folder, removed by close() or when this process exits.
  */
 import { execFileSync } from "node:child_process";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 
-import { KvxferError } from "../errors.js";
+import { KvxferError } from "../src/errors.js";
 
 export interface PeerCredentialFiles {
   readonly cert: string;
   readonly key: string;
   readonly ca: string;
 }
+
+/**
+ * What a certificate is for: a peer's (either end of the side channel), a TLS server's on this
+ * host (127.0.0.1 and localhost in its names), or a TLS client's.
+ */
+export type CertificateUse = "peer" | "server" | "client";
+
+const EXTENDED_USAGE: Record<CertificateUse, string> = {
+  peer: "extendedKeyUsage=serverAuth,clientAuth\n",
+  server: "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n",
+  client: "extendedKeyUsage=clientAuth\n",
+};
 
 const live = new Set<Pki>();
 let exitHook = false;
@@ -74,9 +87,9 @@ export class Pki {
     );
   }
 
-  /** Certificate and key naming `engineId` (made once per id). */
-  issue(engineId: string): PeerCredentialFiles {
-    const known = this.issued.get(engineId);
+  /** Certificate and key naming `name` (an engine id for a peer), made once per name and use. */
+  issue(name: string, use: CertificateUse = "peer"): PeerCredentialFiles {
+    const known = this.issued.get(`${use}:${name}`);
     if (known !== undefined) return known;
     const n = this.serial++;
     const key = join(this.dir, `peer-${n}.key`);
@@ -85,11 +98,10 @@ export class Pki {
     const ext = join(this.dir, `peer-${n}.ext`);
     writeFileSync(
       ext,
-      "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n" +
-        "extendedKeyUsage=serverAuth,clientAuth\n",
+      "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n" + EXTENDED_USAGE[use],
     );
     this.ssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", key);
-    this.ssl("req", "-new", "-key", key, "-subj", subject(engineId), "-out", csr);
+    this.ssl("req", "-new", "-key", key, "-subj", subject(name), "-out", csr);
     this.ssl(
       "x509",
       "-req",
@@ -109,7 +121,7 @@ export class Pki {
       cert,
     );
     const files = { cert, key, ca: this.caCert };
-    this.issued.set(engineId, files);
+    this.issued.set(`${use}:${name}`, files);
     return files;
   }
 

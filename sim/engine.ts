@@ -14,19 +14,11 @@
  */
 import { performance } from "node:perf_hooks";
 import { closeSync, ftruncateSync, openSync, unlinkSync } from "node:fs";
-import { join } from "node:path";
-import { createInterface } from "node:readline";
-import { parseArgs } from "node:util";
 
 import { create, fromJson, type JsonValue } from "@bufbuild/protobuf";
-import { type Logger, pino } from "pino";
+import { type Logger } from "pino";
 
-import {
-  EngineLinkClient,
-  defaultEngineEndpoint,
-  engineMessage,
-  kvCacheRegistration,
-} from "../engine/link.js";
+import { EngineLinkClient, engineMessage, kvCacheRegistration } from "../src/engine/link.js";
 import {
   AbortSchema,
   EngineToSidecarSchema,
@@ -37,302 +29,22 @@ import {
   type Allocated,
   ReleaseReason,
   type SidecarToEngine,
-} from "../gen/kvxfer/v1/engine_pb.js";
-import { Agent, type Region } from "../native/index.js";
-import {
-  type KvLayout,
-  type KvRegionScheme,
-  KV_REGION_SCHEMES,
-  kvLayout,
-  validateKvLayout,
-} from "../plan/index.js";
+} from "../src/gen/kvxfer/v1/engine_pb.js";
+import { Agent, type Region } from "../src/native/index.js";
+import { type KvLayout } from "../src/plan/index.js";
 import { fillKv, verifyKv } from "./kv-pattern.js";
 import { prng } from "./prng.js";
-import { stderrSink } from "../sidecar/log-sink.js";
-import { ENGINE_ID_RULE, engineIdProblem } from "../engine/validate.js";
-
-export type SimEngineRole = "prefill" | "decode" | "both";
-export type SimModel = "llama3-8b" | "llama3-70b" | "deepseek-mla";
-
-/** Model shapes the simulated engine knows by name (all bfloat16). */
-export const SIM_MODELS: Readonly<
-  Record<SimModel, { numLayers: number; mla: boolean; totalKvHeads: number; headDim: number }>
-> = {
-  "llama3-8b": { numLayers: 32, mla: false, totalKvHeads: 8, headDim: 128 },
-  "llama3-70b": { numLayers: 80, mla: false, totalKvHeads: 8, headDim: 128 },
-  "deepseek-mla": { numLayers: 61, mla: true, totalKvHeads: 1, headDim: 576 },
-};
-
-const SCHEMES = KV_REGION_SCHEMES;
-
-export interface SimEngineConfig {
-  readonly engineId: string;
-  readonly role: SimEngineRole;
-  /** ZeroMQ endpoint of the sidecar's engine link. */
-  readonly socket: string;
-  readonly layout: KvLayout;
-  readonly scheme: KvRegionScheme;
-  readonly shmDir: string;
-  /**
-   * Where the KV lives: "file", files under shmDir the engine creates (the default); "segment",
-   * SysV segments the sidecar allocates (AllocateKv) and the engine attaches.
-   */
-  readonly kvMemory: "file" | "segment";
-  /** Seed of the block allocator's random order. */
-  readonly seed: number;
-  readonly registerTimeoutMs: number;
-  /** Disconnected from the sidecar this long: fail every transfer in flight (it is gone). */
-  readonly sidecarLostMs: number;
-  /**
-   * Decode: check the KV this long after KvReady instead of at once (0). A benchmark that times
-   * the hops after KvReady sets it, so that the check's CPU does not compete with them.
-   */
-  readonly checkAfterMs: number;
-  /** How long a request waits for free blocks before ERR_NO_BLOCKS (0: refused at once). */
-  readonly blockWaitMs: number;
-  readonly logLevel: string;
-}
-
-export const SIM_ENGINE_USAGE = `usage: kvxfer sim-engine --engine-id ID --role prefill|decode|both [options]
-  --socket ENDPOINT       the sidecar's engine link (default ipc:///tmp/kvxfer-<engine-id>.sock)
-  --tp N                  tensor-parallel ranks (default 1)
-  --model NAME            llama3-8b | llama3-70b | deepseek-mla (default llama3-8b)
-  --layers N --kv-heads N --head-dim N   override the model's shape
-  --block N               tokens per block (default 16)
-  --blocks N              blocks per rank (default 128)
-  --layout hnd|nhd        order inside a block (default hnd)
-  --scheme NAME           ${SCHEMES.join(" | ")} (default region-per-layer)
-  --shm-dir DIR           where the KV files go (default /dev/shm)
-  --kv-memory file|segment  KV in files this engine creates under --shm-dir (default), or in
-                          shared-memory segments the sidecar allocates (AllocateKv)
-  --seed N                block allocation order (default random)
-  --register-timeout-ms N how long to wait for Registered (default 10000)
-  --sidecar-lost-ms N     sidecar unreachable this long: fail every transfer in flight (default 10000)
-  --check-after-ms N      decode: check the KV N ms after KvReady, not at once (default 0)
-  --block-wait-ms N       a request that needs more blocks than are free waits this long for
-                          releases, first come first served (default 10000; 0: refused at once)
-  --log-level LEVEL       pino level for stderr logs (default warn)
-Control: JSON lines on stdin; replies and events on stdout (docs/engine-link.md).`;
-
-class UsageError extends Error {
-  readonly code = "ERR_USAGE";
-}
-
-function intFlag(value: string | undefined, name: string, fallback: number, min = 1): number {
-  if (value === undefined) return fallback;
-  const n = Number(value);
-  if (!Number.isSafeInteger(n) || n < min) {
-    throw new UsageError(`--${name} must be an integer >= ${min}, got '${value}'`);
-  }
-  return n;
-}
-
-/** Parses `kvxfer sim-engine` flags. Throws an Error with code ERR_USAGE naming the flag. */
-export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
-  const { values } = parseArgs({
-    args: [...argv],
-    strict: true,
-    allowPositionals: false,
-    options: {
-      "engine-id": { type: "string" },
-      role: { type: "string" },
-      socket: { type: "string" },
-      tp: { type: "string" },
-      model: { type: "string" },
-      layers: { type: "string" },
-      "kv-heads": { type: "string" },
-      "head-dim": { type: "string" },
-      block: { type: "string" },
-      blocks: { type: "string" },
-      layout: { type: "string" },
-      scheme: { type: "string" },
-      "shm-dir": { type: "string" },
-      "kv-memory": { type: "string" },
-      seed: { type: "string" },
-      "register-timeout-ms": { type: "string" },
-      "sidecar-lost-ms": { type: "string" },
-      "check-after-ms": { type: "string" },
-      "block-wait-ms": { type: "string" },
-      "log-level": { type: "string" },
-    },
-  });
-  const engineId = values["engine-id"];
-  const idProblem = engineIdProblem(engineId ?? "", "--engine-id");
-  if (engineId === undefined || idProblem !== undefined) {
-    throw new UsageError(idProblem ?? `--engine-id must be ${ENGINE_ID_RULE}`);
-  }
-  const role = values.role;
-  if (role !== "prefill" && role !== "decode" && role !== "both") {
-    throw new UsageError(`--role must be prefill, decode or both, got '${role ?? ""}'`);
-  }
-  const modelName = values.model ?? "llama3-8b";
-  if (!(modelName in SIM_MODELS)) {
-    throw new UsageError(
-      `--model must be one of ${Object.keys(SIM_MODELS).join(", ")}, got '${modelName}'`,
-    );
-  }
-  const model = SIM_MODELS[modelName as SimModel];
-  const order = (values.layout ?? "hnd").toUpperCase();
-  if (order !== "HND" && order !== "NHD") {
-    throw new UsageError(`--layout must be hnd or nhd, got '${values.layout ?? ""}'`);
-  }
-  const scheme = (values.scheme ?? "region-per-layer") as KvRegionScheme;
-  if (!SCHEMES.includes(scheme)) {
-    throw new UsageError(`--scheme must be one of ${SCHEMES.join(", ")}, got '${scheme}'`);
-  }
-  const totalKvHeads = intFlag(values["kv-heads"], "kv-heads", model.totalKvHeads);
-  if (model.mla && totalKvHeads !== 1) {
-    throw new UsageError(`--kv-heads must be 1 for an MLA model, got ${totalKvHeads}`);
-  }
-  const layout = kvLayout(
-    {
-      numLayers: intFlag(values.layers, "layers", model.numLayers),
-      mla: model.mla,
-      totalKvHeads,
-      headDim: intFlag(values["head-dim"], "head-dim", model.headDim),
-      dtype: "bfloat16",
-      dtypeBytes: 2,
-      blockSize: intFlag(values.block, "block", 16),
-      numBlocks: intFlag(values.blocks, "blocks", 128),
-      order,
-      tpSize: intFlag(values.tp, "tp", 1),
-      tpRank: 0,
-    },
-    scheme,
-  );
-  try {
-    validateKvLayout(layout);
-  } catch (err) {
-    throw new UsageError(`the layout is not valid: ${(err as Error).message}`);
-  }
-  const kvMemory = values["kv-memory"] ?? "file";
-  if (kvMemory !== "file" && kvMemory !== "segment") {
-    throw new UsageError(`--kv-memory must be file or segment, got '${kvMemory}'`);
-  }
-  return {
-    engineId,
-    role,
-    socket: values.socket ?? defaultEngineEndpoint(engineId),
-    kvMemory,
-    layout,
-    scheme,
-    shmDir: values["shm-dir"] ?? "/dev/shm",
-    seed: intFlag(values.seed, "seed", Math.floor(Math.random() * 2 ** 31), 0),
-    registerTimeoutMs: intFlag(values["register-timeout-ms"], "register-timeout-ms", 10_000),
-    sidecarLostMs: intFlag(values["sidecar-lost-ms"], "sidecar-lost-ms", 10_000),
-    checkAfterMs: intFlag(values["check-after-ms"], "check-after-ms", 0, 0),
-    blockWaitMs: intFlag(values["block-wait-ms"], "block-wait-ms", 10_000, 0),
-    logLevel: values["log-level"] ?? "warn",
-  };
-}
-
-/** The shared-memory file of one (rank, region). */
-export function simKvFilePath(
-  shmDir: string,
-  engineId: string,
-  pid: number,
-  rank: number,
-  region: number,
-): string {
-  return join(shmDir, `kvxfer-${engineId}-${pid}-r${rank}-g${region}.kv`);
-}
-
-/** Errors of control requests; `code` goes into the reply. */
-class ControlError extends Error {
-  constructor(
-    readonly code: string,
-    message: string,
-  ) {
-    super(message);
-  }
-}
-
-/**
- * Free blocks of the engine's cache, handed out in random order (so tables are non-contiguous).
- * A request that needs more blocks than are free waits for releases, first come first served, as
- * a scheduler queues a request until its KV fits; one that needs more than the whole cache, or
- * that waited `waitMs`, is refused with ERR_NO_BLOCKS.
- */
-class BlockPool {
-  private readonly free: number[];
-  private readonly waiters: {
-    n: number;
-    grant: (ids: number[]) => void;
-    refuse: (err: Error) => void;
-    timer: NodeJS.Timeout;
-  }[] = [];
-  constructor(
-    readonly total: number,
-    private readonly random: () => number,
-    private readonly waitMs: number,
-  ) {
-    this.free = Array.from({ length: total }, (_, i) => i);
-  }
-  get freeCount(): number {
-    return this.free.length;
-  }
-  async take(n: number): Promise<number[]> {
-    if (n > this.total) {
-      throw new ControlError(
-        "ERR_NO_BLOCKS",
-        `need ${n} blocks, the cache has ${this.total} in all`,
-      );
-    }
-    if (this.waiters.length === 0 && n <= this.free.length) return this.pick(n);
-    if (this.waitMs === 0) {
-      throw new ControlError("ERR_NO_BLOCKS", `need ${n} blocks, ${this.free.length} are free`);
-    }
-    return new Promise((resolve, reject) => {
-      const waiter = {
-        n,
-        grant: resolve,
-        refuse: reject,
-        timer: setTimeout(() => {
-          const i = this.waiters.indexOf(waiter);
-          if (i >= 0) this.waiters.splice(i, 1);
-          reject(
-            new ControlError(
-              "ERR_NO_BLOCKS",
-              `need ${n} blocks, ${this.free.length} were free after waiting ${this.waitMs} ms for releases`,
-            ),
-          );
-          this.serve(); // a smaller request behind this one may fit now
-        }, this.waitMs),
-      };
-      this.waiters.push(waiter);
-    });
-  }
-  give(ids: Iterable<number>): void {
-    for (const id of ids) this.free.push(id);
-    this.serve();
-  }
-  /** Refuses every waiting request (the engine stops). */
-  refuseWaiting(): void {
-    for (const w of this.waiters.splice(0)) {
-      clearTimeout(w.timer);
-      w.refuse(
-        new ControlError("ERR_ABORTED", "the engine stopped while this request waited for blocks"),
-      );
-    }
-  }
-  private serve(): void {
-    while (this.waiters.length > 0 && this.waiters[0]!.n <= this.free.length) {
-      const w = this.waiters.shift()!;
-      clearTimeout(w.timer);
-      w.grant(this.pick(w.n));
-    }
-  }
-  private pick(n: number): number[] {
-    const out: number[] = [];
-    for (let i = 0; i < n; i++) {
-      const j = Math.floor(this.random() * this.free.length);
-      out.push(this.free[j]!);
-      this.free[j] = this.free[this.free.length - 1]!;
-      this.free.pop();
-    }
-    return out;
-  }
-}
+import {
+  type SimEngineConfig,
+  simKvFilePath,
+  ControlError,
+  type ControlRequest,
+  str,
+  optStr,
+  int,
+  intList,
+} from "./engine-input.js";
+import { BlockPool } from "./block-pool.js";
 
 interface LiveTransfer {
   readonly transferId: string;
@@ -352,50 +64,11 @@ interface LiveTransfer {
   gen?: number;
 }
 
-interface ControlRequest {
-  id?: unknown;
-  op?: unknown;
-  [key: string]: unknown;
-}
-
-function str(req: ControlRequest, key: string): string {
-  const v = req[key];
-  if (typeof v !== "string" || v.length === 0) {
-    throw new ControlError("ERR_BAD_REQUEST", `'${key}' must be a non-empty string`);
-  }
-  return v;
-}
-
-/** An optional string field ('' when absent). */
-function optStr(req: ControlRequest, key: string): string {
-  const v = req[key];
-  if (v === undefined) return "";
-  if (typeof v !== "string") throw new ControlError("ERR_BAD_REQUEST", `'${key}' must be a string`);
-  return v;
-}
-
-function int(req: ControlRequest, key: string, min: number, fallback?: number): number {
-  const v = req[key] ?? fallback;
-  if (typeof v !== "number" || !Number.isSafeInteger(v) || v < min) {
-    throw new ControlError("ERR_BAD_REQUEST", `'${key}' must be an integer >= ${min}`);
-  }
-  return v;
-}
-
-function intList(req: ControlRequest, key: string): number[] | undefined {
-  const v = req[key];
-  if (v === undefined) return undefined;
-  if (!Array.isArray(v) || !v.every((x) => Number.isInteger(x) && x >= 0 && x < 2 ** 32)) {
-    throw new ControlError("ERR_BAD_REQUEST", `'${key}' must be a list of uint32`);
-  }
-  return v as number[];
-}
-
 /** How often a re-registration refused by the same sidecar (old connection not yet gone) is retried. */
 const MAX_ALREADY_RETRIES = 25;
 
 /** One running simulated engine. */
-class SimEngine {
+export class SimEngine {
   private readonly layout: KvLayout;
   private readonly pool: BlockPool;
   private readonly live = new Map<string, LiveTransfer>();
@@ -1080,122 +753,4 @@ class SimEngine {
     }
     this.files.length = 0;
   }
-}
-
-/**
- * Runs a simulated engine until `exit`, end of stdin, SIGTERM or SIGINT; resolves with the
- * process exit code once its KV files are removed. The caller exits the process with it.
- */
-export async function runSimEngine(argv: readonly string[]): Promise<number> {
-  const write = (obj: Record<string, unknown>): void => {
-    process.stdout.write(JSON.stringify(obj) + "\n");
-  };
-  process.stdout.on("error", () => undefined); // a driver that went away must not crash us
-  let cfg: SimEngineConfig;
-  try {
-    cfg = parseSimEngineArgs(argv);
-  } catch (err) {
-    const e = err as { code?: string; message: string };
-    write({ event: "error", code: e.code ?? "ERR_USAGE", message: e.message });
-    process.stderr.write(`${e.message}\n${SIM_ENGINE_USAGE}\n`);
-    return 2;
-  }
-  const log = pino(
-    { name: "sim-engine", level: cfg.logLevel, base: { engineId: cfg.engineId, pid: process.pid } },
-    // Never blocks, like the sidecar's (src/sidecar/log-sink.ts).
-    stderrSink(),
-  );
-  const engine = new SimEngine(cfg, log, write);
-  const onExit = (): void => engine.removeFiles();
-  process.on("exit", onExit);
-
-  let finish!: (code: number) => void;
-  const done = new Promise<number>((resolve) => (finish = resolve));
-  let exitCode: number | undefined;
-  const shutdown = (code: number): void => {
-    if (exitCode !== undefined) return;
-    exitCode = code;
-    void engine.stop().then(
-      () => finish(code),
-      (err: unknown) => {
-        log.error({ err }, "shutdown failed");
-        finish(code === 0 ? 1 : code);
-      },
-    );
-  };
-  const onTerm = (): void => shutdown(143);
-  const onInt = (): void => shutdown(130);
-  process.once("SIGTERM", onTerm);
-  process.once("SIGINT", onInt);
-
-  let ready = false;
-  const pending: ControlRequest[] = [];
-  const serve = (req: ControlRequest): void => {
-    const id = req.id;
-    engine.handle(req).then(
-      (result) => {
-        write({ id, result });
-        if (req.op === "exit") shutdown(0);
-      },
-      (err: unknown) => {
-        const e = err as { code?: unknown; message?: unknown };
-        write({
-          id,
-          error: {
-            code: typeof e?.code === "string" ? e.code : "ERR_INTERNAL",
-            message: typeof e?.message === "string" ? e.message : String(err),
-          },
-        });
-      },
-    );
-  };
-  const lines = createInterface({ input: process.stdin });
-  lines.on("line", (line) => {
-    if (line.trim() === "") return;
-    let req: ControlRequest;
-    try {
-      req = JSON.parse(line) as ControlRequest;
-      if (typeof req !== "object" || req === null) throw new Error("not an object");
-    } catch (err) {
-      write({
-        id: null,
-        error: { code: "ERR_BAD_REQUEST", message: `bad JSON line: ${(err as Error).message}` },
-      });
-      return;
-    }
-    if (ready) serve(req);
-    else pending.push(req);
-  });
-  // End of stdin stops the engine, but not before its start has an answer: an engine started
-  // with stdin closed still registers (or says why it could not, exit code 1).
-  let stdinClosed = false;
-  lines.on("close", () => {
-    stdinClosed = true;
-    if (ready) shutdown(0);
-  });
-
-  try {
-    write(await engine.start());
-    ready = true;
-    for (const req of pending.splice(0)) serve(req);
-    if (stdinClosed) shutdown(0);
-  } catch (err) {
-    const e = err as { code?: unknown; message?: unknown };
-    const error = {
-      code: typeof e?.code === "string" ? e.code : "ERR_START",
-      message: typeof e?.message === "string" ? e.message : String(err),
-    };
-    // One line for whoever reads stderr (the JSON event is for a driver); no stack trace.
-    if (exitCode === undefined)
-      process.stderr.write(`kvxfer sim-engine: ${error.code}: ${error.message}\n`);
-    write({ event: "error", ...error });
-    for (const req of pending.splice(0)) write({ id: req.id, error });
-    shutdown(1);
-  }
-  const code = await done;
-  lines.close();
-  process.off("SIGTERM", onTerm);
-  process.off("SIGINT", onInt);
-  process.off("exit", onExit);
-  return code;
 }

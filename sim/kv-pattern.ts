@@ -18,7 +18,7 @@ import {
   kvPerLayer,
   kvRowBytes,
   tokenStride,
-} from "../plan/index.js";
+} from "../src/plan/index.js";
 
 export interface KvCheck {
   /** Bytes compared. */

@@ -9,8 +9,8 @@ import { existsSync, unlinkSync } from "node:fs";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
 
-import type { KvLayout } from "../plan/index.js";
-import type { SimEngineRole, SimModel } from "./engine.js";
+import type { KvLayout } from "../src/plan/index.js";
+import type { SimEngineRole, SimModel } from "./engine-input.js";
 import { JsonLinesChild } from "./json-lines-child.js";
 
 /** Flags of `kvxfer sim-engine`, as options. */
@@ -131,11 +131,11 @@ export function simEngineScript(): string {
   if (existsSync(sibling)) return sibling;
   let dir = here;
   for (let i = 0; i < 6; i++) {
-    const candidate = join(dir, "dist", "src", "sim", "engine-main.js");
+    const candidate = join(dir, "dist", "sim", "engine-main.js");
     if (existsSync(candidate)) return candidate;
     dir = dirname(dir);
   }
-  throw new Error("dist/src/sim/engine-main.js not found: run 'npm run build' first");
+  throw new Error("dist/sim/engine-main.js not found: run 'npm run build' first");
 }
 
 const MAX_EVENTS = 100_000;

@@ -1,6 +1,6 @@
 #!/usr/bin/env node
-/** Runs a simulated engine directly: `node dist/src/sim/engine-main.js --engine-id ... --role ...`. */
-import { runSimEngine } from "./engine.js";
+/** Runs a simulated engine directly: `node dist/sim/engine-main.js --engine-id ... --role ...`. */
+import { runSimEngine } from "./engine-process.js";
 
 runSimEngine(process.argv.slice(2)).then(
   (code) => process.exit(code),

@@ -3,7 +3,7 @@
  * registered region; one writes its region into the other's and reads it
  * back, and both hashes are compared.
  */
-import { PeerProcess } from "../../bench/native/peer-client.js";
+import { PeerProcess } from "./peer-client.js";
 
 export interface NativeDemoSummary {
   verified: boolean;
