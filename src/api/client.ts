@@ -36,7 +36,6 @@ import type {
 } from "../sidecar/view.js";
 import {
   type SidecarStatusReply,
-  decodeEventResponse,
   eventFromProto,
   eventKinds,
   statusFromProto,
@@ -145,10 +144,6 @@ const M = {
   check: method(healthService, "Check"),
   healthWatch: method(healthService, "Watch"),
 };
-
-/** A WatchEvents message: an event read by hand (the router waits on it), the rest by protobuf-es. */
-const readWatchResponse = (bytes: Buffer): unknown =>
-  decodeEventResponse(bytes) ?? M.watchEvents.responseDeserialize(bytes);
 
 export function isServiceError(err: unknown): err is grpc.ServiceError {
   return err instanceof Error && typeof (err as { code?: unknown }).code === "number";
@@ -322,7 +317,7 @@ export class SidecarClient {
     const call = this.client.makeServerStreamRequest(
       M.watchEvents.path,
       M.watchEvents.requestSerialize,
-      readWatchResponse,
+      M.watchEvents.responseDeserialize,
       req,
     );
     let lastSeq = req.liveOnly ? 0 : Number(req.afterSeq);

@@ -17,7 +17,6 @@ import {
   TransferSchema,
   TransferSide as PbTransferSide,
   TransferState as PbTransferState,
-  type WatchEventsResponse,
   WatchEventsResponseSchema,
 } from "../gen/kvxfer/v1/sidecar_pb.js";
 import type {
@@ -30,7 +29,6 @@ import type {
   TransferSide,
   TransferState,
 } from "../sidecar/view.js";
-import { FIELD_OVERHEAD, isUint32, isUint64, utf8Bound, WireReader, WireWriter } from "../wire.js";
 
 /** Two-way map between string names and enum numbers; unknown names/numbers give undefined. */
 export class EnumMap<N extends string, E extends number> {
@@ -96,14 +94,8 @@ const roles = new EnumMap<SidecarRole, Role>(["prefill", "decode", "both"], Role
 const big = (n: number): bigint => BigInt(Math.max(0, Math.trunc(n)));
 const num = (n: bigint): number => Number(n);
 
-/**
- * Every field given, so the message `create(EventSchema, ...)` would build, written out: every
- * transfer's terminal event passes here on its way to the watchers, KV_READY on the critical path,
- * and `create` walks the schema each time (20-27 µs cold here). The tests hold it to `create`.
- */
 export function eventToProto(ev: SidecarEvent): Event {
-  return {
-    $typeName: "kvxfer.v1.Event",
+  return create(EventSchema, {
     seq: big(ev.seq),
     kind: eventKinds.num(ev.kind) ?? PbEventKind.UNSPECIFIED,
     timeMs: big(ev.timeMs),
@@ -113,86 +105,15 @@ export function eventToProto(ev: SidecarEvent): Event {
     reason: ev.reason,
     bytes: big(ev.bytes),
     mode: transferModes.num(ev.mode) ?? PbTransferMode.UNSPECIFIED,
-  };
+  });
 }
 
-/** Event's fields, as `encodeEventResponse` knows them (the tests check the schema still has these). */
-export const EVENT_FIELDS = [
-  "seq",
-  "kind",
-  "timeMs",
-  "transferId",
-  "peer",
-  "side",
-  "reason",
-  "bytes",
-  "mode",
-] as const;
-
-/**
- * A WatchEventsResponse carrying `e`, as bytes: written by hand (src/wire.ts says why), since
- * every transfer's KV_READY reaches its router this way; protobuf-es for a value the hand
- * encoder does not take.
- */
+/** A WatchEventsResponse carrying `e`, as bytes (the server encodes each event once). */
 export function encodeEventResponse(e: Event): Uint8Array {
-  const enums = [e.kind, e.side, e.mode];
-  if (!enums.every(isUint32) || ![e.seq, e.timeMs, e.bytes].every(isUint64))
-    return toBinary(
-      WatchEventsResponseSchema,
-      create(WatchEventsResponseSchema, { msg: { case: "event", value: e } }),
-    );
-  const text = utf8Bound(e.transferId) + utf8Bound(e.peer) + utf8Bound(e.reason);
-  const inner = new WireWriter(text + 9 * FIELD_OVERHEAD)
-    .uint64(1, e.seq)
-    .uint32(2, e.kind)
-    .uint64(3, e.timeMs)
-    .string(4, e.transferId)
-    .string(5, e.peer)
-    .uint32(6, e.side)
-    .string(7, e.reason)
-    .uint64(8, e.bytes)
-    .uint32(9, e.mode)
-    .finish();
-  return new WireWriter(inner.length + FIELD_OVERHEAD).bytes(1, inner).finish();
-}
-
-/**
- * A WatchEventsResponse carrying an event, read by hand in the layout protobuf writes (fields in
- * order, ASCII text; src/wire.ts); undefined for anything else (a progress message, another
- * layout), which protobuf-es then reads. A router's client reads one per event, each
- * transfer's KV_READY among them.
- */
-export function decodeEventResponse(bytes: Uint8Array): WatchEventsResponse | undefined {
-  const r = new WireReader(bytes);
-  const x = r.message(1);
-  const seq = x.uint64(1);
-  const kind = x.uint32(2) as PbEventKind;
-  const timeMs = x.uint64(3);
-  const transferId = x.string(4);
-  const peer = x.string(5);
-  const side = x.uint32(6) as PbTransferSide;
-  const reason = x.string(7);
-  const moved = x.uint64(8);
-  const mode = x.uint32(9) as PbTransferMode;
-  if (!r.done || !x.done) return undefined;
-  return {
-    $typeName: "kvxfer.v1.WatchEventsResponse",
-    msg: {
-      case: "event",
-      value: {
-        $typeName: "kvxfer.v1.Event",
-        seq,
-        kind,
-        timeMs,
-        transferId,
-        peer,
-        side,
-        reason,
-        bytes: moved,
-        mode,
-      },
-    },
-  };
+  return toBinary(
+    WatchEventsResponseSchema,
+    create(WatchEventsResponseSchema, { msg: { case: "event", value: e } }),
+  );
 }
 
 /** Throws when the kind is not one this client knows (a newer server). */

@@ -10,6 +10,7 @@
  * once (the router down: the socket does not queue for a peer it has not got), is dropped and
  * counted (`kvxfer_notify_zmq_total{result}`).
  */
+import { encode } from "@msgpack/msgpack";
 import { Push } from "zeromq";
 
 import { KvxferError } from "../errors.js";
@@ -19,18 +20,10 @@ import type { MetricsRegistry } from "./metrics.js";
 /** Messages waiting for the socket, at most; more are dropped. */
 export const NOTIFY_QUEUE_LIMIT = 1024;
 
-/** MessagePack of {"req_id": id}: a one-entry map of two strings (ids are at most 256 bytes). */
+/** MessagePack of {"req_id": id}. */
 export function encodeReqId(id: string): Buffer {
-  const key = Buffer.from("req_id");
-  const value = Buffer.from(id, "utf8");
-  const head =
-    value.length < 32
-      ? Buffer.from([0xa0 | value.length])
-      : value.length < 256
-        ? Buffer.from([0xd9, value.length])
-        : Buffer.from([0xda, value.length >> 8, value.length & 0xff]);
-  if (value.length >= 65536) throw new RangeError("req_id longer than 65535 bytes");
-  return Buffer.concat([Buffer.from([0x81, 0xa0 | key.length]), key, head, value]);
+  const packed = encode({ req_id: id });
+  return Buffer.from(packed.buffer, packed.byteOffset, packed.byteLength);
 }
 
 export type NotifyResult = "sent" | "dropped_queue_full" | "dropped_no_router";

@@ -192,18 +192,6 @@ export function spinFor(
   return agents * 2 <= cores ? AUTO_SPIN_US : 0;
 }
 
-/**
- * The SidecarToEngine carrying KvReady that `create` builds, written out: D sends one on every
- * transfer's critical path, and `create` walks the schema each time (20-27 µs cold here, the
- * literal a few).
- */
-export function kvReadyMessage(transferId: string): SidecarToEngine {
-  return {
-    $typeName: "kvxfer.v1.SidecarToEngine",
-    msg: { case: "kvReady", value: { $typeName: "kvxfer.v1.KvReady", transferId } },
-  };
-}
-
 export class Sidecar implements SidecarView {
   readonly engineId: string;
   readonly epoch: bigint;
@@ -538,11 +526,7 @@ export class Sidecar implements SidecarView {
   }
 
   private send(msg: EngineMessage): void {
-    this.engineSend(
-      msg.case === "kvReady"
-        ? kvReadyMessage(msg.value.transferId ?? "")
-        : create(SidecarToEngineSchema, { msg }),
-    );
+    this.engineSend(create(SidecarToEngineSchema, { msg }));
   }
 
   private refuse(transferId: string, code: string, message: string): void {

@@ -1,0 +1,67 @@
+/** grpc.health.v1.Health's handlers. */
+import * as grpc from "@grpc/grpc-js";
+import { create } from "@bufbuild/protobuf";
+import {
+  type HealthCheckRequest,
+  HealthCheckResponseSchema,
+  HealthCheckResponse_ServingStatus as ServingStatus,
+} from "../gen/grpc/health/v1/health_pb.js";
+import { SIDECAR_SERVICE_NAME } from "./service.js";
+import { ApiState, fail, type HealthWatch } from "./api-state.js";
+
+/** grpc.health.v1.Health: Check and Watch, and the serving state they report. */
+export class HealthRpcs {
+  constructor(private readonly s: ApiState) {}
+
+  /** The handlers grpc-js calls, by method name. */
+  handlers(): grpc.UntypedServiceImplementation {
+    return { Check: this.check.bind(this), Watch: this.watch.bind(this) };
+  }
+
+  /** SERVING or NOT_SERVING for "" and the Sidecar service; undefined for any other. */
+  private status(service: string): ServingStatus | undefined {
+    if (service !== "" && service !== SIDECAR_SERVICE_NAME) return undefined;
+    return this.s.serving ? ServingStatus.SERVING : ServingStatus.NOT_SERVING;
+  }
+
+  private answer(call: HealthWatch): void {
+    call.write(
+      create(HealthCheckResponseSchema, {
+        status: this.status(call.request.service) ?? ServingStatus.SERVICE_UNKNOWN,
+      }),
+    );
+  }
+
+  check(
+    call: grpc.ServerUnaryCall<HealthCheckRequest, unknown>,
+    cb: grpc.sendUnaryData<unknown>,
+  ): void {
+    const status = this.status(call.request.service);
+    if (status === undefined)
+      return cb(fail(grpc.status.NOT_FOUND, `unknown service '${call.request.service}'`));
+    cb(null, create(HealthCheckResponseSchema, { status }));
+  }
+
+  watch(call: HealthWatch): void {
+    if (this.s.closing)
+      return void call.emit("error", fail(grpc.status.UNAVAILABLE, "shutting down"));
+    this.s.healthWatches.add(call);
+    this.answer(call);
+    const done = (): void => void this.s.healthWatches.delete(call);
+    call.on("cancelled", done);
+    call.on("error", done);
+  }
+
+  setServing(next: boolean): void {
+    if (next === this.s.serving) return;
+    this.s.serving = next;
+    this.s.log.info({ serving: next }, "health changed");
+    for (const call of this.s.healthWatches) this.answer(call);
+  }
+
+  /** Ends every Health/Watch stream (server stopping). */
+  endAll(): void {
+    for (const call of this.s.healthWatches) call.end();
+    this.s.healthWatches.clear();
+  }
+}
