@@ -28,8 +28,8 @@ export const BUGS = [
     name: "heartbeat-no-renew",
     what: "D's heartbeats no longer renew P's held lease",
     file: "src/sidecar/prefill.ts",
-    from: 'if (t.state === "HELD") t.deadline = now + this.ctx.settings.leaseMs;',
-    to: 'if (t.state === "HELD") void 0;',
+    from: "t.deadline = d.now! + ctx.settings.leaseMs;",
+    to: "void 0;",
   },
   {
     name: "write-after-registration-lease",

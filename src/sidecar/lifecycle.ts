@@ -29,38 +29,6 @@ export function isTerminal(state: string): state is TerminalKind {
   return TERMINAL.has(state);
 }
 
-/**
- * P's side:
- * - WAITING: D registered its blocks (push) before the engine's PrefillDone;
- * - HELD: prefill done, blocks held under lease (for a registration, or for D's READ);
- * - MOVING: P's agents write into D's blocks;
- * - ABORTING: an abort (engine, D, or D down) came while writes were in flight: it takes
- *   effect once they settle;
- * - RELEASED: the KV went to D; FAILED, EXPIRED, ABORTED: blocks back without it.
- */
-export type PrefillState =
-  "WAITING" | "HELD" | "MOVING" | "ABORTING" | "RELEASED" | "FAILED" | "EXPIRED" | "ABORTED";
-
-/** Where a new transfer may start. */
-export const PREFILL_INITIAL: readonly PrefillState[] = ["WAITING", "HELD"];
-
-/** P: what may follow each state. */
-export const PREFILL_NEXT: Readonly<Record<PrefillState, readonly PrefillState[]>> = {
-  // PrefillDone: no matching registration -> HELD, one -> MOVING; the lease, an abort, D's
-  // Failed or D going down end it.
-  WAITING: ["HELD", "MOVING", "EXPIRED", "ABORTED", "FAILED"],
-  // A registration (push) -> MOVING; D's ReadDone while held (pull) -> RELEASED.
-  HELD: ["MOVING", "RELEASED", "EXPIRED", "ABORTED", "FAILED"],
-  // Writes settle: all done -> RELEASED, one failed -> FAILED; an abort waits for them.
-  MOVING: ["ABORTING", "RELEASED", "FAILED"],
-  // The writes settle: all done -> RELEASED (the KV is there), else ABORTED.
-  ABORTING: ["RELEASED", "ABORTED"],
-  RELEASED: [],
-  FAILED: [],
-  EXPIRED: [],
-  ABORTED: [],
-};
-
 /** What the lifecycle needs of a transfer. */
 export interface Tracked<S extends string> {
   readonly id: string;
@@ -152,7 +120,10 @@ export function nextStates<S extends string, E extends string>(
   return out;
 }
 
-/** The outcomes a transfer in `state` can carry: those of the failing events that lead there. */
+/**
+ * The outcomes a transfer in `state` can carry: those of the failing events that lead there or
+ * are taken there.
+ */
 function outcomesInto<S extends string, E extends string>(
   states: readonly S[],
   table: Table<S, E>,
@@ -163,7 +134,9 @@ function outcomesInto<S extends string, E extends string>(
   for (const s of states)
     for (const [event, row] of Object.entries(table[s]) as [E, { to?: S | typeof OUTCOME }][]) {
       const k = failsAs[event];
-      if (row.to === state && k !== undefined && !kinds.includes(k)) kinds.push(k);
+      // Into the state, or (a withdrawal recorded for later) taken in it without a move.
+      const into = row.to === state || (row.to === undefined && s === state);
+      if (into && k !== undefined && !kinds.includes(k)) kinds.push(k);
     }
   return kinds;
 }

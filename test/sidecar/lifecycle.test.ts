@@ -5,9 +5,8 @@ import { pino } from "pino";
 import { describe, expect, it } from "vitest";
 
 import { DECODE_INITIAL, DECODE_NEXT } from "../../src/sidecar/decode-machine.js";
+import { PREFILL_INITIAL, PREFILL_NEXT } from "../../src/sidecar/prefill-machine.js";
 import {
-  PREFILL_INITIAL,
-  PREFILL_NEXT,
   TERMINAL_KINDS,
   begin,
   isTerminal,
