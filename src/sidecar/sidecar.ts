@@ -59,6 +59,7 @@ import { KvAllocations } from "./allocations.js";
 import { systemClock, type Clock } from "./clock.js";
 import type { EngineMessage, SideContext } from "./context.js";
 import { DecodeSide } from "./decode.js";
+import { SidecarLifecycle } from "./sidecar-lifecycle.js";
 import type { TransferMetrics } from "./metrics.js";
 import { PeerTable, type PeerTableHost, type RegisteredKv } from "./peers.js";
 import { PrefillSide } from "./prefill.js";
@@ -255,8 +256,8 @@ export class Sidecar implements SidecarView {
 
   private sweepTimer: NodeJS.Timeout | undefined;
   private heartbeatTimer: NodeJS.Timeout | undefined;
-  private closed = false;
-  draining = false;
+  /** UNREGISTERED, SERVING, DRAINING, CLOSED (sidecar-lifecycle.ts). */
+  private readonly life = new SidecarLifecycle();
   private bytesMoved = 0;
   private transfersMoved = 0;
   private readonly lastErrors: string[] = [];
@@ -411,8 +412,7 @@ export class Sidecar implements SidecarView {
    * peers at once (P: registrations waiting for a PrefillDone it will refuse).
    */
   beginDrain(): void {
-    if (this.draining) return;
-    this.draining = true;
+    if (!this.life.on("DRAIN")) return;
     this.prefill.drain();
   }
 
@@ -422,14 +422,18 @@ export class Sidecar implements SidecarView {
     this.decode.abandon();
   }
 
+  /** Draining: no new transfers or handshakes (beginDrain). */
+  get draining(): boolean {
+    return this.life.draining;
+  }
+
   /** Live (non-terminal) transfers on both sides. */
   liveTransfers(): number {
     return this.prefill.live() + this.decode.live();
   }
 
   async close(): Promise<void> {
-    if (this.closed) return;
-    this.closed = true;
+    if (!this.life.on("CLOSE")) return;
     clearInterval(this.sweepTimer);
     clearInterval(this.heartbeatTimer);
     await this.side.close();
@@ -450,7 +454,7 @@ export class Sidecar implements SidecarView {
    * answer peer handshakes (before, they get ERR_NOT_READY). gRPC health follows this.
    */
   get acceptsHandshakes(): boolean {
-    return this.kv !== undefined && !this.draining;
+    return this.life.serving;
   }
 
   // --- the engine link ---------------------------------------------------------
@@ -478,7 +482,7 @@ export class Sidecar implements SidecarView {
         this.refuse(problem.transferId, problem.code, problem.message);
         return;
       }
-      if (this.draining && (msg.msg.case === "prefillDone" || msg.msg.case === "expectKv")) {
+      if (this.life.draining && (msg.msg.case === "prefillDone" || msg.msg.case === "expectKv")) {
         // Blocks of a refused PrefillDone go straight back: no one will read them.
         if (msg.msg.case === "prefillDone") {
           this.send({
@@ -759,6 +763,7 @@ export class Sidecar implements SidecarView {
     this.allocations.freeAll();
     this.kvFiles = this.openKvFiles(reg, layout);
     this.kv = { layout, agents, regions, shrunk: () => this.kvShrunk() };
+    this.life.on("REGISTERED");
     this.mappedBytes += bytes;
     this.registration = { msg: reg, files: Sidecar.fileIdentities(reg) };
     conn?.adopt();
@@ -980,7 +985,7 @@ export class Sidecar implements SidecarView {
       notAccepting: () =>
         this.kv === undefined
           ? { code: "ERR_NOT_READY", message: "the engine has not registered its KV cache" }
-          : this.draining
+          : this.life.draining
             ? { code: "ERR_DRAINING", message: "the sidecar is draining" }
             : undefined,
       authenticated: () => this.side.authenticated,
@@ -1148,7 +1153,7 @@ export class Sidecar implements SidecarView {
           ? "not registered"
           : `${l.numLayers} layers, ${l.mla ? "MLA latent" : `${l.totalKvHeads} KV heads`} x ${l.headDim}, ${l.dtype}, block ${l.blockSize}, ${l.order}, ${l.numBlocks} blocks/rank`,
       startedMs: this.startedMs,
-      draining: this.draining,
+      draining: this.life.draining,
       peers: this.peers.list(),
       transfersByState: byState,
       bytesMoved: this.bytesMoved,
