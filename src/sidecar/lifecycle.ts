@@ -1,6 +1,8 @@
 /**
- * The lifecycle of a transfer on each side, in one place: P's and D's states, the one terminal
- * set, the table of allowed next states per state, and the one function that moves a transfer.
+ * The one writer of a transfer's state, for both sides: the one terminal set, and `begin` and
+ * `transition`, which move a transfer only where its side's table can take it (each side's
+ * table of (state, event) -> next state and effects is in decode-machine.ts and
+ * prefill-machine.ts; `nextStates` derives from it where each state may go).
  *
  * Outside this module a transfer's state is read-only (`Tracked.state` is readonly; a test fails
  * on any `.state =` elsewhere). `transition` refuses a move its side's table does not allow (an
@@ -8,7 +10,7 @@
  * effects (timing stamps, the state's deadline) and, on a terminal state, the side's one exit
  * (blocks back to the engine, the one event): invariant 3 of the design, by construction.
  *
- * docs/protocol.md draws the same machines; these tables are what runs.
+ * docs/protocol.md's diagrams are generated from the tables.
  */
 import type { Logger } from "pino";
 
