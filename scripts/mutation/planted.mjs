@@ -42,8 +42,8 @@ export const BUGS = [
     name: "no-transfer-cap",
     what: "the transfer cap is never reached (no ERR_OVERLOADED)",
     file: "src/sidecar/side-table.ts",
-    from: "return this.transfers.size >= max && this.live() >= max;",
-    to: "return false && this.transfers.size >= max && this.live() >= max;",
+    from: "return this.liveCount >= this.ctx.settings.maxTransfers;",
+    to: "return false && this.liveCount >= this.ctx.settings.maxTransfers;",
   },
   {
     name: "no-peer-cap",
