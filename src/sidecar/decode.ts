@@ -166,7 +166,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     this.claims.release(t.written, t.id);
     const peer = t.peer?.engineId ?? "";
     if (kind === "KV_READY") {
-      ctx.toEngine({ case: "kvReady", value: { transferId: t.id } });
+      ctx.engine.send({ case: "kvReady", value: { transferId: t.id } });
       t.trace.mark("engine.kvReady sent");
       // Prefill done -> ready: for push P reports its side up to posting the writes (the data
       // time itself is not in it: the XferDone is sealed before the writes and travels with
@@ -179,7 +179,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       return;
     }
     const o = t.outcome!;
-    ctx.toEngine({
+    ctx.engine.send({
       case: "releaseBlocks",
       value: { transferId: t.id, blockIds: t.dstBlocks, reason: o.release },
     });
@@ -281,7 +281,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         };
         t.reason = f.code;
         ctx.metrics()?.transferFailed(f.code);
-        ctx.toEngine({
+        ctx.engine.send({
           case: "kvFailed",
           value: { transferId: t.id, reason: f.reason, message: f.message },
         });
@@ -319,14 +319,14 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const { ctx } = this;
     const existing = this.transfers.get(m.transferId);
     if (existing !== undefined) {
-      return ctx.refuse(
+      return ctx.engine.refuse(
         m.transferId,
         "ERR_DUPLICATE",
         `ExpectKv for transfer '${m.transferId}' already received`,
       );
     }
     if (this.atCapacity()) {
-      return ctx.refuse(
+      return ctx.engine.refuse(
         m.transferId,
         "ERR_OVERLOADED",
         `${ctx.settings.maxTransfers} transfers live`,
@@ -337,10 +337,10 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const firstWritten = Math.floor(m.prefixTokens / bs);
     const written = m.blockIds.slice(firstWritten, Math.ceil(m.numTokens / bs));
     const clash = this.claims.clash(written, firstWritten, m.transferId);
-    if (clash !== undefined) return ctx.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
+    if (clash !== undefined) return ctx.engine.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
     const hasSrc = m.hasSourceBlockIds;
     if (pullWanted && !hasSrc)
-      return ctx.refuse(
+      return ctx.engine.refuse(
         m.transferId,
         "ERR_NO_SOURCE_BLOCKS",
         "pull mode needs ExpectKv.source_block_ids",

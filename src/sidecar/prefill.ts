@@ -161,7 +161,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     this.unname(t);
     if (t.blocks !== undefined) {
       if (this.ctx.settings.exclusivePrefillBlocks) this.claims.release(t.blocks, t.id);
-      this.ctx.toEngine({
+      this.ctx.engine.send({
         case: "releaseBlocks",
         value: { transferId: t.id, blockIds: t.blocks, reason: releaseReason(kind) },
       });
@@ -239,7 +239,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       case "LATE_PREFILL":
         return this.latePrefill(t, d.prefill!);
       case "REFUSE_DUPLICATE":
-        return ctx.refuse(
+        return ctx.engine.refuse(
           t.id,
           "ERR_DUPLICATE",
           `PrefillDone for transfer '${t.id}' already received`,
@@ -394,7 +394,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     if (s.exclusivePrefillBlocks) {
       // Refused without a ReleaseBlocks: another live transfer holds these blocks.
       const clash = this.claims.clash(m.blockIds, 0, m.transferId);
-      if (clash !== undefined) return ctx.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
+      if (clash !== undefined) return ctx.engine.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
     }
     const existing = this.transfers.get(m.transferId);
     // A KV file that shrank: nothing may read these blocks (a pull's reads would fault).
@@ -405,7 +405,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     }
     if (this.atCapacity()) {
       // The engine gets its blocks back at once: nobody will read them.
-      ctx.toEngine({
+      ctx.engine.send({
         case: "releaseBlocks",
         value: {
           transferId: m.transferId,
@@ -413,7 +413,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
           reason: ReleaseReason.FAILED,
         },
       });
-      return ctx.refuse(m.transferId, "ERR_OVERLOADED", `${s.maxTransfers} transfers live`);
+      return ctx.engine.refuse(m.transferId, "ERR_OVERLOADED", `${s.maxTransfers} transfers live`);
     }
     const t = this.fresh(m.transferId);
     const shrunk = ctx.kv()?.shrunk?.();
@@ -457,12 +457,16 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
    */
   private latePrefill(t: PrefillTransfer, m: PrefillDone): void {
     if (t.blocks !== undefined) {
-      this.ctx.refuse(t.id, "ERR_DUPLICATE", `PrefillDone for transfer '${t.id}' already received`);
+      this.ctx.engine.refuse(
+        t.id,
+        "ERR_DUPLICATE",
+        `PrefillDone for transfer '${t.id}' already received`,
+      );
       return;
     }
     t.blocks = [...m.blockIds];
     t.token = m.token;
-    this.ctx.toEngine({
+    this.ctx.engine.send({
       case: "releaseBlocks",
       value: {
         transferId: t.id,

@@ -5,18 +5,11 @@
  * terminal state per side, within a bound, as one event (lifecycle.ts, docs/protocol.md).
  * Reading order: src/sidecar/README.md.
  */
-import { create } from "@bufbuild/protobuf";
 import { randomBytes } from "node:crypto";
 import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
 
-import {
-  ReleaseReason,
-  SidecarToEngineSchema,
-  type EngineToSidecar,
-  type ExpectKv,
-  type SidecarToEngine,
-} from "../gen/kvxfer/v1/engine_pb.js";
+import { ReleaseReason, type EngineToSidecar, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
 import { describeUcx, ucxInfo, type Notification } from "../native/index.js";
 import { checkEngineMessage, engineIdProblem } from "../engine/validate.js";
@@ -27,13 +20,14 @@ import {
   parseAddress,
 } from "../peer/side-channel.js";
 import { systemClock, type Clock } from "./clock.js";
-import type { EngineMessage, SideContext } from "./context.js";
+import type { SideContext } from "./context.js";
 import { DecodeSide } from "./decode.js";
+import { EngineOutbox, LastErrors, type EngineSender } from "./engine-port.js";
+
 import { KvRegistry, type EngineConnection } from "./kv-registration.js";
 import { resolveOptions, type ResolvedOptions, type SidecarOptions } from "./options.js";
 import { SidecarLifecycle } from "./sidecar-lifecycle.js";
 
-export type { SidecarOptions } from "./options.js";
 import type { TransferMetrics } from "./metrics.js";
 import { PeerTable, type PeerTableHost } from "./peers.js";
 import { PrefillSide } from "./prefill.js";
@@ -52,13 +46,13 @@ import type {
   TransferSide,
 } from "./view.js";
 
-/** Where a sidecar sends what its engine must hear. */
-export type EngineSender = (msg: SidecarToEngine) => void;
-
 /** Where terminal and peer events go (the event log). */
 export interface EventSink {
   append(ev: Omit<SidecarEvent, "seq">): unknown;
 }
+
+export type { EngineSender } from "./engine-port.js";
+export type { SidecarOptions } from "./options.js";
 
 export class Sidecar implements SidecarView {
   readonly engineId: string;
@@ -68,9 +62,10 @@ export class Sidecar implements SidecarView {
   readonly startedMs = Date.now();
   private readonly opts: ResolvedOptions;
   private readonly log: Logger;
-  private engineSend: EngineSender = () => {};
-  /** The sender of the engine message being handled, while it is handled. */
-  private replyTo: EngineSender | undefined;
+  /** Kept for GetStatus. */
+  private readonly errors = new LastErrors();
+  /** The engine: messages to it, answers to the sender of the message being handled. */
+  private readonly engine: EngineOutbox;
   private events: EventSink = { append: () => undefined };
   private metrics: TransferMetrics | undefined;
   private readonly clock: Clock;
@@ -92,7 +87,6 @@ export class Sidecar implements SidecarView {
   private readonly life = new SidecarLifecycle();
   private bytesMoved = 0;
   private transfersMoved = 0;
-  private readonly lastErrors: string[] = [];
 
   constructor(options: SidecarOptions) {
     const idProblem = engineIdProblem(options.engineId, "--engine-id");
@@ -103,6 +97,7 @@ export class Sidecar implements SidecarView {
     // A random non-zero epoch: a restarted sidecar is a new peer.
     this.epoch = randomBytes(8).readBigUInt64BE() | 1n;
     this.log = options.logger.child({ component: "sidecar", engineId: options.engineId });
+    this.engine = new EngineOutbox(this.log, this.errors);
     this.clock = options.clock ?? systemClock;
     this.tracer = options.tracer;
     this.opts = resolveOptions(options);
@@ -114,7 +109,7 @@ export class Sidecar implements SidecarView {
       opts: this.opts,
       log: this.log,
       noteError: (text) => this.noteError(text),
-      answer: (msg) => this.answer(msg),
+      answer: (msg) => this.engine.answer(msg),
       sideChannel: () => this.sideChannel,
       wire: (agent, rank) => {
         agent.on("notifications", (batch) => this.onNotifications(rank, batch));
@@ -145,7 +140,7 @@ export class Sidecar implements SidecarView {
     events: EventSink,
     metrics?: TransferMetrics,
   ): Promise<string> {
-    this.engineSend = engineSend;
+    this.engine.connect(engineSend);
     this.events = events;
     this.metrics = metrics;
     const { host } = parseAddress(this.opts.listen);
@@ -270,7 +265,10 @@ export class Sidecar implements SidecarView {
    */
   onEngineMessage(msg: EngineToSidecar, reply?: EngineSender, conn?: EngineConnection): void {
     const receivedUs = monoUs();
-    this.replyTo = reply;
+    this.engine.replying(reply, () => this.handleEngine(msg, receivedUs, conn));
+  }
+
+  private handleEngine(msg: EngineToSidecar, receivedUs: number, conn?: EngineConnection): void {
     try {
       if (msg.msg.case === "register") {
         this.kvs.register(msg.msg.value, conn);
@@ -283,13 +281,13 @@ export class Sidecar implements SidecarView {
       // One place checks engine messages' fields; a problem costs only the message.
       const problem = checkEngineMessage(msg, this.kvs.kv?.layout);
       if (problem !== undefined) {
-        this.refuse(problem.transferId, problem.code, problem.message);
+        this.engine.refuse(problem.transferId, problem.code, problem.message);
         return;
       }
       if (this.life.draining && (msg.msg.case === "prefillDone" || msg.msg.case === "expectKv")) {
         // Blocks of a refused PrefillDone go straight back: no one will read them.
         if (msg.msg.case === "prefillDone") {
-          this.send({
+          this.engine.send({
             case: "releaseBlocks",
             value: {
               transferId: msg.msg.value.transferId,
@@ -299,7 +297,7 @@ export class Sidecar implements SidecarView {
           });
         }
         if (msg.msg.case === "expectKv") this.tellSourceDraining(msg.msg.value);
-        this.refuse(
+        this.engine.refuse(
           msg.msg.value.transferId,
           "ERR_DRAINING",
           "the sidecar is draining (SIGTERM): no new transfers",
@@ -309,7 +307,7 @@ export class Sidecar implements SidecarView {
       switch (msg.msg.case) {
         case "prefillDone":
           if (this.role === "decode")
-            return this.refuse(
+            return this.engine.refuse(
               msg.msg.value.transferId,
               "ERR_WRONG_ROLE",
               "PrefillDone sent to a decode sidecar",
@@ -318,7 +316,7 @@ export class Sidecar implements SidecarView {
           break;
         case "expectKv":
           if (this.role === "prefill")
-            return this.refuse(
+            return this.engine.refuse(
               msg.msg.value.transferId,
               "ERR_WRONG_ROLE",
               "ExpectKv sent to a prefill sidecar",
@@ -334,36 +332,18 @@ export class Sidecar implements SidecarView {
           this.onEngineAbort(msg.msg.value.transferId);
           break;
         default:
-          this.refuse("", "ERR_MALFORMED", "engine message carries no body");
+          this.engine.refuse("", "ERR_MALFORMED", "engine message carries no body");
       }
     } catch (err) {
       const e = KvxferError.from(err);
       this.noteError(`engine message: ${e.code} ${e.message}`);
       this.log.error({ err }, "engine message failed");
-    } finally {
-      this.replyTo = undefined;
     }
-  }
-
-  private send(msg: EngineMessage): void {
-    this.engineSend(create(SidecarToEngineSchema, { msg }));
-  }
-
-  private refuse(transferId: string, code: string, message: string): void {
-    this.noteError(`${code}: ${message}`);
-    this.log.warn({ transferId, code }, message);
-    this.answer({ case: "refused", value: { transferId, code, message } });
-  }
-
-  /** To the sender of the engine message being handled (else the registered engine). */
-  private answer(msg: EngineMessage): void {
-    (this.replyTo ?? this.engineSend)(create(SidecarToEngineSchema, { msg }));
   }
 
   /** Keeps the last errors for GetStatus (bounded). */
   noteError(text: string): void {
-    this.lastErrors.push(`${new Date().toISOString()} ${text}`);
-    if (this.lastErrors.length > 20) this.lastErrors.shift();
+    this.errors.note(text);
   }
 
   /** The engine link connection `id` ended: what it allocated and did not register is freed. */
@@ -380,8 +360,7 @@ export class Sidecar implements SidecarView {
       settings: this.opts,
       log: this.log,
       kv: () => this.kvs.kv,
-      toEngine: (msg) => this.send(msg),
-      refuse: (transferId, code, message) => this.refuse(transferId, code, message),
+      engine: this.engine,
       toPeer: (peer, body) => this.peers.send(peer, body),
       seal: (peer, body) => this.peers.seal(peer, body),
       emit: (kind, transferId, peer, side, reason, bytes, mode) =>
@@ -454,7 +433,7 @@ export class Sidecar implements SidecarView {
     if (!this.decode.has(transferId) && !this.prefill.has(transferId)) {
       // P's engine may give up on a push before D registers: D's registration is refused then.
       if (this.role !== "decode") this.prefill.giveUp(transferId);
-      return this.refuse(transferId, "ERR_UNKNOWN_TRANSFER", `no transfer '${transferId}'`);
+      return this.engine.refuse(transferId, "ERR_UNKNOWN_TRANSFER", `no transfer '${transferId}'`);
     }
     this.decode.abort(transferId);
     this.prefill.abort(transferId);
@@ -607,7 +586,7 @@ export class Sidecar implements SidecarView {
       bytesMoved: this.bytesMoved,
       transfersMoved: this.transfersMoved,
       leaseTableSize: this.prefill.leased(),
-      lastErrors: [...this.lastErrors],
+      lastErrors: this.errors.list(),
       ucx: this.ucxStatus(),
     };
   }

@@ -278,10 +278,12 @@ export class FakeWorld {
       settings: { ...SETTINGS, ...settings },
       log,
       kv: () => kv,
-      toEngine: (msg) => this.engine.push(msg),
-      refuse: (transferId, code, message) => {
-        this.refused.push({ transferId, code });
-        this.refusedText.push(`${code}: ${message}`);
+      engine: {
+        send: (msg) => this.engine.push(msg),
+        refuse: (transferId, code, message) => {
+          this.refused.push({ transferId, code });
+          this.refusedText.push(`${code}: ${message}`);
+        },
       },
       toPeer: (peer, body) => this.toPeer.push({ peer: peer.engineId, body }),
       seal: (_peer, body) => {
