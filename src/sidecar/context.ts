@@ -50,6 +50,14 @@ export interface EnginePort {
   refuse(transferId: string, code: string, message: string): void;
 }
 
+/** The peers, as a side reaches them (PeerTable in peers.ts). */
+export interface PeerPort {
+  /** A control notification to `peer` (rank 0 to rank 0), numbered and sealed. */
+  send(peer: PeerState, body: PeerBody): void;
+  /** The sealed bytes of one notification to `peer` (for a notification on a given endpoint). */
+  seal(peer: PeerState, body: PeerBody): Uint8Array;
+}
+
 export interface SideContext {
   readonly clock: Clock;
   readonly settings: LifecycleSettings;
@@ -58,10 +66,8 @@ export interface SideContext {
   kv(): RegisteredKv | undefined;
   /** The engine. */
   readonly engine: EnginePort;
-  /** A control notification to `peer` (rank 0 to rank 0), numbered and sealed. */
-  toPeer(peer: PeerState, body: PeerBody): void;
-  /** The sealed bytes of one notification to `peer` (for a notification on a given endpoint). */
-  seal(peer: PeerState, body: PeerBody): Uint8Array;
+  /** The peers. */
+  readonly peers: PeerPort;
   /** One terminal transfer event. */
   emit(
     kind: EventKind,

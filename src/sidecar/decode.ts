@@ -229,12 +229,12 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         return this.connect(t, d.peer!, d.pairing!);
       case "LATE_ABORT":
         // Given up on while the handshake ran (abort, watchdog): P can let go.
-        return ctx.toPeer(d.peer!, {
+        return ctx.peers.send(d.peer!, {
           case: "abort",
           value: { transferId: t.id, reason: t.reason, token: t.token },
         });
       case "SEND_PUSH_REG":
-        ctx.toPeer(t.peer!, {
+        ctx.peers.send(t.peer!, {
           case: "pushReg",
           value: {
             transferId: t.id,
@@ -263,7 +263,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         }
         return;
       case "ASK_HELD":
-        ctx.toPeer(t.peer!, {
+        ctx.peers.send(t.peer!, {
           case: "readDone",
           value: { transferId: t.id, bytes: BigInt(t.bytes), token: t.token },
         });
@@ -288,7 +288,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         return;
       }
       case "TELL_P_FAILED":
-        return ctx.toPeer(t.peer!, {
+        return ctx.peers.send(t.peer!, {
           case: "failed",
           value: {
             transferId: t.id,
@@ -298,7 +298,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
           },
         });
       case "TELL_P_ABORT":
-        return ctx.toPeer(t.peer!, {
+        return ctx.peers.send(t.peer!, {
           case: "abort",
           value: { transferId: t.id, reason: t.reason, token: t.token },
         });

@@ -246,7 +246,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         );
       case "TELL_REG_REGION":
         if (d.reg !== undefined && d.reg.withdrawn === undefined)
-          ctx.toPeer(d.reg.peer, {
+          ctx.peers.send(d.reg.peer, {
             case: "failed",
             value: { transferId: t.id, code: "ERR_REGION_CHANGED", message: d.shrunk! },
           });
@@ -299,7 +299,10 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       case "TELL_D_FAILED":
         return this.failTo(t.reg!.peer, t.id, d.error!.code, d.error!.message);
       case "ACK_ABORT":
-        return ctx.toPeer(d.peer ?? t.reg!.peer, { case: "abortAck", value: { transferId: t.id } });
+        return ctx.peers.send(d.peer ?? t.reg!.peer, {
+          case: "abortAck",
+          value: { transferId: t.id },
+        });
       case "MOVED":
         ctx.moved(d.bytes!);
         return;
@@ -327,7 +330,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       case "ACK_NOT_HELD": {
         // D reports ready only if P says the blocks were still held when it read them.
         const held = effect === "ACK_HELD";
-        ctx.toPeer(d.peer!, {
+        ctx.peers.send(d.peer!, {
           case: "readAck",
           value: { transferId: t.id, held, unknown: false },
         });
@@ -376,7 +379,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   }
 
   private failTo(peer: PeerState, transferId: string, code: string, message: string): void {
-    this.ctx.toPeer(peer, { case: "failed", value: { transferId, code, message } });
+    this.ctx.peers.send(peer, { case: "failed", value: { transferId, code, message } });
   }
 
   /** Every registration kept aside, not withdrawn, hears Failed. */
@@ -676,7 +679,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       const code =
         t.token === "" && chosen !== undefined ? "ERR_DUPLICATE" : "ERR_BAD_TRANSFER_TOKEN";
       this.ctx.noteError(`PushReg for '${t.id}' from '${r.peer.engineId}' refused: ${code}`);
-      this.ctx.toPeer(r.peer, {
+      this.ctx.peers.send(r.peer, {
         case: "failed",
         value: { transferId: t.id, code, message: "not the decode engine this transfer names" },
       });
@@ -748,7 +751,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         // to the progress thread and one flush, whatever the number of layers; the addon sends the
         // XferDone once every write is remotely complete, and not at all if one fails. So it is
         // sealed before the writes: its time since PrefillDone is to their posting.
-        const xferDone = ctx.seal(peer, {
+        const xferDone = ctx.peers.seal(peer, {
           case: "xferDone",
           value: {
             transferId: t.id,
@@ -790,7 +793,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     if (t === undefined) {
       // The router may have told D about the blocks before P's sidecar processed the
       // engine's PrefillDone: then P has no record at all, and D asks again.
-      this.ctx.toPeer(peer, {
+      this.ctx.peers.send(peer, {
         case: "readAck",
         value: { transferId, held: false, unknown: true },
       });
@@ -802,7 +805,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   peerAbort(peer: PeerState, transferId: string, token: string): void {
     const t = this.transfers.get(transferId);
     if (t === undefined) {
-      this.ctx.toPeer(peer, { case: "abortAck", value: { transferId } });
+      this.ctx.peers.send(peer, { case: "abortAck", value: { transferId } });
       return;
     }
     // Before PrefillDone: the registrant withdraws its own registration, nothing more; it

@@ -361,8 +361,7 @@ export class Sidecar implements SidecarView {
       log: this.log,
       kv: () => this.kvs.kv,
       engine: this.engine,
-      toPeer: (peer, body) => this.peers.send(peer, body),
-      seal: (peer, body) => this.peers.seal(peer, body),
+      peers: this.peers,
       emit: (kind, transferId, peer, side, reason, bytes, mode) =>
         this.emit(kind, transferId, peer, side, reason, bytes, mode),
       moved: (bytes) => {

@@ -285,11 +285,13 @@ export class FakeWorld {
           this.refusedText.push(`${code}: ${message}`);
         },
       },
-      toPeer: (peer, body) => this.toPeer.push({ peer: peer.engineId, body }),
-      seal: (_peer, body) => {
-        const sealed = new Uint8Array(0);
-        this.sealedBodies.set(sealed, body);
-        return sealed;
+      peers: {
+        send: (peer, body) => this.toPeer.push({ peer: peer.engineId, body }),
+        seal: (_peer, body) => {
+          const sealed = new Uint8Array(0);
+          this.sealedBodies.set(sealed, body);
+          return sealed;
+        },
       },
       emit: (kind, transferId, peer, side, reason) => {
         this.events.push({ kind, transferId, side, reason });
