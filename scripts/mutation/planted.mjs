@@ -34,7 +34,7 @@ export const BUGS = [
   {
     name: "write-after-registration-lease",
     what: "P writes into D's blocks after the registration's lease ran out (D may have reused them)",
-    file: "src/sidecar/prefill.ts",
+    file: "src/sidecar/prefill-writes.ts",
     from: "if (ctx.clock.now() > t.regDeadline || ",
     to: "if (",
   },

@@ -9,13 +9,12 @@
  */
 import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
 import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
-import type { Notification, WritePart } from "../native/index.js";
+import type { Notification } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 
 import { tokensEqual } from "../peer/messages.js";
-import { planPaired, type TransferPlan } from "../plan/index.js";
 import { BlockClaims } from "./claims.js";
-import { transferError, type SideContext } from "./context.js";
+import type { SideContext } from "./context.js";
 import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
 import type { PeerState } from "./peers.js";
 import {
@@ -30,61 +29,22 @@ import {
   type PrefillEvent,
   type PrefillState,
 } from "./prefill-machine.js";
+import {
+  MAX_PENDING_REGISTRATIONS,
+  PER_PEER_SHARE,
+  mayActOn,
+  newPrefillTransfer,
+  pendingOf,
+  rearm,
+  releaseReason,
+  settleRegistrations,
+  unname,
+  type PrefillTransfer,
+  type PushRegistration,
+} from "./prefill-transfer.js";
+import { planPush, postWrites } from "./prefill-writes.js";
 import { SideTable } from "./side-table.js";
-import { newTimings, type Timings } from "./timings.js";
-import { markPairSteps, TransferTrace } from "./trace.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
-
-/** D's push registration: where P writes, under D's lease. */
-export interface PushRegistration {
-  peer: PeerState;
-  token: string;
-  dstBlocks: number[];
-  numTokens: number;
-  prefixTokens: number;
-  leaseMs: number;
-  /** No write for it may start after this (renewed by its D's heartbeats). */
-  deadline: number;
-  /**
-   * Before PrefillDone: how its decode engine withdrew it (Abort, Failed, its lease, going
-   * down). It counts only at PrefillDone, and only if its token is the transfer's: before the
-   * token is known, nothing a registrant says ends the transfer.
-   */
-  withdrawn?: { kind: "ABORTED" | "FAILED" | "EXPIRED"; reason: string };
-}
-
-/** P's side of one transfer. */
-export interface PrefillTransfer {
-  readonly id: string;
-  readonly state: PrefillState;
-  blocks: number[] | undefined;
-  numTokens: number;
-  /** The registration P writes for: chosen at PrefillDone by the token, or one after it. */
-  reg: PushRegistration | undefined;
-  /**
-   * Before PrefillDone, every registration (at most MAX_PENDING_REGISTRATIONS, one per decode
-   * engine), withdrawn ones included: the token picks one at PrefillDone.
-   */
-  pending: PushRegistration[];
-  /** The decode engine whose PushReg created this entry, until PrefillDone (its share, O(1)). */
-  namedBy: PeerState | undefined;
-  /** PrefillDone.token: only a D presenting it may register, confirm, abort or fail the transfer. */
-  token: string;
-  /** Lease of held blocks (HELD), of a registration waiting for prefill (AWAITING_PREFILL), or the tombstone's end. */
-  deadline: number;
-  /** No write for the registration may start after this (renewed by D's heartbeats). */
-  regDeadline: number;
-  /** Who the blocks went to (peer engine id), once known. */
-  peer: string;
-  mode: "push" | "pull" | "";
-  /** How the transfer ends when the withdrawn registration its token names counts (REG_WITHDRAWN). */
-  outcome: { kind: PrefillState & TerminalKind; reason: string } | undefined;
-  bytes: number;
-  descriptors: number;
-  reason: string;
-  t: Timings;
-  trace: TransferTrace;
-}
 
 /** What comes with an event, for the effects that need it. */
 interface EventData {
@@ -114,11 +74,7 @@ interface EventData {
 /** Timestamps of the notification that carried a peer message (trace). */
 type Arrival = Pick<Notification, "receivedUs" | "deliveredUs">;
 
-/** Registrations kept before PrefillDone for one transfer, at most (one per decode engine). */
-const MAX_PENDING_REGISTRATIONS = 5;
-
-/** Entries one decode engine may create by PushReg before PrefillDone: this share of maxTransfers. */
-export const PER_PEER_SHARE = 8;
+export { PER_PEER_SHARE, type PrefillTransfer, type PushRegistration } from "./prefill-transfer.js";
 
 export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   /** Only with exclusivePrefillBlocks: a transfer claims its whole block_ids from PrefillDone to its end. */
@@ -158,7 +114,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   }
 
   protected exit(t: PrefillTransfer, kind: PrefillState & TerminalKind): void {
-    this.unname(t);
+    unname(t);
     if (t.blocks !== undefined) {
       if (this.ctx.settings.exclusivePrefillBlocks) this.claims.release(t.blocks, t.id);
       this.ctx.engine.send({
@@ -183,29 +139,6 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       reason: t.reason,
       timings: { ...t.t },
       trace: t.trace.hops,
-    };
-  }
-
-  private fresh(id: string): PrefillTransfer {
-    return {
-      id,
-      state: "AWAITING_PREFILL",
-      blocks: undefined,
-      numTokens: 0,
-      reg: undefined,
-      pending: [],
-      namedBy: undefined,
-      token: "",
-      deadline: 0,
-      regDeadline: 0,
-      peer: "",
-      mode: "",
-      outcome: undefined,
-      bytes: 0,
-      descriptors: 0,
-      reason: "",
-      t: newTimings(),
-      trace: new TransferTrace(),
     };
   }
 
@@ -294,8 +227,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
           "another decode engine registered for this transfer",
         );
       case "START_WRITES":
-        void this.push(t);
-        return;
+        return this.write(t);
       case "TELL_D_FAILED":
         return this.failTo(t.reg!.peer, t.id, d.error!.code, d.error!.message);
       case "ACK_ABORT":
@@ -366,7 +298,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         t.deadline = d.now! + ctx.settings.leaseMs;
         return;
       case "RENEW_PENDING": {
-        const r = this.pendingOf(t, d.peer!)!;
+        const r = pendingOf(t, d.peer!)!;
         r.deadline = d.now! + r.leaseMs;
         this.rearm(t);
         return;
@@ -418,7 +350,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       });
       return ctx.engine.refuse(m.transferId, "ERR_OVERLOADED", `${s.maxTransfers} transfers live`);
     }
-    const t = this.fresh(m.transferId);
+    const t = newPrefillTransfer(m.transferId);
     const shrunk = ctx.kv()?.shrunk?.();
     this.takePrefill(t, m, receivedUs);
     this.track(t, "HELD", "PrefillDone");
@@ -443,7 +375,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     shrunk: string | undefined,
   ): void {
     this.takePrefill(t, m, receivedUs);
-    const reg = this.settleRegistrations(t);
+    const reg = settleRegistrations(this.ctx, t);
     if (shrunk !== undefined) this.on(t, "REGION_BROKEN", { reg, shrunk });
     else if (reg?.withdrawn !== undefined) {
       t.outcome = reg.withdrawn;
@@ -540,7 +472,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       );
     }
     const reg = this.registration(peer, m);
-    const t = this.fresh(m.transferId);
+    const t = newPrefillTransfer(m.transferId);
     t.pending = [reg];
     t.namedBy = peer;
     peer.named++;
@@ -630,161 +562,28 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     this.rearm(t);
   }
 
+  private rearm(t: PrefillTransfer): void {
+    rearm(t, this.ctx.clock.now(), this.ctx.settings.leaseMs);
+  }
+
   /** Entries one decode engine may create before PrefillDone. */
   private perPeerCap(): number {
     const s = this.ctx.settings;
     return s.maxPerPeer ?? Math.max(1, Math.floor(s.maxTransfers / PER_PEER_SHARE));
   }
 
-  /** The entry no longer counts against the peer whose PushReg created it. */
-  private unname(t: PrefillTransfer): void {
-    if (t.namedBy === undefined) return;
-    t.namedBy.named--;
-    t.namedBy = undefined;
-  }
-
-  /**
-   * A WAITING entry's deadline: its first live registration's, or (all withdrawn) the time its
-   * withdrawals are remembered for a late PrefillDone. At most MAX_PENDING_REGISTRATIONS.
-   */
-  private rearm(t: PrefillTransfer): void {
-    let next = Infinity;
-    for (const r of t.pending) if (r.withdrawn === undefined) next = Math.min(next, r.deadline);
-    t.deadline = next === Infinity ? this.ctx.clock.now() + this.ctx.settings.leaseMs : next;
-    const first = t.pending.find((r) => r.withdrawn === undefined) ?? t.pending[0];
-    t.peer = first?.peer.engineId ?? "";
-  }
-
-  /** `peer`'s live registration kept before PrefillDone, if any. */
-  private pendingOf(t: PrefillTransfer, peer: PeerState): PushRegistration | undefined {
-    if (t.blocks !== undefined) return undefined;
-    return t.pending.find((r) => r.peer === peer && r.withdrawn === undefined);
-  }
-
-  /**
-   * At PrefillDone: picks the registration whose token matches the transfer's (the first one
-   * when the transfer has no token), refuses the others still live, and returns the one picked
-   * (withdrawn or not).
-   */
-  private settleRegistrations(t: PrefillTransfer): PushRegistration | undefined {
-    const all = t.pending;
-    t.pending = [];
-    this.unname(t);
-    // A live registration with the token first (the same D again after a restart, say), else a
-    // withdrawn one: then the transfer ends as its D asked.
-    const matches = all.filter((r) => tokensEqual(r.token, t.token));
-    const chosen = matches.find((r) => r.withdrawn === undefined) ?? matches[0];
-    for (const r of all) {
-      if (r === chosen || r.withdrawn !== undefined) continue;
-      const code =
-        t.token === "" && chosen !== undefined ? "ERR_DUPLICATE" : "ERR_BAD_TRANSFER_TOKEN";
-      this.ctx.noteError(`PushReg for '${t.id}' from '${r.peer.engineId}' refused: ${code}`);
-      this.ctx.peers.send(r.peer, {
-        case: "failed",
-        value: { transferId: t.id, code, message: "not the decode engine this transfer names" },
-      });
-    }
-    if (chosen === undefined || chosen.withdrawn !== undefined) {
-      t.reg = undefined;
-      t.peer = chosen?.peer.engineId ?? "";
-      t.mode = chosen === undefined ? "" : "push";
-      return chosen;
-    }
-    t.reg = chosen;
-    t.peer = chosen.peer.engineId;
-    t.mode = "push";
-    t.regDeadline = chosen.deadline;
-    return chosen;
-  }
-
-  /** START_WRITES: P writes every rank pair's KV into D's blocks, each pair followed by its XferDone. */
-  private async push(t: PrefillTransfer): Promise<void> {
-    const { ctx } = this;
-    const kv = ctx.kv()!;
-    const reg = t.reg!;
-    const peer = reg.peer;
-    let plan: TransferPlan;
-    try {
-      // A KV file that shrank would fault (SIGBUS) when the writes read it.
-      const shrunk = kv.shrunk?.();
-      if (shrunk !== undefined) throw new KvxferError("ERR_REGION_CHANGED", shrunk);
-      if (reg.numTokens !== t.numTokens) {
-        throw new KvxferError(
-          "ERR_BAD_TOKENS",
-          `D expects ${reg.numTokens} tokens, P prefilled ${t.numTokens}`,
-        );
-      }
-      plan = planPaired(peer.pairing(kv.layout, peer.layout), {
-        numTokens: t.numTokens,
-        prefixTokens: reg.prefixTokens,
-        srcBlockIds: t.blocks!,
-        dstBlockIds: reg.dstBlocks,
-      });
-    } catch (err) {
-      const e = transferError(err);
-      ctx.noteError(`push of '${t.id}' refused: ${e.code}: ${e.message}`);
-      this.on(t, "PLAN_FAILED", { error: e, reason: e.code });
+  /** START_WRITES: the writes (prefill-writes.ts), then the event their end makes. */
+  private write(t: PrefillTransfer): void {
+    const plan = planPush(this.ctx, t);
+    if (plan instanceof KvxferError) {
+      this.on(t, "PLAN_FAILED", { error: plan, reason: plan.code });
       return;
     }
-    t.trace.mark("planned");
-    const plannedAt = performance.now();
-    // A registration whose lease ran out must not be written to: D may have released the blocks.
-    const results = await Promise.allSettled(
-      plan.pairs.map(async (pair) => {
-        const agent = kv.agents[pair.srcRank]!;
-        const ep = peer.endpoint(pair.srcRank, pair.dstRank);
-        const parts: WritePart[] = [];
-        for (const rp of pair.regionPairs) {
-          if (rp.count === 0) continue;
-          parts.push({
-            local: kv.regions[pair.srcRank]![rp.srcRegion]!,
-            remote: peer.remote(pair.srcRank, pair.dstRank, rp.dstRegion),
-            descriptors: rp.descriptors,
-          });
-        }
-        if (ctx.clock.now() > t.regDeadline || t.state !== "WRITING" || peer.state !== "connected")
-          throw new KvxferError(
-            "ERR_ABORTED",
-            "registration expired, aborted, or peer down before the write",
-          );
-        // One native operation for all of the pair's region pairs and its XferDone: one hand-off
-        // to the progress thread and one flush, whatever the number of layers; the addon sends the
-        // XferDone once every write is remotely complete, and not at all if one fails. So it is
-        // sealed before the writes: its time since PrefillDone is to their posting.
-        const xferDone = ctx.peers.seal(peer, {
-          case: "xferDone",
-          value: {
-            transferId: t.id,
-            srcRank: pair.srcRank,
-            dstRank: pair.dstRank,
-            bytes: BigInt(pair.bytes),
-            sincePrefillDoneMs: Math.max(0, ctx.clock.now() - t.t.prefillDoneMs),
-          },
-        });
-        const written = await agent.writeParts(ep, parts, xferDone);
-        markPairSteps(t.trace, `${pair.srcRank}>${pair.dstRank}`, [written]);
-      }),
+    void postWrites(this.ctx, t, plan).then((r) =>
+      r.event === "WRITES_DONE"
+        ? this.on(t, r.event, { bytes: r.bytes })
+        : this.on(t, r.event, { error: r.error, reason: r.error.code }),
     );
-    t.t.dataDoneMs = ctx.clock.now();
-    t.bytes = plan.bytes;
-    t.descriptors = plan.descriptorCount;
-    ctx.log.debug(
-      {
-        transferId: t.id,
-        bytes: plan.bytes,
-        descriptors: plan.descriptorCount,
-        ms: t.t.dataDoneMs - t.t.dataStartedMs,
-        moveMs: Math.round((performance.now() - plannedAt) * 100) / 100,
-      },
-      "push writes settled",
-    );
-    const failed = results.find((r) => r.status === "rejected");
-    if (failed === undefined) {
-      this.on(t, "WRITES_DONE", { bytes: plan.bytes });
-      return;
-    }
-    const e = KvxferError.from((failed as PromiseRejectedResult).reason);
-    this.on(t, "WRITES_FAILED", { error: e, reason: e.code });
   }
 
   /** D read P's blocks (pull): they were held throughout, or D must not use what it read. */
@@ -810,31 +609,22 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     }
     // Before PrefillDone: the registrant withdraws its own registration, nothing more; it
     // counts at PrefillDone if its token is the transfer's. Nothing was written for it.
-    const r = this.pendingOf(t, peer);
+    const r = pendingOf(t, peer);
     if (r !== undefined) {
       this.on(t, "REG_ABORTED", { peer, withdrawn: r, reason: "aborted by decode" });
       return;
     }
-    this.on(t, this.mayActOn(t, peer, token) ? "D_ABORT" : "D_ABORT_FORGED", { peer });
+    this.on(t, mayActOn(t, peer, token) ? "D_ABORT" : "D_ABORT_FORGED", { peer });
   }
 
   /** D says the transfer failed on its side; returns false when P has no such live transfer. */
   peerFailed(peer: PeerState, transferId: string, code: string, token: string): boolean {
     const t = this.transfers.get(transferId);
     if (t === undefined) return false;
-    const r = this.pendingOf(t, peer);
+    const r = pendingOf(t, peer);
     if (r !== undefined) return this.on(t, "REG_FAILED", { peer, withdrawn: r, reason: code });
-    const event = this.mayActOn(t, peer, token) ? "D_FAILED" : "D_FAILED_FORGED";
+    const event = mayActOn(t, peer, token) ? "D_FAILED" : "D_FAILED_FORGED";
     return this.on(t, event, { peer, reason: code });
-  }
-
-  /**
-   * True when `peer` may end `t`: prefill is done (the token is known), it presents the token,
-   * and it is the registered decode engine if one registered. Before PrefillDone nobody may.
-   */
-  private mayActOn(t: PrefillTransfer, peer: PeerState, token: string): boolean {
-    if (t.blocks === undefined || !tokensEqual(t.token, token)) return false;
-    return t.reg === undefined || t.reg.peer === peer;
   }
 
   /**
@@ -871,7 +661,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       // Before PrefillDone only its own registration; after, only the registered engine's.
       const entitled =
         t.blocks === undefined
-          ? this.pendingOf(t, peer) !== undefined
+          ? pendingOf(t, peer) !== undefined
           : t.reg === undefined || t.reg.peer === peer;
       if (entitled) this.on(t, "HEARTBEAT", { peer, now });
     }
@@ -880,7 +670,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   /** The decode engine `peer` is gone: what it registered for fails (writes in flight abort). */
   peerDown(peer: PeerState): void {
     for (const t of this.transfers.values()) {
-      const r = this.pendingOf(t, peer);
+      const r = pendingOf(t, peer);
       if (r !== undefined) {
         // Before PrefillDone its registration is withdrawn; the transfer is not its to end.
         this.on(t, "REG_PEER_DOWN", { peer, withdrawn: r, reason: "ERR_PEER_DOWN" });
@@ -901,7 +691,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   /** Live transfers registered by `peer`. */
   liveWith(peer: PeerState): boolean {
     for (const t of this.transfers.values())
-      if (!isTerminal(t.state) && (t.reg?.peer === peer || this.pendingOf(t, peer) !== undefined))
+      if (!isTerminal(t.state) && (t.reg?.peer === peer || pendingOf(t, peer) !== undefined))
         return true;
     return false;
   }
@@ -938,7 +728,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       this.on(t, "REG_EXPIRED", { withdrawn: r, reason: "registration lease expired" });
     }
     if (live.length === 0) {
-      this.unname(t);
+      unname(t);
       this.forget(t);
     }
   }
@@ -948,19 +738,5 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     let n = 0;
     for (const t of this.transfers.values()) if (PREFILL_LEASED.has(t.state)) n++;
     return n;
-  }
-}
-
-/** Why a terminal state hands P's blocks back. */
-function releaseReason(kind: TerminalKind): ReleaseReason {
-  switch (kind) {
-    case "RELEASED":
-      return ReleaseReason.TRANSFERRED;
-    case "ABORTED":
-      return ReleaseReason.ABORTED;
-    case "EXPIRED":
-      return ReleaseReason.EXPIRED;
-    default:
-      return ReleaseReason.FAILED;
   }
 }
