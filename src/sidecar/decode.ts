@@ -406,6 +406,33 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     });
   }
 
+  /**
+   * D refuses an ExpectKv while draining: P may hold the blocks for it (prefill done, waiting for
+   * our read or registration). Told now, with the transfer's token, P frees them at once instead
+   * of at its lease.
+   */
+  tellSourceDraining(m: ExpectKv): void {
+    if (m.source === "") return;
+    this.resolvePeer(m.source)
+      .then((peer) =>
+        this.ctx.peers.send(peer, {
+          case: "failed",
+          value: {
+            transferId: m.transferId,
+            code: "ERR_DRAINING",
+            message: "the decode sidecar is stopping",
+            token: m.token,
+          },
+        }),
+      )
+      .catch((err: unknown) =>
+        this.ctx.log.debug(
+          { err, transferId: m.transferId },
+          "cannot tell P about a drain refusal",
+        ),
+      );
+  }
+
   // --- P: the handshake, the plan, the reads ----------------------------------------
 
   private async handshake(t: DecodeTransfer): Promise<void> {

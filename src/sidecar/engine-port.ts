@@ -41,14 +41,9 @@ export class EngineOutbox implements EnginePort {
     this.sendTo = send;
   }
 
-  /** Runs `handle` with answers going to `reply` (else to the registered engine). */
-  replying(reply: EngineSender | undefined, handle: () => void): void {
+  /** Answers go to `reply` (the sender of the engine message now handled; undefined: none). */
+  replyingTo(reply: EngineSender | undefined): void {
     this.replyTo = reply;
-    try {
-      handle();
-    } finally {
-      this.replyTo = undefined;
-    }
   }
 
   send(msg: EngineMessage): void {

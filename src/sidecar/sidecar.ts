@@ -9,7 +9,7 @@ import { randomBytes } from "node:crypto";
 import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
 
-import { ReleaseReason, type EngineToSidecar, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
+import { ReleaseReason, type EngineToSidecar } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
 import { describeUcx, ucxInfo, type Notification } from "../native/index.js";
 import { checkEngineMessage, engineIdProblem } from "../engine/validate.js";
@@ -265,10 +265,7 @@ export class Sidecar implements SidecarView {
    */
   onEngineMessage(msg: EngineToSidecar, reply?: EngineSender, conn?: EngineConnection): void {
     const receivedUs = monoUs();
-    this.engine.replying(reply, () => this.handleEngine(msg, receivedUs, conn));
-  }
-
-  private handleEngine(msg: EngineToSidecar, receivedUs: number, conn?: EngineConnection): void {
+    this.engine.replyingTo(reply);
     try {
       if (msg.msg.case === "register") {
         this.kvs.register(msg.msg.value, conn);
@@ -296,7 +293,7 @@ export class Sidecar implements SidecarView {
             },
           });
         }
-        if (msg.msg.case === "expectKv") this.tellSourceDraining(msg.msg.value);
+        if (msg.msg.case === "expectKv") this.decode.tellSourceDraining(msg.msg.value);
         this.engine.refuse(
           msg.msg.value.transferId,
           "ERR_DRAINING",
@@ -338,6 +335,8 @@ export class Sidecar implements SidecarView {
       const e = KvxferError.from(err);
       this.noteError(`engine message: ${e.code} ${e.message}`);
       this.log.error({ err }, "engine message failed");
+    } finally {
+      this.engine.replyingTo(undefined);
     }
   }
 
@@ -371,31 +370,6 @@ export class Sidecar implements SidecarView {
       noteError: (text) => this.noteError(text),
       metrics: () => this.metrics,
     };
-  }
-
-  /**
-   * D refuses an ExpectKv while draining: P may hold the blocks for it (prefill done, waiting for
-   * our read or registration). Told now, with the transfer's token, P frees them at once instead
-   * of at its lease.
-   */
-  private tellSourceDraining(m: ExpectKv): void {
-    if (m.source === "") return;
-    this.peers
-      .resolve(m.source)
-      .then((peer) =>
-        this.peers.send(peer, {
-          case: "failed",
-          value: {
-            transferId: m.transferId,
-            code: "ERR_DRAINING",
-            message: "the decode sidecar is stopping",
-            token: m.token,
-          },
-        }),
-      )
-      .catch((err: unknown) =>
-        this.log.debug({ err, transferId: m.transferId }, "cannot tell P about a drain refusal"),
-      );
   }
 
   /** What the peer table needs of this sidecar. */
