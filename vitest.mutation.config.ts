@@ -8,6 +8,7 @@ export default defineConfig({
   test: {
     include: [
       "test/sidecar/lifecycle.test.ts",
+      "test/sidecar/machines.test.ts",
       "test/sidecar/prefill-side.test.ts",
       "test/sidecar/decode-side.test.ts",
       "test/sidecar/orderings.test.ts",

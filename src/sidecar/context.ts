@@ -42,20 +42,32 @@ export interface LifecycleSettings {
   readonly exclusivePrefillBlocks: boolean;
 }
 
+/** The engine, as a side reaches it (engine-port.ts). */
+export interface EnginePort {
+  /** To the registered engine. */
+  send(msg: EngineMessage): void;
+  /** Refuses the engine message being handled (`Refused`, to its sender). */
+  refuse(transferId: string, code: string, message: string): void;
+}
+
+/** The peers, as a side reaches them (PeerTable in peers.ts). */
+export interface PeerPort {
+  /** A control notification to `peer` (rank 0 to rank 0), numbered and sealed. */
+  send(peer: PeerState, body: PeerBody): void;
+  /** The sealed bytes of one notification to `peer` (for a notification on a given endpoint). */
+  seal(peer: PeerState, body: PeerBody): Uint8Array;
+}
+
 export interface SideContext {
   readonly clock: Clock;
   readonly settings: LifecycleSettings;
   readonly log: Logger;
   /** The registered KV (undefined before the engine registers). */
   kv(): RegisteredKv | undefined;
-  /** To the registered engine. */
-  toEngine(msg: EngineMessage): void;
-  /** Refuses the engine message being handled (`Refused`, to its sender). */
-  refuse(transferId: string, code: string, message: string): void;
-  /** A control notification to `peer` (rank 0 to rank 0), numbered and sealed. */
-  toPeer(peer: PeerState, body: PeerBody): void;
-  /** The sealed bytes of one notification to `peer` (for a notification on a given endpoint). */
-  seal(peer: PeerState, body: PeerBody): Uint8Array;
+  /** The engine. */
+  readonly engine: EnginePort;
+  /** The peers. */
+  readonly peers: PeerPort;
   /** One terminal transfer event. */
   emit(
     kind: EventKind,

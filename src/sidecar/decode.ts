@@ -1,9 +1,9 @@
 /**
- * D's side of every transfer: the table of D's transfers, their lifecycle (lifecycle.ts), and
- * every handler that moves one: the engine's ExpectKv and Abort, P's XferDone, ReadAck,
- * AbortAck and Failed, the watchdog, and P going down. D registers its blocks with P (push) or
- * reads P's (pull), tells its engine KvReady or KvFailed, and gives the blocks back only when
- * no write into them can still land.
+ * D's side of every transfer: the table of D's transfers and the interpreter of D's machine
+ * (decode-machine.ts). Each handler turns what happened (the engine's ExpectKv and Abort, the
+ * handshake, P's XferDone, ReadAck, AbortAck and Failed, our reads settling, the clock, P going
+ * down) into one event; the table says where that moves the transfer and which effects run;
+ * `run` runs them against the engine, the peer and the clock. No handler decides a state.
  */
 import { FailureReason, ReleaseReason, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
 import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
@@ -19,17 +19,30 @@ import {
 import { BlockClaims } from "./claims.js";
 import { transferError, type SideContext } from "./context.js";
 import {
+  DECODE_FAILS_AS,
   DECODE_INITIAL,
   DECODE_NEXT,
-  isTerminal,
-  transition,
+  DECODE_PHASE,
+  DECODE_READING,
+  decodeStep,
+  type DecodeEffect,
+  type DecodeEvent,
   type DecodeState,
-} from "./lifecycle.js";
+} from "./decode-machine.js";
+import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
 import type { PeerState } from "./peers.js";
 import { SideTable } from "./side-table.js";
 import { newTimings, type Timings } from "./timings.js";
 import { markPairSteps, stepName, TransferTrace } from "./trace.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
+
+/** Why a transfer fails, as the engine and the event log hear it. */
+interface Failure {
+  reason: FailureReason;
+  code: string;
+  message: string;
+  release: ReleaseReason;
+}
 
 /** How a failing transfer ends once it is safe (decided when the failure began). */
 interface Outcome {
@@ -37,6 +50,26 @@ interface Outcome {
   reason: FailureReason;
   code: string;
   release: ReleaseReason;
+}
+
+/** Timestamps of the notification that carried a peer message (trace). */
+type Arrival = Pick<Notification, "receivedUs" | "deliveredUs">;
+
+/** What comes with an event, for the effects that need it. */
+interface EventData {
+  failure?: Failure;
+  /** PEER_FOUND_*: the peer the handshake found; its rank pairs with us. */
+  peer?: PeerState;
+  pairing?: LayoutPairing;
+  /** PLANNED: the reads to post. */
+  plan?: TransferPlan;
+  /** READS_FAILED: the first read's error. */
+  error?: KvxferError;
+  /** XFER_DONE: the message and the agent pair it came over. */
+  xfer?: { m: XferDone; fromRank: number; toRank: number };
+  arrival?: Arrival | undefined;
+  /** HEARTBEAT: when it is sent. */
+  now?: number;
 }
 
 /** D's side of one transfer. */
@@ -56,13 +89,12 @@ export interface DecodeTransfer {
   mode: "push" | "pull";
   expectedPairs: Set<string>;
   donePairs: Set<string>;
-  /** Watchdog, or (DRAINING) when the blocks may be released. */
+  /** Watchdog, or (PUSH_DRAINING) when the blocks may be released. */
   deadline: number;
   /** Last time D renewed P's registration (push), for the abort drain bound. */
   lastRenewMs: number;
-  /** Set with KvFailed: how the transfer ends once DRAINING is over. */
+  /** Set with KvFailed: how the transfer ends once a drain is over. */
   outcome: Outcome | undefined;
-  readsInFlight: number;
   /** Push: P's time from PrefillDone to posting its last pair's writes (from the XferDones). */
   sincePrefillDoneMs: number;
   /** Pull: when P first answered that it does not know the transfer (0: it has not). */
@@ -105,17 +137,18 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         t.t.registeredMs = now;
         t.deadline = now + s.transferTimeoutMs;
         break;
-      case "MOVING":
-        if (t.mode === "pull") t.t.dataStartedMs = now;
-        else t.lastRenewMs = now;
+      case "PUSH_REGISTERED":
+        t.lastRenewMs = now;
+        break;
+      case "READING":
+        t.t.dataStartedMs = now;
         break;
       case "CONFIRMING":
+      case "READS_DRAINING":
         break;
-      case "DRAINING":
-        // A push may still be written until P's registration lease (renewed by our
-        // heartbeats) has run out; reads settle by themselves.
-        if (t.mode === "push" && t.peer !== undefined)
-          t.deadline = t.lastRenewMs + s.regLeaseMs + s.abortGraceMs;
+      case "PUSH_DRAINING":
+        // P may still write until its registration lease (renewed by our heartbeats) has run out.
+        t.deadline = t.lastRenewMs + s.regLeaseMs + s.abortGraceMs;
         break;
       case "KV_READY":
         t.t.readyMs = now;
@@ -133,7 +166,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     this.claims.release(t.written, t.id);
     const peer = t.peer?.engineId ?? "";
     if (kind === "KV_READY") {
-      ctx.toEngine({ case: "kvReady", value: { transferId: t.id } });
+      ctx.engine.send({ case: "kvReady", value: { transferId: t.id } });
       t.trace.mark("engine.kvReady sent");
       // Prefill done -> ready: for push P reports its side up to posting the writes (the data
       // time itself is not in it: the XferDone is sealed before the writes and travels with
@@ -146,7 +179,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       return;
     }
     const o = t.outcome!;
-    ctx.toEngine({
+    ctx.engine.send({
       case: "releaseBlocks",
       value: { transferId: t.id, blockIds: t.dstBlocks, reason: o.release },
     });
@@ -159,7 +192,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       transferId: t.id,
       side: "decode",
       mode: t.mode,
-      state: t.state,
+      state: DECODE_PHASE[t.state],
       peer: t.peer?.engineId ?? "",
       bytes: t.bytes,
       descriptors: t.descriptors,
@@ -169,6 +202,116 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     };
   }
 
+  // --- the interpreter -------------------------------------------------------------
+
+  /**
+   * Feeds `event` to `t`'s machine: runs the row's effects, moves to its state, runs what
+   * follows the move. Returns false when the state ignores the event (no row).
+   */
+  private on(t: DecodeTransfer, event: DecodeEvent, data: EventData = {}): boolean {
+    const row = decodeStep(t.state, event);
+    if (row === undefined) return false;
+    for (const e of row.effects ?? []) this.run(t, e, event, data);
+    if (row.to !== undefined) {
+      const to = row.to === OUTCOME ? t.outcome!.kind : row.to;
+      transition(this.lc, t, to, row.to === OUTCOME ? "no write can land any more" : event);
+    }
+    for (const e of row.then ?? []) this.run(t, e, event, data);
+    return true;
+  }
+
+  /** One effect of a row, for `event` (and what came with it). */
+  private run(t: DecodeTransfer, effect: DecodeEffect, event: DecodeEvent, d: EventData): void {
+    const { ctx } = this;
+    switch (effect) {
+      case "CONNECT_PUSH":
+      case "CONNECT_PULL":
+        return this.connect(t, d.peer!, d.pairing!);
+      case "LATE_ABORT":
+        // Given up on while the handshake ran (abort, watchdog): P can let go.
+        return ctx.peers.send(d.peer!, {
+          case: "abort",
+          value: { transferId: t.id, reason: t.reason, token: t.token },
+        });
+      case "SEND_PUSH_REG":
+        ctx.peers.send(t.peer!, {
+          case: "pushReg",
+          value: {
+            transferId: t.id,
+            blockIds: t.dstBlocks,
+            numTokens: t.numTokens,
+            prefixTokens: t.prefixTokens,
+            leaseMs: ctx.settings.regLeaseMs,
+            token: t.token,
+          },
+        });
+        t.trace.mark("peer.pushReg sent");
+        return;
+      case "START_READS":
+        void this.read(t, t.peer!, d.plan!);
+        return;
+      case "COUNT_PAIR":
+        return this.countPair(t, d.xfer!, d.arrival);
+      case "DATA_DONE":
+        t.t.dataDoneMs = ctx.clock.now();
+        ctx.moved(t.bytes);
+        return;
+      case "TRACE_ACK":
+        if (d.arrival !== undefined) {
+          t.trace.mark("peer.readAck received", d.arrival.receivedUs);
+          t.trace.mark("peer.readAck delivered", d.arrival.deliveredUs);
+        }
+        return;
+      case "ASK_HELD":
+        ctx.peers.send(t.peer!, {
+          case: "readDone",
+          value: { transferId: t.id, bytes: BigInt(t.bytes), token: t.token },
+        });
+        t.trace.mark("peer.readDone sent");
+        return;
+      case "RETRY_OR_GIVE_UP":
+        return this.retryOrGiveUp(t);
+      case "KV_FAILED": {
+        const f = d.failure!;
+        t.outcome = {
+          kind: DECODE_FAILS_AS[event]!,
+          reason: f.reason,
+          code: f.code,
+          release: f.release,
+        };
+        t.reason = f.code;
+        ctx.metrics()?.transferFailed(f.code);
+        ctx.engine.send({
+          case: "kvFailed",
+          value: { transferId: t.id, reason: f.reason, message: f.message },
+        });
+        return;
+      }
+      case "TELL_P_FAILED":
+        return ctx.peers.send(t.peer!, {
+          case: "failed",
+          value: {
+            transferId: t.id,
+            code: d.error!.code,
+            message: d.error!.message,
+            token: t.token,
+          },
+        });
+      case "TELL_P_ABORT":
+        return ctx.peers.send(t.peer!, {
+          case: "abort",
+          value: { transferId: t.id, reason: t.reason, token: t.token },
+        });
+      case "RENEW_PUSH":
+        t.lastRenewMs = d.now!;
+        return;
+      case "RENEW":
+        return;
+      case "FORGET":
+        return this.forget(t);
+    }
+  }
+
   // --- the engine ----------------------------------------------------------------
 
   /** `receivedUs`: when the engine's message arrived (monoUs). */
@@ -176,14 +319,14 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const { ctx } = this;
     const existing = this.transfers.get(m.transferId);
     if (existing !== undefined) {
-      return ctx.refuse(
+      return ctx.engine.refuse(
         m.transferId,
         "ERR_DUPLICATE",
         `ExpectKv for transfer '${m.transferId}' already received`,
       );
     }
     if (this.atCapacity()) {
-      return ctx.refuse(
+      return ctx.engine.refuse(
         m.transferId,
         "ERR_OVERLOADED",
         `${ctx.settings.maxTransfers} transfers live`,
@@ -194,10 +337,10 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const firstWritten = Math.floor(m.prefixTokens / bs);
     const written = m.blockIds.slice(firstWritten, Math.ceil(m.numTokens / bs));
     const clash = this.claims.clash(written, firstWritten, m.transferId);
-    if (clash !== undefined) return ctx.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
+    if (clash !== undefined) return ctx.engine.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
     const hasSrc = m.hasSourceBlockIds;
     if (pullWanted && !hasSrc)
-      return ctx.refuse(
+      return ctx.engine.refuse(
         m.transferId,
         "ERR_NO_SOURCE_BLOCKS",
         "pull mode needs ExpectKv.source_block_ids",
@@ -219,7 +362,6 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       deadline: 0,
       lastRenewMs: ctx.clock.now(),
       outcome: undefined,
-      readsInFlight: 0,
       sincePrefillDoneMs: 0,
       unknownSinceMs: 0,
       bytes: 0,
@@ -231,7 +373,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     t.trace.mark("engine.expectKv", receivedUs);
     this.claims.claim(written, t.id);
     this.track(t, "WAITING", "ExpectKv");
-    void this.start(t);
+    void this.handshake(t);
   }
 
   /**
@@ -239,76 +381,88 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
    * (a pull's Abort lets it free its blocks; a push's Abort stops its writes and frees them).
    */
   abandon(): void {
-    for (const t of this.transfers.values()) {
-      if (isTerminal(t.state) || t.state === "DRAINING") continue;
-      const safe = t.state === "WAITING" && (t.mode === "pull" || t.peer === undefined);
-      this.fail(
-        t,
-        "ABORTED",
-        FailureReason.ABORTED,
-        "ERR_DRAINING",
-        "the decode sidecar is stopping",
-        ReleaseReason.ABORTED,
-        safe,
-      );
-    }
+    for (const t of this.transfers.values())
+      this.on(t, "STOPPING", {
+        failure: {
+          reason: FailureReason.ABORTED,
+          code: "ERR_DRAINING",
+          message: "the decode sidecar is stopping",
+          release: ReleaseReason.ABORTED,
+        },
+      });
   }
 
   /** The engine aborts: KvFailed at once, the blocks once no write can land. */
   abort(transferId: string): void {
     const t = this.transfers.get(transferId);
-    if (t === undefined || isTerminal(t.state)) return;
-    const safe = t.state === "WAITING" && (t.mode === "pull" || t.peer === undefined);
-    this.fail(
-      t,
-      "ABORTED",
-      FailureReason.ABORTED,
-      "ERR_ABORTED",
-      "aborted by the engine",
-      ReleaseReason.ABORTED,
-      safe,
-    );
+    if (t === undefined) return;
+    this.on(t, "ENGINE_ABORT", {
+      failure: {
+        reason: FailureReason.ABORTED,
+        code: "ERR_ABORTED",
+        message: "aborted by the engine",
+        release: ReleaseReason.ABORTED,
+      },
+    });
   }
 
-  private async start(t: DecodeTransfer): Promise<void> {
-    const { ctx } = this;
+  /**
+   * D refuses an ExpectKv while draining: P may hold the blocks for it (prefill done, waiting for
+   * our read or registration). Told now, with the transfer's token, P frees them at once instead
+   * of at its lease.
+   */
+  tellSourceDraining(m: ExpectKv): void {
+    if (m.source === "") return;
+    this.resolvePeer(m.source)
+      .then((peer) =>
+        this.ctx.peers.send(peer, {
+          case: "failed",
+          value: {
+            transferId: m.transferId,
+            code: "ERR_DRAINING",
+            message: "the decode sidecar is stopping",
+            token: m.token,
+          },
+        }),
+      )
+      .catch((err: unknown) =>
+        this.ctx.log.debug(
+          { err, transferId: m.transferId },
+          "cannot tell P about a drain refusal",
+        ),
+      );
+  }
+
+  // --- P: the handshake, the plan, the reads ----------------------------------------
+
+  private async handshake(t: DecodeTransfer): Promise<void> {
     let peer: PeerState;
     let pairing: LayoutPairing;
     try {
       peer = await this.resolvePeer(t.source);
       // Made at the handshake (the same layouts): which P ranks hold this engine's heads.
-      pairing = peer.pairing(peer.layout, ctx.kv()!.layout);
+      pairing = peer.pairing(peer.layout, this.ctx.kv()!.layout);
     } catch (err) {
       const e = KvxferError.from(err);
       const reason =
         e.code === "ERR_LAYOUT_INCOMPATIBLE"
           ? FailureReason.INCOMPATIBLE
           : FailureReason.UNREACHABLE;
-      // Nothing was registered with P: the blocks are safe at once.
-      this.fail(t, "FAILED", reason, e.code, e.message, ReleaseReason.FAILED, true);
+      this.on(t, "HANDSHAKE_FAILED", { failure: failed(reason, e.code, e.message) });
       return;
     }
-    if (t.state !== "WAITING") {
-      // Given up on while the handshake ran (abort, watchdog): a pull tells P it can let go.
-      if (t.mode === "pull")
-        ctx.toPeer(peer, {
-          case: "abort",
-          value: { transferId: t.id, reason: t.reason, token: t.token },
-        });
-      return;
-    }
+    this.on(t, t.mode === "push" ? "PEER_FOUND_PUSH" : "PEER_FOUND_PULL", { peer, pairing });
+  }
+
+  /** CONNECT_*: the KV region still whole, the peer taken, (pull) the reads planned. */
+  private connect(t: DecodeTransfer, peer: PeerState, pairing: LayoutPairing): void {
+    const kv = this.ctx.kv()!;
     // A KV file that shrank would fault (SIGBUS) when P's writes or our reads reach it.
-    const shrunk = ctx.kv()!.shrunk?.();
+    const shrunk = kv.shrunk?.();
     if (shrunk !== undefined) {
-      this.fail(
-        t,
-        "FAILED",
-        FailureReason.BAD_REQUEST,
-        "ERR_REGION_CHANGED",
-        shrunk,
-        ReleaseReason.FAILED,
-        true,
-      );
+      this.on(t, "REGION_CHANGED", {
+        failure: failed(FailureReason.BAD_REQUEST, "ERR_REGION_CHANGED", shrunk),
+      });
       return;
     }
     t.peer = peer;
@@ -316,28 +470,9 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       for (const s of d.sources) t.expectedPairs.add(`${s.srcRank}:${d.dstRank}`);
     }
     if (t.mode === "push") {
-      transition(this.lc, t, "MOVING", "push registered with P");
-      ctx.toPeer(peer, {
-        case: "pushReg",
-        value: {
-          transferId: t.id,
-          blockIds: t.dstBlocks,
-          numTokens: t.numTokens,
-          prefixTokens: t.prefixTokens,
-          leaseMs: ctx.settings.regLeaseMs,
-          token: t.token,
-        },
-      });
-      t.trace.mark("peer.pushReg sent");
-    } else {
-      await this.pull(t, peer);
+      this.on(t, "PUSH_READY");
+      return;
     }
-  }
-
-  /** D reads every rank pair's KV from P's blocks, then asks P whether they were held throughout. */
-  private async pull(t: DecodeTransfer, peer: PeerState): Promise<void> {
-    const { ctx } = this;
-    const kv = ctx.kv()!;
     let plan: TransferPlan;
     try {
       plan = planPaired(peer.pairing(peer.layout, kv.layout), {
@@ -348,19 +483,17 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       });
     } catch (err) {
       const e = transferError(err);
-      this.fail(
-        t,
-        "FAILED",
-        FailureReason.BAD_REQUEST,
-        e.code,
-        e.message,
-        ReleaseReason.FAILED,
-        true,
-      );
+      this.on(t, "PLAN_FAILED", { failure: failed(FailureReason.BAD_REQUEST, e.code, e.message) });
       return;
     }
     t.trace.mark("planned");
-    transition(this.lc, t, "MOVING", "pull planned");
+    this.on(t, "PLANNED", { plan });
+  }
+
+  /** START_READS: D reads every rank pair's KV from P's blocks; READS_DONE or READS_FAILED. */
+  private async read(t: DecodeTransfer, peer: PeerState, plan: TransferPlan): Promise<void> {
+    const { ctx } = this;
+    const kv = ctx.kv()!;
     t.bytes = plan.bytes;
     t.descriptors = plan.descriptorCount;
     const reads: Promise<OpTrace>[] = [];
@@ -386,9 +519,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     } catch (err) {
       reads.push(Promise.reject(err));
     }
-    t.readsInFlight = reads.length;
     const settled = await Promise.allSettled(reads);
-    t.readsInFlight = 0;
     t.t.dataDoneMs = ctx.clock.now();
     for (const name of new Set(pairOf)) {
       const ops: OpTrace[] = [];
@@ -397,104 +528,63 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       });
       markPairSteps(t.trace, name, ops);
     }
-    if (t.state === "DRAINING") {
-      // Aborted or timed out while reading: the reads are over, the blocks are safe now.
-      this.settle(t);
-      return;
-    }
-    if (t.state !== "MOVING") return;
     const bad = settled.find((s) => s.status === "rejected");
-    if (bad !== undefined) {
-      const e = KvxferError.from((bad as PromiseRejectedResult).reason);
-      ctx.toPeer(peer, {
-        case: "failed",
-        value: { transferId: t.id, code: e.code, message: e.message, token: t.token },
-      });
-      this.fail(
-        t,
-        "FAILED",
-        FailureReason.TRANSFER_ERROR,
-        e.code,
-        e.message,
-        ReleaseReason.FAILED,
-        true,
-      );
+    if (bad === undefined) {
+      this.on(t, "READS_DONE");
       return;
     }
-    transition(this.lc, t, "CONFIRMING", "every READ done");
-    this.askHeld(t, peer);
-  }
-
-  private askHeld(t: DecodeTransfer, peer: PeerState): void {
-    this.ctx.toPeer(peer, {
-      case: "readDone",
-      value: { transferId: t.id, bytes: BigInt(t.bytes), token: t.token },
+    const e = KvxferError.from((bad as PromiseRejectedResult).reason);
+    this.on(t, "READS_FAILED", {
+      error: e,
+      failure: failed(FailureReason.TRANSFER_ERROR, e.code, e.message),
     });
-    t.trace.mark("peer.readDone sent");
   }
 
   // --- the prefill peer ------------------------------------------------------------
 
-  readAck(
-    peer: PeerState,
-    transferId: string,
-    held: boolean,
-    unknown: boolean,
-    n?: Pick<Notification, "receivedUs" | "deliveredUs">,
-  ): void {
+  readAck(peer: PeerState, transferId: string, held: boolean, unknown: boolean, n?: Arrival): void {
     const t = this.transfers.get(transferId);
-    if (t === undefined || t.peer !== peer || t.state !== "CONFIRMING" || t.mode !== "pull") return;
-    if (n !== undefined) {
-      t.trace.mark("peer.readAck received", n.receivedUs);
-      t.trace.mark("peer.readAck delivered", n.deliveredUs);
-    }
+    if (t === undefined || t.peer !== peer) return;
     if (unknown) {
-      // P has not seen PrefillDone yet, so it cannot have released the blocks: ask again
-      // shortly. P's engine sends PrefillDone within an engine step of answering the router;
-      // a transfer P still does not know after UNKNOWN_GIVE_UP_MS was never P's (made-up
-      // params): it fails then, not at the watchdog.
-      const now = this.ctx.clock.now();
-      if (t.unknownSinceMs === 0) t.unknownSinceMs = now;
-      else if (now - t.unknownSinceMs >= UNKNOWN_GIVE_UP_MS) {
-        this.fail(
-          t,
-          "FAILED",
-          FailureReason.PEER_FAILED,
-          "ERR_UNKNOWN_TRANSFER",
-          `P has not known this transfer for ${UNKNOWN_GIVE_UP_MS} ms (no PrefillDone for it)`,
-          ReleaseReason.FAILED,
-          true,
-        );
-        return;
-      }
-      this.ctx.clock.after(10, () => {
-        if (t.state === "CONFIRMING" && t.peer !== undefined) this.askHeld(t, t.peer);
-      });
-      return;
-    }
-    if (held) {
-      transition(this.lc, t, "KV_READY", "P held the blocks throughout the reads");
+      this.on(t, "READ_ACK_UNKNOWN", { arrival: n });
+    } else if (held) {
+      this.on(t, "READ_ACK_HELD", { arrival: n });
     } else {
-      this.fail(
-        t,
-        "FAILED",
-        FailureReason.LEASE_EXPIRED,
-        "ERR_LEASE_EXPIRED",
-        "P released the blocks before D's read was confirmed",
-        ReleaseReason.FAILED,
-        true,
-      );
+      this.on(t, "READ_ACK_RELEASED", {
+        arrival: n,
+        failure: failed(
+          FailureReason.LEASE_EXPIRED,
+          "ERR_LEASE_EXPIRED",
+          "P released the blocks before D's read was confirmed",
+        ),
+      });
     }
   }
 
+  /**
+   * P has not seen PrefillDone yet, so it cannot have released the blocks: ask again shortly.
+   * P's engine sends PrefillDone within an engine step of answering the router; a transfer P
+   * still does not know after UNKNOWN_GIVE_UP_MS was never P's (made-up params): it fails then,
+   * not at the watchdog.
+   */
+  private retryOrGiveUp(t: DecodeTransfer): void {
+    const now = this.ctx.clock.now();
+    if (t.unknownSinceMs === 0) t.unknownSinceMs = now;
+    else if (now - t.unknownSinceMs >= UNKNOWN_GIVE_UP_MS) {
+      this.on(t, "UNKNOWN_TOO_LONG", {
+        failure: failed(
+          FailureReason.PEER_FAILED,
+          "ERR_UNKNOWN_TRANSFER",
+          `P has not known this transfer for ${UNKNOWN_GIVE_UP_MS} ms (no PrefillDone for it)`,
+        ),
+      });
+      return;
+    }
+    this.ctx.clock.after(10, () => this.on(t, "ASK_AGAIN"));
+  }
+
   /** One pair's data is in D's blocks (push); the last one makes the KV ready. */
-  xferDone(
-    peer: PeerState,
-    fromRank: number,
-    toRank: number,
-    m: XferDone,
-    n?: Pick<Notification, "receivedUs" | "deliveredUs">,
-  ): void {
+  xferDone(peer: PeerState, fromRank: number, toRank: number, m: XferDone, n?: Arrival): void {
     const { ctx } = this;
     const t = this.transfers.get(m.transferId);
     if (t === undefined) {
@@ -511,14 +601,22 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       );
       return;
     }
-    if (t.peer === undefined || t.mode !== "push" || t.state !== "MOVING") {
+    if (!this.on(t, "XFER_DONE", { xfer: { m, fromRank, toRank }, arrival: n }))
       ctx.log.debug({ transferId: m.transferId }, "XferDone for no moving push transfer: ignored");
-      return;
-    }
+  }
+
+  /** COUNT_PAIR: one pair counts once; the last makes ALL_PAIRS_DONE. */
+  private countPair(
+    t: DecodeTransfer,
+    x: { m: XferDone; fromRank: number; toRank: number },
+    n: Arrival | undefined,
+  ): void {
+    const { ctx } = this;
+    const { m } = x;
     // The notification must come from the agent pair it names (it follows that pair's data).
-    if (m.srcRank !== fromRank || m.dstRank !== toRank) {
+    if (m.srcRank !== x.fromRank || m.dstRank !== x.toRank) {
       ctx.noteError(
-        `XferDone for ${m.transferId} names ranks ${m.srcRank}->${m.dstRank} but came ${fromRank}->${toRank}`,
+        `XferDone for ${m.transferId} names ranks ${m.srcRank}->${m.dstRank} but came ${x.fromRank}->${x.toRank}`,
       );
       return;
     }
@@ -534,9 +632,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     t.bytes += Number(m.bytes);
     t.sincePrefillDoneMs = Math.max(t.sincePrefillDoneMs, m.sincePrefillDoneMs);
     if (t.donePairs.size === t.expectedPairs.size) {
-      t.t.dataDoneMs = ctx.clock.now();
-      ctx.moved(t.bytes);
-      transition(this.lc, t, "KV_READY", "every pair's XferDone");
+      this.on(t, "ALL_PAIRS_DONE");
     }
   }
 
@@ -544,99 +640,23 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   peerFailed(peer: PeerState, transferId: string, code: string, message: string): boolean {
     const t = this.transfers.get(transferId);
     if (t === undefined || t.peer !== peer || isTerminal(t.state)) return false;
-    if (t.state === "DRAINING") {
-      // P failed after our abort: its writes are over.
-      if (t.mode === "push") this.settle(t);
-      return true;
-    }
-    // P sends Failed only once its writes for the transfer are over.
-    const safe = t.mode === "push" || t.readsInFlight === 0;
     const reason =
       code === "ERR_LEASE_EXPIRED" ? FailureReason.LEASE_EXPIRED : FailureReason.PEER_FAILED;
-    this.fail(t, "FAILED", reason, code, `prefill side: ${message}`, ReleaseReason.FAILED, safe);
+    this.on(t, "P_FAILED", { failure: failed(reason, code, `prefill side: ${message}`) });
     return true;
   }
 
   /** P acknowledged our abort of a push: no write will land. */
   abortAck(peer: PeerState, transferId: string): void {
     const t = this.transfers.get(transferId);
-    // Only a push waits for P's acknowledgement; a pull waits for its own reads to settle.
-    if (t === undefined || t.peer !== peer || t.state !== "DRAINING" || t.mode !== "push") return;
-    this.settle(t);
+    if (t !== undefined && t.peer === peer) this.on(t, "ABORT_ACK");
   }
 
   /** P is gone: its transfers fail (a push's blocks wait for the registration lease). */
   peerDown(peer: PeerState, why: string): void {
-    for (const t of this.transfers.values()) {
-      if (t.peer !== peer || isTerminal(t.state) || t.state === "DRAINING") continue;
-      // A push may still have writes in flight from a peer we merely stopped hearing:
-      // the blocks wait for the registration lease. Reads settle by themselves.
-      this.fail(
-        t,
-        "FAILED",
-        FailureReason.PEER_FAILED,
-        "ERR_PEER_DOWN",
-        why,
-        ReleaseReason.FAILED,
-        t.mode === "pull" && t.readsInFlight === 0,
-      );
-    }
-  }
-
-  // --- failure ---------------------------------------------------------------------
-
-  /**
-   * D's failure path. The engine hears KvFailed at once (it may recompute); its blocks come
-   * back only when no write into them can still arrive: at once when `safe`, else (DRAINING)
-   * on P's AbortAck, on reads settling, or when P's registration lease (plus a grace) has
-   * surely run out.
-   */
-  private fail(
-    t: DecodeTransfer,
-    kind: DecodeState & TerminalKind,
-    reason: FailureReason,
-    code: string,
-    message: string,
-    release: ReleaseReason,
-    safe: boolean,
-  ): void {
-    const { ctx } = this;
-    if (isTerminal(t.state) || t.state === "DRAINING") return;
-    t.outcome = { kind, reason, code, release };
-    t.reason = code;
-    ctx.metrics()?.transferFailed(code);
-    ctx.toEngine({ case: "kvFailed", value: { transferId: t.id, reason, message } });
-    // A pull that D gives up on (abort, watchdog): P need not hold its blocks to the lease.
-    if (
-      t.mode === "pull" &&
-      t.peer !== undefined &&
-      reason !== FailureReason.LEASE_EXPIRED &&
-      reason !== FailureReason.PEER_FAILED
-    ) {
-      ctx.toPeer(t.peer, {
-        case: "abort",
-        value: { transferId: t.id, reason: code, token: t.token },
-      });
-    }
-    if (safe) {
-      transition(this.lc, t, kind, code);
-      return;
-    }
-    transition(this.lc, t, "DRAINING", code);
-    if (t.mode === "push" && t.peer !== undefined) {
-      ctx.toPeer(t.peer, {
-        case: "abort",
-        value: { transferId: t.id, reason: code, token: t.token },
-      });
-    } else if (t.readsInFlight === 0) {
-      this.settle(t);
-    }
-  }
-
-  /** DRAINING is over: the transfer ends as decided when it began failing. */
-  private settle(t: DecodeTransfer): void {
-    if (t.state !== "DRAINING") return;
-    transition(this.lc, t, t.outcome!.kind, "no write can land any more");
+    for (const t of this.transfers.values())
+      if (t.peer === peer)
+        this.on(t, "P_DOWN", { failure: failed(FailureReason.PEER_FAILED, "ERR_PEER_DOWN", why) });
   }
 
   // --- time ------------------------------------------------------------------------
@@ -645,41 +665,33 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   heartbeatIds(now: number): Map<PeerState, string[]> {
     const byPeer = new Map<PeerState, string[]>();
     for (const t of this.transfers.values()) {
-      if (t.peer === undefined || isTerminal(t.state) || t.state === "DRAINING") continue;
-      let ids = byPeer.get(t.peer);
-      if (ids === undefined) byPeer.set(t.peer, (ids = []));
+      if (!this.on(t, "HEARTBEAT", { now })) continue;
+      let ids = byPeer.get(t.peer!);
+      if (ids === undefined) byPeer.set(t.peer!, (ids = []));
       ids.push(t.id);
-      if (t.mode === "push") t.lastRenewMs = now;
     }
     return byPeer;
   }
 
-  /** The watchdog, the end of DRAINING by time, and old tombstones. */
+  /** The watchdog, the end of a push's drain by time, and old tombstones. */
   expire(now: number): void {
     for (const t of this.transfers.values()) {
       if (now < t.deadline) continue;
-      if (isTerminal(t.state)) {
-        this.forget(t);
-      } else if (t.state === "DRAINING") {
-        if (t.readsInFlight === 0) this.settle(t); // P's registration lease has run out
-      } else {
-        this.fail(
-          t,
-          "EXPIRED",
-          FailureReason.TIMEOUT,
-          "ERR_TIMEOUT",
-          `no KV within ${this.ctx.settings.transferTimeoutMs} ms`,
-          ReleaseReason.EXPIRED,
-          t.state === "WAITING" && t.peer === undefined,
-        );
-      }
+      this.on(t, "DEADLINE", {
+        failure: {
+          reason: FailureReason.TIMEOUT,
+          code: "ERR_TIMEOUT",
+          message: `no KV within ${this.ctx.settings.transferTimeoutMs} ms`,
+          release: ReleaseReason.EXPIRED,
+        },
+      });
     }
   }
 
   /** Reads from `peer` still in flight. */
   readingFrom(peer: PeerState): boolean {
     for (const t of this.transfers.values())
-      if (t.peer === peer && t.mode === "pull" && t.readsInFlight > 0) return true;
+      if (t.peer === peer && DECODE_READING.has(t.state)) return true;
     return false;
   }
 
@@ -688,4 +700,9 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       if (t.peer === peer && !isTerminal(t.state)) return true;
     return false;
   }
+}
+
+/** A failure that gives the blocks back as FAILED. */
+function failed(reason: FailureReason, code: string, message: string): Failure {
+  return { reason, code, message, release: ReleaseReason.FAILED };
 }

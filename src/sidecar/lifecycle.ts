@@ -1,6 +1,8 @@
 /**
- * The lifecycle of a transfer on each side, in one place: P's and D's states, the one terminal
- * set, the table of allowed next states per state, and the one function that moves a transfer.
+ * The one writer of a transfer's state, for both sides: the one terminal set, and `begin` and
+ * `transition`, which move a transfer only where its side's table can take it (each side's
+ * table of (state, event) -> next state and effects is in decode-machine.ts and
+ * prefill-machine.ts; `nextStates` derives from it where each state may go).
  *
  * Outside this module a transfer's state is read-only (`Tracked.state` is readonly; a test fails
  * on any `.state =` elsewhere). `transition` refuses a move its side's table does not allow (an
@@ -8,7 +10,7 @@
  * effects (timing stamps, the state's deadline) and, on a terminal state, the side's one exit
  * (blocks back to the engine, the one event): invariant 3 of the design, by construction.
  *
- * docs/protocol.md draws the same machines; these tables are what runs.
+ * docs/protocol.md's diagrams are generated from the tables.
  */
 import type { Logger } from "pino";
 
@@ -28,69 +30,6 @@ const TERMINAL: ReadonlySet<string> = new Set(TERMINAL_KINDS);
 export function isTerminal(state: string): state is TerminalKind {
   return TERMINAL.has(state);
 }
-
-/**
- * P's side:
- * - WAITING: D registered its blocks (push) before the engine's PrefillDone;
- * - HELD: prefill done, blocks held under lease (for a registration, or for D's READ);
- * - MOVING: P's agents write into D's blocks;
- * - ABORTING: an abort (engine, D, or D down) came while writes were in flight: it takes
- *   effect once they settle;
- * - RELEASED: the KV went to D; FAILED, EXPIRED, ABORTED: blocks back without it.
- */
-export type PrefillState =
-  "WAITING" | "HELD" | "MOVING" | "ABORTING" | "RELEASED" | "FAILED" | "EXPIRED" | "ABORTED";
-
-/**
- * D's side:
- * - WAITING: ExpectKv received, P's metadata being fetched (handshake) or the plan built;
- * - MOVING: push registered with P (waiting for every pair's XferDone), or pull reads in flight;
- * - CONFIRMING: pull reads done, waiting for P's ReadAck (were the blocks held throughout?);
- * - DRAINING: the engine was told KvFailed; its blocks wait until no write can land in them
- *   (P's AbortAck or Failed, reads settled, or P's registration lease surely over);
- * - KV_READY: the engine has the KV; FAILED, EXPIRED, ABORTED: blocks back without it.
- */
-export type DecodeState =
-  "WAITING" | "MOVING" | "CONFIRMING" | "DRAINING" | "KV_READY" | "FAILED" | "EXPIRED" | "ABORTED";
-
-/** Where a new transfer may start. */
-export const PREFILL_INITIAL: readonly PrefillState[] = ["WAITING", "HELD"];
-export const DECODE_INITIAL: readonly DecodeState[] = ["WAITING"];
-
-/** P: what may follow each state. */
-export const PREFILL_NEXT: Readonly<Record<PrefillState, readonly PrefillState[]>> = {
-  // PrefillDone: no matching registration -> HELD, one -> MOVING; the lease, an abort, D's
-  // Failed or D going down end it.
-  WAITING: ["HELD", "MOVING", "EXPIRED", "ABORTED", "FAILED"],
-  // A registration (push) -> MOVING; D's ReadDone while held (pull) -> RELEASED.
-  HELD: ["MOVING", "RELEASED", "EXPIRED", "ABORTED", "FAILED"],
-  // Writes settle: all done -> RELEASED, one failed -> FAILED; an abort waits for them.
-  MOVING: ["ABORTING", "RELEASED", "FAILED"],
-  // The writes settle: all done -> RELEASED (the KV is there), else ABORTED.
-  ABORTING: ["RELEASED", "ABORTED"],
-  RELEASED: [],
-  FAILED: [],
-  EXPIRED: [],
-  ABORTED: [],
-};
-
-/** D: what may follow each state. */
-export const DECODE_NEXT: Readonly<Record<DecodeState, readonly DecodeState[]>> = {
-  // Handshake and plan done -> MOVING; a failure before anything reached P ends it at once;
-  // an abort of a push registered in the meantime drains.
-  WAITING: ["MOVING", "DRAINING", "FAILED", "ABORTED", "EXPIRED"],
-  // Push: every XferDone -> KV_READY. Pull: reads done -> CONFIRMING. A failure ends it at once
-  // when no write can land (P said Failed, reads settled), else drains.
-  MOVING: ["CONFIRMING", "KV_READY", "DRAINING", "FAILED", "ABORTED", "EXPIRED"],
-  // P's ReadAck: held -> KV_READY, released -> FAILED.
-  CONFIRMING: ["KV_READY", "DRAINING", "FAILED", "ABORTED", "EXPIRED"],
-  // Safe at last: the terminal state decided when the failure began.
-  DRAINING: ["FAILED", "ABORTED", "EXPIRED"],
-  KV_READY: [],
-  FAILED: [],
-  EXPIRED: [],
-  ABORTED: [],
-};
 
 /** What the lifecycle needs of a transfer. */
 export interface Tracked<S extends string> {
@@ -152,4 +91,54 @@ export function transition<S extends string, T extends Tracked<S>>(
   lc.enter(t, to);
   if (isTerminal(to)) lc.exit(t, to);
   return true;
+}
+
+/** A row's target that means "the terminal state decided when the failure began" (a drain's end). */
+export const OUTCOME = "OUTCOME";
+
+type Table<S extends string, E extends string> = Readonly<
+  Record<S, Readonly<Partial<Record<E, { readonly to?: S | typeof OUTCOME }>>>>
+>;
+
+/**
+ * Each state's possible next states from a table: every row's target, where OUTCOME stands for
+ * the outcome (`failsAs`) of each event that leads into the state.
+ */
+export function nextStates<S extends string, E extends string>(
+  states: readonly S[],
+  table: Table<S, E>,
+  failsAs: Readonly<Partial<Record<E, S>>>,
+): Record<S, S[]> {
+  const out = {} as Record<S, S[]>;
+  for (const s of states) {
+    const next = new Set<S>();
+    for (const row of Object.values(table[s]) as { to?: S | typeof OUTCOME }[]) {
+      if (row.to === undefined) continue;
+      if (row.to !== OUTCOME) next.add(row.to);
+      else for (const k of outcomesInto(states, table, failsAs, s)) next.add(k);
+    }
+    out[s] = states.filter((x) => next.has(x));
+  }
+  return out;
+}
+
+/**
+ * The outcomes a transfer in `state` can carry: those of the failing events that lead there or
+ * are taken there.
+ */
+function outcomesInto<S extends string, E extends string>(
+  states: readonly S[],
+  table: Table<S, E>,
+  failsAs: Readonly<Partial<Record<E, S>>>,
+  state: S,
+): S[] {
+  const kinds: S[] = [];
+  for (const s of states)
+    for (const [event, row] of Object.entries(table[s]) as [E, { to?: S | typeof OUTCOME }][]) {
+      const k = failsAs[event];
+      // Into the state, or (a withdrawal recorded for later) taken in it without a move.
+      const into = row.to === state || (row.to === undefined && s === state);
+      if (into && k !== undefined && !kinds.includes(k)) kinds.push(k);
+    }
+  return kinds;
 }

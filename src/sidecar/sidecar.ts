@@ -5,62 +5,31 @@
  * terminal state per side, within a bound, as one event (lifecycle.ts, docs/protocol.md).
  * Reading order: src/sidecar/README.md.
  */
-import { create, equals } from "@bufbuild/protobuf";
 import { randomBytes } from "node:crypto";
-import {
-  closeSync,
-  constants,
-  fstatSync,
-  ftruncateSync,
-  openSync,
-  realpathSync,
-  statSync,
-} from "node:fs";
-import { availableParallelism } from "node:os";
 import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
 
-import {
-  RegisterKvCacheSchema,
-  type AllocateKv,
-  ReleaseReason,
-  SidecarToEngineSchema,
-  type EngineToSidecar,
-  type ExpectKv,
-  type RegisterKvCache,
-  type SidecarToEngine,
-} from "../gen/kvxfer/v1/engine_pb.js";
+import { ReleaseReason, type EngineToSidecar } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
-import type { KvLayout } from "../plan/index.js";
-import {
-  Agent,
-  describeUcx,
-  ucxInfo,
-  type ErrorMode,
-  type Notification,
-  type Region,
-} from "../native/index.js";
-import {
-  checkAllocateKv,
-  checkEngineMessage,
-  checkRegisterKvCache,
-  engineIdProblem,
-  type RegionSource,
-} from "../engine/validate.js";
-import { MAX_PEER_MESSAGE_BYTES, agentName } from "../peer/messages.js";
+import { describeUcx, ucxInfo, type Notification } from "../native/index.js";
+import { checkEngineMessage, engineIdProblem } from "../engine/validate.js";
 import {
   SideChannelServer,
   checkCredentials,
   isLoopback,
   parseAddress,
-  type PeerCredentials,
 } from "../peer/side-channel.js";
-import { KvAllocations } from "./allocations.js";
 import { systemClock, type Clock } from "./clock.js";
-import type { EngineMessage, SideContext } from "./context.js";
+import type { SideContext } from "./context.js";
 import { DecodeSide } from "./decode.js";
+import { EngineOutbox, LastErrors, type EngineSender } from "./engine-port.js";
+
+import { KvRegistry, type EngineConnection } from "./kv-registration.js";
+import { resolveOptions, type ResolvedOptions, type SidecarOptions } from "./options.js";
+import { SidecarLifecycle } from "./sidecar-lifecycle.js";
+
 import type { TransferMetrics } from "./metrics.js";
-import { PeerTable, type PeerTableHost, type RegisteredKv } from "./peers.js";
+import { PeerTable, type PeerTableHost } from "./peers.js";
 import { PrefillSide } from "./prefill.js";
 import { isTerminal } from "./lifecycle.js";
 import { exportTransferSpans } from "./otel.js";
@@ -77,120 +46,13 @@ import type {
   TransferSide,
 } from "./view.js";
 
-export interface SidecarOptions {
-  engineId: string;
-  role: SidecarRole;
-  mode: TransferMode;
-  /** Side channel "host:port" (port 0: any). */
-  listen: string;
-  /** UCX transports (UCX_TLS) for every agent; empty: UCX's choice. */
-  transports?: string;
-  /** UCX net devices, one entry per rank or one for all. */
-  netDevices?: readonly string[];
-  errorMode?: ErrorMode;
-  /** Progress threads spin instead of sleeping on the worker's event fd. */
-  busyPoll?: boolean;
-  /**
-   * Each transfer's trace as OpenTelemetry spans once it has ended on this side (otel.ts);
-   * default none.
-   */
-  tracer?: Tracer;
-  /**
-   * After any activity, progress threads poll this long (µs) before sleeping. "auto" (the
-   * default): AUTO_SPIN_US when the registration's agents (one per rank) have two cores each,
-   * else 0: on an oversubscribed host the polling takes the cores the transfers need.
-   */
-  spinUs?: number | "auto";
-  /** P holds finished blocks this long without a heartbeat from D. */
-  leaseMs?: number;
-  /** A push registration on P lives this long without renewal. */
-  regLeaseMs?: number;
-  /** D gives up on a transfer after this long. */
-  transferTimeoutMs?: number;
-  heartbeatMs?: number;
-  /** A peer silent this long (while transfers are live) is down. */
-  peerTimeoutMs?: number;
-  /** Extra wait on D, after P's registration lease, before blocks of an unacknowledged abort are released. */
-  abortGraceMs?: number;
-  handshakeTimeoutMs?: number;
-  /** Terminal transfers are remembered this long (duplicates, replays, late requests). */
-  tombstoneMs?: number;
-  /** Live transfers per side at most. */
-  maxTransfers?: number;
-  /** P: transfers one decode engine may create by PushReg before PrefillDone (default maxTransfers / 8). */
-  maxPerPeer?: number;
-  /** Notifications of one peer processed per second at most (burst: two seconds' worth). */
-  peerMessagesPerSec?: number;
-  /**
-   * The engine's KV files must be regular files with one link, owned by this process's uid,
-   * under this absolute directory, reached without a symbolic link or `..` (default /dev/shm).
-   */
-  kvDir?: string;
-  /** Most bytes one registration may map, all ranks and regions together. */
-  maxRegistrationBytes?: number;
-  /** Most bytes of KV files mapped at once by this sidecar. */
-  maxKvBytes?: number;
-  /** Map KV files with every page faulted in (MAP_POPULATE); default false. */
-  prefault?: boolean;
-  /** Refuse a PrefillDone listing a block a live transfer holds (default false: P may share). */
-  exclusivePrefillBlocks?: boolean;
-  sweepMs?: number;
-  /**
-   * Certificate (subject CN = engine id), key and cluster CA for the side channel:
-   * peers authenticate each other with mutual TLS before any metadata leaves.
-   */
-  peerCredentials?: PeerCredentials;
-  /** Run without peer credentials on a non-loopback side channel (logged as a warning). */
-  insecurePeers?: boolean;
-  logger: Logger;
-  /** Time and timers (tests pass a manual clock); default the system's. */
-  clock?: Clock;
-}
-
-/** A KV file mapped for a region: a descriptor of the mapped inode and the bytes it must hold. */
-interface KvFile {
-  /** Opened read-write: a file that shrank is given its size back (ftruncate), see kvShrunk. */
-  readonly fd: number;
-  readonly path: string;
-  readonly end: number;
-  readonly rank: number;
-  readonly region: number;
-}
-
-/** Where a sidecar sends what its engine must hear. */
-export type EngineSender = (msg: SidecarToEngine) => void;
-
-/**
- * The engine link connection a message came from, as far as ownership goes (link.ts): the link
- * belongs to the connection whose registration was accepted, and only the sidecar decides that.
- */
-export interface EngineConnection {
-  /** The connection's id (stable for its life); allocations are freed when it ends. */
-  readonly id?: string;
-  /** This connection owns the link. */
-  readonly isOwner: boolean;
-  /** The owner's connection is up (false: no owner yet, or its connection ended). */
-  readonly ownerConnected: boolean;
-  /** Makes this connection the owner (called once a registration from it is accepted). */
-  adopt(): void;
-}
 /** Where terminal and peer events go (the event log). */
 export interface EventSink {
   append(ev: Omit<SidecarEvent, "seq">): unknown;
 }
 
-/** The spin after activity that "auto" gives a registration whose agents have two cores each. */
-export const AUTO_SPIN_US = 200;
-
-/** `--spin-us` for a registration of `agents` ranks ("auto": see SidecarOptions.spinUs). */
-export function spinFor(
-  spinUs: number | "auto",
-  agents: number,
-  cores = availableParallelism(),
-): number {
-  if (spinUs !== "auto") return spinUs;
-  return agents * 2 <= cores ? AUTO_SPIN_US : 0;
-}
+export type { EngineSender } from "./engine-port.js";
+export type { SidecarOptions } from "./options.js";
 
 export class Sidecar implements SidecarView {
   readonly engineId: string;
@@ -198,43 +60,21 @@ export class Sidecar implements SidecarView {
   readonly role: SidecarRole;
   readonly mode: TransferMode;
   readonly startedMs = Date.now();
-  private readonly opts: Required<
-    Omit<
-      SidecarOptions,
-      "netDevices" | "transports" | "logger" | "peerCredentials" | "clock" | "tracer"
-    >
-  > & {
-    netDevices: readonly string[];
-    transports: string;
-    peerCredentials: PeerCredentials | undefined;
-  };
+  private readonly opts: ResolvedOptions;
   private readonly log: Logger;
-  private engineSend: EngineSender = () => {};
-  /** The sender of the engine message being handled, while it is handled. */
-  private replyTo: EngineSender | undefined;
+  /** Kept for GetStatus. */
+  private readonly errors = new LastErrors();
+  /** The engine: messages to it, answers to the sender of the message being handled. */
+  private readonly engine: EngineOutbox;
   private events: EventSink = { append: () => undefined };
   private metrics: TransferMetrics | undefined;
   private readonly clock: Clock;
   private readonly tracer: Tracer | undefined;
 
-  /** The engine's KV cache once registered: layout, one agent per rank, its regions. */
-  private kv: RegisteredKv | undefined;
-  /** The accepted registration, and the identity (device, inode) of each file it mapped. */
-  private registration: { msg: RegisterKvCache; files: string[] } | undefined;
-  /** The KV directory with symbolic links resolved (the operator's setting may name a link). */
-  private readonly kvDirResolved: string;
-  /**
-   * Bytes of KV files mapped now (checked against maxKvBytes). A sidecar holds one registration
-   * today; code that drops or replaces one (re-registration) must subtract its bytes.
-   */
-  private mappedBytes = 0;
-  /** The KV files mapped, watched for shrinking (openKvFiles). */
-  private kvFiles: KvFile[] = [];
-  /** Why the registered KV is broken (a file shrank after registration), once it is. */
-  private kvBroken: string | undefined;
-  /** Regions allocated for the engine (AllocateKv) that no registration took yet. */
-  private readonly allocations = new KvAllocations();
-  private readonly side: SideChannelServer;
+  /** The engine's KV registration (kv-registration.ts): the registered KV, once accepted. */
+  private readonly kvs: KvRegistry;
+  /** The side channel: handshakes from peers (src/peer/side-channel.ts). */
+  private readonly channel: SideChannelServer;
   private sideChannel = "";
 
   private readonly peers: PeerTable;
@@ -243,11 +83,10 @@ export class Sidecar implements SidecarView {
 
   private sweepTimer: NodeJS.Timeout | undefined;
   private heartbeatTimer: NodeJS.Timeout | undefined;
-  private closed = false;
-  draining = false;
+  /** UNREGISTERED, SERVING, DRAINING, CLOSED (sidecar-lifecycle.ts). */
+  private readonly life = new SidecarLifecycle();
   private bytesMoved = 0;
   private transfersMoved = 0;
-  private readonly lastErrors: string[] = [];
 
   constructor(options: SidecarOptions) {
     const idProblem = engineIdProblem(options.engineId, "--engine-id");
@@ -258,51 +97,36 @@ export class Sidecar implements SidecarView {
     // A random non-zero epoch: a restarted sidecar is a new peer.
     this.epoch = randomBytes(8).readBigUInt64BE() | 1n;
     this.log = options.logger.child({ component: "sidecar", engineId: options.engineId });
+    this.engine = new EngineOutbox(this.log, this.errors);
     this.clock = options.clock ?? systemClock;
     this.tracer = options.tracer;
-    this.opts = {
-      engineId: options.engineId,
-      role: options.role,
-      mode: options.mode,
-      listen: options.listen,
-      transports: options.transports ?? "",
-      netDevices: options.netDevices ?? [],
-      errorMode: options.errorMode ?? "none",
-      busyPoll: options.busyPoll ?? false,
-      spinUs: options.spinUs ?? "auto",
-      leaseMs: options.leaseMs ?? 30_000,
-      regLeaseMs: options.regLeaseMs ?? options.leaseMs ?? 30_000,
-      transferTimeoutMs: options.transferTimeoutMs ?? 60_000,
-      heartbeatMs: options.heartbeatMs ?? 1000,
-      peerTimeoutMs: options.peerTimeoutMs ?? 5000,
-      abortGraceMs: options.abortGraceMs ?? 2000,
-      handshakeTimeoutMs: options.handshakeTimeoutMs ?? 5000,
-      tombstoneMs: options.tombstoneMs ?? 60_000,
-      maxTransfers: options.maxTransfers ?? 65_536,
-      maxPerPeer:
-        options.maxPerPeer ?? Math.max(1, Math.floor((options.maxTransfers ?? 65_536) / 8)),
-      peerMessagesPerSec: options.peerMessagesPerSec ?? 20_000,
-      kvDir: options.kvDir ?? "/dev/shm",
-      maxRegistrationBytes: options.maxRegistrationBytes ?? Number.MAX_SAFE_INTEGER,
-      maxKvBytes: options.maxKvBytes ?? Number.MAX_SAFE_INTEGER,
-      prefault: options.prefault ?? false,
-      exclusivePrefillBlocks: options.exclusivePrefillBlocks ?? false,
-      sweepMs: options.sweepMs ?? 100,
-      peerCredentials: options.peerCredentials,
-      insecurePeers: options.insecurePeers ?? false,
-    };
-    try {
-      this.kvDirResolved = realpathSync(this.opts.kvDir);
-    } catch {
-      this.kvDirResolved = this.opts.kvDir;
-    }
+    this.opts = resolveOptions(options);
     if (options.peerCredentials !== undefined)
       checkCredentials(options.peerCredentials, options.engineId);
+    this.kvs = new KvRegistry({
+      engineId: this.engineId,
+      epoch: this.epoch,
+      opts: this.opts,
+      log: this.log,
+      noteError: (text) => this.noteError(text),
+      answer: (msg) => this.engine.answer(msg),
+      sideChannel: () => this.sideChannel,
+      wire: (agent, rank) => {
+        agent.on("notifications", (batch) => this.onNotifications(rank, batch));
+        agent.on("endpointFailed", (ep, code) => this.peers.endpointFailed(ep, code));
+        agent.on("notificationDropped", (peer, bytes) =>
+          this.noteError(
+            `peer message from '${peer.slice(0, 200)}' refused: ERR_TOO_LARGE (${bytes} bytes)`,
+          ),
+        );
+      },
+      registered: () => this.life.on("REGISTERED"),
+    });
     this.peers = new PeerTable(this.peerHost(), this.opts);
     const ctx = this.sideContext();
     this.prefill = new PrefillSide(ctx);
     this.decode = new DecodeSide(ctx, (address) => this.peers.resolve(address));
-    this.side = new SideChannelServer(
+    this.channel = new SideChannelServer(
       (req, identity) => this.peers.onHandshake(req, identity),
       this.log.child({ component: "side-channel" }),
       (code, message) => this.noteError(`handshake refused: ${code}: ${message}`),
@@ -316,7 +140,7 @@ export class Sidecar implements SidecarView {
     events: EventSink,
     metrics?: TransferMetrics,
   ): Promise<string> {
-    this.engineSend = engineSend;
+    this.engine.connect(engineSend);
     this.events = events;
     this.metrics = metrics;
     const { host } = parseAddress(this.opts.listen);
@@ -334,7 +158,7 @@ export class Sidecar implements SidecarView {
           "sidecar's remote keys (give --peer-cert/--peer-key/--peer-ca; docs/security.md)",
       );
     }
-    this.sideChannel = await this.side.bind(this.opts.listen);
+    this.sideChannel = await this.channel.bind(this.opts.listen);
     this.sweepTimer = setInterval(() => this.sweep(), this.opts.sweepMs);
     this.heartbeatTimer = setInterval(() => this.sendHeartbeats(), this.opts.heartbeatMs);
     this.log.info(
@@ -356,7 +180,7 @@ export class Sidecar implements SidecarView {
 
   /** Whether an engine's registration was accepted (it may have left since). */
   get registered(): boolean {
-    return this.kv !== undefined;
+    return this.kvs.kv !== undefined;
   }
 
   /**
@@ -365,11 +189,7 @@ export class Sidecar implements SidecarView {
    * they end). A segment shows nothing here: false.
    */
   engineFilesGone(): boolean {
-    const cur = this.registration;
-    if (cur === undefined || cur.files.length === 0) return false;
-    if (cur.files.some((id) => id === "" || id.startsWith("segment:"))) return false;
-    const now = Sidecar.fileIdentities(cur.msg);
-    return cur.files.every((id, i) => now[i] !== id);
+    return this.kvs.filesGone();
   }
 
   /**
@@ -399,8 +219,7 @@ export class Sidecar implements SidecarView {
    * peers at once (P: registrations waiting for a PrefillDone it will refuse).
    */
   beginDrain(): void {
-    if (this.draining) return;
-    this.draining = true;
+    if (!this.life.on("DRAIN")) return;
     this.prefill.drain();
   }
 
@@ -410,27 +229,23 @@ export class Sidecar implements SidecarView {
     this.decode.abandon();
   }
 
+  /** Draining: no new transfers or handshakes (beginDrain). */
+  get draining(): boolean {
+    return this.life.draining;
+  }
+
   /** Live (non-terminal) transfers on both sides. */
   liveTransfers(): number {
     return this.prefill.live() + this.decode.live();
   }
 
   async close(): Promise<void> {
-    if (this.closed) return;
-    this.closed = true;
+    if (!this.life.on("CLOSE")) return;
     clearInterval(this.sweepTimer);
     clearInterval(this.heartbeatTimer);
-    await this.side.close();
+    await this.channel.close();
     this.peers.close();
-    this.allocations.freeAll();
-    for (const f of this.kvFiles.splice(0)) closeSync(f.fd);
-    if (this.kv !== undefined) {
-      // Every rank's shutdown starts at once: a stop waits out one deadline, not one per rank.
-      for (const a of this.kv.agents) a.beginClose();
-      for (const a of this.kv.agents) a.close();
-      // Transfers ending during the stop notify no one (PeerTable.send finds no agent).
-      this.kv = { ...this.kv, agents: [] };
-    }
+    this.kvs.close();
   }
 
   /**
@@ -438,7 +253,7 @@ export class Sidecar implements SidecarView {
    * answer peer handshakes (before, they get ERR_NOT_READY). gRPC health follows this.
    */
   get acceptsHandshakes(): boolean {
-    return this.kv !== undefined && !this.draining;
+    return this.life.serving;
   }
 
   // --- the engine link ---------------------------------------------------------
@@ -450,26 +265,26 @@ export class Sidecar implements SidecarView {
    */
   onEngineMessage(msg: EngineToSidecar, reply?: EngineSender, conn?: EngineConnection): void {
     const receivedUs = monoUs();
-    this.replyTo = reply;
+    this.engine.replyingTo(reply);
     try {
       if (msg.msg.case === "register") {
-        this.onRegister(msg.msg.value, conn);
+        this.kvs.register(msg.msg.value, conn);
         return;
       }
       if (msg.msg.case === "allocate") {
-        this.onAllocate(msg.msg.value, conn);
+        this.kvs.allocate(msg.msg.value, conn);
         return;
       }
       // One place checks engine messages' fields; a problem costs only the message.
-      const problem = checkEngineMessage(msg, this.kv?.layout);
+      const problem = checkEngineMessage(msg, this.kvs.kv?.layout);
       if (problem !== undefined) {
-        this.refuse(problem.transferId, problem.code, problem.message);
+        this.engine.refuse(problem.transferId, problem.code, problem.message);
         return;
       }
-      if (this.draining && (msg.msg.case === "prefillDone" || msg.msg.case === "expectKv")) {
+      if (this.life.draining && (msg.msg.case === "prefillDone" || msg.msg.case === "expectKv")) {
         // Blocks of a refused PrefillDone go straight back: no one will read them.
         if (msg.msg.case === "prefillDone") {
-          this.send({
+          this.engine.send({
             case: "releaseBlocks",
             value: {
               transferId: msg.msg.value.transferId,
@@ -478,8 +293,8 @@ export class Sidecar implements SidecarView {
             },
           });
         }
-        if (msg.msg.case === "expectKv") this.tellSourceDraining(msg.msg.value);
-        this.refuse(
+        if (msg.msg.case === "expectKv") this.decode.tellSourceDraining(msg.msg.value);
+        this.engine.refuse(
           msg.msg.value.transferId,
           "ERR_DRAINING",
           "the sidecar is draining (SIGTERM): no new transfers",
@@ -489,7 +304,7 @@ export class Sidecar implements SidecarView {
       switch (msg.msg.case) {
         case "prefillDone":
           if (this.role === "decode")
-            return this.refuse(
+            return this.engine.refuse(
               msg.msg.value.transferId,
               "ERR_WRONG_ROLE",
               "PrefillDone sent to a decode sidecar",
@@ -498,7 +313,7 @@ export class Sidecar implements SidecarView {
           break;
         case "expectKv":
           if (this.role === "prefill")
-            return this.refuse(
+            return this.engine.refuse(
               msg.msg.value.transferId,
               "ERR_WRONG_ROLE",
               "ExpectKv sent to a prefill sidecar",
@@ -514,392 +329,25 @@ export class Sidecar implements SidecarView {
           this.onEngineAbort(msg.msg.value.transferId);
           break;
         default:
-          this.refuse("", "ERR_MALFORMED", "engine message carries no body");
+          this.engine.refuse("", "ERR_MALFORMED", "engine message carries no body");
       }
     } catch (err) {
       const e = KvxferError.from(err);
       this.noteError(`engine message: ${e.code} ${e.message}`);
       this.log.error({ err }, "engine message failed");
     } finally {
-      this.replyTo = undefined;
+      this.engine.replyingTo(undefined);
     }
-  }
-
-  private send(msg: EngineMessage): void {
-    this.engineSend(create(SidecarToEngineSchema, { msg }));
-  }
-
-  private refuse(transferId: string, code: string, message: string): void {
-    this.noteError(`${code}: ${message}`);
-    this.log.warn({ transferId, code }, message);
-    this.answer({ case: "refused", value: { transferId, code, message } });
-  }
-
-  /** To the sender of the engine message being handled (else the registered engine). */
-  private answer(msg: EngineMessage): void {
-    (this.replyTo ?? this.engineSend)(create(SidecarToEngineSchema, { msg }));
   }
 
   /** Keeps the last errors for GetStatus (bounded). */
   noteError(text: string): void {
-    this.lastErrors.push(`${new Date().toISOString()} ${text}`);
-    if (this.lastErrors.length > 20) this.lastErrors.shift();
-  }
-
-  /**
-   * A descriptor of every KV file mapped (the same inode, by device and inode), with the bytes
-   * its region needs: how kvShrunk sees a file shrink under the mapping. Best effort: a file
-   * that cannot be opened again is not checked.
-   */
-  private openKvFiles(reg: RegisterKvCache, layout: KvLayout): KvFile[] {
-    const out: KvFile[] = [];
-    for (const rk of reg.ranks)
-      for (const [g, f] of rk.regions.entries()) {
-        if (f.segment !== undefined) continue; // a SysV segment cannot shrink
-        try {
-          const fd = openSync(f.path, constants.O_RDWR | constants.O_NOFOLLOW);
-          out.push({
-            fd,
-            path: f.path,
-            end: Number(f.offset) + layout.regionBytes[g]!,
-            rank: rk.rank,
-            region: g,
-          });
-        } catch (err) {
-          this.log.warn({ err, path: f.path }, "cannot reopen a KV file to watch its size");
-        }
-      }
-    return out;
-  }
-
-  /** Why a mapped KV file no longer covers its region, or undefined (one fstat per file). */
-  private kvShrunk(): string | undefined {
-    for (const f of this.kvFiles) {
-      let size: number;
-      try {
-        size = fstatSync(f.fd).size;
-      } catch {
-        continue;
-      }
-      if (size >= f.end) continue;
-      // What the file held is gone, and every page past its end faults (SIGBUS) when touched,
-      // by us or by a peer's read. Its size is given back at once (the lost pages read as
-      // zeros, they fault no more), and the KV stays broken: every transfer fails from now on.
-      this.kvBroken ??=
-        `rank ${f.rank} region ${f.region}: KV file '${f.path}' shrank to ${size} bytes ` +
-        `after registration; the region needs ${f.end} (restart the sidecar and the engine)`;
-      try {
-        ftruncateSync(f.fd, f.end);
-      } catch (err) {
-        this.log.error({ err, path: f.path }, "cannot give a shrunk KV file its size back");
-      }
-    }
-    return this.kvBroken;
-  }
-
-  /**
-   * (device, inode) of every file of a registration, in order ("" for a file stat cannot see);
-   * a segment's id for a segment.
-   */
-  private static fileIdentities(reg: RegisterKvCache): string[] {
-    return reg.ranks.flatMap((rk) =>
-      rk.regions.map((f) => {
-        if (f.segment !== undefined) return `segment:${f.segment}`;
-        // A CUDA IPC handle names one allocation of a live process (the open mapping keeps it).
-        if (f.cudaIpcHandle.length > 0) {
-          return `cuda:${f.cudaDevice}:${Buffer.from(f.cudaIpcHandle).toString("hex")}`;
-        }
-        try {
-          const st = statSync(f.path, { bigint: true });
-          return `${st.dev}:${st.ino}`;
-        } catch {
-          return "";
-        }
-      }),
-    );
-  }
-
-  /**
-   * Whether `reg` describes exactly the KV cache already registered: the same message (engine
-   * id, layout, files, offsets, lengths) and the same files on disk (a file recreated at the
-   * same path is another file).
-   */
-  private isSameCache(reg: RegisterKvCache): boolean {
-    const cur = this.registration;
-    if (cur === undefined || !equals(RegisterKvCacheSchema, cur.msg, reg)) return false;
-    const ids = Sidecar.fileIdentities(reg);
-    return (
-      ids.length === cur.files.length && ids.every((id, i) => id !== "" && id === cur.files[i])
-    );
-  }
-
-  private onRegister(reg: RegisterKvCache, conn?: EngineConnection): void {
-    const fail = (error: string): void => {
-      this.noteError(`register: ${error}`);
-      this.log.warn({ error }, "engine registration refused");
-      this.answer({
-        case: "registered",
-        value: { ok: false, error, sideChannel: this.sideChannel, epoch: this.epoch },
-      });
-    };
-    if (this.kv !== undefined) {
-      if (conn === undefined || conn.isOwner)
-        return fail("ERR_ALREADY_REGISTERED: the KV cache is already registered");
-      if (conn.ownerConnected) {
-        this.log.warn("a registration from a second engine connection refused: the link is taken");
-        return fail(
-          "ERR_ALREADY_REGISTERED: another live connection owns this engine link (one engine per sidecar)",
-        );
-      }
-      if (!this.isSameCache(reg)) {
-        return fail(
-          "ERR_ALREADY_REGISTERED: the engine that registered is gone, but this registration names " +
-            "other memory; a new engine process needs a new sidecar (new epoch): with " +
-            "--engine-lease-ms this sidecar stops by itself once the old engine is provably gone " +
-            "(its KV files removed, or its connection gone that long), else restart it",
-        );
-      }
-      // The owner's connection ended and the same engine (same files) registers again from a
-      // new connection: it reconnected. It takes the link back; what was held for it follows
-      // the answer.
-      this.log.warn(
-        "the engine reconnected and registered again: link handed to its new connection",
-      );
-      this.answer({
-        case: "registered",
-        value: { ok: true, error: "", sideChannel: this.sideChannel, epoch: this.epoch },
-      });
-      conn.adopt();
-      return;
-    }
-    const checked = checkRegisterKvCache(reg);
-    if (!checked.ok) return fail(`${checked.problem.code}: ${checked.problem.message}`);
-    const { layout, ranks } = checked.cache;
-    if (checked.cache.engineId !== this.engineId) {
-      return fail(
-        `ERR_BAD_ENGINE_ID: engine id '${checked.cache.engineId}' is not this sidecar's '${this.engineId}'`,
-      );
-    }
-    // What this registration maps: every region of every rank (the engine's files are
-    // checked, and mapped, only if the total fits both caps).
-    const bytes = layout.tpSize * layout.regionBytes.reduce((a, b) => a + b, 0);
-    if (bytes > this.opts.maxRegistrationBytes) {
-      return fail(
-        `ERR_REGION_TOO_LARGE: the registration maps ${bytes} bytes (${ranks.length} ranks x ` +
-          `${layout.regionBytes.length} regions), more than --max-registration-bytes ${this.opts.maxRegistrationBytes}`,
-      );
-    }
-    if (this.mappedBytes + bytes > this.opts.maxKvBytes) {
-      return fail(
-        `ERR_REGION_TOO_LARGE: the registration maps ${bytes} bytes; with the ${this.mappedBytes} ` +
-          `already mapped that is more than --max-kv-bytes ${this.opts.maxKvBytes}`,
-      );
-    }
-    // A rank whose regions this sidecar allocated (AllocateKv) registers them by segment id,
-    // with the agent that allocated them; every other rank gets a new agent.
-    const agents: Agent[] = [];
-    const created: Agent[] = [];
-    const regions: Region[][] = [];
-    const owned: number[] = [];
-    try {
-      for (const rk of ranks) {
-        const own = this.allocations.get(rk.rank);
-        const usesOwn =
-          own !== undefined &&
-          rk.regions.some((f) => own.regions.some((r) => r.segment === f.segment));
-        if (usesOwn && own.tpSize !== layout.tpSize) {
-          throw new KvxferError(
-            "ERR_BAD_REGIONS",
-            `rank ${rk.rank}: its regions were allocated for tp_size ${own.tpSize}, the layout has ${layout.tpSize}`,
-          );
-        }
-        const agent = usesOwn ? own.agent : this.newAgent(rk.rank, ranks.length);
-        if (usesOwn) owned.push(rk.rank);
-        else created.push(agent);
-        agents.push(agent);
-        regions.push(
-          rk.regions.map((f, i) =>
-            this.regionOf(agent, rk.rank, i, f, layout.regionBytes[i]!, usesOwn ? own : undefined),
-          ),
-        );
-      }
-    } catch (err) {
-      for (const a of created) a.close();
-      const e = KvxferError.from(err);
-      return fail(`${e.code}: ${e.message}`);
-    }
-    for (const [i, agent] of agents.entries()) {
-      const rank = ranks[i]!.rank;
-      agent.on("notifications", (batch) => this.onNotifications(rank, batch));
-      agent.on("endpointFailed", (ep, code) => this.peers.endpointFailed(ep, code));
-      agent.on("notificationDropped", (peer, bytes) =>
-        this.noteError(
-          `peer message from '${peer.slice(0, 200)}' refused: ERR_TOO_LARGE (${bytes} bytes)`,
-        ),
-      );
-    }
-    // The registration owns what it uses; what it does not use is freed.
-    for (const rank of owned) this.allocations.take(rank);
-    this.allocations.freeAll();
-    this.kvFiles = this.openKvFiles(reg, layout);
-    this.kv = { layout, agents, regions, shrunk: () => this.kvShrunk() };
-    this.mappedBytes += bytes;
-    this.registration = { msg: reg, files: Sidecar.fileIdentities(reg) };
-    conn?.adopt();
-    this.log.info({ tp: layout.tpSize, regions: layout.regionBytes.length }, "KV cache registered");
-    this.answer({
-      case: "registered",
-      value: { ok: true, error: "", sideChannel: this.sideChannel, epoch: this.epoch },
-    });
-  }
-
-  /** A new agent for `rank` of `ranks`. */
-  private newAgent(rank: number, ranks: number): Agent {
-    const netDevices = this.opts.netDevices[rank] ?? this.opts.netDevices[0];
-    return new Agent({
-      name: agentName(this.engineId, this.epoch, rank),
-      ...(this.opts.transports !== "" ? { transports: this.opts.transports } : {}),
-      ...(netDevices !== undefined ? { netDevices } : {}),
-      maxNotificationBytes: MAX_PEER_MESSAGE_BYTES,
-      busyPoll: this.opts.busyPoll,
-      spinUs: spinFor(this.opts.spinUs, ranks),
-    });
-  }
-
-  /**
-   * Region `g` of `rank` as a registration names it: a file under --kv-dir; a segment this
-   * sidecar allocated for exactly that rank and region (`own`); or a segment it did not allocate
-   * (one a previous sidecar allocated, named again by an engine that outlived it), attached and
-   * registered like a file: owner-only and this user's, or refused.
-   */
-  private regionOf(
-    agent: Agent,
-    rank: number,
-    g: number,
-    f: RegionSource,
-    need: number,
-    own: { regions: readonly Region[] } | undefined,
-  ): Region {
-    const where = `rank ${rank} region ${g}`;
-    if (f.cudaIpc !== undefined) {
-      // The engine's GPU KV, registered in place (placement `device`, docs/gpu.md).
-      try {
-        return agent.openCudaIpc(f.cudaIpc.handle, {
-          device: f.cudaIpc.device,
-          offset: f.offset,
-          length: need,
-        });
-      } catch (err) {
-        const e = KvxferError.from(err);
-        throw new KvxferError(e.code, `${where}: ${e.message}`);
-      }
-    }
-    if (f.segment === undefined) {
-      if (own !== undefined) {
-        throw new KvxferError(
-          "ERR_BAD_REGIONS",
-          `${where}: a file, where the rank's other regions are the segments allocated for it ` +
-            "(register every region of an allocated rank by its segment)",
-        );
-      }
-      try {
-        return agent.mapFile(f.path, {
-          offset: f.offset,
-          length: need,
-          // The directory as configured, or as resolved when the engine names it so
-          // (e.g. /dev/shm a link to /run/shm): below it nothing is followed.
-          confineDir: f.path.startsWith(this.kvDirResolved + "/")
-            ? this.kvDirResolved
-            : this.opts.kvDir,
-          populate: this.opts.prefault,
-        });
-      } catch (err) {
-        const e = KvxferError.from(err);
-        const hint = e.code.startsWith("ERR_REGION_") ? ` (--kv-dir ${this.opts.kvDir})` : "";
-        throw new KvxferError(e.code, `${where}: ${e.message}${hint}`);
-      }
-    }
-    if (own !== undefined) {
-      const r = own.regions[g];
-      if (r === undefined || r.segment !== f.segment) {
-        throw new KvxferError(
-          "ERR_BAD_REGIONS",
-          `${where}: segment ${f.segment} is not the one allocated for it (${r?.segment ?? "none"})`,
-        );
-      }
-      if (r.length < need) {
-        throw new KvxferError(
-          "ERR_BAD_REGIONS",
-          `${where}: segment ${f.segment} has ${r.length} bytes, the region ${need}`,
-        );
-      }
-      return r;
-    }
-    try {
-      return agent.attachSegment(f.segment, need);
-    } catch (err) {
-      const e = KvxferError.from(err);
-      throw new KvxferError(e.code, `${where}: ${e.message}`);
-    }
-  }
-
-  /**
-   * AllocateKv: one rank's regions as SysV segments UCX allocated (allocations.ts), answered
-   * with their ids (Allocated). Refused once a registration was accepted, and beyond the caps.
-   */
-  private onAllocate(msg: AllocateKv, conn?: EngineConnection): void {
-    const answer = (ok: boolean, error: string, segments: number[] = []): void =>
-      this.answer({ case: "allocated", value: { rank: msg.rank, ok, error, segments } });
-    const fail = (error: string): void => {
-      this.noteError(`allocate: ${error}`);
-      this.log.warn({ rank: msg.rank, error }, "KV allocation refused");
-      answer(false, error);
-    };
-    if (this.kv !== undefined) {
-      return fail(
-        "ERR_ALREADY_REGISTERED: the KV cache is already registered (allocate before registering)",
-      );
-    }
-    const problem = checkAllocateKv(msg);
-    if (problem !== undefined) return fail(`${problem.code}: ${problem.message}`);
-    const lengths = msg.lengths.map(Number);
-    const bytes = lengths.reduce((a, b) => a + b, 0);
-    const others = this.allocations.bytes - (this.allocations.get(msg.rank)?.bytes ?? 0);
-    if (others + bytes > this.opts.maxRegistrationBytes) {
-      return fail(
-        `ERR_REGION_TOO_LARGE: allocating ${bytes} bytes for rank ${msg.rank} (${others} already ` +
-          `allocated) is more than --max-registration-bytes ${this.opts.maxRegistrationBytes}`,
-      );
-    }
-    if (this.mappedBytes + others + bytes > this.opts.maxKvBytes) {
-      return fail(
-        `ERR_REGION_TOO_LARGE: allocating ${bytes} bytes for rank ${msg.rank}; with the ` +
-          `${this.mappedBytes + others} already mapped or allocated that is more than --max-kv-bytes ${this.opts.maxKvBytes}`,
-      );
-    }
-    try {
-      const a = this.allocations.allocate(
-        msg.rank,
-        msg.tpSize,
-        lengths,
-        conn?.id ?? "",
-        () => this.newAgent(msg.rank, msg.tpSize),
-        this.opts.prefault,
-      );
-      const segments = a.regions.map((r) => r.segment!);
-      this.log.info({ rank: msg.rank, bytes, segments }, "KV regions allocated");
-      answer(true, "", segments);
-    } catch (err) {
-      const e = KvxferError.from(err);
-      fail(`${e.code}: rank ${msg.rank}: ${e.message}`);
-    }
+    this.errors.note(text);
   }
 
   /** The engine link connection `id` ended: what it allocated and did not register is freed. */
   engineConnectionEnded(id: string): void {
-    const n = this.allocations.freeConnection(id);
-    if (n > 0)
-      this.log.info({ ranks: n }, "unregistered KV allocations freed: their connection ended");
+    this.kvs.connectionEnded(id);
   }
 
   // --- the parts' contexts -----------------------------------------------------------
@@ -910,11 +358,9 @@ export class Sidecar implements SidecarView {
       clock: this.clock,
       settings: this.opts,
       log: this.log,
-      kv: () => this.kv,
-      toEngine: (msg) => this.send(msg),
-      refuse: (transferId, code, message) => this.refuse(transferId, code, message),
-      toPeer: (peer, body) => this.peers.send(peer, body),
-      seal: (peer, body) => this.peers.seal(peer, body),
+      kv: () => this.kvs.kv,
+      engine: this.engine,
+      peers: this.peers,
       emit: (kind, transferId, peer, side, reason, bytes, mode) =>
         this.emit(kind, transferId, peer, side, reason, bytes, mode),
       moved: (bytes) => {
@@ -926,31 +372,6 @@ export class Sidecar implements SidecarView {
     };
   }
 
-  /**
-   * D refuses an ExpectKv while draining: P may hold the blocks for it (prefill done, waiting for
-   * our read or registration). Told now, with the transfer's token, P frees them at once instead
-   * of at its lease.
-   */
-  private tellSourceDraining(m: ExpectKv): void {
-    if (m.source === "") return;
-    this.peers
-      .resolve(m.source)
-      .then((peer) =>
-        this.peers.send(peer, {
-          case: "failed",
-          value: {
-            transferId: m.transferId,
-            code: "ERR_DRAINING",
-            message: "the decode sidecar is stopping",
-            token: m.token,
-          },
-        }),
-      )
-      .catch((err: unknown) =>
-        this.log.debug({ err, transferId: m.transferId }, "cannot tell P about a drain refusal"),
-      );
-  }
-
   /** What the peer table needs of this sidecar. */
   private peerHost(): PeerTableHost {
     return {
@@ -960,14 +381,14 @@ export class Sidecar implements SidecarView {
       clock: this.clock,
       log: this.log,
       sideChannel: () => this.sideChannel,
-      kv: () => this.kv,
+      kv: () => this.kvs.kv,
       notAccepting: () =>
-        this.kv === undefined
+        this.kvs.kv === undefined
           ? { code: "ERR_NOT_READY", message: "the engine has not registered its KV cache" }
-          : this.draining
+          : this.life.draining
             ? { code: "ERR_DRAINING", message: "the sidecar is draining" }
             : undefined,
-      authenticated: () => this.side.authenticated,
+      authenticated: () => this.channel.authenticated,
       emit: (kind, peer, reason) => this.emit(kind, "", peer, "", reason, 0, ""),
       noteError: (text) => this.noteError(text),
       peerDown: (peer, why) => {
@@ -985,7 +406,7 @@ export class Sidecar implements SidecarView {
     if (!this.decode.has(transferId) && !this.prefill.has(transferId)) {
       // P's engine may give up on a push before D registers: D's registration is refused then.
       if (this.role !== "decode") this.prefill.giveUp(transferId);
-      return this.refuse(transferId, "ERR_UNKNOWN_TRANSFER", `no transfer '${transferId}'`);
+      return this.engine.refuse(transferId, "ERR_UNKNOWN_TRANSFER", `no transfer '${transferId}'`);
     }
     this.decode.abort(transferId);
     this.prefill.abort(transferId);
@@ -1056,10 +477,10 @@ export class Sidecar implements SidecarView {
     const now = this.clock.now();
     // A KV file that shrank is found within one sweep, even with no transfer starting: its size
     // is given back (no fault) and what P holds for a pull fails (D hears "not held").
-    const wasBroken = this.kvBroken;
-    if (this.kvFiles.length > 0 && this.kvShrunk() !== undefined && wasBroken === undefined) {
-      this.noteError(`ERR_REGION_CHANGED: ${this.kvBroken!}`);
-      this.log.error({ problem: this.kvBroken }, "a KV file shrank under the sidecar");
+    const broken = this.kvs.newlyBroken();
+    if (broken !== undefined) {
+      this.noteError(`ERR_REGION_CHANGED: ${broken}`);
+      this.log.error({ problem: broken }, "a KV file shrank under the sidecar");
       this.prefill.failHeld("ERR_REGION_CHANGED");
     }
     this.prefill.expire(now);
@@ -1069,7 +490,7 @@ export class Sidecar implements SidecarView {
       this.metrics.setQueueDepth("decode_live", this.decode.live());
       this.metrics.setQueueDepth(
         "agents_inflight",
-        (this.kv?.agents ?? []).reduce((n, a) => n + a.inflight, 0),
+        (this.kvs.kv?.agents ?? []).reduce((n, a) => n + a.inflight, 0),
       );
     }
     this.peers.expire(now);
@@ -1120,7 +541,7 @@ export class Sidecar implements SidecarView {
       const key = `${t.side}:${t.state}`;
       byState[key] = (byState[key] ?? 0) + 1;
     }
-    const l = this.kv?.layout;
+    const l = this.kvs.kv?.layout;
     return {
       engineId: this.engineId,
       epoch: this.epoch,
@@ -1132,13 +553,13 @@ export class Sidecar implements SidecarView {
           ? "not registered"
           : `${l.numLayers} layers, ${l.mla ? "MLA latent" : `${l.totalKvHeads} KV heads`} x ${l.headDim}, ${l.dtype}, block ${l.blockSize}, ${l.order}, ${l.numBlocks} blocks/rank`,
       startedMs: this.startedMs,
-      draining: this.draining,
+      draining: this.life.draining,
       peers: this.peers.list(),
       transfersByState: byState,
       bytesMoved: this.bytesMoved,
       transfersMoved: this.transfersMoved,
       leaseTableSize: this.prefill.leased(),
-      lastErrors: [...this.lastErrors],
+      lastErrors: this.errors.list(),
       ucx: this.ucxStatus(),
     };
   }
@@ -1148,7 +569,7 @@ export class Sidecar implements SidecarView {
    * registration what a context with this sidecar's transport list opens.
    */
   ucxStatus(): { version: string; transports: string[]; memoryTypes: string[] } {
-    const agent = this.kv?.agents[0];
+    const agent = this.kvs.kv?.agents[0];
     const base = ucxInfo(this.opts.transports);
     if (agent === undefined || agent.closed) return base;
     return { version: base.version, transports: agent.transports, memoryTypes: agent.memoryTypes };

@@ -1,5 +1,5 @@
 /** The `kvxfer` command as a user runs it. */
-import { AUTO_SPIN_US, spinFor } from "../../src/sidecar/sidecar.js";
+import { AUTO_SPIN_US, spinFor } from "../../src/sidecar/kv-registration.js";
 import { spawnSync } from "node:child_process";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";

@@ -278,16 +278,20 @@ export class FakeWorld {
       settings: { ...SETTINGS, ...settings },
       log,
       kv: () => kv,
-      toEngine: (msg) => this.engine.push(msg),
-      refuse: (transferId, code, message) => {
-        this.refused.push({ transferId, code });
-        this.refusedText.push(`${code}: ${message}`);
+      engine: {
+        send: (msg) => this.engine.push(msg),
+        refuse: (transferId, code, message) => {
+          this.refused.push({ transferId, code });
+          this.refusedText.push(`${code}: ${message}`);
+        },
       },
-      toPeer: (peer, body) => this.toPeer.push({ peer: peer.engineId, body }),
-      seal: (_peer, body) => {
-        const sealed = new Uint8Array(0);
-        this.sealedBodies.set(sealed, body);
-        return sealed;
+      peers: {
+        send: (peer, body) => this.toPeer.push({ peer: peer.engineId, body }),
+        seal: (_peer, body) => {
+          const sealed = new Uint8Array(0);
+          this.sealedBodies.set(sealed, body);
+          return sealed;
+        },
       },
       emit: (kind, transferId, peer, side, reason) => {
         this.events.push({ kind, transferId, side, reason });

@@ -4,11 +4,9 @@
 import { pino } from "pino";
 import { describe, expect, it } from "vitest";
 
+import { DECODE_INITIAL, DECODE_NEXT } from "../../src/sidecar/decode-machine.js";
+import { PREFILL_INITIAL, PREFILL_NEXT } from "../../src/sidecar/prefill-machine.js";
 import {
-  DECODE_INITIAL,
-  DECODE_NEXT,
-  PREFILL_INITIAL,
-  PREFILL_NEXT,
   TERMINAL_KINDS,
   begin,
   isTerminal,
@@ -125,7 +123,7 @@ describe("lifecycle tables", () => {
 
   it("a second terminal move is refused: one exit, one event", () => {
     const { lc, refused } = machine(DECODE_NEXT, DECODE_INITIAL);
-    const t = at("DRAINING");
+    const t = at("PUSH_DRAINING");
     expect(transition(lc, t, "ABORTED", "first")).toBe(true);
     expect(transition(lc, t, "FAILED", "second")).toBe(false);
     expect(t.exits).toEqual(["ABORTED"]);

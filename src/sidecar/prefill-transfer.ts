@@ -1,0 +1,181 @@
+/**
+ * P's side of one transfer as data: the entry, D's registrations kept before PrefillDone, and
+ * the pure rules on them (whose registration counts, who may end the transfer, when a waiting
+ * entry is due). PrefillSide (prefill.ts) runs P's machine over these entries.
+ */
+import { ReleaseReason } from "../gen/kvxfer/v1/engine_pb.js";
+import { tokensEqual } from "../peer/messages.js";
+import type { SideContext } from "./context.js";
+import type { PeerState } from "./peers.js";
+import type { PrefillState } from "./prefill-machine.js";
+import { newTimings, type Timings } from "./timings.js";
+import { TransferTrace } from "./trace.js";
+import type { TerminalKind } from "./view.js";
+
+/** D's push registration: where P writes, under D's lease. */
+export interface PushRegistration {
+  peer: PeerState;
+  token: string;
+  dstBlocks: number[];
+  numTokens: number;
+  prefixTokens: number;
+  leaseMs: number;
+  /** No write for it may start after this (renewed by its D's heartbeats). */
+  deadline: number;
+  /**
+   * Before PrefillDone: how its decode engine withdrew it (Abort, Failed, its lease, going
+   * down). It counts only at PrefillDone, and only if its token is the transfer's: before the
+   * token is known, nothing a registrant says ends the transfer.
+   */
+  withdrawn?: { kind: "ABORTED" | "FAILED" | "EXPIRED"; reason: string };
+}
+
+/** P's side of one transfer. */
+export interface PrefillTransfer {
+  readonly id: string;
+  readonly state: PrefillState;
+  blocks: number[] | undefined;
+  numTokens: number;
+  /** The registration P writes for: chosen at PrefillDone by the token, or one after it. */
+  reg: PushRegistration | undefined;
+  /**
+   * Before PrefillDone, every registration (at most MAX_PENDING_REGISTRATIONS, one per decode
+   * engine), withdrawn ones included: the token picks one at PrefillDone.
+   */
+  pending: PushRegistration[];
+  /** The decode engine whose PushReg created this entry, until PrefillDone (its share, O(1)). */
+  namedBy: PeerState | undefined;
+  /** PrefillDone.token: only a D presenting it may register, confirm, abort or fail the transfer. */
+  token: string;
+  /** Lease of held blocks (HELD), of a registration waiting for prefill (AWAITING_PREFILL), or the tombstone's end. */
+  deadline: number;
+  /** No write for the registration may start after this (renewed by D's heartbeats). */
+  regDeadline: number;
+  /** Who the blocks went to (peer engine id), once known. */
+  peer: string;
+  mode: "push" | "pull" | "";
+  /** How the transfer ends when the withdrawn registration its token names counts (REG_WITHDRAWN). */
+  outcome: { kind: PrefillState & TerminalKind; reason: string } | undefined;
+  bytes: number;
+  descriptors: number;
+  reason: string;
+  t: Timings;
+  trace: TransferTrace;
+}
+
+/** Registrations kept before PrefillDone for one transfer, at most (one per decode engine). */
+export const MAX_PENDING_REGISTRATIONS = 5;
+
+/** Entries one decode engine may create by PushReg before PrefillDone: this share of maxTransfers. */
+export const PER_PEER_SHARE = 8;
+
+/** A new entry: nothing known yet. */
+export function newPrefillTransfer(id: string): PrefillTransfer {
+  return {
+    id,
+    state: "AWAITING_PREFILL",
+    blocks: undefined,
+    numTokens: 0,
+    reg: undefined,
+    pending: [],
+    namedBy: undefined,
+    token: "",
+    deadline: 0,
+    regDeadline: 0,
+    peer: "",
+    mode: "",
+    outcome: undefined,
+    bytes: 0,
+    descriptors: 0,
+    reason: "",
+    t: newTimings(),
+    trace: new TransferTrace(),
+  };
+}
+
+/** The entry no longer counts against the peer whose PushReg created it. */
+export function unname(t: PrefillTransfer): void {
+  if (t.namedBy === undefined) return;
+  t.namedBy.named--;
+  t.namedBy = undefined;
+}
+
+/**
+ * A WAITING entry's deadline: its first live registration's, or (all withdrawn) the time its
+ * withdrawals are remembered for a late PrefillDone. At most MAX_PENDING_REGISTRATIONS.
+ */
+export function rearm(t: PrefillTransfer, now: number, leaseMs: number): void {
+  let next = Infinity;
+  for (const r of t.pending) if (r.withdrawn === undefined) next = Math.min(next, r.deadline);
+  t.deadline = next === Infinity ? now + leaseMs : next;
+  const first = t.pending.find((r) => r.withdrawn === undefined) ?? t.pending[0];
+  t.peer = first?.peer.engineId ?? "";
+}
+
+/** `peer`'s live registration kept before PrefillDone, if any. */
+export function pendingOf(t: PrefillTransfer, peer: PeerState): PushRegistration | undefined {
+  if (t.blocks !== undefined) return undefined;
+  return t.pending.find((r) => r.peer === peer && r.withdrawn === undefined);
+}
+
+/**
+ * True when `peer` may end `t`: prefill is done (the token is known), it presents the token,
+ * and it is the registered decode engine if one registered. Before PrefillDone nobody may.
+ */
+export function mayActOn(t: PrefillTransfer, peer: PeerState, token: string): boolean {
+  if (t.blocks === undefined || !tokensEqual(t.token, token)) return false;
+  return t.reg === undefined || t.reg.peer === peer;
+}
+
+/**
+ * At PrefillDone: picks the registration whose token matches the transfer's (the first one
+ * when the transfer has no token), refuses the others still live, and returns the one picked
+ * (withdrawn or not).
+ */
+export function settleRegistrations(
+  ctx: SideContext,
+  t: PrefillTransfer,
+): PushRegistration | undefined {
+  const all = t.pending;
+  t.pending = [];
+  unname(t);
+  // A live registration with the token first (the same D again after a restart, say), else a
+  // withdrawn one: then the transfer ends as its D asked.
+  const matches = all.filter((r) => tokensEqual(r.token, t.token));
+  const chosen = matches.find((r) => r.withdrawn === undefined) ?? matches[0];
+  for (const r of all) {
+    if (r === chosen || r.withdrawn !== undefined) continue;
+    const code =
+      t.token === "" && chosen !== undefined ? "ERR_DUPLICATE" : "ERR_BAD_TRANSFER_TOKEN";
+    ctx.noteError(`PushReg for '${t.id}' from '${r.peer.engineId}' refused: ${code}`);
+    ctx.peers.send(r.peer, {
+      case: "failed",
+      value: { transferId: t.id, code, message: "not the decode engine this transfer names" },
+    });
+  }
+  if (chosen === undefined || chosen.withdrawn !== undefined) {
+    t.reg = undefined;
+    t.peer = chosen?.peer.engineId ?? "";
+    t.mode = chosen === undefined ? "" : "push";
+    return chosen;
+  }
+  t.reg = chosen;
+  t.peer = chosen.peer.engineId;
+  t.mode = "push";
+  t.regDeadline = chosen.deadline;
+  return chosen;
+}
+
+/** Why a terminal state hands P's blocks back. */
+export function releaseReason(kind: TerminalKind): ReleaseReason {
+  switch (kind) {
+    case "RELEASED":
+      return ReleaseReason.TRANSFERRED;
+    case "ABORTED":
+      return ReleaseReason.ABORTED;
+    case "EXPIRED":
+      return ReleaseReason.EXPIRED;
+    default:
+      return ReleaseReason.FAILED;
+  }
+}

@@ -1,0 +1,111 @@
+/**
+ * P's writes of a push, the I/O behind the START_WRITES effect: plan the pairs, post each pair's
+ * writes with its XferDone sealed behind them, wait for all to settle. The result is the event
+ * PrefillSide feeds P's machine next.
+ */
+import type { WritePart } from "../native/index.js";
+import { KvxferError } from "../errors.js";
+import { planPaired, type TransferPlan } from "../plan/index.js";
+import { transferError, type SideContext } from "./context.js";
+import type { PrefillTransfer } from "./prefill-transfer.js";
+import { markPairSteps } from "./trace.js";
+
+/** How the writes ended: all landed, or one failed. */
+export type WriteResult =
+  { event: "WRITES_DONE"; bytes: number } | { event: "WRITES_FAILED"; error: KvxferError };
+
+/** The pairs P writes for `t`, or why it cannot (the KV broke, D expects other tokens, no plan). */
+export function planPush(ctx: SideContext, t: PrefillTransfer): TransferPlan | KvxferError {
+  const kv = ctx.kv()!;
+  const reg = t.reg!;
+  const peer = reg.peer;
+  try {
+    // A KV file that shrank would fault (SIGBUS) when the writes read it.
+    const shrunk = kv.shrunk?.();
+    if (shrunk !== undefined) throw new KvxferError("ERR_REGION_CHANGED", shrunk);
+    if (reg.numTokens !== t.numTokens) {
+      throw new KvxferError(
+        "ERR_BAD_TOKENS",
+        `D expects ${reg.numTokens} tokens, P prefilled ${t.numTokens}`,
+      );
+    }
+    return planPaired(peer.pairing(kv.layout, peer.layout), {
+      numTokens: t.numTokens,
+      prefixTokens: reg.prefixTokens,
+      srcBlockIds: t.blocks!,
+      dstBlockIds: reg.dstBlocks,
+    });
+  } catch (err) {
+    const e = transferError(err);
+    ctx.noteError(`push of '${t.id}' refused: ${e.code}: ${e.message}`);
+    return e;
+  }
+}
+
+/** P writes every rank pair's KV into D's blocks, each pair followed by its XferDone. */
+export async function postWrites(
+  ctx: SideContext,
+  t: PrefillTransfer,
+  plan: TransferPlan,
+): Promise<WriteResult> {
+  const kv = ctx.kv()!;
+  const peer = t.reg!.peer;
+  t.trace.mark("planned");
+  const plannedAt = performance.now();
+  // A registration whose lease ran out must not be written to: D may have released the blocks.
+  const results = await Promise.allSettled(
+    plan.pairs.map(async (pair) => {
+      const agent = kv.agents[pair.srcRank]!;
+      const ep = peer.endpoint(pair.srcRank, pair.dstRank);
+      const parts: WritePart[] = [];
+      for (const rp of pair.regionPairs) {
+        if (rp.count === 0) continue;
+        parts.push({
+          local: kv.regions[pair.srcRank]![rp.srcRegion]!,
+          remote: peer.remote(pair.srcRank, pair.dstRank, rp.dstRegion),
+          descriptors: rp.descriptors,
+        });
+      }
+      if (ctx.clock.now() > t.regDeadline || t.state !== "WRITING" || peer.state !== "connected")
+        throw new KvxferError(
+          "ERR_ABORTED",
+          "registration expired, aborted, or peer down before the write",
+        );
+      // One native operation for all of the pair's region pairs and its XferDone: one hand-off
+      // to the progress thread and one flush, whatever the number of layers; the addon sends the
+      // XferDone once every write is remotely complete, and not at all if one fails. So it is
+      // sealed before the writes: its time since PrefillDone is to their posting.
+      const xferDone = ctx.peers.seal(peer, {
+        case: "xferDone",
+        value: {
+          transferId: t.id,
+          srcRank: pair.srcRank,
+          dstRank: pair.dstRank,
+          bytes: BigInt(pair.bytes),
+          sincePrefillDoneMs: Math.max(0, ctx.clock.now() - t.t.prefillDoneMs),
+        },
+      });
+      const written = await agent.writeParts(ep, parts, xferDone);
+      markPairSteps(t.trace, `${pair.srcRank}>${pair.dstRank}`, [written]);
+    }),
+  );
+  t.t.dataDoneMs = ctx.clock.now();
+  t.bytes = plan.bytes;
+  t.descriptors = plan.descriptorCount;
+  ctx.log.debug(
+    {
+      transferId: t.id,
+      bytes: plan.bytes,
+      descriptors: plan.descriptorCount,
+      ms: t.t.dataDoneMs - t.t.dataStartedMs,
+      moveMs: Math.round((performance.now() - plannedAt) * 100) / 100,
+    },
+    "push writes settled",
+  );
+  const failed = results.find((r) => r.status === "rejected");
+  if (failed === undefined) {
+    return { event: "WRITES_DONE", bytes: plan.bytes };
+  }
+  const e = KvxferError.from((failed as PromiseRejectedResult).reason);
+  return { event: "WRITES_FAILED", error: e };
+}
