@@ -10,7 +10,7 @@
 #
 # carry/ holds: node.xz (this host's Node 20, stripped, xz -9), package.json + native/ (so the
 # addon's loader finds its root), build/native/Release/kvxfer.node (the prebuilt addon; it finds
-# UCX through LD_LIBRARY_PATH there), dist/src/native/index.js + dist/src/errors.js (the only
+# UCX through LD_LIBRARY_PATH there), dist/src/native/*.js + dist/src/errors.js (the only
 # JavaScript the harness imports), ucx/lib/ (UCX 1.22.0 from the pinned libucx-cu12 wheel: libucp,
 # libucs, libuct, libucm and the modules cma, cuda (cuda_copy, cuda_ipc) and ucm_cuda, with the
 # CUDA 12 runtime libucm_cuda needs, stripped; CUDA 12's runtime runs on driver 580, CUDA 13's),
@@ -43,7 +43,7 @@ mkdir -p "$C/native" "$C/build/native/Release" "$C/dist/src/native" "$C/ucx/lib/
 printf '{ "name": "kvxfer-gpu-carry", "private": true, "type": "module" }\n' >"$C/package.json"
 cp build/native/Release/kvxfer.node "$C/build/native/Release/"
 strip --strip-unneeded "$C/build/native/Release/kvxfer.node"
-cp dist/src/native/index.js "$C/dist/src/native/"
+cp dist/src/native/*.js "$C/dist/src/native/"
 cp dist/src/errors.js "$C/dist/src/"
 
 # UCX: the sonames the addon and the modules load, as plain files (no links travel).
