@@ -30,17 +30,15 @@ import subprocess
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ._gen.kvxfer.v1 import engine_pb2
+from .cuda import CudaBoundary
 from .errors import LayoutError, RegistrationError
 from .link import DEFAULT_MAX_FRAME_BYTES, EngineLink
-
-if TYPE_CHECKING:
-    from .device import CudaBoundary
 
 log = logging.getLogger(__name__)
 
