@@ -29,28 +29,38 @@ import requests
 
 from . import timeline
 from .bench import BENCH_MODEL, Pair, prompt_of
+from .harness import EngineSpec, SidecarProc, VllmServer
 from .tiny_model import make_tiny_model
 
-#: (name, from, to): the segments of a pull request, each between two marks (see _marks).
-SEGMENTS = [
-    ("router -> P answer", "sent", "p.answer"),
-    ("P answer -> P PrefillDone sent", "p.answer", "p.worker.sent"),
-    ("P answer -> D ExpectKv sent", "p.answer", "d.worker.sent"),
-    ("D ExpectKv sent -> D sidecar got it", "d.worker.sent", "d.sc.engine.expectKv"),
-    ("D sidecar: ExpectKv -> planned", "d.sc.engine.expectKv", "d.sc.planned"),
-    ("D sidecar: planned -> read posted", "d.sc.planned", "d.sc.first post"),
-    ("transfer: read posted -> completed", "d.sc.first post", "d.sc.completed"),
-    ("D sidecar: completed -> KvReady sent", "d.sc.completed", "d.sc.engine.kvReady sent"),
-    ("KvReady sent -> D connector got it", "d.sc.engine.kvReady sent", "d.worker.kv_ready"),
-    ("D connector -> D scheduler knows", "d.worker.kv_ready", "d.sched.received"),
-    ("D scheduler knows -> step admits it", "d.sched.received", "d.sched.admitted"),
-    ("step admits it -> first token", "d.sched.admitted", "d.first"),
-    ("D side: P answer -> first token", "p.answer", "d.first"),
-    ("TTFT: router -> first token", "sent", "d.first"),
-    # The reference, same engine, same moment: D alone, the prompt already in its prefix cache
-    # (what D's side costs when no KV has to move: HTTP, scheduling, one token, streaming).
-    ("ref: D alone, prompt cached -> first token", "ref.sent", "ref.first"),
-]
+
+class SidecarFlagsPair(Pair):
+    """The bench's pair (same engines, cores and settings) with extra flags for both sidecars."""
+
+    def __init__(self, work: Path, model: str, kv_memory: str, max_len: int, flags: list[str]) -> None:
+        self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-breakdown-", dir="/dev/shm"))
+        tag = f"{os.getpid()}-{kv_memory}-{time.monotonic_ns()}"
+        started: list[Any] = []
+        try:
+            # Everything started so far is stopped if a start fails or the run is stopped meanwhile.
+            self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc:///tmp/kvxfer-breakdown-p-{tag}.sock", work, *flags)
+            started.append(self.p_sc)
+            self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc:///tmp/kvxfer-breakdown-d-{tag}.sock", work, *flags)
+            started.append(self.d_sc)
+            extra = {"placement": "shared", "kv_memory": kv_memory, "register_timeout_s": 600.0}
+            common: dict[str, Any] = dict(block_size=32, kv_cache_bytes=512 << 20, max_model_len=max_len, extra=extra)
+            self.p = VllmServer(EngineSpec(model, self.p_sc.engine_id, self.p_sc.socket, str(self.shm), cores="0", **common), work)
+            started.insert(0, self.p)
+            self.d = VllmServer(EngineSpec(model, self.d_sc.engine_id, self.d_sc.socket, str(self.shm), cores="1", **common), work)
+            started.insert(0, self.d)
+            self.p.wait_ready()
+            self.d.wait_ready()
+        except BaseException:
+            for proc in started:
+                proc.stop(60)
+            shutil.rmtree(self.shm, ignore_errors=True)
+            raise
+        host, port = self.p_sc.side_channel.rsplit(":", 1)
+        self.p_addr = (host, int(port))
 
 
 def log(msg: str) -> None:
@@ -89,8 +99,10 @@ def pull_once(pair: Pair, prompt: list[int], tid: str) -> dict[str, float]:
     return t
 
 
-def sidecar_traces(grpc_address: str) -> dict[str, list[tuple[str, float]]]:
-    """transfer id -> its hops (name, monotonic seconds) on one sidecar, from ListTransfers."""
+def sidecar_traces(grpc_address: str, sizes: dict[str, tuple[int, int]] | None = None
+                   ) -> dict[str, list[tuple[str, float]]]:
+    """transfer id -> its hops (name, monotonic seconds) on one sidecar, from ListTransfers;
+    ``sizes`` gets each transfer's (bytes, descriptors)."""
     import grpc
 
     from ._gen.kvxfer.v1 import sidecar_pb2 as pb
@@ -100,6 +112,8 @@ def sidecar_traces(grpc_address: str) -> dict[str, list[tuple[str, float]]]:
                               request_serializer=lambda r: r.SerializeToString(),
                               response_deserializer=pb.ListTransfersResponse.FromString)
         res = call(pb.ListTransfersRequest(limit=10_000), timeout=30)
+    if sizes is not None:
+        sizes.update({t.transfer_id: (t.bytes, t.descriptors) for t in res.transfers})
     return {t.transfer_id: [(h.hop, h.at_us / 1e6) for h in t.trace] for t in res.transfers}
 
 
@@ -130,10 +144,10 @@ def admitted_tokens(conn: list[dict[str, Any]]) -> int | None:
     return next((c.get("tokens") for c in conn if c["ev"] == "d.sched.admitted"), None)
 
 
-def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str) -> dict[str, Any]:
-    folder = work / f"timeline-{kv_memory}"
+def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, flags: list[str]) -> dict[str, Any]:
+    folder = work / f"timeline-{kv_memory}-{time.monotonic_ns()}"
     os.environ[timeline.ENV] = str(folder)  # the engines inherit it
-    pair = Pair(work, model, "shared", kv_memory, max(lengths) + 80)
+    pair = SidecarFlagsPair(work, model, kv_memory, max(lengths) + 80, flags)
     router: dict[str, dict[str, float]] = {}
     order: list[tuple[int, str]] = []
     seed = 10_000
@@ -148,13 +162,14 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str) ->
                 router[tid] = pull_once(pair, prompt_of(n, seed), tid)
                 order.append((n, tid))
         time.sleep(0.5)  # the last marks reach their files
-        p_tr, d_tr = sidecar_traces(pair.p_sc.grpc), sidecar_traces(pair.d_sc.grpc)
+        sizes: dict[str, tuple[int, int]] = {}
+        p_tr, d_tr = sidecar_traces(pair.p_sc.grpc), sidecar_traces(pair.d_sc.grpc, sizes)
     finally:
         pair.close()
     conn: dict[str, list[dict[str, Any]]] = {}
     for m in timeline.read(str(folder)):
         conn.setdefault(m["tid"], []).append(m)
-    out: dict[str, Any] = {"kv_memory": kv_memory, "machine": f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
+    out: dict[str, Any] = {"kv_memory": kv_memory, "sidecar_flags": flags, "machine": f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
                            "segments": [s[0] for s in SEGMENTS], "lengths": {}}
     for n in lengths:
         rows = []
@@ -164,7 +179,9 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str) ->
             marks = _marks(router[tid], conn.get(tid, []), p_tr.get(tid, []), d_tr.get(tid, []))
             ms = segments(marks)
             ms["ref: D alone, prompt cached -> first token"] = (router[tid]["ref.first"] - router[tid]["ref.sent"]) * 1000
+            kv_bytes, descriptors = sizes.get(tid, (0, 0))
             rows.append({"tid": tid, "ms": ms, "d_first_step_tokens": admitted_tokens(conn.get(tid, [])),
+                         "kv_bytes": kv_bytes, "descriptors": descriptors,
                          "marks_ms": {k: round((v - router[tid]["sent"]) * 1000, 3) for k, v in
                                       sorted(marks.items(), key=lambda kv: kv[1])}})
         med = {}
@@ -179,7 +196,8 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str) ->
 def table(res: dict[str, Any]) -> str:
     lengths = list(res["lengths"])
     width = max(len(s) for s in res["segments"])
-    lines = [f"KV in {res['kv_memory']}s; {'segment (median ms)'.ljust(width - 10)}  " + "  ".join(f"{n:>7}" for n in lengths)]
+    lines = [f"KV in {res['kv_memory']}s {' '.join(res['sidecar_flags'])}".strip(),
+             f"{'segment (median ms)'.ljust(width)}  " + "  ".join(f"{n:>7}" for n in lengths)]
     for s in res["segments"]:
         cells = [res["lengths"][n]["median_ms"].get(s) for n in lengths]
         lines.append(f"{s.ljust(width)}  " + "  ".join(f"{c:7.1f}" if c is not None else "      -" for c in cells))
@@ -192,7 +210,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="kvxfer bench vllm --breakdown", description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="32,256,1024,4096")
     ap.add_argument("--requests", type=int, default=5)
-    ap.add_argument("--kv-memory", default="segment", help="file, segment or both (file,segment): one pair each, in turn")
+    ap.add_argument("--kv-memory", default="file", help="file, segment or both (file,segment): one pair each, in turn")
+    ap.add_argument("--prefault", default="true", help="the sidecars' --prefault: true, false or both (false,true)")
     ap.add_argument("--rounds", type=int, default=1, help="pairs per kind, alternating kinds (drift hits each alike)")
     ap.add_argument("--table", action="store_true", help="also print the table on stderr")
     a = ap.parse_args()
@@ -203,9 +222,9 @@ def main() -> None:
         spec = dataclasses.replace(BENCH_MODEL, max_positions=max(4096, max(lengths) + 128))
         model = make_tiny_model(str(work / "model"), spec)
         for r in range(a.rounds):
-            for kind in a.kv_memory.split(","):
-                log(f"round {r + 1}: KV in {kind}s ...")
-                res = run(lengths, a.requests, work, kind, model)
+            for kind, prefault in [(k, f) for k in a.kv_memory.split(",") for f in a.prefault.split(",")]:
+                log(f"round {r + 1}: KV in {kind}s, sidecars with --prefault {prefault} ...")
+                res = run(lengths, a.requests, work, kind, model, ["--prefault", prefault])
                 res["round"] = r + 1
                 if a.table:
                     log(table(res))
