@@ -63,6 +63,31 @@ class SidecarFlagsPair(Pair):
         self.p_addr = (host, int(port))
 
 
+
+
+
+#: (name, from, to): the segments of a pull request, each between two marks (see _marks).
+SEGMENTS = [
+    ("router -> P answer", "sent", "p.answer"),
+    ("P answer -> P PrefillDone sent", "p.answer", "p.worker.sent"),
+    ("P answer -> D ExpectKv sent", "p.answer", "d.worker.sent"),
+    ("D ExpectKv sent -> D sidecar got it", "d.worker.sent", "d.sc.engine.expectKv"),
+    ("D sidecar: ExpectKv -> planned", "d.sc.engine.expectKv", "d.sc.planned"),
+    ("D sidecar: planned -> read posted", "d.sc.planned", "d.sc.first post"),
+    ("transfer: read posted -> completed", "d.sc.first post", "d.sc.completed"),
+    ("D sidecar: completed -> KvReady sent", "d.sc.completed", "d.sc.engine.kvReady sent"),
+    ("KvReady sent -> D connector got it", "d.sc.engine.kvReady sent", "d.worker.kv_ready"),
+    ("D connector -> D scheduler knows", "d.worker.kv_ready", "d.sched.received"),
+    ("D scheduler knows -> step admits it", "d.sched.received", "d.sched.admitted"),
+    ("step admits it -> first token", "d.sched.admitted", "d.first"),
+    ("D side: P answer -> first token", "p.answer", "d.first"),
+    ("TTFT: router -> first token", "sent", "d.first"),
+    # The reference, same engine, same moment: D alone, the prompt already in its prefix cache
+    # (what D's side costs when no KV has to move: HTTP, scheduling, one token, streaming).
+    ("ref: D alone, prompt cached -> first token", "ref.sent", "ref.first"),
+]
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
