@@ -4,6 +4,9 @@
 // ratio to the single engine and writes bench/results/vllm.json. Flags go to the Python side:
 // [--lengths 32,256,1024] [--requests N] [--output-tokens N] [--modes pull,push]
 // [--placements shared,host_buffer] [--kv-memory file,segment] [--quick] [--json].
+// `--breakdown` runs kvxfer_vllm.breakdown instead: where each pull request's time goes, hop by
+// hop (router, both engines' connector, both sidecars' traces), per prompt length
+// ([--lengths 32,256,1024,4096] [--requests N] [--kv-memory file,segment] [--prefault false,true]).
 import { spawn } from "node:child_process";
 import { existsSync } from "node:fs";
 import { join } from "node:path";
@@ -143,7 +146,29 @@ export function parseVllmArgs(argv: string[]): VllmBenchOptions {
   return { json: argv.includes("--json"), args };
 }
 
-export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchResult> {
+/** `--breakdown`: kvxfer_vllm.breakdown prints its table on stderr and its JSON on stdout. */
+function runBreakdown(args: string[]): Promise<void> {
+  const py = join(packageRoot(), ".venv", "bin", "python");
+  return new Promise((resolve, reject) => {
+    const child = spawn(py, ["-m", "kvxfer_vllm.breakdown", "--table", ...args], {
+      cwd: packageRoot(),
+      stdio: ["ignore", "inherit", "inherit"],
+    });
+    const stop = (): void => void child.kill("SIGTERM");
+    process.once("SIGTERM", stop);
+    process.once("SIGINT", stop);
+    child.on("error", reject);
+    child.on("exit", (code) => {
+      process.off("SIGTERM", stop);
+      process.off("SIGINT", stop);
+      if (code === 0) resolve();
+      else reject(new Error(`kvxfer_vllm.breakdown exited ${code}`));
+    });
+  });
+}
+
+export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchResult | void> {
+  if (argv.includes("--breakdown")) return runBreakdown(argv.filter((a) => a !== "--breakdown"));
   return runSuiteMain(
     "vllm",
     parseVllmArgs(argv),

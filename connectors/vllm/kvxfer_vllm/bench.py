@@ -76,8 +76,10 @@ class Pair:
     def __init__(self, work: Path, model: str, placement: str, kv_memory: str, max_len: int) -> None:
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-bench-", dir="/dev/shm"))
         tag = f"{os.getpid()}-{placement}-{kv_memory}"
-        self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc:///tmp/kvxfer-bench-p-{tag}.sock", work)
-        self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc:///tmp/kvxfer-bench-d-{tag}.sock", work)
+        # --prefault: the sidecars' mappings of the KV resident at once, as operations.md advises
+        # for vLLM (without it, page faults were most of a 1024-token read: docs/benchmarks.md).
+        self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc:///tmp/kvxfer-bench-p-{tag}.sock", work, "--prefault", "true")
+        self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc:///tmp/kvxfer-bench-d-{tag}.sock", work, "--prefault", "true")
         extra = {"placement": placement, "kv_memory": kv_memory, "register_timeout_s": 600.0}
         common = dict(block_size=32, kv_cache_bytes=512 << 20, max_model_len=max_len, extra=extra)
         self.p = VllmServer(EngineSpec(model, self.p_sc.engine_id, self.p_sc.socket, str(self.shm), cores="0", **common), work)

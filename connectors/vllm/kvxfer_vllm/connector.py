@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.platforms import current_platform
 
+from . import timeline
 from .config import ConnectorConfig, load_config
 from .device import DeviceKv, TorchCuda
 from .errors import ConfigError, LayoutError
@@ -419,6 +420,8 @@ class KvxferConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        if timeline.enabled():
+            self.scheduler.mark_admitted(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         return KvxferConnectorMetadata(step=self.scheduler.build_step(), idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -10,7 +10,7 @@ the worker waits for the engine's compute stream up to now (one event), so the s
 reads blocks a kernel is still writing; on D nothing waits: the sidecar reports ``KvReady`` only
 after UCX completed its copies.
 
-Everything CUDA goes through one narrow boundary, ``CudaBoundary``: ``TorchCuda`` is the real one
+Everything CUDA goes through one narrow boundary, ``CudaBoundary`` (cuda.py): ``TorchCuda`` is the real one
 (torch's CUDA API), and the tests give a stub that runs the same code over CPU tensors, so the
 layouts, handles, device numbering and block math here are what runs on a GPU.
 """
@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from .cuda import CudaBoundary, CudaExport
 from .errors import LayoutError
 from .shm import SharedKv, SharedKvFile
 
@@ -32,51 +32,6 @@ log = logging.getLogger(__name__)
 
 #: A CUDA IPC memory handle is 64 opaque bytes (``CU_IPC_HANDLE_SIZE``).
 CUDA_IPC_HANDLE_BYTES = 64
-
-
-@dataclass(frozen=True)
-class CudaExport:
-    """One CUDA allocation as another process opens it."""
-
-    #: ``cudaIpcMemHandle_t`` of the allocation (the caching allocator's segment) holding the storage.
-    handle: bytes
-    #: The device as this process numbers it (torch's index).
-    device: int
-    #: Byte offset of the storage's first byte inside that allocation.
-    offset: int
-    #: The storage's size in bytes.
-    nbytes: int
-
-
-class CudaBoundary(Protocol):
-    """The CUDA calls the connector makes, and nothing else."""
-
-    def is_device(self, tensor: torch.Tensor) -> bool: ...
-
-    def device_of(self, tensor: torch.Tensor) -> int: ...
-
-    def export(self, tensor: torch.Tensor) -> CudaExport: ...
-
-    def pin(self, tensor: torch.Tensor) -> None:
-        """Page-locks a host tensor's memory (``cudaHostRegister``) so copies to and from it are DMA."""
-
-    def side_stream(self, device: int) -> AbstractContextManager[Any]:
-        """A context in which torch's CUDA work on ``device`` goes to the connector's copy stream."""
-
-    def side_waits_for_compute(self, device: int) -> None:
-        """The copy stream waits for what the engine queued so far on its compute stream."""
-
-    def record_on_side(self, device: int) -> Any:
-        """An event at the copy stream's current end."""
-
-    def compute_waits_for(self, device: int, event: Any) -> None:
-        """The engine's compute stream waits for ``event`` (the host does not)."""
-
-    def host_waits_for(self, event: Any) -> None:
-        """The calling thread waits for ``event`` alone (never the whole device)."""
-
-    def wait_compute(self, device: int) -> None:
-        """The calling thread waits until the compute stream has run what it has queued so far."""
 
 
 #: torch's shareable-handle header (c10's ``CUDACachingAllocator::shareIpcHandle``): a version byte

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import timeline
 from .bootstrap import BootstrapResolver, fill_source
 from .messages import AbortMsg, ExpectMsg, GiveUpMsg, PrefillDoneMsg, StepMessages
 from .stats import TransferStats
@@ -66,6 +67,8 @@ class SchedulerLogic:
         self.blocks_per_block = 1
         #: D: the digest of each expecting request's prompt, from the check to ExpectKv.
         self._digests: dict[str, str] = {}
+        #: D, timeline only: requests whose KV arrived, until a step computes them.
+        self._landed: dict[str, str] = {}
         #: What this half counts for vLLM's metrics (prompt mismatches).
         self.stats = TransferStats()
 
@@ -155,6 +158,7 @@ class SchedulerLogic:
             )
         )
         self._waiting[request_id] = _Waiting(remote.transfer_id, sent=False)
+        timeline.mark("d.sched.alloc", remote.transfer_id, tokens=num_external_tokens)
 
     # --- both -----------------------------------------------------------------------
 
@@ -209,6 +213,7 @@ class SchedulerLogic:
             PrefillDoneMsg(request_id, tid, list(block_ids), num_computed_tokens, bind_token(token, digest))
         )
         self._holding.add(request_id)
+        timeline.mark("p.sched.finished", tid, tokens=num_computed_tokens)
         return True, prefill_answer(
             transfer_id=tid,
             engine_id=self.engine_id,
@@ -237,6 +242,11 @@ class SchedulerLogic:
             w = self._waiting.get(m.request_id)
             if w is not None:
                 w.sent = True
+        if timeline.enabled():
+            for m in step.expect:
+                timeline.mark("d.sched.step", m.transfer_id)
+            for p in step.prefill_done:
+                timeline.mark("p.sched.step", p.transfer_id)
         return step
 
     def on_worker_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
@@ -244,7 +254,16 @@ class SchedulerLogic:
             self._holding.discard(r)
             self._aborting.discard(r)
         for r in finished_recving or ():
-            self._waiting.pop(r, None)
+            w = self._waiting.pop(r, None)
+            if w is not None and timeline.enabled():
+                timeline.mark("d.sched.received", w.transfer_id)
+                if len(self._landed) < 10_000:
+                    self._landed[r] = w.transfer_id
+
+    def mark_admitted(self, scheduled: dict[str, int]) -> None:
+        """Timeline only: the first step that computes a request whose KV arrived."""
+        for r in [r for r in self._landed if r in scheduled]:
+            timeline.mark("d.sched.admitted", self._landed.pop(r), tokens=scheduled[r])
 
     def has_pending_work(self) -> bool:
         """True while the engine must keep stepping so the workers can hear the sidecar."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ._gen.kvxfer.v1 import engine_pb2
+from . import timeline
 from .errors import LinkError, RegistrationError
 from .link import EngineLink
 from .messages import StepMessages
@@ -230,6 +231,7 @@ class WorkerLogic:
                     token=m.token,
                 )
             )
+            timeline.mark("p.worker.sent", m.transfer_id)
             if not self._send(msg):
                 self._end_p(m.transfer_id, failed=True)
         for e in step.expect:
@@ -264,6 +266,7 @@ class WorkerLogic:
                 expect.has_source_block_ids = True
             log.debug("kvxfer: ExpectKv %s from %s (blocks %s, tokens %d..%d, %s)", e.transfer_id, e.source,
                       e.block_ids, e.prefix_tokens, e.num_tokens, "pull" if e.source_block_ids is not None else "push")
+            timeline.mark("d.worker.sent", e.transfer_id)
             if not self._send(engine_pb2.EngineToSidecar(expect_kv=expect)):
                 self._fail_d(e.transfer_id)
 
@@ -357,6 +360,7 @@ class WorkerLogic:
             self.stats.count("seconds", self._clock() - d.started)
 
     def _ready_d(self, tid: str) -> None:
+        timeline.mark("d.worker.kv_ready", tid)
         with self._lock:
             d = self._d.get(tid)
         if d is None:

@@ -64,3 +64,33 @@ def test_the_file_goes_with_the_process_however_it_ends(shm_dir, sig):
     while os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(path)
+
+
+def _resident_bytes(start: int, nbytes: int) -> int:
+    """Bytes of [start, start + nbytes) in this process's page table (/proc/self/smaps: Rss)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < start + nbytes and hi > start
+            elif inside and head == "Rss:":
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+def test_the_kv_file_is_allocated_and_mapped_in_full_when_made(shm_dir):
+    """As vLLM's own torch.zeros KV is: no page of it is first faulted in (or first allocated in
+    /dev/shm) during a transfer or a forward pass over KV the sidecar wrote."""
+    files = SharedKvFiles(str(shm_dir), "e0", 0)
+    try:
+        n = 8 << 20
+        t = files.allocate(n)
+        (f,) = files.files
+        assert os.stat(f.path).st_blocks * 512 >= n  # every page allocated: not a sparse file
+        assert _resident_bytes(t.data_ptr(), n) >= n  # and in this process's page table
+        assert int(t.count_nonzero()) == 0
+    finally:
+        files.close()
+    assert not os.listdir(shm_dir)
