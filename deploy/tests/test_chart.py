@@ -204,6 +204,7 @@ def test_the_rendered_sidecar_environment_runs_a_real_sidecar(tmp_path):
                 if line.startswith("{") and json.loads(line).get("event") == "ready":
                     ready = json.loads(line)
         assert ready is not None, f"sidecar not ready: {p.stderr.read() if p.poll() is not None else ''}"
+        assert env["KVXFER_PREFAULT"] == "true"  # next to vLLM: no first-touch faults in transfers
         assert ready["engineId"] == "kv-kvxfer-pd-prefill-0" and ready["bootstrap"] == f"0.0.0.0:{ports['boot']}"
         answer = requests.get(f"http://127.0.0.1:{ports['boot']}/query", timeout=5).json()
         assert answer == {"0": {"engine_id": "kv-kvxfer-pd-prefill-0",
