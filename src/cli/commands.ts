@@ -6,7 +6,8 @@
  * their own packages, loaded by optional.ts.
  */
 import { EVENT_KINDS } from "../sidecar/event-log.js";
-import { runSidecar, SIDECAR_SETTINGS, type SettingName } from "./sidecar.js";
+import { runSidecar } from "./sidecar.js";
+import { SIDECAR_SETTINGS, type SettingName } from "./sidecar-settings.js";
 import { runAwait } from "./await.js";
 import {
   BOOL_STR,

@@ -6,7 +6,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { describe, expect, it } from "vitest";
 
-import { resolveSettings } from "../../src/cli/sidecar.js";
+import { resolveSettings } from "../../src/cli/sidecar-settings.js";
 import { cliScript } from "../../sim/sidecar-process.js";
 
 function kvxfer(

@@ -21,7 +21,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { EngineLinkClient, engineMessage, kvCacheRegistration } from "../../../src/engine/link.js";
 import { type Registered } from "../../../src/gen/kvxfer/v1/engine_pb.js";
 import type { KvLayout } from "../../../src/plan/index.js";
-import { byteSize, kvDirectory } from "../../../src/cli/sidecar.js";
+import { byteSize, kvDirectory } from "../../../src/cli/sidecar-options.js";
 import { type PeerCredentialFiles, Pki } from "../../../sim/pki.js";
 import { SidecarProcess } from "../../../sim/sidecar-process.js";
 import {
