@@ -2,7 +2,7 @@
  * Dependencies point one way (docs/architecture.md): nothing under
  * src/sidecar/ imports src/api/ or src/cli/. The sidecar reports through
  * `TransferMetrics` (src/sidecar/metrics.ts); the composition root
- * (src/cli/sidecar.ts) wires the API to it.
+ * (src/cli/sidecar-start.ts) wires the API to it.
  */
 import { readFileSync, readdirSync } from "node:fs";
 import { join } from "node:path";
