@@ -30,7 +30,7 @@ import {
   type DecodeState,
 } from "./decode-machine.js";
 import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
-import type { PeerState } from "./peers.js";
+import type { PeerState } from "../peer/peer-state.js";
 import { SideTable } from "./side-table.js";
 import { newTimings, type Timings } from "./timings.js";
 import { markPairSteps, stepName, TransferTrace } from "./trace.js";

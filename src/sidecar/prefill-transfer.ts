@@ -6,7 +6,7 @@
 import { ReleaseReason } from "../gen/kvxfer/v1/engine_pb.js";
 import { tokensEqual } from "../peer/messages.js";
 import type { SideContext } from "./context.js";
-import type { PeerState } from "./peers.js";
+import type { PeerState } from "../peer/peer-state.js";
 import type { PrefillState } from "./prefill-machine.js";
 import { newTimings, type Timings } from "./timings.js";
 import { TransferTrace } from "./trace.js";

@@ -16,7 +16,7 @@ import { tokensEqual } from "../peer/messages.js";
 import { BlockClaims } from "./claims.js";
 import type { SideContext } from "./context.js";
 import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
-import type { PeerState } from "./peers.js";
+import type { PeerState } from "../peer/peer-state.js";
 import {
   PREFILL_FAILS_AS,
   PREFILL_INITIAL,

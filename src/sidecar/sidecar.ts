@@ -29,7 +29,7 @@ import { resolveOptions, type ResolvedOptions, type SidecarOptions } from "./opt
 import { SidecarLifecycle } from "./sidecar-lifecycle.js";
 
 import type { TransferMetrics } from "./metrics.js";
-import { PeerTable, type PeerTableHost } from "./peers.js";
+import { PeerTable, type PeerTableHost } from "../peer/peer-table.js";
 import { PrefillSide } from "./prefill.js";
 import { isTerminal } from "./lifecycle.js";
 import { exportTransferSpans } from "./otel.js";

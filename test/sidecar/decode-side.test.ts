@@ -9,7 +9,7 @@ import { FailureReason, ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.
 import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import type { KvLayout } from "../../src/plan/index.js";
 import { DecodeSide, UNKNOWN_GIVE_UP_MS } from "../../src/sidecar/decode.js";
-import type { PeerState } from "../../src/sidecar/peers.js";
+import type { PeerState } from "../../src/peer/peer-state.js";
 import { FakeWorld, OP_STEPS, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
 
 function setup(opts: { reachable?: boolean; maxTransfers?: number; layout?: KvLayout } = {}) {
