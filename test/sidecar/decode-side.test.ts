@@ -8,7 +8,8 @@ import { describe, expect, it } from "vitest";
 import { FailureReason, ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import type { KvLayout } from "../../src/plan/index.js";
-import { DecodeSide, UNKNOWN_GIVE_UP_MS } from "../../src/sidecar/decode.js";
+import { DecodeSide } from "../../src/sidecar/decode.js";
+import { UNKNOWN_GIVE_UP_MS } from "../../src/sidecar/decode-transfer.js";
 import type { PeerState } from "../../src/peer/peer-state.js";
 import { FakeWorld, OP_STEPS, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
 
