@@ -70,7 +70,7 @@ export const BUGS = [
 
 function sandbox() {
   const dir = mkdtempSync(join(tmpdir(), "kvxfer-planted-"));
-  for (const d of ["src", "test", "scripts"])
+  for (const d of ["src", "sim", "test", "scripts"])
     cpSync(join(ROOT, d), join(dir, d), {
       recursive: true,
       filter: (p) => !p.includes("node_modules"),

@@ -8,10 +8,10 @@ import type { Notification } from "../native/index.js";
 import type { KvxferError } from "../errors.js";
 import type { PeerState } from "../peer/peer-state.js";
 import type { LayoutPairing, TransferPlan } from "../plan/index.js";
-import type { DecodeState } from "./decode-machine.js";
+import { DECODE_PHASE, type DecodeState } from "./decode-machine.js";
 import type { Timings } from "./timings.js";
 import type { TransferTrace } from "./trace.js";
-import type { TerminalKind } from "./view.js";
+import type { TerminalKind, TransferInfo } from "./view.js";
 
 /** Why a transfer fails, as the engine and the event log hear it. */
 export interface Failure {
@@ -89,4 +89,20 @@ export const UNKNOWN_GIVE_UP_MS = 5000;
 /** A failure that gives the blocks back as FAILED. */
 export function failed(reason: FailureReason, code: string, message: string): Failure {
   return { reason, code, message, release: ReleaseReason.FAILED };
+}
+
+/** How the status view shows one of D's transfers. */
+export function decodeInfo(t: DecodeTransfer): TransferInfo {
+  return {
+    transferId: t.id,
+    side: "decode",
+    mode: t.mode,
+    state: DECODE_PHASE[t.state],
+    peer: t.peer?.engineId ?? "",
+    bytes: t.bytes,
+    descriptors: t.descriptors,
+    reason: t.reason,
+    timings: { ...t.t },
+    trace: t.trace.hops,
+  };
 }

@@ -16,7 +16,6 @@ import {
   DECODE_FAILS_AS,
   DECODE_INITIAL,
   DECODE_NEXT,
-  DECODE_PHASE,
   DECODE_READING,
   decodeStep,
   type DecodeEffect,
@@ -27,6 +26,7 @@ import { planPull, postReads } from "./decode-reads.js";
 import {
   UNKNOWN_GIVE_UP_MS,
   failed,
+  decodeInfo,
   type Arrival,
   type DecodeTransfer,
   type EventData,
@@ -116,18 +116,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   }
 
   protected info(t: DecodeTransfer): TransferInfo {
-    return {
-      transferId: t.id,
-      side: "decode",
-      mode: t.mode,
-      state: DECODE_PHASE[t.state],
-      peer: t.peer?.engineId ?? "",
-      bytes: t.bytes,
-      descriptors: t.descriptors,
-      reason: t.reason,
-      timings: { ...t.t },
-      trace: t.trace.hops,
-    };
+    return decodeInfo(t);
   }
 
   // --- the interpreter -------------------------------------------------------------
