@@ -394,6 +394,43 @@ describe("DecodeSide", () => {
     expect(w.refused).toEqual([{ transferId: "c", code: "ERR_BLOCKS_IN_USE" }]);
   });
 
+  it("a pull's heartbeats name it while its reads run and while P confirms them", async () => {
+    const { w, d, state } = setup();
+    d.expectKv(expectKv("pull1", true), true);
+    await settle();
+    expect(state("pull1")).toBe("MOVING");
+    const named = () => [...d.heartbeatIds(w.clock.now())].map(([p, ids]) => [p.engineId, ids]);
+    expect(named(), "reads in flight").toEqual([["p0", ["pull1"]]]);
+    w.agent.landAll();
+    await settle();
+    expect(w.peerSaid("pull1")).toEqual(["readDone"]);
+    expect(state("pull1")).toBe("CONFIRMING");
+    expect(named(), "waiting for P's ReadAck").toEqual([["p0", ["pull1"]]]);
+  });
+
+  it("an ExpectKv refused while draining: P, if named, hears ERR_DRAINING with the token", async () => {
+    const { w, d } = setup();
+    const m = expectKv("t9", true, "tok-9");
+    m.source = "p0";
+    d.tellSourceDraining(m);
+    await settle();
+    expect(w.peerSaid("t9")).toEqual(["failed:ERR_DRAINING"]);
+    const said = w.toPeer.find((x) => x.body.case === "failed")!.body.value as { token: string };
+    expect(said.token).toBe("tok-9");
+    const unnamed = expectKv("t10", true);
+    unnamed.source = "";
+    d.tellSourceDraining(unnamed); // no source: nobody to tell
+    // P unreachable: nothing sent, nothing thrown.
+    const unreachable = new DecodeSide(w.ctx, () => Promise.reject(new Error("no route")));
+    const m2 = expectKv("t11", true);
+    m2.source = "p9";
+    unreachable.tellSourceDraining(m2);
+    await settle();
+    expect(w.peerSaid("t10")).toEqual([]);
+    expect(w.peerSaid("t11")).toEqual([]);
+    expect(d.list()).toEqual([]);
+  });
+
   it("heartbeats name every live transfer with a peer, per peer, and none that is draining or ended", async () => {
     const { w, d, p } = setup({ maxTransfers: 8 });
     for (const id of ["t1", "t2", "t3"])
