@@ -48,21 +48,21 @@ export const BUGS = [
   {
     name: "no-peer-cap",
     what: "the peer cap is never reached (a handshake from the 4097th engine is accepted)",
-    file: "src/sidecar/peers.ts",
+    file: "src/peer/peer-table.ts",
     from: "if (this.peers.size >= MAX_PEERS) {",
     to: "if (false) {",
   },
   {
     name: "no-receiver-epoch-check",
     what: "a peer message naming another epoch of ours (sent before we restarted) is accepted",
-    file: "src/sidecar/peers.ts",
+    file: "src/peer/peer-table.ts",
     from: "m.receiverEpoch !== host.epoch ||",
     to: "",
   },
   {
     name: "unauthenticated-handshake",
     what: "with mutual TLS, a handshake whose metadata names another engine than its certificate is accepted",
-    file: "src/sidecar/peers.ts",
+    file: "src/peer/peer-table.ts",
     from: "if (this.host.authenticated() && identity !== md.engineId) {",
     to: "if (false) {",
   },
@@ -70,7 +70,7 @@ export const BUGS = [
 
 function sandbox() {
   const dir = mkdtempSync(join(tmpdir(), "kvxfer-planted-"));
-  for (const d of ["src", "test", "scripts"])
+  for (const d of ["src", "sim", "test", "scripts"])
     cpSync(join(ROOT, d), join(dir, d), {
       recursive: true,
       filter: (p) => !p.includes("node_modules"),

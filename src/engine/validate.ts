@@ -12,7 +12,9 @@ import type {
 } from "../gen/kvxfer/v1/engine_pb.js";
 import { type KvLayout, PlanError } from "../plan/index.js";
 import { kvLayoutFromProto } from "../plan/layout-proto.js";
-import { MAX_TOKEN_BYTES, transferIdCharProblem } from "../peer/messages.js";
+import { MAX_TOKEN_BYTES, engineIdProblem, transferIdCharProblem } from "../peer/messages.js";
+
+export { ENGINE_ID_RULE, engineIdProblem } from "../peer/messages.js";
 
 export type EngineErrorCode =
   /** The frame is not one `EngineToSidecar` with its oneof set. */
@@ -93,20 +95,6 @@ function checkId(value: string, field: string): string | undefined {
 /** A transfer id: 1..MAX_ID_BYTES bytes of printable characters. */
 function checkTransferId(value: string): string | undefined {
   return checkId(value, "transfer_id") ?? transferIdCharProblem(value, "transfer_id");
-}
-
-/**
- * The one rule for an engine id, wherever one is given (sidecar, simulated engine, engine link,
- * peer metadata, the vLLM connector's config.py): it names files, sockets and certificates.
- */
-export const ENGINE_ID_RULE = "1..128 characters of [A-Za-z0-9._-]";
-const ENGINE_ID = /^[A-Za-z0-9._-]{1,128}$/;
-
-/** Why `id` is not a valid engine id (naming `field`), or undefined. */
-export function engineIdProblem(id: string, field = "engine id"): string | undefined {
-  return ENGINE_ID.test(id)
-    ? undefined
-    : `${field} must be ${ENGINE_ID_RULE}, got '${id.length > 64 ? id.slice(0, 64) + "..." : id}'`;
 }
 
 /** A transfer id as it may be echoed in a refusal: cut to the limit so a refusal stays small. */

@@ -159,6 +159,20 @@ export function transferIdCharProblem(id: string, field = "transfer id"): string
   return `${field} holds U+${cp} at index ${m.index}: only printable characters`;
 }
 
+/**
+ * The one rule for an engine id, wherever one is given (sidecar, simulated engine, engine link,
+ * peer metadata, the vLLM connector's config.py): it names files, sockets and certificates.
+ */
+export const ENGINE_ID_RULE = "1..128 characters of [A-Za-z0-9._-]";
+const ENGINE_ID = /^[A-Za-z0-9._-]{1,128}$/;
+
+/** Why `id` is not a valid engine id (naming `field`), or undefined. */
+export function engineIdProblem(id: string, field = "engine id"): string | undefined {
+  return ENGINE_ID.test(id)
+    ? undefined
+    : `${field} must be ${ENGINE_ID_RULE}, got '${id.length > 64 ? id.slice(0, 64) + "..." : id}'`;
+}
+
 function checkTransferId(id: string): void {
   // Short ids need no count (UTF-8 takes at most 3 bytes per UTF-16 unit).
   const short = 3 * id.length <= MAX_TRANSFER_ID_BYTES;

@@ -13,7 +13,7 @@ import type { PeerBody } from "../peer/messages.js";
 import { PlanError } from "../plan/index.js";
 import type { Clock } from "./clock.js";
 import type { TransferMetrics } from "./metrics.js";
-import type { PeerState, RegisteredKv } from "./peers.js";
+import type { PeerState, RegisteredKv } from "../peer/peer-state.js";
 import type { EventKind, TransferSide } from "./view.js";
 
 /** A message to the engine (the body of SidecarToEngine). */

@@ -7,107 +7,35 @@
  */
 import { FailureReason, ReleaseReason, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
 import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
-import type { Notification, OpTrace } from "../native/index.js";
 import { KvxferError } from "../errors.js";
-
-import {
-  descriptorsForSide,
-  planPaired,
-  type LayoutPairing,
-  type TransferPlan,
-} from "../plan/index.js";
+import type { PeerState } from "../peer/peer-state.js";
+import type { LayoutPairing, TransferPlan } from "../plan/index.js";
 import { BlockClaims } from "./claims.js";
-import { transferError, type SideContext } from "./context.js";
+import type { SideContext } from "./context.js";
 import {
   DECODE_FAILS_AS,
   DECODE_INITIAL,
   DECODE_NEXT,
-  DECODE_PHASE,
   DECODE_READING,
   decodeStep,
   type DecodeEffect,
   type DecodeEvent,
   type DecodeState,
 } from "./decode-machine.js";
+import { planPull, postReads } from "./decode-reads.js";
+import {
+  UNKNOWN_GIVE_UP_MS,
+  failed,
+  decodeInfo,
+  type Arrival,
+  type DecodeTransfer,
+  type EventData,
+} from "./decode-transfer.js";
 import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
-import type { PeerState } from "./peers.js";
 import { SideTable } from "./side-table.js";
-import { newTimings, type Timings } from "./timings.js";
-import { markPairSteps, stepName, TransferTrace } from "./trace.js";
+import { newTimings } from "./timings.js";
+import { stepName, TransferTrace } from "./trace.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
-
-/** Why a transfer fails, as the engine and the event log hear it. */
-interface Failure {
-  reason: FailureReason;
-  code: string;
-  message: string;
-  release: ReleaseReason;
-}
-
-/** How a failing transfer ends once it is safe (decided when the failure began). */
-interface Outcome {
-  kind: DecodeState & TerminalKind;
-  reason: FailureReason;
-  code: string;
-  release: ReleaseReason;
-}
-
-/** Timestamps of the notification that carried a peer message (trace). */
-type Arrival = Pick<Notification, "receivedUs" | "deliveredUs">;
-
-/** What comes with an event, for the effects that need it. */
-interface EventData {
-  failure?: Failure;
-  /** PEER_FOUND_*: the peer the handshake found; its rank pairs with us. */
-  peer?: PeerState;
-  pairing?: LayoutPairing;
-  /** PLANNED: the reads to post. */
-  plan?: TransferPlan;
-  /** READS_FAILED: the first read's error. */
-  error?: KvxferError;
-  /** XFER_DONE: the message and the agent pair it came over. */
-  xfer?: { m: XferDone; fromRank: number; toRank: number };
-  arrival?: Arrival | undefined;
-  /** HEARTBEAT: when it is sent. */
-  now?: number;
-}
-
-/** D's side of one transfer. */
-export interface DecodeTransfer {
-  readonly id: string;
-  readonly state: DecodeState;
-  source: string;
-  peer: PeerState | undefined;
-  dstBlocks: number[];
-  /** The blocks this transfer writes, claimed until its end (see `claims`). */
-  written: number[];
-  srcBlocks: number[] | undefined;
-  numTokens: number;
-  prefixTokens: number;
-  /** ExpectKv.token, presented to P. */
-  token: string;
-  mode: "push" | "pull";
-  expectedPairs: Set<string>;
-  donePairs: Set<string>;
-  /** Watchdog, or (PUSH_DRAINING) when the blocks may be released. */
-  deadline: number;
-  /** Last time D renewed P's registration (push), for the abort drain bound. */
-  lastRenewMs: number;
-  /** Set with KvFailed: how the transfer ends once a drain is over. */
-  outcome: Outcome | undefined;
-  /** Push: P's time from PrefillDone to posting its last pair's writes (from the XferDones). */
-  sincePrefillDoneMs: number;
-  /** Pull: when P first answered that it does not know the transfer (0: it has not). */
-  unknownSinceMs: number;
-  bytes: number;
-  descriptors: number;
-  reason: string;
-  t: Timings;
-  trace: TransferTrace;
-}
-
-/** Pull: how long D keeps asking P about a transfer P says it does not know. */
-export const UNKNOWN_GIVE_UP_MS = 5000;
 
 /** How D reaches P: its metadata from the cache or by a handshake. */
 export type PeerResolver = (sideChannel: string) => Promise<PeerState>;
@@ -188,18 +116,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   }
 
   protected info(t: DecodeTransfer): TransferInfo {
-    return {
-      transferId: t.id,
-      side: "decode",
-      mode: t.mode,
-      state: DECODE_PHASE[t.state],
-      peer: t.peer?.engineId ?? "",
-      bytes: t.bytes,
-      descriptors: t.descriptors,
-      reason: t.reason,
-      timings: { ...t.t },
-      trace: t.trace.hops,
-    };
+    return decodeInfo(t);
   }
 
   // --- the interpreter -------------------------------------------------------------
@@ -473,67 +390,24 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       this.on(t, "PUSH_READY");
       return;
     }
-    let plan: TransferPlan;
-    try {
-      plan = planPaired(peer.pairing(peer.layout, kv.layout), {
-        numTokens: t.numTokens,
-        prefixTokens: t.prefixTokens,
-        srcBlockIds: t.srcBlocks!,
-        dstBlockIds: t.dstBlocks,
+    const plan = planPull(peer, kv.layout, t);
+    if (plan instanceof KvxferError) {
+      this.on(t, "PLAN_FAILED", {
+        failure: failed(FailureReason.BAD_REQUEST, plan.code, plan.message),
       });
-    } catch (err) {
-      const e = transferError(err);
-      this.on(t, "PLAN_FAILED", { failure: failed(FailureReason.BAD_REQUEST, e.code, e.message) });
       return;
     }
     t.trace.mark("planned");
     this.on(t, "PLANNED", { plan });
   }
 
-  /** START_READS: D reads every rank pair's KV from P's blocks; READS_DONE or READS_FAILED. */
+  /** START_READS: the reads posted (decode-reads.ts); READS_DONE or READS_FAILED. */
   private async read(t: DecodeTransfer, peer: PeerState, plan: TransferPlan): Promise<void> {
-    const { ctx } = this;
-    const kv = ctx.kv()!;
-    t.bytes = plan.bytes;
-    t.descriptors = plan.descriptorCount;
-    const reads: Promise<OpTrace>[] = [];
-    const pairOf: string[] = [];
-    try {
-      for (const pair of plan.pairs) {
-        const agent = kv.agents[pair.dstRank]!;
-        const ep = peer.endpoint(pair.dstRank, pair.srcRank);
-        for (const rp of pair.regionPairs) {
-          if (rp.count === 0) continue;
-          const remote = peer.remote(pair.dstRank, pair.srcRank, rp.srcRegion);
-          pairOf.push(`${pair.srcRank}>${pair.dstRank}`);
-          reads.push(
-            agent.read(
-              ep,
-              kv.regions[pair.dstRank]![rp.dstRegion]!,
-              remote,
-              descriptorsForSide(rp.descriptors, "dst"),
-            ),
-          );
-        }
-      }
-    } catch (err) {
-      reads.push(Promise.reject(err));
-    }
-    const settled = await Promise.allSettled(reads);
-    t.t.dataDoneMs = ctx.clock.now();
-    for (const name of new Set(pairOf)) {
-      const ops: OpTrace[] = [];
-      settled.forEach((r, i) => {
-        if (r.status === "fulfilled" && pairOf[i] === name) ops.push(r.value);
-      });
-      markPairSteps(t.trace, name, ops);
-    }
-    const bad = settled.find((s) => s.status === "rejected");
-    if (bad === undefined) {
+    const e = await postReads(this.ctx, t, peer, plan);
+    if (e === undefined) {
       this.on(t, "READS_DONE");
       return;
     }
-    const e = KvxferError.from((bad as PromiseRejectedResult).reason);
     this.on(t, "READS_FAILED", {
       error: e,
       failure: failed(FailureReason.TRANSFER_ERROR, e.code, e.message),
@@ -700,9 +574,4 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       if (t.peer === peer && !isTerminal(t.state)) return true;
     return false;
   }
-}
-
-/** A failure that gives the blocks back as FAILED. */
-function failed(reason: FailureReason, code: string, message: string): Failure {
-  return { reason, code, message, release: ReleaseReason.FAILED };
 }

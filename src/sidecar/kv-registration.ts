@@ -29,7 +29,7 @@ import { MAX_PEER_MESSAGE_BYTES, agentName } from "../peer/messages.js";
 import type { KvLayout } from "../plan/index.js";
 import { KvAllocations } from "./allocations.js";
 import type { EngineMessage } from "./context.js";
-import type { RegisteredKv } from "./peers.js";
+import type { RegisteredKv } from "../peer/peer-state.js";
 
 /** The settings registration reads (SidecarOptions, resolved). */
 export interface KvSettings {

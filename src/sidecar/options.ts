@@ -4,8 +4,9 @@
 import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
 
+import { KvxferError } from "../errors.js";
 import type { ErrorMode } from "../native/index.js";
-import type { PeerCredentials } from "../peer/side-channel.js";
+import { isLoopback, parseAddress, type PeerCredentials } from "../peer/side-channel.js";
 import type { Clock } from "./clock.js";
 import type { SidecarRole, TransferMode } from "./view.js";
 
@@ -122,4 +123,27 @@ export function resolveOptions(options: SidecarOptions): ResolvedOptions {
     peerCredentials: options.peerCredentials,
     insecurePeers: options.insecurePeers ?? false,
   };
+}
+
+/**
+ * Peers without credentials are not authenticated: refused (ERR_CONFIG) when the side channel
+ * is reachable beyond this machine, unless --insecure-peers says so knowingly; a warning
+ * in the log whenever they are not authenticated.
+ */
+export function checkPeerExposure(opts: ResolvedOptions, log: Logger): void {
+  const { host } = parseAddress(opts.listen);
+  if (opts.peerCredentials === undefined) {
+    if (!isLoopback(host) && !opts.insecurePeers) {
+      throw new KvxferError(
+        "ERR_CONFIG",
+        `the side channel ${opts.listen} is reachable beyond this machine: give peer ` +
+          "credentials (--peer-cert, --peer-key, --peer-ca) or, knowingly, --insecure-peers",
+      );
+    }
+    log.warn(
+      { listen: opts.listen },
+      "peers are NOT authenticated: any process that reaches the side channel gets this " +
+        "sidecar's remote keys (give --peer-cert/--peer-key/--peer-ca; docs/security.md)",
+    );
+  }
 }

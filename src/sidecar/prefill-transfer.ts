@@ -3,14 +3,17 @@
  * the pure rules on them (whose registration counts, who may end the transfer, when a waiting
  * entry is due). PrefillSide (prefill.ts) runs P's machine over these entries.
  */
-import { ReleaseReason } from "../gen/kvxfer/v1/engine_pb.js";
+import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
+import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
+import type { KvxferError } from "../errors.js";
+import type { Notification } from "../native/index.js";
 import { tokensEqual } from "../peer/messages.js";
 import type { SideContext } from "./context.js";
-import type { PeerState } from "./peers.js";
-import type { PrefillState } from "./prefill-machine.js";
+import type { PeerState } from "../peer/peer-state.js";
+import { PREFILL_PHASE, type PrefillState } from "./prefill-machine.js";
 import { newTimings, type Timings } from "./timings.js";
 import { TransferTrace } from "./trace.js";
-import type { TerminalKind } from "./view.js";
+import type { TerminalKind, TransferInfo } from "./view.js";
 
 /** D's push registration: where P writes, under D's lease. */
 export interface PushRegistration {
@@ -62,6 +65,34 @@ export interface PrefillTransfer {
   t: Timings;
   trace: TransferTrace;
 }
+
+/** What comes with an event, for the effects that need it. */
+export interface EventData {
+  /** The peer the message came from. */
+  peer?: PeerState;
+  /** Why the transfer ends (the event's reason; a row may name its own). */
+  reason?: string;
+  /** PREFILL_DONE: the engine's message and when it arrived. */
+  prefill?: PrefillDone;
+  receivedUs?: number | undefined;
+  /** PUSH_REG / REG_OK: D's message and the registration made of it. */
+  pushReg?: PushReg;
+  reg?: PushRegistration | undefined;
+  /** ACCEPT_PREFILL: the KV file shrank (why). */
+  shrunk?: string | undefined;
+  /** READ_DONE: D's message. */
+  read?: { bytes: number; token: string; arrival: Arrival | undefined };
+  /** WRITES_FAILED / PLAN_FAILED: the error D hears. */
+  error?: KvxferError;
+  /** WRITES_DONE: the bytes moved. */
+  bytes?: number;
+  /** REG_*: the registration withdrawn. */
+  withdrawn?: PushRegistration;
+  now?: number;
+}
+
+/** Timestamps of the notification that carried a peer message (trace). */
+export type Arrival = Pick<Notification, "receivedUs" | "deliveredUs">;
 
 /** Registrations kept before PrefillDone for one transfer, at most (one per decode engine). */
 export const MAX_PENDING_REGISTRATIONS = 5;
@@ -178,4 +209,20 @@ export function releaseReason(kind: TerminalKind): ReleaseReason {
     default:
       return ReleaseReason.FAILED;
   }
+}
+
+/** How the status view shows one of P's transfers. */
+export function prefillInfo(t: PrefillTransfer): TransferInfo {
+  return {
+    transferId: t.id,
+    side: "prefill",
+    mode: t.mode,
+    state: PREFILL_PHASE[t.state],
+    peer: t.peer,
+    bytes: t.bytes,
+    descriptors: t.descriptors,
+    reason: t.reason,
+    timings: { ...t.t },
+    trace: t.trace.hops,
+  };
 }

@@ -9,20 +9,16 @@
  */
 import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
 import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
-import type { Notification } from "../native/index.js";
 import { KvxferError } from "../errors.js";
-
-import { tokensEqual } from "../peer/messages.js";
+import type { PeerState } from "../peer/peer-state.js";
 import { BlockClaims } from "./claims.js";
 import type { SideContext } from "./context.js";
 import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
-import type { PeerState } from "./peers.js";
 import {
   PREFILL_FAILS_AS,
   PREFILL_INITIAL,
   PREFILL_LEASED,
   PREFILL_NEXT,
-  PREFILL_PHASE,
   PREFILL_WRITING,
   prefillStep,
   type PrefillEffect,
@@ -30,8 +26,16 @@ import {
   type PrefillState,
 } from "./prefill-machine.js";
 import {
-  MAX_PENDING_REGISTRATIONS,
-  PER_PEER_SHARE,
+  checkRegistration,
+  endedRefusal,
+  keepAside,
+  newRegistration,
+  readTokenRefusal,
+  refuseNewEntry,
+  takenRefusal,
+  type Refusal,
+} from "./prefill-registrations.js";
+import {
   mayActOn,
   newPrefillTransfer,
   pendingOf,
@@ -39,40 +43,14 @@ import {
   releaseReason,
   settleRegistrations,
   unname,
+  prefillInfo,
+  type Arrival,
+  type EventData,
   type PrefillTransfer,
-  type PushRegistration,
 } from "./prefill-transfer.js";
 import { planPush, postWrites } from "./prefill-writes.js";
 import { SideTable } from "./side-table.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
-
-/** What comes with an event, for the effects that need it. */
-interface EventData {
-  /** The peer the message came from. */
-  peer?: PeerState;
-  /** Why the transfer ends (the event's reason; a row may name its own). */
-  reason?: string;
-  /** PREFILL_DONE: the engine's message and when it arrived. */
-  prefill?: PrefillDone;
-  receivedUs?: number | undefined;
-  /** PUSH_REG / REG_OK: D's message and the registration made of it. */
-  pushReg?: PushReg;
-  reg?: PushRegistration | undefined;
-  /** ACCEPT_PREFILL: the KV file shrank (why). */
-  shrunk?: string | undefined;
-  /** READ_DONE: D's message. */
-  read?: { bytes: number; token: string; arrival: Arrival | undefined };
-  /** WRITES_FAILED / PLAN_FAILED: the error D hears. */
-  error?: KvxferError;
-  /** WRITES_DONE: the bytes moved. */
-  bytes?: number;
-  /** REG_*: the registration withdrawn. */
-  withdrawn?: PushRegistration;
-  now?: number;
-}
-
-/** Timestamps of the notification that carried a peer message (trace). */
-type Arrival = Pick<Notification, "receivedUs" | "deliveredUs">;
 
 export { PER_PEER_SHARE, type PrefillTransfer, type PushRegistration } from "./prefill-transfer.js";
 
@@ -128,18 +106,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   }
 
   protected info(t: PrefillTransfer): TransferInfo {
-    return {
-      transferId: t.id,
-      side: "prefill",
-      mode: t.mode,
-      state: PREFILL_PHASE[t.state],
-      peer: t.peer,
-      bytes: t.bytes,
-      descriptors: t.descriptors,
-      reason: t.reason,
-      timings: { ...t.t },
-      trace: t.trace.hops,
-    };
+    return prefillInfo(t);
   }
 
   // --- the interpreter -------------------------------------------------------------
@@ -192,19 +159,14 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       case "CHECK_REG":
         return this.checkReg(t, d.peer!, d.pushReg!, d.receivedUs);
       case "REFUSE_ENDED":
-        // A late registration for blocks already released (lease expired, aborted): refused.
-        return this.failTo(
-          d.peer!,
-          t.id,
-          t.state === "EXPIRED"
-            ? "ERR_LEASE_EXPIRED"
-            : t.reason === "ERR_REGION_CHANGED"
-              ? "ERR_REGION_CHANGED" // P's KV broke: D should hear why, not only that it ended
-              : "ERR_ENDED",
-          `transfer ended on P as ${t.state}`,
-        );
-      case "KEEP_ASIDE":
-        return this.keepAside(t, d.reg!, d.receivedUs);
+        return this.refuse(d.peer!, t.id, endedRefusal(t));
+      case "KEEP_ASIDE": {
+        const no = keepAside(t, d.reg!);
+        if (no !== undefined) return this.refuse(d.reg!.peer, t.id, no);
+        t.trace.mark("peer.pushReg kept aside", d.receivedUs);
+        this.rearm(t);
+        return;
+      }
       case "TAKE_REG": {
         const reg = d.reg!;
         t.reg = reg;
@@ -216,16 +178,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         return;
       }
       case "REFUSE_REG_TAKEN":
-        ctx.noteError(
-          `PushReg for '${t.id}' from '${d.peer!.engineId}' refused: ERR_DUPLICATE ` +
-            `(registered by '${t.reg!.peer.engineId}')`,
-        );
-        return this.failTo(
-          d.peer!,
-          t.id,
-          "ERR_DUPLICATE",
-          "another decode engine registered for this transfer",
-        );
+        return this.refuse(d.peer!, t.id, takenRefusal(t, d.peer!));
       case "START_WRITES":
         return this.write(t);
       case "TELL_D_FAILED":
@@ -244,20 +197,12 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
           t.trace.mark("peer.readDone delivered", d.read!.arrival.deliveredUs);
         }
         return;
-      case "CHECK_READ_TOKEN":
-        if (t.blocks !== undefined && !tokensEqual(t.token, d.read!.token)) {
-          ctx.noteError(
-            `ReadDone for '${t.id}' from '${d.peer!.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
-          );
-          return this.failTo(
-            d.peer!,
-            t.id,
-            "ERR_BAD_TRANSFER_TOKEN",
-            "the transfer's token does not match",
-          );
-        }
+      case "CHECK_READ_TOKEN": {
+        const no = readTokenRefusal(t, d.peer!, d.read!.token);
+        if (no !== undefined) return this.refuse(d.peer!, t.id, no);
         this.on(t, "READ_OK", d);
         return;
+      }
       case "ACK_HELD":
       case "ACK_NOT_HELD": {
         // D reports ready only if P says the blocks were still held when it read them.
@@ -312,6 +257,12 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
 
   private failTo(peer: PeerState, transferId: string, code: string, message: string): void {
     this.ctx.peers.send(peer, { case: "failed", value: { transferId, code, message } });
+  }
+
+  /** Notes the refusal's line (if it has one), then tells `peer`. */
+  private refuse(peer: PeerState, transferId: string, r: Refusal): void {
+    if (r.note !== undefined) this.ctx.noteError(r.note);
+    this.failTo(peer, transferId, r.code, r.message);
   }
 
   /** Every registration kept aside, not withdrawn, hears Failed. */
@@ -437,41 +388,14 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       this.on(existing, "PUSH_REG", { peer, pushReg: m, receivedUs });
       return;
     }
-    if (this.givenUp.has(m.transferId))
-      return this.failTo(
-        peer,
-        m.transferId,
-        "ERR_ABORTED",
-        "the prefill engine gave up on this request before its prefill",
-      );
-    if (m.numTokens === 0 || m.prefixTokens > m.numTokens)
-      return this.failTo(peer, m.transferId, "ERR_BAD_TOKENS", "bad token counts in PushReg");
-    if (this.draining)
-      // Its PrefillDone would be refused: D frees its blocks now, not at its watchdog.
-      return this.failTo(peer, m.transferId, "ERR_DRAINING", "the prefill sidecar is stopping");
-    // A new entry named by this peer: bounded by its share, then by the table (both O(1)).
-    const share = this.perPeerCap();
-    if (peer.named >= share) {
-      ctx.noteError(
-        `PushReg for '${m.transferId}' from '${peer.engineId}' refused: ERR_OVERLOADED ` +
-          `(${share} registrations waiting for prefill from this engine)`,
-      );
-      return this.failTo(
-        peer,
-        m.transferId,
-        "ERR_OVERLOADED",
-        `${share} registrations of yours wait for prefill on P`,
-      );
-    }
-    if (this.atCapacity()) {
-      return this.failTo(
-        peer,
-        m.transferId,
-        "ERR_OVERLOADED",
-        `${ctx.settings.maxTransfers} transfers live on P`,
-      );
-    }
-    const reg = this.registration(peer, m);
+    const no = refuseNewEntry(peer, m, {
+      givenUp: this.givenUp.has(m.transferId),
+      draining: this.draining,
+      full: this.atCapacity(),
+      settings: ctx.settings,
+    });
+    if (no !== undefined) return this.refuse(peer, m.transferId, no);
+    const reg = newRegistration(peer, m, ctx.clock.now());
     const t = newPrefillTransfer(m.transferId);
     t.pending = [reg];
     t.namedBy = peer;
@@ -484,19 +408,6 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     this.rearm(t);
   }
 
-  private registration(peer: PeerState, m: PushReg): PushRegistration {
-    const leaseMs = Math.min(Math.max(m.leaseMs, 100), 10 * 60_000);
-    return {
-      peer,
-      token: m.token,
-      dstBlocks: [...m.blockIds],
-      numTokens: m.numTokens,
-      prefixTokens: m.prefixTokens,
-      leaseMs,
-      deadline: this.ctx.clock.now() + leaseMs,
-    };
-  }
-
   /** CHECK_REG: D's PushReg for a live transfer, checked; REG_OK if it may stand. */
   private checkReg(
     t: PrefillTransfer,
@@ -504,72 +415,14 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     m: PushReg,
     receivedUs: number | undefined,
   ): void {
-    const { ctx } = this;
-    const mine = t.pending.find((r) => r.peer === peer);
-    if (t.reg?.peer === peer || (mine !== undefined && mine.withdrawn === undefined)) return; // the same engine's registration again: idempotent
-    if (m.numTokens === 0 || m.prefixTokens > m.numTokens)
-      return this.failTo(peer, t.id, "ERR_BAD_TOKENS", "bad token counts in PushReg");
-    if (this.draining && t.blocks === undefined)
-      // Its PrefillDone would be refused: D frees its blocks now, not at its watchdog.
-      return this.failTo(peer, t.id, "ERR_DRAINING", "the prefill sidecar is stopping");
-    if (t.blocks !== undefined && !tokensEqual(t.token, m.token)) {
-      // The transfer names its decode engine by its token: anyone else is refused, and the
-      // transfer goes on waiting for the right one.
-      ctx.noteError(
-        `PushReg for '${t.id}' from '${peer.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
-      );
-      return this.failTo(
-        peer,
-        t.id,
-        "ERR_BAD_TRANSFER_TOKEN",
-        "the transfer's token does not match",
-      );
-    }
-    this.on(t, "REG_OK", { peer, reg: this.registration(peer, m), receivedUs });
-  }
-
-  /** KEEP_ASIDE: before PrefillDone nobody knows whose token is right: keep it until then. */
-  private keepAside(
-    t: PrefillTransfer,
-    reg: PushRegistration,
-    receivedUs: number | undefined,
-  ): void {
-    const mine = t.pending.find((r) => r.peer === reg.peer);
-    if (mine !== undefined) {
-      // Its own withdrawn registration, made again: it replaces it.
-      t.pending[t.pending.indexOf(mine)] = reg;
-    } else {
-      if (t.pending.length >= MAX_PENDING_REGISTRATIONS) {
-        // A withdrawn registration gives its place up; live ones keep theirs.
-        const gone = t.pending.findIndex((r) => r.withdrawn !== undefined);
-        if (gone < 0) {
-          this.ctx.noteError(
-            `PushReg for '${t.id}' from '${reg.peer.engineId}' refused: ERR_DUPLICATE ` +
-              `(${MAX_PENDING_REGISTRATIONS} decode engines registered)`,
-          );
-          return this.failTo(
-            reg.peer,
-            t.id,
-            "ERR_DUPLICATE",
-            "another decode engine registered for this transfer",
-          );
-        }
-        t.pending.splice(gone, 1);
-      }
-      t.pending.push(reg);
-    }
-    t.trace.mark("peer.pushReg kept aside", receivedUs);
-    this.rearm(t);
+    const no = checkRegistration(t, peer, m, this.draining);
+    if (no === "again") return; // the same engine's registration again: idempotent
+    if (no !== undefined) return this.refuse(peer, t.id, no);
+    this.on(t, "REG_OK", { peer, reg: newRegistration(peer, m, this.ctx.clock.now()), receivedUs });
   }
 
   private rearm(t: PrefillTransfer): void {
     rearm(t, this.ctx.clock.now(), this.ctx.settings.leaseMs);
-  }
-
-  /** Entries one decode engine may create before PrefillDone. */
-  private perPeerCap(): number {
-    const s = this.ctx.settings;
-    return s.maxPerPeer ?? Math.max(1, Math.floor(s.maxTransfers / PER_PEER_SHARE));
   }
 
   /** START_WRITES: the writes (prefill-writes.ts), then the event their end makes. */

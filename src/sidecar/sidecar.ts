@@ -1,42 +1,39 @@
 /**
- * The sidecar, a thin facade: its options, the engine's KV registration, dispatch of engine and
- * peer messages to the part that owns them (PrefillSide, DecodeSide, PeerTable), one sweep that
- * runs each part's expiry, heartbeats, and the status view. Every transfer reaches exactly one
- * terminal state per side, within a bound, as one event (lifecycle.ts, docs/protocol.md).
- * Reading order: src/sidecar/README.md.
+ * The sidecar, a thin facade: it builds the parts and wires them (the KV registry, the peer
+ * table, PrefillSide and DecodeSide, the engine and peer dispatch, the sweep, the event outbox)
+ * and answers for them to the composition root (start, drain, close) and the API (SidecarView).
+ * Every transfer reaches exactly one terminal state per side, within a bound, as one event
+ * (lifecycle.ts, docs/protocol.md). Reading order: src/sidecar/README.md.
  */
 import { randomBytes } from "node:crypto";
-import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
 
-import { ReleaseReason, type EngineToSidecar } from "../gen/kvxfer/v1/engine_pb.js";
+import type { EngineToSidecar } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
-import { describeUcx, ucxInfo, type Notification } from "../native/index.js";
-import { checkEngineMessage, engineIdProblem } from "../engine/validate.js";
-import {
-  SideChannelServer,
-  checkCredentials,
-  isLoopback,
-  parseAddress,
-} from "../peer/side-channel.js";
+import { describeUcx, ucxInfo } from "../native/index.js";
+import { engineIdProblem } from "../engine/validate.js";
+import { PeerTable, type PeerTableHost } from "../peer/peer-table.js";
+import { SideChannelServer, checkCredentials } from "../peer/side-channel.js";
 import { systemClock, type Clock } from "./clock.js";
 import type { SideContext } from "./context.js";
 import { DecodeSide } from "./decode.js";
+import { EngineDispatch } from "./engine-dispatch.js";
 import { EngineOutbox, LastErrors, type EngineSender } from "./engine-port.js";
-
+import { EventOutbox, type EventSink } from "./event-port.js";
 import { KvRegistry, type EngineConnection } from "./kv-registration.js";
-import { resolveOptions, type ResolvedOptions, type SidecarOptions } from "./options.js";
-import { SidecarLifecycle } from "./sidecar-lifecycle.js";
-
 import type { TransferMetrics } from "./metrics.js";
-import { PeerTable, type PeerTableHost } from "./peers.js";
+import {
+  checkPeerExposure,
+  resolveOptions,
+  type ResolvedOptions,
+  type SidecarOptions,
+} from "./options.js";
+import { PeerDispatch } from "./peer-dispatch.js";
 import { PrefillSide } from "./prefill.js";
-import { isTerminal } from "./lifecycle.js";
-import { exportTransferSpans } from "./otel.js";
-import { monoUs } from "./trace.js";
+import { SidecarLifecycle } from "./sidecar-lifecycle.js";
+import { filterTransfers, sidecarStatus, ucxStatus } from "./status-view.js";
+import { Sweeper } from "./sweep.js";
 import type {
-  EventKind,
-  SidecarEvent,
   SidecarRole,
   SidecarStatus,
   SidecarView,
@@ -46,12 +43,8 @@ import type {
   TransferSide,
 } from "./view.js";
 
-/** Where terminal and peer events go (the event log). */
-export interface EventSink {
-  append(ev: Omit<SidecarEvent, "seq">): unknown;
-}
-
 export type { EngineSender } from "./engine-port.js";
+export type { EventSink } from "./event-port.js";
 export type { SidecarOptions } from "./options.js";
 
 export class Sidecar implements SidecarView {
@@ -66,10 +59,10 @@ export class Sidecar implements SidecarView {
   private readonly errors = new LastErrors();
   /** The engine: messages to it, answers to the sender of the message being handled. */
   private readonly engine: EngineOutbox;
-  private events: EventSink = { append: () => undefined };
+  /** Terminal and peer events, to the event log (event-port.ts). */
+  private readonly events: EventOutbox;
   private metrics: TransferMetrics | undefined;
   private readonly clock: Clock;
-  private readonly tracer: Tracer | undefined;
 
   /** The engine's KV registration (kv-registration.ts): the registered KV, once accepted. */
   private readonly kvs: KvRegistry;
@@ -80,9 +73,12 @@ export class Sidecar implements SidecarView {
   private readonly peers: PeerTable;
   private readonly prefill: PrefillSide;
   private readonly decode: DecodeSide;
+  /** The engine's messages and the peers' notifications, each to the part that owns it. */
+  private readonly engineIn: EngineDispatch;
+  private readonly peerIn: PeerDispatch;
 
-  private sweepTimer: NodeJS.Timeout | undefined;
-  private heartbeatTimer: NodeJS.Timeout | undefined;
+  /** The sweep and the heartbeats (sweep.ts). */
+  private readonly clockwork: Sweeper;
   /** UNREGISTERED, SERVING, DRAINING, CLOSED (sidecar-lifecycle.ts). */
   private readonly life = new SidecarLifecycle();
   private bytesMoved = 0;
@@ -99,7 +95,9 @@ export class Sidecar implements SidecarView {
     this.log = options.logger.child({ component: "sidecar", engineId: options.engineId });
     this.engine = new EngineOutbox(this.log, this.errors);
     this.clock = options.clock ?? systemClock;
-    this.tracer = options.tracer;
+    this.events = new EventOutbox(this.clock, this.engineId, this.log, options.tracer, (side, id) =>
+      (side === "prefill" ? this.prefill : this.decode).infoOf(id),
+    );
     this.opts = resolveOptions(options);
     if (options.peerCredentials !== undefined)
       checkCredentials(options.peerCredentials, options.engineId);
@@ -112,7 +110,7 @@ export class Sidecar implements SidecarView {
       answer: (msg) => this.engine.answer(msg),
       sideChannel: () => this.sideChannel,
       wire: (agent, rank) => {
-        agent.on("notifications", (batch) => this.onNotifications(rank, batch));
+        agent.on("notifications", (batch) => this.peerIn.receive(rank, batch));
         agent.on("endpointFailed", (ep, code) => this.peers.endpointFailed(ep, code));
         agent.on("notificationDropped", (peer, bytes) =>
           this.noteError(
@@ -126,6 +124,33 @@ export class Sidecar implements SidecarView {
     const ctx = this.sideContext();
     this.prefill = new PrefillSide(ctx);
     this.decode = new DecodeSide(ctx, (address) => this.peers.resolve(address));
+    const parts = { role: this.role, prefill: this.prefill, decode: this.decode };
+    this.engineIn = new EngineDispatch({
+      ...parts,
+      mode: this.mode,
+      log: this.log,
+      engine: this.engine,
+      kvs: this.kvs,
+      life: this.life,
+      noteError: (text) => this.noteError(text),
+    });
+    this.peerIn = new PeerDispatch({
+      ...parts,
+      clock: this.clock,
+      peers: this.peers,
+      messagesPerSec: this.opts.peerMessagesPerSec,
+    });
+    this.clockwork = new Sweeper({
+      ...parts,
+      clock: this.clock,
+      log: this.log,
+      kvs: this.kvs,
+      peers: this.peers,
+      peerIn: this.peerIn,
+      messagesPerSec: this.opts.peerMessagesPerSec,
+      metrics: () => this.metrics,
+      noteError: (text) => this.noteError(text),
+    });
     this.channel = new SideChannelServer(
       (req, identity) => this.peers.onHandshake(req, identity),
       this.log.child({ component: "side-channel" }),
@@ -141,26 +166,11 @@ export class Sidecar implements SidecarView {
     metrics?: TransferMetrics,
   ): Promise<string> {
     this.engine.connect(engineSend);
-    this.events = events;
+    this.events.sink = events;
     this.metrics = metrics;
-    const { host } = parseAddress(this.opts.listen);
-    if (this.opts.peerCredentials === undefined) {
-      if (!isLoopback(host) && !this.opts.insecurePeers) {
-        throw new KvxferError(
-          "ERR_CONFIG",
-          `the side channel ${this.opts.listen} is reachable beyond this machine: give peer ` +
-            "credentials (--peer-cert, --peer-key, --peer-ca) or, knowingly, --insecure-peers",
-        );
-      }
-      this.log.warn(
-        { listen: this.opts.listen },
-        "peers are NOT authenticated: any process that reaches the side channel gets this " +
-          "sidecar's remote keys (give --peer-cert/--peer-key/--peer-ca; docs/security.md)",
-      );
-    }
+    checkPeerExposure(this.opts, this.log);
     this.sideChannel = await this.channel.bind(this.opts.listen);
-    this.sweepTimer = setInterval(() => this.sweep(), this.opts.sweepMs);
-    this.heartbeatTimer = setInterval(() => this.sendHeartbeats(), this.opts.heartbeatMs);
+    this.clockwork.start(this.opts.sweepMs, this.opts.heartbeatMs);
     this.log.info(
       {
         sideChannel: this.sideChannel,
@@ -241,8 +251,7 @@ export class Sidecar implements SidecarView {
 
   async close(): Promise<void> {
     if (!this.life.on("CLOSE")) return;
-    clearInterval(this.sweepTimer);
-    clearInterval(this.heartbeatTimer);
+    this.clockwork.stop();
     await this.channel.close();
     this.peers.close();
     this.kvs.close();
@@ -259,85 +268,11 @@ export class Sidecar implements SidecarView {
   // --- the engine link ---------------------------------------------------------
 
   /**
-   * Handles one message from the engine; never throws. `reply` reaches the connection that sent
-   * it: refusals and the answer to a registration go there (an engine that is not, or no longer,
-   * registered still hears why its message was refused), everything else to the registered engine.
+   * Handles one message from the engine (engine-dispatch.ts); never throws. `reply` reaches the
+   * connection that sent it: refusals and the answer to a registration go there.
    */
   onEngineMessage(msg: EngineToSidecar, reply?: EngineSender, conn?: EngineConnection): void {
-    const receivedUs = monoUs();
-    this.engine.replyingTo(reply);
-    try {
-      if (msg.msg.case === "register") {
-        this.kvs.register(msg.msg.value, conn);
-        return;
-      }
-      if (msg.msg.case === "allocate") {
-        this.kvs.allocate(msg.msg.value, conn);
-        return;
-      }
-      // One place checks engine messages' fields; a problem costs only the message.
-      const problem = checkEngineMessage(msg, this.kvs.kv?.layout);
-      if (problem !== undefined) {
-        this.engine.refuse(problem.transferId, problem.code, problem.message);
-        return;
-      }
-      if (this.life.draining && (msg.msg.case === "prefillDone" || msg.msg.case === "expectKv")) {
-        // Blocks of a refused PrefillDone go straight back: no one will read them.
-        if (msg.msg.case === "prefillDone") {
-          this.engine.send({
-            case: "releaseBlocks",
-            value: {
-              transferId: msg.msg.value.transferId,
-              blockIds: msg.msg.value.blockIds,
-              reason: ReleaseReason.FAILED,
-            },
-          });
-        }
-        if (msg.msg.case === "expectKv") this.decode.tellSourceDraining(msg.msg.value);
-        this.engine.refuse(
-          msg.msg.value.transferId,
-          "ERR_DRAINING",
-          "the sidecar is draining (SIGTERM): no new transfers",
-        );
-        return;
-      }
-      switch (msg.msg.case) {
-        case "prefillDone":
-          if (this.role === "decode")
-            return this.engine.refuse(
-              msg.msg.value.transferId,
-              "ERR_WRONG_ROLE",
-              "PrefillDone sent to a decode sidecar",
-            );
-          this.prefill.prefillDone(msg.msg.value, receivedUs);
-          break;
-        case "expectKv":
-          if (this.role === "prefill")
-            return this.engine.refuse(
-              msg.msg.value.transferId,
-              "ERR_WRONG_ROLE",
-              "ExpectKv sent to a prefill sidecar",
-            );
-          // Pull when configured, or (auto) when the engine names P's blocks.
-          this.decode.expectKv(
-            msg.msg.value,
-            this.mode === "pull" || (this.mode === "auto" && msg.msg.value.hasSourceBlockIds),
-            receivedUs,
-          );
-          break;
-        case "abort":
-          this.onEngineAbort(msg.msg.value.transferId);
-          break;
-        default:
-          this.engine.refuse("", "ERR_MALFORMED", "engine message carries no body");
-      }
-    } catch (err) {
-      const e = KvxferError.from(err);
-      this.noteError(`engine message: ${e.code} ${e.message}`);
-      this.log.error({ err }, "engine message failed");
-    } finally {
-      this.engine.replyingTo(undefined);
-    }
+    this.engineIn.receive(msg, reply, conn);
   }
 
   /** Keeps the last errors for GetStatus (bounded). */
@@ -362,7 +297,7 @@ export class Sidecar implements SidecarView {
       engine: this.engine,
       peers: this.peers,
       emit: (kind, transferId, peer, side, reason, bytes, mode) =>
-        this.emit(kind, transferId, peer, side, reason, bytes, mode),
+        this.events.emit(kind, transferId, peer, side, reason, bytes, mode),
       moved: (bytes) => {
         this.bytesMoved += bytes;
         this.transfersMoved++;
@@ -389,7 +324,7 @@ export class Sidecar implements SidecarView {
             ? { code: "ERR_DRAINING", message: "the sidecar is draining" }
             : undefined,
       authenticated: () => this.channel.authenticated,
-      emit: (kind, peer, reason) => this.emit(kind, "", peer, "", reason, 0, ""),
+      emit: (kind, peer, reason) => this.events.emit(kind, "", peer, "", reason, 0, ""),
       noteError: (text) => this.noteError(text),
       peerDown: (peer, why) => {
         this.decode.peerDown(peer, why);
@@ -400,179 +335,30 @@ export class Sidecar implements SidecarView {
     };
   }
 
-  // --- dispatch ----------------------------------------------------------------------
-
-  private onEngineAbort(transferId: string): void {
-    if (!this.decode.has(transferId) && !this.prefill.has(transferId)) {
-      // P's engine may give up on a push before D registers: D's registration is refused then.
-      if (this.role !== "decode") this.prefill.giveUp(transferId);
-      return this.engine.refuse(transferId, "ERR_UNKNOWN_TRANSFER", `no transfer '${transferId}'`);
-    }
-    this.decode.abort(transferId);
-    this.prefill.abort(transferId);
-  }
-
-  /** Peer notifications that arrived at our agent `rank`: checked, then handed to their side. */
-  private onNotifications(rank: number, batch: Notification[]): void {
-    const now = this.clock.now();
-    for (const n of batch) {
-      const v = this.peers.verify(n);
-      if (v === undefined) continue;
-      const { peer, body: b } = v;
-      // A peer's share of our work: past its budget its messages go unprocessed (O(1)). A
-      // heartbeat costs by the ids it names (each is a lookup), one message per 64.
-      const cost = b.case === "heartbeat" ? 1 + Math.floor(b.value.transferIds.length / 64) : 1;
-      if (!peer.budget.take(now, this.opts.peerMessagesPerSec, cost)) continue;
-      switch (b.case) {
-        case "pushReg":
-          if (this.role === "decode") {
-            this.peers.send(peer, {
-              case: "failed",
-              value: {
-                transferId: b.value.transferId,
-                code: "ERR_WRONG_ROLE",
-                message: "this sidecar does not prefill",
-              },
-            });
-          } else {
-            this.prefill.pushReg(peer, b.value, n.receivedUs);
-          }
-          break;
-        case "xferDone":
-          this.decode.xferDone(peer, v.fromRank, rank, b.value, n);
-          break;
-        case "readDone":
-          this.prefill.readDone(peer, b.value.transferId, Number(b.value.bytes), b.value.token, n);
-          break;
-        case "readAck":
-          this.decode.readAck(peer, b.value.transferId, b.value.held, b.value.unknown, n);
-          break;
-        case "heartbeat":
-          this.prefill.renewLeases(peer, b.value.transferIds);
-          break;
-        case "abort":
-          this.prefill.peerAbort(peer, b.value.transferId, b.value.token);
-          break;
-        case "abortAck":
-          this.decode.abortAck(peer, b.value.transferId);
-          break;
-        case "failed":
-          if (!this.decode.peerFailed(peer, b.value.transferId, b.value.code, b.value.message))
-            this.prefill.peerFailed(peer, b.value.transferId, b.value.code, b.value.token);
-          break;
-      }
-    }
-  }
-
-  /** One heartbeat per peer with live transfers, naming the ones whose lease it renews. */
-  private sendHeartbeats(): void {
-    const byPeer = this.decode.heartbeatIds(this.clock.now());
-    for (const peer of this.prefill.livePeers()) if (!byPeer.has(peer)) byPeer.set(peer, []);
-    for (const [peer, ids] of byPeer)
-      this.peers.send(peer, { case: "heartbeat", value: { transferIds: ids } });
-  }
-
-  /** Every part's expiry; deadlines are not ordered, so each visits its whole table. */
-  private sweep(): void {
-    const now = this.clock.now();
-    // A KV file that shrank is found within one sweep, even with no transfer starting: its size
-    // is given back (no fault) and what P holds for a pull fails (D hears "not held").
-    const broken = this.kvs.newlyBroken();
-    if (broken !== undefined) {
-      this.noteError(`ERR_REGION_CHANGED: ${broken}`);
-      this.log.error({ problem: broken }, "a KV file shrank under the sidecar");
-      this.prefill.failHeld("ERR_REGION_CHANGED");
-    }
-    this.prefill.expire(now);
-    this.decode.expire(now);
-    if (this.metrics !== undefined) {
-      this.metrics.setQueueDepth("prefill_live", this.prefill.live());
-      this.metrics.setQueueDepth("decode_live", this.decode.live());
-      this.metrics.setQueueDepth(
-        "agents_inflight",
-        (this.kvs.kv?.agents ?? []).reduce((n, a) => n + a.inflight, 0),
-      );
-    }
-    this.peers.expire(now);
-    for (const [engineId, n] of this.peers.overBudget())
-      this.noteError(
-        `${n} notifications from '${engineId}' dropped: over ${this.opts.peerMessagesPerSec}/s (ERR_OVERLOADED)`,
-      );
-  }
-
-  private emit(
-    kind: EventKind,
-    transferId: string,
-    peer: string,
-    side: TransferSide | "",
-    reason: string,
-    bytes: number,
-    mode: string,
-  ): void {
-    this.events.append({
-      kind,
-      timeMs: this.clock.now(),
-      transferId,
-      peer,
-      side,
-      reason,
-      bytes,
-      mode,
-    });
-    const tracer = this.tracer;
-    if (tracer !== undefined && side !== "" && transferId !== "" && isTerminal(kind)) {
-      // After the event's delivery to watchers (a microtask away), so its hops are in the span.
-      setImmediate(() => {
-        const info = (side === "prefill" ? this.prefill : this.decode).infoOf(transferId);
-        try {
-          if (info !== undefined) exportTransferSpans(tracer, this.engineId, info);
-        } catch (err) {
-          this.log.warn({ err, transferId }, "cannot export the transfer's spans");
-        }
-      });
-    }
-  }
-
   // --- SidecarView -------------------------------------------------------------------
 
   status(): SidecarStatus {
-    const byState: Record<string, number> = {};
-    for (const t of [...this.prefill.list(), ...this.decode.list()]) {
-      const key = `${t.side}:${t.state}`;
-      byState[key] = (byState[key] ?? 0) + 1;
-    }
-    const l = this.kvs.kv?.layout;
-    return {
+    return sidecarStatus({
       engineId: this.engineId,
       epoch: this.epoch,
       role: this.role,
       mode: this.mode,
-      tpSize: l?.tpSize ?? 0,
-      layoutSummary:
-        l === undefined
-          ? "not registered"
-          : `${l.numLayers} layers, ${l.mla ? "MLA latent" : `${l.totalKvHeads} KV heads`} x ${l.headDim}, ${l.dtype}, block ${l.blockSize}, ${l.order}, ${l.numBlocks} blocks/rank`,
       startedMs: this.startedMs,
       draining: this.life.draining,
+      kv: this.kvs.kv,
       peers: this.peers.list(),
-      transfersByState: byState,
+      transfers: [...this.prefill.list(), ...this.decode.list()],
       bytesMoved: this.bytesMoved,
       transfersMoved: this.transfersMoved,
       leaseTableSize: this.prefill.leased(),
       lastErrors: this.errors.list(),
       ucx: this.ucxStatus(),
-    };
+    });
   }
 
-  /**
-   * The UCX the agents run on: what the first registered agent's context opened, or before any
-   * registration what a context with this sidecar's transport list opens.
-   */
+  /** The UCX the agents run on (status-view.ts). */
   ucxStatus(): { version: string; transports: string[]; memoryTypes: string[] } {
-    const agent = this.kvs.kv?.agents[0];
-    const base = ucxInfo(this.opts.transports);
-    if (agent === undefined || agent.closed) return base;
-    return { version: base.version, transports: agent.transports, memoryTypes: agent.memoryTypes };
+    return ucxStatus(this.kvs.kv, this.opts.transports);
   }
 
   traced(transferId: string, side: TransferSide | "", hop: string): void {
@@ -581,11 +367,6 @@ export class Sidecar implements SidecarView {
   }
 
   transfers(filter: TransferFilter = {}): TransferInfo[] {
-    const want = filter.states === undefined ? undefined : new Set(filter.states);
-    return [...this.prefill.list(), ...this.decode.list()].filter(
-      (info) =>
-        (want === undefined || want.has(info.state)) &&
-        (filter.peer === undefined || filter.peer === "" || info.peer === filter.peer),
-    );
+    return filterTransfers([...this.prefill.list(), ...this.decode.list()], filter);
   }
 }

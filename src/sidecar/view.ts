@@ -4,7 +4,10 @@
  * `SidecarView`; `src/api/` only reads through it.
  */
 
+import type { PeerInfo } from "../peer/peer-state.js";
 import type { TraceHop } from "./trace.js";
+
+export type { PeerInfo };
 
 export type SidecarRole = "prefill" | "decode" | "both";
 export type TransferMode = "push" | "pull" | "auto";
@@ -66,14 +69,6 @@ export interface TransferInfo {
   readonly timings: TransferTimings;
   /** The critical path's hops on this side, in order (monoUs; see trace.ts). */
   readonly trace: readonly TraceHop[];
-}
-
-export interface PeerInfo {
-  readonly engineId: string;
-  readonly epoch: bigint;
-  readonly state: "connected" | "failed";
-  readonly lastSeenMs: number;
-  readonly sideChannel: string;
 }
 
 export interface SidecarStatus {

@@ -8,8 +8,9 @@ import { describe, expect, it } from "vitest";
 import { FailureReason, ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import type { KvLayout } from "../../src/plan/index.js";
-import { DecodeSide, UNKNOWN_GIVE_UP_MS } from "../../src/sidecar/decode.js";
-import type { PeerState } from "../../src/sidecar/peers.js";
+import { DecodeSide } from "../../src/sidecar/decode.js";
+import { UNKNOWN_GIVE_UP_MS } from "../../src/sidecar/decode-transfer.js";
+import type { PeerState } from "../../src/peer/peer-state.js";
 import { FakeWorld, OP_STEPS, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
 
 function setup(opts: { reachable?: boolean; maxTransfers?: number; layout?: KvLayout } = {}) {
@@ -391,6 +392,43 @@ describe("DecodeSide", () => {
     const c = expectKv("c", false, "", [8, 10]);
     d.expectKv(c, false);
     expect(w.refused).toEqual([{ transferId: "c", code: "ERR_BLOCKS_IN_USE" }]);
+  });
+
+  it("a pull's heartbeats name it while its reads run and while P confirms them", async () => {
+    const { w, d, state } = setup();
+    d.expectKv(expectKv("pull1", true), true);
+    await settle();
+    expect(state("pull1")).toBe("MOVING");
+    const named = () => [...d.heartbeatIds(w.clock.now())].map(([p, ids]) => [p.engineId, ids]);
+    expect(named(), "reads in flight").toEqual([["p0", ["pull1"]]]);
+    w.agent.landAll();
+    await settle();
+    expect(w.peerSaid("pull1")).toEqual(["readDone"]);
+    expect(state("pull1")).toBe("CONFIRMING");
+    expect(named(), "waiting for P's ReadAck").toEqual([["p0", ["pull1"]]]);
+  });
+
+  it("an ExpectKv refused while draining: P, if named, hears ERR_DRAINING with the token", async () => {
+    const { w, d } = setup();
+    const m = expectKv("t9", true, "tok-9");
+    m.source = "p0";
+    d.tellSourceDraining(m);
+    await settle();
+    expect(w.peerSaid("t9")).toEqual(["failed:ERR_DRAINING"]);
+    const said = w.toPeer.find((x) => x.body.case === "failed")!.body.value as { token: string };
+    expect(said.token).toBe("tok-9");
+    const unnamed = expectKv("t10", true);
+    unnamed.source = "";
+    d.tellSourceDraining(unnamed); // no source: nobody to tell
+    // P unreachable: nothing sent, nothing thrown.
+    const unreachable = new DecodeSide(w.ctx, () => Promise.reject(new Error("no route")));
+    const m2 = expectKv("t11", true);
+    m2.source = "p9";
+    unreachable.tellSourceDraining(m2);
+    await settle();
+    expect(w.peerSaid("t10")).toEqual([]);
+    expect(w.peerSaid("t11")).toEqual([]);
+    expect(d.list()).toEqual([]);
   });
 
   it("heartbeats name every live transfer with a peer, per peer, and none that is draining or ended", async () => {

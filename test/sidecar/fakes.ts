@@ -18,7 +18,8 @@ import { kvLayout, type KvLayout } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import type { Clock } from "../../src/sidecar/clock.js";
 import type { EngineMessage, LifecycleSettings, SideContext } from "../../src/sidecar/context.js";
-import { PeerState, PeerTable, type RegisteredKv } from "../../src/sidecar/peers.js";
+import { PeerState, type RegisteredKv } from "../../src/peer/peer-state.js";
+import { PeerTable } from "../../src/peer/peer-table.js";
 import type { EventKind, SidecarEvent, TransferSide } from "../../src/sidecar/view.js";
 
 /** Time that moves only when the test says so; timers run in order as it passes them. */

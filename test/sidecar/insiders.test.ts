@@ -8,7 +8,7 @@ import { describe, expect, it } from "vitest";
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { HandshakeRequestSchema, PushRegSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { newMacKey } from "../../src/peer/messages.js";
-import { MessageBudget, type PeerState } from "../../src/sidecar/peers.js";
+import { MessageBudget, type PeerState } from "../../src/peer/peer-state.js";
 import { PER_PEER_SHARE, PrefillSide } from "../../src/sidecar/prefill.js";
 import { FakeWorld, PeerTableWorld, SETTINGS, peerMetadata, prefillDone, settle } from "./fakes.js";
 

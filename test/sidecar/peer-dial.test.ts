@@ -25,7 +25,8 @@ import {
 } from "../../src/peer/messages.js";
 import { SideChannelServer, refusal, type PeerCredentials } from "../../src/peer/side-channel.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
-import { MAX_PEERS, type PeerState } from "../../src/sidecar/peers.js";
+import type { PeerState } from "../../src/peer/peer-state.js";
+import { MAX_PEERS } from "../../src/peer/peer-table.js";
 import { Pki } from "../../sim/pki.js";
 import { PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 import { credentials } from "./multiprocess/rogue-peer.js";

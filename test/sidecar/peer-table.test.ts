@@ -15,7 +15,8 @@ import {
   type PeerBody,
 } from "../../src/peer/messages.js";
 import type { LayoutPairing } from "../../src/plan/index.js";
-import { MAX_PEERS, type PeerState } from "../../src/sidecar/peers.js";
+import type { PeerState } from "../../src/peer/peer-state.js";
+import { MAX_PEERS } from "../../src/peer/peer-table.js";
 import { FakeWorld, PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 
 const OUR_EPOCH = PeerTableWorld.EPOCH;

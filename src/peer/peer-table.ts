@@ -1,7 +1,6 @@
 /**
- * The peers: what a sidecar knows of each peer engine: its metadata for one epoch, the
- * endpoints from our agents to its agents, and its regions imported on them.
- * Cached by (engine id, epoch); a new epoch replaces the entry.
+ * The peers: what a sidecar knows of each peer engine, cached by (engine id, epoch); a new epoch
+ * replaces the entry. Handshakes both ways, the checks on every notification, sending, dropping.
  */
 import { create } from "@bufbuild/protobuf";
 import type { Logger } from "pino";
@@ -16,222 +15,34 @@ import {
   type HandshakeRequest,
   type HandshakeResponse,
 } from "../gen/kvxfer/v1/peer_pb.js";
-import { engineIdProblem } from "../engine/validate.js";
 import { KvxferError } from "../errors.js";
-import type {
-  Agent,
-  Endpoint,
-  ErrorMode,
-  Notification,
-  Region,
-  RemoteRegion,
-} from "../native/index.js";
+import type { Endpoint, ErrorMode, Notification } from "../native/index.js";
+import { findIncompatibility, type KvLayout } from "../plan/index.js";
+import { kvLayoutFromProto, kvLayoutToProto } from "../plan/layout-proto.js";
 import {
   MAC_KEY_BYTES,
   PeerMessageError,
-  ReplayWindow,
   encodePeerMessage,
+  engineIdProblem,
   newMacKey,
   openPeerMessage,
   parseAgentName,
   sealPeerMessage,
   type OpenedPeerMessage,
   type PeerBody,
-} from "../peer/messages.js";
-import {
-  handshake,
-  refusal,
-  type PeerCredentials,
-  type PeerIdentity,
-} from "../peer/side-channel.js";
-import {
-  findIncompatibility,
-  pairLayouts,
-  type KvLayout,
-  type LayoutPairing,
-} from "../plan/index.js";
-import { kvLayoutFromProto, kvLayoutToProto } from "../plan/layout-proto.js";
-import type { Clock } from "./clock.js";
-import type { PeerInfo, SidecarRole } from "./view.js";
+} from "./messages.js";
+import { PeerState, type PeerInfo, type RegisteredKv } from "./peer-state.js";
+import { handshake, refusal, type PeerCredentials, type PeerIdentity } from "./side-channel.js";
 
-/** The engine's registered KV cache: its layout, one agent per rank, and each rank's regions. */
-export interface RegisteredKv {
-  readonly layout: KvLayout;
-  readonly agents: readonly Agent[];
-  readonly regions: readonly (readonly Region[])[];
-  /**
-   * Why a KV file no longer covers its region (it shrank after registration), or undefined:
-   * checked before this sidecar hands its memory to UCX for a transfer (docs/security.md).
-   */
-  readonly shrunk?: () => string | undefined;
+/** What the table reads the time with and sets its one-shot timers on (the sidecar's clock). */
+export interface PeerClock {
+  now(): number;
+  /** Runs `fn` once after `ms` (never keeps the process alive). */
+  after(ms: number, fn: () => void): void;
 }
 
-export class PeerState {
-  readonly engineId: string;
-  readonly epoch: bigint;
-  readonly layout: KvLayout;
-  readonly sideChannel: string;
-  private up = true;
-  lastSeenMs: number;
-  /** Side channel address we reached it at (D side), for revalidation. */
-  dialedAddress = "";
-  /** Key we MAC our notifications to this peer (this epoch) with; handed over in handshakes. */
-  sendKey: Uint8Array = newMacKey();
-  /** Key its notifications to us are MACed with (from its latest handshake). */
-  private recvKey: Uint8Array = new Uint8Array(0);
-  /** The key before that: notifications sealed before a re-handshake may still be in flight. */
-  private prevRecvKey: Uint8Array = new Uint8Array(0);
-  /** P: entries its PushRegs created that wait for PrefillDone (its share, checked in O(1)). */
-  named = 0;
-  /** Its notifications processed per second, at most (Sidecar's peerMessagesPerSec). */
-  readonly budget = new MessageBudget();
-  /** Sequence number of our last notification to it. */
-  sendSeq = 0n;
-  /** Sequence numbers of its notifications seen (replays are refused). */
-  replay = new ReplayWindow();
-  private readonly endpoints = new Map<string, Endpoint>();
-  private readonly remotes = new Map<string, RemoteRegion>();
-  private paired: LayoutPairing | undefined;
-
-  constructor(
-    readonly metadata: AgentMetadata,
-    layout: KvLayout,
-    private readonly agents: readonly Agent[],
-    private readonly errorMode: ErrorMode,
-    private readonly log: Logger,
-    nowMs: number,
-    /** Fault in the pages of a region UCX maps into this process (Endpoint.importRemote). */
-    private readonly populate: boolean,
-  ) {
-    this.engineId = metadata.engineId;
-    this.epoch = metadata.epoch;
-    this.layout = layout;
-    this.sideChannel = metadata.sideChannel;
-    this.lastSeenMs = nowMs;
-  }
-
-  /**
-   * P's layout paired with D's for planning (`pairLayouts`; one of the two is this peer's): worked
-   * out at the handshake, off any transfer's path, and kept while both layouts are the same
-   * objects (an engine that registers again brings a new layout, paired on first use).
-   */
-  pairing(src: KvLayout, dst: KvLayout): LayoutPairing {
-    const p = this.paired;
-    if (p !== undefined && p.src === src && p.dst === dst) return p;
-    return (this.paired = pairLayouts(src, dst));
-  }
-
-  get state(): "connected" | "failed" {
-    return this.up ? "connected" : "failed";
-  }
-
-  /** It restarted, went silent or its endpoint failed: nothing more is sent to it. */
-  markFailed(): void {
-    this.up = false;
-  }
-
-  /** Installs the key its notifications are sealed with; a new key starts a new stream. */
-  setRecvKey(key: Uint8Array): void {
-    if (Buffer.from(key).equals(Buffer.from(this.recvKey))) return;
-    this.prevRecvKey = this.recvKey;
-    this.recvKey = key;
-    this.replay = new ReplayWindow();
-  }
-
-  /** True when `verify` accepts one of its keys. */
-  verifies(verify: (key: Uint8Array) => boolean): boolean {
-    return (
-      (this.recvKey.length > 0 && verify(this.recvKey)) ||
-      (this.prevRecvKey.length > 0 && verify(this.prevRecvKey))
-    );
-  }
-
-  /** The endpoint from our agent `localRank` to the peer's agent `peerRank`, made on first use. */
-  endpoint(localRank: number, peerRank: number): Endpoint {
-    const key = `${localRank}:${peerRank}`;
-    let ep = this.endpoints.get(key);
-    if (ep === undefined || ep.state === "closed") {
-      const agent = this.agents[localRank];
-      const rank = this.metadata.ranks.find((r) => r.rank === peerRank);
-      if (agent === undefined || rank === undefined) {
-        throw new Error(`peer ${this.engineId}: no rank pair ${localRank} -> ${peerRank}`);
-      }
-      ep = agent.connect(rank.workerAddress, { errorMode: this.errorMode });
-      this.endpoints.set(key, ep);
-    }
-    return ep;
-  }
-
-  /** The peer's region `region` of rank `peerRank`, imported on the endpoint from `localRank`. */
-  remote(localRank: number, peerRank: number, region: number): RemoteRegion {
-    const key = `${localRank}:${peerRank}:${region}`;
-    let r = this.remotes.get(key);
-    if (r === undefined) {
-      const rank = this.metadata.ranks.find((x) => x.rank === peerRank);
-      const keyBytes = rank?.remoteKeys[region];
-      if (keyBytes === undefined)
-        throw new Error(`peer ${this.engineId}: rank ${peerRank} has no region ${region}`);
-      r = this.endpoint(localRank, peerRank).importRemote(keyBytes, { populate: this.populate });
-      this.remotes.set(key, r);
-    }
-    return r;
-  }
-
-  /** True when `ep` is one of this peer's endpoints. */
-  owns(ep: Endpoint): boolean {
-    for (const e of this.endpoints.values()) if (e === ep) return true;
-    return false;
-  }
-
-  /** Its endpoints now (they stay usable for `abandon` after `close`). */
-  endpointList(): Endpoint[] {
-    return [...this.endpoints.values()];
-  }
-
-  close(): void {
-    for (const r of this.remotes.values()) r.close();
-    for (const e of this.endpoints.values()) e.close();
-    this.remotes.clear();
-    this.endpoints.clear();
-    this.log.debug({ peer: this.engineId, epoch: String(this.epoch) }, "peer state closed");
-  }
-}
-
-/**
- * How many of one peer's notifications the sidecar processes per second: a token bucket of
- * `perSec` with a burst of two seconds' worth, checked in O(1). Past it, the peer's messages are
- * dropped unprocessed (its own transfers suffer, no one else's).
- */
-export class MessageBudget {
-  private tokens = -1;
-  private at = 0;
-  /** Messages dropped since the last time `dropped()` was read. */
-  private droppedSince = 0;
-
-  /**
-   * Takes `cost` messages' worth at `nowMs` (a message naming many transfers costs more);
-   * false when the budget is spent.
-   */
-  take(nowMs: number, perSec: number, cost = 1): boolean {
-    const burst = 2 * perSec;
-    if (this.tokens < 0) this.tokens = burst;
-    else this.tokens = Math.min(burst, this.tokens + ((nowMs - this.at) * perSec) / 1000);
-    this.at = nowMs;
-    if (this.tokens >= cost) {
-      this.tokens -= cost;
-      return true;
-    }
-    this.droppedSince++;
-    return false;
-  }
-
-  /** Dropped since the last call (for one error line per sweep, not one per message). */
-  dropped(): number {
-    const n = this.droppedSince;
-    this.droppedSince = 0;
-    return n;
-  }
-}
+/** The role this sidecar announces in its handshakes. */
+export type PeerRole = "prefill" | "decode" | "both";
 
 /** Peers known at once at most; an idle peer is forgotten after the tombstone time. */
 export const MAX_PEERS = 4096;
@@ -240,8 +51,8 @@ export const MAX_PEERS = 4096;
 export interface PeerTableHost {
   readonly engineId: string;
   readonly epoch: bigint;
-  readonly role: SidecarRole;
-  readonly clock: Clock;
+  readonly role: PeerRole;
+  readonly clock: PeerClock;
   readonly log: Logger;
   sideChannel(): string;
   kv(): RegisteredKv | undefined;
@@ -278,7 +89,7 @@ export interface VerifiedNotification {
   readonly body: OpenedPeerMessage["body"];
 }
 
-function roleToProto(role: SidecarRole): Role {
+function roleToProto(role: PeerRole): Role {
   return role === "prefill" ? Role.PREFILL : role === "decode" ? Role.DECODE : Role.BOTH;
 }
 

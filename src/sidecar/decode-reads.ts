@@ -1,0 +1,79 @@
+/**
+ * D's reads of a pull, the I/O behind the START_READS effect: the plan of the rank pairs (at
+ * CONNECT_PULL), then every pair's reads from P's blocks posted and awaited. The result is the
+ * event DecodeSide feeds D's machine next.
+ */
+import type { OpTrace } from "../native/index.js";
+import { KvxferError } from "../errors.js";
+import type { PeerState } from "../peer/peer-state.js";
+import { descriptorsForSide, planPaired, type KvLayout, type TransferPlan } from "../plan/index.js";
+import { transferError, type SideContext } from "./context.js";
+import type { DecodeTransfer } from "./decode-transfer.js";
+import { markPairSteps } from "./trace.js";
+
+/** The pairs D reads for `t` from `peer` into `layout` (this engine's), or why there is no plan. */
+export function planPull(
+  peer: PeerState,
+  layout: KvLayout,
+  t: DecodeTransfer,
+): TransferPlan | KvxferError {
+  try {
+    return planPaired(peer.pairing(peer.layout, layout), {
+      numTokens: t.numTokens,
+      prefixTokens: t.prefixTokens,
+      srcBlockIds: t.srcBlocks!,
+      dstBlockIds: t.dstBlocks,
+    });
+  } catch (err) {
+    return transferError(err);
+  }
+}
+
+/**
+ * D reads every rank pair's KV from P's blocks and waits for all to settle: undefined when all
+ * landed, else the first read's error. Stamps the transfer's bytes, data time and pair steps.
+ */
+export async function postReads(
+  ctx: SideContext,
+  t: DecodeTransfer,
+  peer: PeerState,
+  plan: TransferPlan,
+): Promise<KvxferError | undefined> {
+  const kv = ctx.kv()!;
+  t.bytes = plan.bytes;
+  t.descriptors = plan.descriptorCount;
+  const reads: Promise<OpTrace>[] = [];
+  const pairOf: string[] = [];
+  try {
+    for (const pair of plan.pairs) {
+      const agent = kv.agents[pair.dstRank]!;
+      const ep = peer.endpoint(pair.dstRank, pair.srcRank);
+      for (const rp of pair.regionPairs) {
+        if (rp.count === 0) continue;
+        const remote = peer.remote(pair.dstRank, pair.srcRank, rp.srcRegion);
+        pairOf.push(`${pair.srcRank}>${pair.dstRank}`);
+        reads.push(
+          agent.read(
+            ep,
+            kv.regions[pair.dstRank]![rp.dstRegion]!,
+            remote,
+            descriptorsForSide(rp.descriptors, "dst"),
+          ),
+        );
+      }
+    }
+  } catch (err) {
+    reads.push(Promise.reject(err));
+  }
+  const settled = await Promise.allSettled(reads);
+  t.t.dataDoneMs = ctx.clock.now();
+  for (const name of new Set(pairOf)) {
+    const ops: OpTrace[] = [];
+    settled.forEach((r, i) => {
+      if (r.status === "fulfilled" && pairOf[i] === name) ops.push(r.value);
+    });
+    markPairSteps(t.trace, name, ops);
+  }
+  const bad = settled.find((s) => s.status === "rejected");
+  return bad === undefined ? undefined : KvxferError.from((bad as PromiseRejectedResult).reason);
+}

@@ -1,0 +1,88 @@
+/**
+ * The peers' notifications to this sidecar, each checked (PeerTable.verify), charged to its
+ * sender's budget and handed to the side that owns it; and this sidecar's heartbeats to its
+ * peers, one per peer with live transfers.
+ */
+import type { Notification } from "../native/index.js";
+import type { PeerTable } from "../peer/peer-table.js";
+import type { Clock } from "./clock.js";
+import type { DecodeSide } from "./decode.js";
+import type { PrefillSide } from "./prefill.js";
+import type { SidecarRole } from "./view.js";
+
+/** What the dispatch hands messages to. */
+export interface PeerDispatchParts {
+  readonly role: SidecarRole;
+  readonly clock: Clock;
+  readonly peers: PeerTable;
+  readonly prefill: PrefillSide;
+  readonly decode: DecodeSide;
+  /** Notifications processed per second per peer, at most (options.peerMessagesPerSec). */
+  readonly messagesPerSec: number;
+}
+
+export class PeerDispatch {
+  constructor(private readonly parts: PeerDispatchParts) {}
+
+  /** Peer notifications that arrived at our agent `rank`: checked, then handed to their side. */
+  receive(rank: number, batch: Notification[]): void {
+    const { role, peers, prefill, decode } = this.parts;
+    const now = this.parts.clock.now();
+    for (const n of batch) {
+      const v = peers.verify(n);
+      if (v === undefined) continue;
+      const { peer, body: b } = v;
+      // A peer's share of our work: past its budget its messages go unprocessed (O(1)). A
+      // heartbeat costs by the ids it names (each is a lookup), one message per 64.
+      const cost = b.case === "heartbeat" ? 1 + Math.floor(b.value.transferIds.length / 64) : 1;
+      if (!peer.budget.take(now, this.parts.messagesPerSec, cost)) continue;
+      switch (b.case) {
+        case "pushReg":
+          if (role === "decode") {
+            peers.send(peer, {
+              case: "failed",
+              value: {
+                transferId: b.value.transferId,
+                code: "ERR_WRONG_ROLE",
+                message: "this sidecar does not prefill",
+              },
+            });
+          } else {
+            prefill.pushReg(peer, b.value, n.receivedUs);
+          }
+          break;
+        case "xferDone":
+          decode.xferDone(peer, v.fromRank, rank, b.value, n);
+          break;
+        case "readDone":
+          prefill.readDone(peer, b.value.transferId, Number(b.value.bytes), b.value.token, n);
+          break;
+        case "readAck":
+          decode.readAck(peer, b.value.transferId, b.value.held, b.value.unknown, n);
+          break;
+        case "heartbeat":
+          prefill.renewLeases(peer, b.value.transferIds);
+          break;
+        case "abort":
+          prefill.peerAbort(peer, b.value.transferId, b.value.token);
+          break;
+        case "abortAck":
+          decode.abortAck(peer, b.value.transferId);
+          break;
+        case "failed":
+          if (!decode.peerFailed(peer, b.value.transferId, b.value.code, b.value.message))
+            prefill.peerFailed(peer, b.value.transferId, b.value.code, b.value.token);
+          break;
+      }
+    }
+  }
+
+  /** One heartbeat per peer with live transfers, naming the ones whose lease it renews. */
+  sendHeartbeats(): void {
+    const { peers, prefill, decode } = this.parts;
+    const byPeer = decode.heartbeatIds(this.parts.clock.now());
+    for (const peer of prefill.livePeers()) if (!byPeer.has(peer)) byPeer.set(peer, []);
+    for (const [peer, ids] of byPeer)
+      peers.send(peer, { case: "heartbeat", value: { transferIds: ids } });
+  }
+}
