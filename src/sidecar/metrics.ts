@@ -2,7 +2,7 @@
  * What the sidecar reports about its transfers, as it happens. The sidecar
  * needs only this interface (not src/api/); `SidecarMetrics`
  * (src/api/metrics.ts) implements it as Prometheus metrics, and the
- * composition root (src/cli/sidecar.ts) hands one to `Sidecar.start`. The
+ * composition root (src/cli/sidecar-start.ts) hands one to `Sidecar.start`. The
  * metric names are listed in docs/api.md.
  */
 export interface TransferMetrics {
