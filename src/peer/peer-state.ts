@@ -22,6 +22,11 @@ export interface RegisteredKv {
   readonly shrunk?: () => string | undefined;
 }
 
+/** Where the registered KV is read (the sidecar's KV registry): undefined before registration. */
+export interface KvSource {
+  readonly kv: RegisteredKv | undefined;
+}
+
 export class PeerState {
   readonly engineId: string;
   readonly epoch: bigint;

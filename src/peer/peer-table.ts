@@ -31,7 +31,7 @@ import {
   type OpenedPeerMessage,
   type PeerBody,
 } from "./messages.js";
-import { PeerState, type PeerInfo, type RegisteredKv } from "./peer-state.js";
+import { PeerState, type KvSource, type PeerInfo, type RegisteredKv } from "./peer-state.js";
 import { handshake, refusal, type PeerCredentials, type PeerIdentity } from "./side-channel.js";
 
 /** What the table reads the time with and sets its one-shot timers on (the sidecar's clock). */
@@ -47,27 +47,41 @@ export type PeerRole = "prefill" | "decode" | "both";
 /** Peers known at once at most; an idle peer is forgotten after the tombstone time. */
 export const MAX_PEERS = 4096;
 
-/** What the peer table needs of the sidecar it serves. */
-export interface PeerTableHost {
-  readonly engineId: string;
-  readonly epoch: bigint;
-  readonly role: PeerRole;
-  readonly clock: PeerClock;
-  readonly log: Logger;
-  sideChannel(): string;
-  kv(): RegisteredKv | undefined;
+/** Peer events as the table emits them (the sidecar's event outbox). */
+export interface PeerEventPort {
+  peerEvent(kind: "PEER_UP" | "PEER_DOWN", peer: string, reason: string): void;
+}
+
+/** The registered KV, and whether peers may handshake with it now (the sidecar's KV registry). */
+export interface KvGate extends KvSource {
   /** Why handshakes are refused now (not registered, draining), or undefined. */
   notAccepting(): { code: string; message: string } | undefined;
-  /** The side channel authenticates peers (mutual TLS). */
-  authenticated(): boolean;
-  emit(kind: "PEER_UP" | "PEER_DOWN", peer: string, reason: string): void;
-  noteError(text: string): void;
+}
+
+/** What the table tells the sides and asks them (both sides at once). */
+export interface PeerSides {
   /** The sides fail what depended on a peer that is gone. */
   peerDown(peer: PeerState, why: string): void;
   /** Reads from or writes to `peer` still in flight. */
   busyWith(peer: PeerState): boolean;
   /** Live transfers with `peer`. */
   liveWith(peer: PeerState): boolean;
+}
+
+/** The ports the peer table is built with: the sidecar's identity and the objects it reaches. */
+export interface PeerTableHost {
+  readonly engineId: string;
+  readonly epoch: bigint;
+  readonly role: PeerRole;
+  readonly clock: PeerClock;
+  readonly log: Logger;
+  /** The side channel: its bound address, and whether it authenticates peers (mutual TLS). */
+  readonly channel: { readonly address: string; readonly authenticated: boolean };
+  readonly kvs: KvGate;
+  readonly events: PeerEventPort;
+  /** Error lines for GetStatus. */
+  readonly errors: { note(text: string): void };
+  readonly sides: PeerSides;
 }
 
 export interface PeerTableSettings {
@@ -118,13 +132,13 @@ export class PeerTable {
   }
 
   private metadata(): AgentMetadata {
-    const kv = this.host.kv()!;
+    const kv = this.host.kvs.kv!;
     return create(AgentMetadataSchema, {
       engineId: this.host.engineId,
       epoch: this.host.epoch,
       role: roleToProto(this.host.role),
       layout: kvLayoutToProto(kv.layout),
-      sideChannel: this.host.sideChannel(),
+      sideChannel: this.host.channel.address,
       ranks: kv.agents.map((a, rank) =>
         create(RankMetadataSchema, {
           rank,
@@ -170,12 +184,12 @@ export class PeerTable {
   onHandshake(req: HandshakeRequest, identity: PeerIdentity): HandshakeResponse {
     const res = this.answerHandshake(req, identity);
     if (res.errorCode !== "")
-      this.host.noteError(`handshake refused: ${res.errorCode}: ${res.error}`);
+      this.host.errors.note(`handshake refused: ${res.errorCode}: ${res.error}`);
     return res;
   }
 
   private answerHandshake(req: HandshakeRequest, identity: PeerIdentity): HandshakeResponse {
-    const notNow = this.host.notAccepting();
+    const notNow = this.host.kvs.notAccepting();
     if (notNow !== undefined) return refusal(notNow.code, notNow.message);
     let layout: KvLayout;
     try {
@@ -186,7 +200,7 @@ export class PeerTable {
     }
     const md = req.metadata!;
     // With credentials, a peer is who its certificate says, and nobody else.
-    if (this.host.authenticated() && identity !== md.engineId) {
+    if (this.host.channel.authenticated && identity !== md.engineId) {
       return refusal(
         "ERR_UNAUTHENTICATED",
         `metadata claims engine '${md.engineId}' but the certificate names '${identity ?? ""}'`,
@@ -194,7 +208,7 @@ export class PeerTable {
     }
     if (req.macKey.length !== MAC_KEY_BYTES)
       return refusal("ERR_MALFORMED", `mac_key must be ${MAC_KEY_BYTES} bytes`);
-    const mismatch = findIncompatibility(this.host.kv()!.layout, layout);
+    const mismatch = findIncompatibility(this.host.kvs.kv!.layout, layout);
     if (mismatch !== undefined)
       return refusal("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
     let peer: PeerState;
@@ -204,7 +218,7 @@ export class PeerTable {
       const e = KvxferError.from(err);
       return refusal(e.code, e.message);
     }
-    peer.pairing(this.host.kv()!.layout, layout); // this side is P: it plans pushes to D
+    peer.pairing(this.host.kvs.kv!.layout, layout); // this side is P: it plans pushes to D
     peer.setRecvKey(req.macKey);
     return create(HandshakeResponseSchema, { metadata: this.metadata(), macKey: peer.sendKey });
   }
@@ -224,14 +238,14 @@ export class PeerTable {
     const peer = new PeerState(
       md,
       layout,
-      this.host.kv()!.agents,
+      this.host.kvs.kv!.agents,
       this.settings.errorMode,
       this.host.log,
       this.host.clock.now(),
       this.settings.prefault === true,
     );
     this.peers.set(md.engineId, peer);
-    this.host.emit("PEER_UP", md.engineId, `epoch ${md.epoch}`);
+    this.host.events.peerEvent("PEER_UP", md.engineId, `epoch ${md.epoch}`);
     return peer;
   }
 
@@ -280,11 +294,11 @@ export class PeerTable {
     }
     if (res.macKey.length !== MAC_KEY_BYTES)
       throw new KvxferError("ERR_MALFORMED", `handshake answer from ${address} has no mac_key`);
-    const mismatch = findIncompatibility(layout, this.host.kv()!.layout);
+    const mismatch = findIncompatibility(layout, this.host.kvs.kv!.layout);
     if (mismatch !== undefined)
       throw new KvxferError("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
     const peer = this.adopt(res.metadata!, layout);
-    peer.pairing(layout, this.host.kv()!.layout); // this side is D: it plans reads from P
+    peer.pairing(layout, this.host.kvs.kv!.layout); // this side is D: it plans reads from P
     peer.sendKey = macKey;
     peer.setRecvKey(res.macKey);
     peer.dialedAddress = address;
@@ -296,9 +310,9 @@ export class PeerTable {
   drop(peer: PeerState, why: string): void {
     if (peer.state === "failed" && this.peers.get(peer.engineId) !== peer) return;
     peer.markFailed();
-    this.host.emit("PEER_DOWN", peer.engineId, why);
+    this.host.events.peerEvent("PEER_DOWN", peer.engineId, why);
     this.host.log.warn({ peer: peer.engineId, epoch: String(peer.epoch), why }, "peer down");
-    this.host.peerDown(peer, why);
+    this.host.sides.peerDown(peer, why);
     if (this.peers.get(peer.engineId) === peer) this.peers.delete(peer.engineId);
     const endpoints = peer.endpointList();
     // Endpoints close once their operations settle; the native layer defers the close.
@@ -310,7 +324,7 @@ export class PeerTable {
     // the reads and writes reject, the transfer ends and its blocks go back to the engine. (D's
     // blocks do not depend on this: D waits for P's registration lease, and P posts no write
     // after it.)
-    if (this.host.busyWith(peer)) {
+    if (this.host.sides.busyWith(peer)) {
       const graceMs = this.settings.abortGraceMs;
       this.host.clock.after(graceMs, () => {
         if (this.closed) return;
@@ -346,7 +360,7 @@ export class PeerTable {
   send(peer: PeerState, body: PeerBody): void {
     if (peer.state !== "connected") return;
     // Closed (the agents are gone): transfers ending during the stop notify no one.
-    const agent = this.host.kv()?.agents[0];
+    const agent = this.host.kvs.kv?.agents[0];
     if (agent === undefined) return;
     const log = this.host.log;
     try {
@@ -370,7 +384,7 @@ export class PeerTable {
       m = openPeerMessage(n.data);
     } catch (err) {
       const code = err instanceof PeerMessageError ? err.code : "ERR_MALFORMED";
-      host.noteError(`peer message from '${n.peer.slice(0, 200)}' refused: ${code}`);
+      host.errors.note(`peer message from '${n.peer.slice(0, 200)}' refused: ${code}`);
       return undefined;
     }
     const from = parseAgentName(n.peer);
@@ -385,7 +399,7 @@ export class PeerTable {
       from.engineId !== m.senderEngineId ||
       from.epoch !== m.senderEpoch
     ) {
-      host.noteError(
+      host.errors.note(
         `peer message from '${m.senderEngineId}' (epoch ${m.senderEpoch}) refused: ERR_STALE_EPOCH`,
       );
       host.log.debug(
@@ -396,13 +410,13 @@ export class PeerTable {
     }
     // It must be sealed with the key that engine gave us in its handshake, and new.
     if (!peer.verifies(m.verify)) {
-      host.noteError(
+      host.errors.note(
         `peer message from '${m.senderEngineId}' refused: ERR_UNAUTHENTICATED (bad MAC)`,
       );
       return undefined;
     }
     if (!peer.replay.accept(m.seq)) {
-      host.noteError(
+      host.errors.note(
         `peer message from '${m.senderEngineId}' refused: ERR_REPLAY (sequence ${m.seq} seen)`,
       );
       return undefined;
@@ -416,7 +430,7 @@ export class PeerTable {
     for (const peer of [...this.peers.values()]) {
       if (peer.state !== "connected" || now - peer.lastSeenMs < this.settings.peerTimeoutMs)
         continue;
-      if (this.host.liveWith(peer)) {
+      if (this.host.sides.liveWith(peer)) {
         this.drop(peer, `silent for ${now - peer.lastSeenMs} ms`);
       } else if (now - peer.lastSeenMs > this.settings.tombstoneMs) {
         // Idle and unheard of for long: forget it (a new transfer handshakes again).

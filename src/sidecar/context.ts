@@ -13,7 +13,7 @@ import type { PeerBody } from "../peer/messages.js";
 import { PlanError } from "../plan/index.js";
 import type { Clock } from "./clock.js";
 import type { TransferMetrics } from "./metrics.js";
-import type { PeerState, RegisteredKv } from "../peer/peer-state.js";
+import type { KvSource, PeerState } from "../peer/peer-state.js";
 import type { EventKind, TransferSide } from "./view.js";
 
 /** A message to the engine (the body of SidecarToEngine). */
@@ -58,17 +58,8 @@ export interface PeerPort {
   seal(peer: PeerState, body: PeerBody): Uint8Array;
 }
 
-export interface SideContext {
-  readonly clock: Clock;
-  readonly settings: LifecycleSettings;
-  readonly log: Logger;
-  /** The registered KV (undefined before the engine registers). */
-  kv(): RegisteredKv | undefined;
-  /** The engine. */
-  readonly engine: EnginePort;
-  /** The peers. */
-  readonly peers: PeerPort;
-  /** One terminal transfer event. */
+/** Where a side's terminal transfer events go (event-port.ts). */
+export interface EventPort {
   emit(
     kind: EventKind,
     transferId: string,
@@ -78,12 +69,38 @@ export interface SideContext {
     bytes: number,
     mode: string,
   ): void;
+}
+
+/** Where error lines for GetStatus go (LastErrors, engine-port.ts). */
+export interface ErrorPort {
+  note(text: string): void;
+}
+
+/** What a side tallies (Tally, metrics.ts). */
+export interface TallyPort {
+  /** Where transfer metrics go (none before the sidecar starts, or in a test). */
+  readonly metrics: TransferMetrics | undefined;
   /** A transfer's KV arrived (counted in the status' bytes and transfers moved). */
   moved(bytes: number): void;
-  /** Keeps an error line for GetStatus. */
-  noteError(text: string): void;
-  /** Where transfer metrics go (none before the sidecar starts, or in a test). */
-  metrics(): TransferMetrics | undefined;
+}
+
+/** The ports a side is built with, each an object the sidecar (or a test) owns. */
+export interface SideContext {
+  readonly clock: Clock;
+  readonly settings: LifecycleSettings;
+  readonly log: Logger;
+  /** The registered KV (its `kv` is undefined before the engine registers). */
+  readonly kvs: KvSource;
+  /** The engine. */
+  readonly engine: EnginePort;
+  /** The peers. */
+  readonly peers: PeerPort;
+  /** Terminal transfer events. */
+  readonly events: EventPort;
+  /** Error lines for GetStatus. */
+  readonly errors: ErrorPort;
+  /** Bytes moved and the transfer metrics. */
+  readonly tally: TallyPort;
 }
 
 /** A failure to plan or move a transfer, as the KvxferError it is reported with. */

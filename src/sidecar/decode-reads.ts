@@ -39,7 +39,7 @@ export async function postReads(
   peer: PeerState,
   plan: TransferPlan,
 ): Promise<KvxferError | undefined> {
-  const kv = ctx.kv()!;
+  const kv = ctx.kvs.kv!;
   t.bytes = plan.bytes;
   t.descriptors = plan.descriptorCount;
   const reads: Promise<OpTrace>[] = [];

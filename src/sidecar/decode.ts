@@ -101,8 +101,8 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       // them); for pull the router sent ExpectKv only once prefill was done, so registration
       // stands in for it.
       const latency = t.mode === "push" ? t.sincePrefillDoneMs : ctx.clock.now() - t.t.registeredMs;
-      ctx.metrics()?.transferReady(t.mode, latency, t.bytes, t.descriptors);
-      ctx.emit("KV_READY", t.id, peer, "decode", "", t.bytes, t.mode);
+      ctx.tally.metrics?.transferReady(t.mode, latency, t.bytes, t.descriptors);
+      ctx.events.emit("KV_READY", t.id, peer, "decode", "", t.bytes, t.mode);
       t.trace.mark("event.appended");
       return;
     }
@@ -111,7 +111,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       case: "releaseBlocks",
       value: { transferId: t.id, blockIds: t.dstBlocks, reason: o.release },
     });
-    ctx.emit(kind, t.id, peer, "decode", o.code, t.bytes, t.mode);
+    ctx.events.emit(kind, t.id, peer, "decode", o.code, t.bytes, t.mode);
     t.trace.mark("event.appended");
   }
 
@@ -171,7 +171,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         return this.countPair(t, d.xfer!, d.arrival);
       case "DATA_DONE":
         t.t.dataDoneMs = ctx.clock.now();
-        ctx.moved(t.bytes);
+        ctx.tally.moved(t.bytes);
         return;
       case "TRACE_ACK":
         if (d.arrival !== undefined) {
@@ -197,7 +197,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
           release: f.release,
         };
         t.reason = f.code;
-        ctx.metrics()?.transferFailed(f.code);
+        ctx.tally.metrics?.transferFailed(f.code);
         ctx.engine.send({
           case: "kvFailed",
           value: { transferId: t.id, reason: f.reason, message: f.message },
@@ -250,7 +250,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       );
     }
     // The blocks this transfer writes (see `claims`); the engine's checks guarantee the count.
-    const bs = ctx.kv()!.layout.blockSize;
+    const bs = ctx.kvs.kv!.layout.blockSize;
     const firstWritten = Math.floor(m.prefixTokens / bs);
     const written = m.blockIds.slice(firstWritten, Math.ceil(m.numTokens / bs));
     const clash = this.claims.clash(written, firstWritten, m.transferId);
@@ -358,7 +358,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     try {
       peer = await this.resolvePeer(t.source);
       // Made at the handshake (the same layouts): which P ranks hold this engine's heads.
-      pairing = peer.pairing(peer.layout, this.ctx.kv()!.layout);
+      pairing = peer.pairing(peer.layout, this.ctx.kvs.kv!.layout);
     } catch (err) {
       const e = KvxferError.from(err);
       const reason =
@@ -373,7 +373,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
 
   /** CONNECT_*: the KV region still whole, the peer taken, (pull) the reads planned. */
   private connect(t: DecodeTransfer, peer: PeerState, pairing: LayoutPairing): void {
-    const kv = this.ctx.kv()!;
+    const kv = this.ctx.kvs.kv!;
     // A KV file that shrank would fault (SIGBUS) when P's writes or our reads reach it.
     const shrunk = kv.shrunk?.();
     if (shrunk !== undefined) {
@@ -463,14 +463,14 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const t = this.transfers.get(m.transferId);
     if (t === undefined) {
       // Never expected here (or its tombstone is gone): a peer bug or a forgery, worth seeing.
-      ctx.noteError(
+      ctx.errors.note(
         `XferDone from '${peer.engineId}' for unknown transfer '${m.transferId}': ERR_UNKNOWN_TRANSFER`,
       );
       return;
     }
     if (t.peer !== undefined && t.peer !== peer) {
       // Another engine's agent names a transfer it was never part of: worth seeing.
-      ctx.noteError(
+      ctx.errors.note(
         `XferDone for '${m.transferId}' from '${peer.engineId}', not the engine it was registered with: ignored`,
       );
       return;
@@ -489,7 +489,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     const { m } = x;
     // The notification must come from the agent pair it names (it follows that pair's data).
     if (m.srcRank !== x.fromRank || m.dstRank !== x.toRank) {
-      ctx.noteError(
+      ctx.errors.note(
         `XferDone for ${m.transferId} names ranks ${m.srcRank}->${m.dstRank} but came ${x.fromRank}->${x.toRank}`,
       );
       return;

@@ -7,6 +7,7 @@ import { ReleaseReason, type EngineToSidecar } from "../gen/kvxfer/v1/engine_pb.
 import { KvxferError } from "../errors.js";
 import { checkEngineMessage } from "../engine/validate.js";
 import type { Logger } from "pino";
+import type { ErrorPort } from "./context.js";
 import type { DecodeSide } from "./decode.js";
 import type { EngineOutbox, EngineSender } from "./engine-port.js";
 import type { EngineConnection, KvRegistry } from "./kv-registration.js";
@@ -25,7 +26,7 @@ export interface EngineDispatchParts {
   readonly life: SidecarLifecycle;
   readonly prefill: PrefillSide;
   readonly decode: DecodeSide;
-  noteError(text: string): void;
+  readonly errors: ErrorPort;
 }
 
 export class EngineDispatch {
@@ -107,7 +108,7 @@ export class EngineDispatch {
       }
     } catch (err) {
       const e = KvxferError.from(err);
-      this.parts.noteError(`engine message: ${e.code} ${e.message}`);
+      this.parts.errors.note(`engine message: ${e.code} ${e.message}`);
       this.parts.log.error({ err }, "engine message failed");
     } finally {
       engine.replyingTo(undefined);

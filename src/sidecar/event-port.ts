@@ -6,7 +6,9 @@
 import type { Tracer } from "@opentelemetry/api";
 import type { Logger } from "pino";
 
+import type { PeerEventPort } from "../peer/peer-table.js";
 import type { Clock } from "./clock.js";
+import type { EventPort } from "./context.js";
 import { isTerminal } from "./lifecycle.js";
 import { exportTransferSpans } from "./otel.js";
 import type { EventKind, SidecarEvent, TransferInfo, TransferSide } from "./view.js";
@@ -16,7 +18,7 @@ export interface EventSink {
   append(ev: Omit<SidecarEvent, "seq">): unknown;
 }
 
-export class EventOutbox {
+export class EventOutbox implements EventPort, PeerEventPort {
   /** The event log, once the sidecar starts; nothing before. */
   sink: EventSink = { append: () => undefined };
 
@@ -60,5 +62,10 @@ export class EventOutbox {
         }
       });
     }
+  }
+
+  /** A peer event (PEER_UP, PEER_DOWN): no transfer, no side. */
+  peerEvent(kind: "PEER_UP" | "PEER_DOWN", peer: string, reason: string): void {
+    this.emit(kind, "", peer, "", reason, 0, "");
   }
 }

@@ -28,8 +28,10 @@ import { Agent, type Region } from "../native/index.js";
 import { MAX_PEER_MESSAGE_BYTES, agentName } from "../peer/messages.js";
 import type { KvLayout } from "../plan/index.js";
 import { KvAllocations } from "./allocations.js";
-import type { EngineMessage } from "./context.js";
+import type { EngineMessage, ErrorPort } from "./context.js";
+import type { SidecarLifecycle } from "./sidecar-lifecycle.js";
 import type { RegisteredKv } from "../peer/peer-state.js";
+import type { KvGate } from "../peer/peer-table.js";
 
 /** The settings registration reads (SidecarOptions, resolved). */
 export interface KvSettings {
@@ -43,20 +45,21 @@ export interface KvSettings {
   readonly prefault: boolean;
 }
 
-/** What registration needs of the sidecar. */
+/** The ports registration is built with. */
 export interface KvHost {
   readonly engineId: string;
   readonly epoch: bigint;
   readonly opts: KvSettings;
   readonly log: Logger;
-  noteError(text: string): void;
-  /** To the sender of the engine message being handled. */
-  answer(msg: EngineMessage): void;
-  sideChannel(): string;
-  /** A registered rank's agent: its notifications and endpoint failures go to the sidecar. */
-  wire(agent: Agent, rank: number): void;
-  /** The registration was accepted. */
-  registered(): void;
+  readonly errors: ErrorPort;
+  /** The engine: answers to the sender of the engine message being handled. */
+  readonly engine: { answer(msg: EngineMessage): void };
+  /** The side channel (its bound address goes into every Registered). */
+  readonly channel: { readonly address: string };
+  /** The sidecar's lifecycle: told REGISTERED once a registration is accepted. */
+  readonly life: Pick<SidecarLifecycle, "on" | "draining">;
+  /** The peer dispatch: a registered rank's agent's notifications and endpoint failures. */
+  readonly agents: { wire(agent: Agent, rank: number): void };
 }
 
 /**
@@ -97,7 +100,7 @@ export function spinFor(
   return agents * 2 <= cores ? AUTO_SPIN_US : 0;
 }
 
-export class KvRegistry {
+export class KvRegistry implements KvGate {
   /** The engine's KV cache once registered: layout, one agent per rank, its regions. */
   kv: RegisteredKv | undefined;
   /** The accepted registration, and the identity (device, inode) of each file it mapped. */
@@ -121,6 +124,15 @@ export class KvRegistry {
     } catch {
       this.kvDirResolved = host.opts.kvDir;
     }
+  }
+
+  /** Why peer handshakes are refused now: no KV registered yet, or the sidecar draining. */
+  notAccepting(): { code: string; message: string } | undefined {
+    if (this.kv === undefined)
+      return { code: "ERR_NOT_READY", message: "the engine has not registered its KV cache" };
+    if (this.host.life.draining)
+      return { code: "ERR_DRAINING", message: "the sidecar is draining" };
+    return undefined;
   }
 
   /**
@@ -226,11 +238,11 @@ export class KvRegistry {
   /** RegisterKvCache: checked, mapped, answered (Registered) to its sender. */
   register(reg: RegisterKvCache, conn?: EngineConnection): void {
     const fail = (error: string): void => {
-      this.host.noteError(`register: ${error}`);
+      this.host.errors.note(`register: ${error}`);
       this.host.log.warn({ error }, "engine registration refused");
-      this.host.answer({
+      this.host.engine.answer({
         case: "registered",
-        value: { ok: false, error, sideChannel: this.host.sideChannel(), epoch: this.host.epoch },
+        value: { ok: false, error, sideChannel: this.host.channel.address, epoch: this.host.epoch },
       });
     };
     if (this.kv !== undefined) {
@@ -258,12 +270,12 @@ export class KvRegistry {
       this.host.log.warn(
         "the engine reconnected and registered again: link handed to its new connection",
       );
-      this.host.answer({
+      this.host.engine.answer({
         case: "registered",
         value: {
           ok: true,
           error: "",
-          sideChannel: this.host.sideChannel(),
+          sideChannel: this.host.channel.address,
           epoch: this.host.epoch,
         },
       });
@@ -326,13 +338,13 @@ export class KvRegistry {
       const e = KvxferError.from(err);
       return fail(`${e.code}: ${e.message}`);
     }
-    for (const [i, agent] of agents.entries()) this.host.wire(agent, ranks[i]!.rank);
+    for (const [i, agent] of agents.entries()) this.host.agents.wire(agent, ranks[i]!.rank);
     // The registration owns what it uses; what it does not use is freed.
     for (const rank of owned) this.allocations.take(rank);
     this.allocations.freeAll();
     this.kvFiles = this.openKvFiles(reg, layout);
     this.kv = { layout, agents, regions, shrunk: () => this.kvShrunk() };
-    this.host.registered();
+    this.host.life.on("REGISTERED");
     this.mappedBytes += bytes;
     this.registration = { msg: reg, files: KvRegistry.fileIdentities(reg) };
     conn?.adopt();
@@ -340,9 +352,14 @@ export class KvRegistry {
       { tp: layout.tpSize, regions: layout.regionBytes.length },
       "KV cache registered",
     );
-    this.host.answer({
+    this.host.engine.answer({
       case: "registered",
-      value: { ok: true, error: "", sideChannel: this.host.sideChannel(), epoch: this.host.epoch },
+      value: {
+        ok: true,
+        error: "",
+        sideChannel: this.host.channel.address,
+        epoch: this.host.epoch,
+      },
     });
   }
 
@@ -442,9 +459,12 @@ export class KvRegistry {
    */
   allocate(msg: AllocateKv, conn?: EngineConnection): void {
     const answer = (ok: boolean, error: string, segments: number[] = []): void =>
-      this.host.answer({ case: "allocated", value: { rank: msg.rank, ok, error, segments } });
+      this.host.engine.answer({
+        case: "allocated",
+        value: { rank: msg.rank, ok, error, segments },
+      });
     const fail = (error: string): void => {
-      this.host.noteError(`allocate: ${error}`);
+      this.host.errors.note(`allocate: ${error}`);
       this.host.log.warn({ rank: msg.rank, error }, "KV allocation refused");
       answer(false, error);
     };

@@ -22,3 +22,16 @@ export interface TransferMetrics {
    */
   setQueueDepth(name: string, n: number): void;
 }
+
+/** What the sidecar tallies: the KV moved (for its status) and where metrics go, once started. */
+export class Tally {
+  /** Set by `Sidecar.start` (none before, or in a test). */
+  metrics: TransferMetrics | undefined;
+  bytesMoved = 0;
+  transfersMoved = 0;
+
+  moved(bytes: number): void {
+    this.bytesMoved += bytes;
+    this.transfersMoved++;
+  }
+}

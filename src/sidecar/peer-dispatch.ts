@@ -1,11 +1,12 @@
 /**
  * The peers' notifications to this sidecar, each checked (PeerTable.verify), charged to its
  * sender's budget and handed to the side that owns it; and this sidecar's heartbeats to its
- * peers, one per peer with live transfers.
+ * peers, one per peer with live transfers. A registered rank's agent is wired here.
  */
-import type { Notification } from "../native/index.js";
+import type { Agent, Notification } from "../native/index.js";
 import type { PeerTable } from "../peer/peer-table.js";
 import type { Clock } from "./clock.js";
+import type { ErrorPort } from "./context.js";
 import type { DecodeSide } from "./decode.js";
 import type { PrefillSide } from "./prefill.js";
 import type { SidecarRole } from "./view.js";
@@ -19,10 +20,22 @@ export interface PeerDispatchParts {
   readonly decode: DecodeSide;
   /** Notifications processed per second per peer, at most (options.peerMessagesPerSec). */
   readonly messagesPerSec: number;
+  readonly errors: ErrorPort;
 }
 
 export class PeerDispatch {
   constructor(private readonly parts: PeerDispatchParts) {}
+
+  /** A registered rank's agent: its notifications come here, its endpoint failures to the table. */
+  wire(agent: Agent, rank: number): void {
+    agent.on("notifications", (batch) => this.receive(rank, batch));
+    agent.on("endpointFailed", (ep, code) => this.parts.peers.endpointFailed(ep, code));
+    agent.on("notificationDropped", (peer, bytes) =>
+      this.parts.errors.note(
+        `peer message from '${peer.slice(0, 200)}' refused: ERR_TOO_LARGE (${bytes} bytes)`,
+      ),
+    );
+  }
 
   /** Peer notifications that arrived at our agent `rank`: checked, then handed to their side. */
   receive(rank: number, batch: Notification[]): void {

@@ -178,7 +178,7 @@ export function settleRegistrations(
     if (r === chosen || r.withdrawn !== undefined) continue;
     const code =
       t.token === "" && chosen !== undefined ? "ERR_DUPLICATE" : "ERR_BAD_TRANSFER_TOKEN";
-    ctx.noteError(`PushReg for '${t.id}' from '${r.peer.engineId}' refused: ${code}`);
+    ctx.errors.note(`PushReg for '${t.id}' from '${r.peer.engineId}' refused: ${code}`);
     ctx.peers.send(r.peer, {
       case: "failed",
       value: { transferId: t.id, code, message: "not the decode engine this transfer names" },

@@ -16,7 +16,7 @@ export type WriteResult =
 
 /** The pairs P writes for `t`, or why it cannot (the KV broke, D expects other tokens, no plan). */
 export function planPush(ctx: SideContext, t: PrefillTransfer): TransferPlan | KvxferError {
-  const kv = ctx.kv()!;
+  const kv = ctx.kvs.kv!;
   const reg = t.reg!;
   const peer = reg.peer;
   try {
@@ -37,7 +37,7 @@ export function planPush(ctx: SideContext, t: PrefillTransfer): TransferPlan | K
     });
   } catch (err) {
     const e = transferError(err);
-    ctx.noteError(`push of '${t.id}' refused: ${e.code}: ${e.message}`);
+    ctx.errors.note(`push of '${t.id}' refused: ${e.code}: ${e.message}`);
     return e;
   }
 }
@@ -48,7 +48,7 @@ export async function postWrites(
   t: PrefillTransfer,
   plan: TransferPlan,
 ): Promise<WriteResult> {
-  const kv = ctx.kv()!;
+  const kv = ctx.kvs.kv!;
   const peer = t.reg!.peer;
   t.trace.mark("planned");
   const plannedAt = performance.now();

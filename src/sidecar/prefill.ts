@@ -101,7 +101,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       });
       t.trace.mark("engine.releaseBlocks sent");
     }
-    this.ctx.emit(kind, t.id, t.peer, "prefill", t.reason, t.bytes, t.mode);
+    this.ctx.events.emit(kind, t.id, t.peer, "prefill", t.reason, t.bytes, t.mode);
     t.trace.mark("event.appended");
   }
 
@@ -150,7 +150,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
             case: "failed",
             value: { transferId: t.id, code: "ERR_REGION_CHANGED", message: d.shrunk! },
           });
-        if (d.shrunk !== undefined) ctx.noteError(`PrefillDone for '${t.id}': ${d.shrunk}`);
+        if (d.shrunk !== undefined) ctx.errors.note(`PrefillDone for '${t.id}': ${d.shrunk}`);
         return;
       case "TELL_PENDING_ABORTED":
         return this.tellPending(t, "ERR_ABORTED", "aborted by the prefill engine");
@@ -189,7 +189,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
           value: { transferId: t.id },
         });
       case "MOVED":
-        ctx.moved(d.bytes!);
+        ctx.tally.moved(d.bytes!);
         return;
       case "TRACE_READ_DONE":
         if (d.read!.arrival !== undefined) {
@@ -216,7 +216,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
           t.peer = d.peer!.engineId;
           t.mode = "pull";
           t.bytes = d.read!.bytes;
-          ctx.moved(t.bytes);
+          ctx.tally.moved(t.bytes);
         }
         return;
       }
@@ -229,11 +229,11 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         return;
       }
       case "REFUSE_ABORT":
-        return ctx.noteError(
+        return ctx.errors.note(
           `Abort for '${t.id}' from '${d.peer!.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
         );
       case "REFUSE_FAILED":
-        return ctx.noteError(
+        return ctx.errors.note(
           `Failed for '${t.id}' from '${d.peer!.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
         );
       case "RENEW_REG":
@@ -261,7 +261,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
 
   /** Notes the refusal's line (if it has one), then tells `peer`. */
   private refuse(peer: PeerState, transferId: string, r: Refusal): void {
-    if (r.note !== undefined) this.ctx.noteError(r.note);
+    if (r.note !== undefined) this.ctx.errors.note(r.note);
     this.failTo(peer, transferId, r.code, r.message);
   }
 
@@ -285,7 +285,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     const existing = this.transfers.get(m.transferId);
     // A KV file that shrank: nothing may read these blocks (a pull's reads would fault).
     if (existing !== undefined) {
-      const shrunk = existing.state === "AWAITING_PREFILL" ? ctx.kv()?.shrunk?.() : undefined;
+      const shrunk = existing.state === "AWAITING_PREFILL" ? ctx.kvs.kv?.shrunk?.() : undefined;
       this.on(existing, "PREFILL_DONE", { prefill: m, receivedUs, shrunk });
       return;
     }
@@ -302,7 +302,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       return ctx.engine.refuse(m.transferId, "ERR_OVERLOADED", `${s.maxTransfers} transfers live`);
     }
     const t = newPrefillTransfer(m.transferId);
-    const shrunk = ctx.kv()?.shrunk?.();
+    const shrunk = ctx.kvs.kv?.shrunk?.();
     this.takePrefill(t, m, receivedUs);
     this.track(t, "HELD", "PrefillDone");
     if (shrunk !== undefined) this.on(t, "REGION_BROKEN", { shrunk });

@@ -30,7 +30,7 @@ export abstract class SideTable<S extends string, T extends Tracked<S> & { trace
         this.liveCount--;
         this.exit(t, kind);
       },
-      refused: (problem) => ctx.noteError(`ERR_INTERNAL: ${problem}`),
+      refused: (problem) => ctx.errors.note(`ERR_INTERNAL: ${problem}`),
     };
   }
 

@@ -1,7 +1,9 @@
 /**
- * The sidecar, a thin facade: it builds the parts and wires them (the KV registry, the peer
- * table, PrefillSide and DecodeSide, the engine and peer dispatch, the sweep, the event outbox)
- * and answers for them to the composition root (start, drain, close) and the API (SidecarView).
+ * The sidecar, a thin facade: it builds the ports (the last errors, the tally, the engine and
+ * event outboxes, its own lifecycle, the side channel) and hands them to the parts (the KV
+ * registry, the sides and peer table in sides.ts, the engine and peer dispatch, the sweep), which
+ * reach each other through those objects, never back through here; and it answers for them to
+ * the composition root (start, drain, close) and the API (SidecarView).
  * Every transfer reaches exactly one terminal state per side, within a bound, as one event
  * (lifecycle.ts, docs/protocol.md). Reading order: src/sidecar/README.md.
  */
@@ -10,18 +12,15 @@ import type { Logger } from "pino";
 
 import type { EngineToSidecar } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
-import { describeUcx, ucxInfo } from "../native/index.js";
+import { describeUcx, ucxInfo, type Agent } from "../native/index.js";
 import { engineIdProblem } from "../engine/validate.js";
-import { PeerTable, type PeerTableHost } from "../peer/peer-table.js";
 import { SideChannelServer, checkCredentials } from "../peer/side-channel.js";
-import { systemClock, type Clock } from "./clock.js";
-import type { SideContext } from "./context.js";
-import { DecodeSide } from "./decode.js";
+import { systemClock } from "./clock.js";
 import { EngineDispatch } from "./engine-dispatch.js";
 import { EngineOutbox, LastErrors, type EngineSender } from "./engine-port.js";
 import { EventOutbox, type EventSink } from "./event-port.js";
 import { KvRegistry, type EngineConnection } from "./kv-registration.js";
-import type { TransferMetrics } from "./metrics.js";
+import { Tally, type TransferMetrics } from "./metrics.js";
 import {
   checkPeerExposure,
   resolveOptions,
@@ -29,8 +28,8 @@ import {
   type SidecarOptions,
 } from "./options.js";
 import { PeerDispatch } from "./peer-dispatch.js";
-import { PrefillSide } from "./prefill.js";
 import { SidecarLifecycle } from "./sidecar-lifecycle.js";
+import { Sides } from "./sides.js";
 import { filterTransfers, sidecarStatus, ucxStatus } from "./status-view.js";
 import { Sweeper } from "./sweep.js";
 import type {
@@ -55,34 +54,27 @@ export class Sidecar implements SidecarView {
   readonly startedMs = Date.now();
   private readonly opts: ResolvedOptions;
   private readonly log: Logger;
-  /** Kept for GetStatus. */
+  /** The last errors, kept for GetStatus. */
   private readonly errors = new LastErrors();
+  /** The KV moved and the metrics, once started (metrics.ts). */
+  private readonly tally = new Tally();
   /** The engine: messages to it, answers to the sender of the message being handled. */
   private readonly engine: EngineOutbox;
   /** Terminal and peer events, to the event log (event-port.ts). */
   private readonly events: EventOutbox;
-  private metrics: TransferMetrics | undefined;
-  private readonly clock: Clock;
-
-  /** The engine's KV registration (kv-registration.ts): the registered KV, once accepted. */
-  private readonly kvs: KvRegistry;
+  /** UNREGISTERED, SERVING, DRAINING, CLOSED (sidecar-lifecycle.ts). */
+  private readonly life = new SidecarLifecycle();
   /** The side channel: handshakes from peers (src/peer/side-channel.ts). */
   private readonly channel: SideChannelServer;
-  private sideChannel = "";
-
-  private readonly peers: PeerTable;
-  private readonly prefill: PrefillSide;
-  private readonly decode: DecodeSide;
+  /** The engine's KV registration (kv-registration.ts): the registered KV, once accepted. */
+  private readonly kvs: KvRegistry;
+  /** PrefillSide, DecodeSide and the peer table between them (sides.ts). */
+  private readonly sides: Sides;
   /** The engine's messages and the peers' notifications, each to the part that owns it. */
   private readonly engineIn: EngineDispatch;
   private readonly peerIn: PeerDispatch;
-
   /** The sweep and the heartbeats (sweep.ts). */
   private readonly clockwork: Sweeper;
-  /** UNREGISTERED, SERVING, DRAINING, CLOSED (sidecar-lifecycle.ts). */
-  private readonly life = new SidecarLifecycle();
-  private bytesMoved = 0;
-  private transfersMoved = 0;
 
   constructor(options: SidecarOptions) {
     const idProblem = engineIdProblem(options.engineId, "--engine-id");
@@ -94,69 +86,48 @@ export class Sidecar implements SidecarView {
     this.epoch = randomBytes(8).readBigUInt64BE() | 1n;
     this.log = options.logger.child({ component: "sidecar", engineId: options.engineId });
     this.engine = new EngineOutbox(this.log, this.errors);
-    this.clock = options.clock ?? systemClock;
-    this.events = new EventOutbox(this.clock, this.engineId, this.log, options.tracer, (side, id) =>
-      (side === "prefill" ? this.prefill : this.decode).infoOf(id),
+    const clock = options.clock ?? systemClock;
+    this.events = new EventOutbox(clock, this.engineId, this.log, options.tracer, (side, id) =>
+      this.sides.infoOf(side, id),
     );
     this.opts = resolveOptions(options);
     if (options.peerCredentials !== undefined)
       checkCredentials(options.peerCredentials, options.engineId);
-    this.kvs = new KvRegistry({
-      engineId: this.engineId,
-      epoch: this.epoch,
-      opts: this.opts,
-      log: this.log,
-      noteError: (text) => this.noteError(text),
-      answer: (msg) => this.engine.answer(msg),
-      sideChannel: () => this.sideChannel,
-      wire: (agent, rank) => {
-        agent.on("notifications", (batch) => this.peerIn.receive(rank, batch));
-        agent.on("endpointFailed", (ep, code) => this.peers.endpointFailed(ep, code));
-        agent.on("notificationDropped", (peer, bytes) =>
-          this.noteError(
-            `peer message from '${peer.slice(0, 200)}' refused: ERR_TOO_LARGE (${bytes} bytes)`,
-          ),
-        );
-      },
-      registered: () => this.life.on("REGISTERED"),
-    });
-    this.peers = new PeerTable(this.peerHost(), this.opts);
-    const ctx = this.sideContext();
-    this.prefill = new PrefillSide(ctx);
-    this.decode = new DecodeSide(ctx, (address) => this.peers.resolve(address));
-    const parts = { role: this.role, prefill: this.prefill, decode: this.decode };
-    this.engineIn = new EngineDispatch({
-      ...parts,
-      mode: this.mode,
-      log: this.log,
-      engine: this.engine,
-      kvs: this.kvs,
-      life: this.life,
-      noteError: (text) => this.noteError(text),
-    });
-    this.peerIn = new PeerDispatch({
-      ...parts,
-      clock: this.clock,
-      peers: this.peers,
-      messagesPerSec: this.opts.peerMessagesPerSec,
-    });
-    this.clockwork = new Sweeper({
-      ...parts,
-      clock: this.clock,
-      log: this.log,
-      kvs: this.kvs,
-      peers: this.peers,
-      peerIn: this.peerIn,
-      messagesPerSec: this.opts.peerMessagesPerSec,
-      metrics: () => this.metrics,
-      noteError: (text) => this.noteError(text),
-    });
     this.channel = new SideChannelServer(
-      (req, identity) => this.peers.onHandshake(req, identity),
+      (req, identity) => this.sides.peers.onHandshake(req, identity),
       this.log.child({ component: "side-channel" }),
       (code, message) => this.noteError(`handshake refused: ${code}: ${message}`),
       options.peerCredentials,
     );
+    // The ports every part is built with: each reaches the others through these objects.
+    const { engineId, epoch, role, mode, log, opts, errors, tally, engine, events, life, channel } =
+      this;
+    const ports = {
+      engineId,
+      epoch,
+      role,
+      mode,
+      clock,
+      log,
+      opts,
+      settings: opts,
+      errors,
+      tally,
+      engine,
+      events,
+      life,
+      channel,
+      messagesPerSec: opts.peerMessagesPerSec,
+    };
+    // A registered rank's agent is wired to the peer dispatch (built below, with the sides).
+    const agents = { wire: (agent: Agent, rank: number) => this.peerIn.wire(agent, rank) };
+    this.kvs = new KvRegistry({ ...ports, agents });
+    this.sides = new Sides({ ...ports, kvs: this.kvs }, opts);
+    const { peers, prefill, decode } = this.sides;
+    const parts = { ...ports, kvs: this.kvs, peers, prefill, decode };
+    this.engineIn = new EngineDispatch(parts);
+    this.peerIn = new PeerDispatch(parts);
+    this.clockwork = new Sweeper({ ...parts, peerIn: this.peerIn });
   }
 
   /** Binds the side channel and starts the sweep and heartbeats. */
@@ -167,13 +138,13 @@ export class Sidecar implements SidecarView {
   ): Promise<string> {
     this.engine.connect(engineSend);
     this.events.sink = events;
-    this.metrics = metrics;
+    this.tally.metrics = metrics;
     checkPeerExposure(this.opts, this.log);
-    this.sideChannel = await this.channel.bind(this.opts.listen);
+    const sideChannel = await this.channel.bind(this.opts.listen);
     this.clockwork.start(this.opts.sweepMs, this.opts.heartbeatMs);
     this.log.info(
       {
-        sideChannel: this.sideChannel,
+        sideChannel,
         epoch: String(this.epoch),
         role: this.role,
         mode: this.mode,
@@ -181,11 +152,11 @@ export class Sidecar implements SidecarView {
       },
       "sidecar started",
     );
-    return this.sideChannel;
+    return sideChannel;
   }
 
   get sideChannelAddress(): string {
-    return this.sideChannel;
+    return this.channel.address;
   }
 
   /** Whether an engine's registration was accepted (it may have left since). */
@@ -221,7 +192,7 @@ export class Sidecar implements SidecarView {
 
   /** Live (non-terminal) transfers per side. */
   liveBySide(): { prefill: number; decode: number } {
-    return { prefill: this.prefill.live(), decode: this.decode.live() };
+    return { prefill: this.sides.prefill.live(), decode: this.sides.decode.live() };
   }
 
   /**
@@ -230,13 +201,12 @@ export class Sidecar implements SidecarView {
    */
   beginDrain(): void {
     if (!this.life.on("DRAIN")) return;
-    this.prefill.drain();
+    this.sides.prefill.drain();
   }
 
   /** The drain's deadline passed: the transfers left fail now, each peer told (before close). */
   abandonAll(): void {
-    this.prefill.abandon();
-    this.decode.abandon();
+    this.sides.abandon();
   }
 
   /** Draining: no new transfers or handshakes (beginDrain). */
@@ -246,14 +216,14 @@ export class Sidecar implements SidecarView {
 
   /** Live (non-terminal) transfers on both sides. */
   liveTransfers(): number {
-    return this.prefill.live() + this.decode.live();
+    return this.sides.live();
   }
 
   async close(): Promise<void> {
     if (!this.life.on("CLOSE")) return;
     this.clockwork.stop();
     await this.channel.close();
-    this.peers.close();
+    this.sides.peers.close();
     this.kvs.close();
   }
 
@@ -285,56 +255,6 @@ export class Sidecar implements SidecarView {
     this.kvs.connectionEnded(id);
   }
 
-  // --- the parts' contexts -----------------------------------------------------------
-
-  /** What PrefillSide and DecodeSide may do: the narrow context (context.ts). */
-  private sideContext(): SideContext {
-    return {
-      clock: this.clock,
-      settings: this.opts,
-      log: this.log,
-      kv: () => this.kvs.kv,
-      engine: this.engine,
-      peers: this.peers,
-      emit: (kind, transferId, peer, side, reason, bytes, mode) =>
-        this.events.emit(kind, transferId, peer, side, reason, bytes, mode),
-      moved: (bytes) => {
-        this.bytesMoved += bytes;
-        this.transfersMoved++;
-      },
-      noteError: (text) => this.noteError(text),
-      metrics: () => this.metrics,
-    };
-  }
-
-  /** What the peer table needs of this sidecar. */
-  private peerHost(): PeerTableHost {
-    return {
-      engineId: this.engineId,
-      epoch: this.epoch,
-      role: this.role,
-      clock: this.clock,
-      log: this.log,
-      sideChannel: () => this.sideChannel,
-      kv: () => this.kvs.kv,
-      notAccepting: () =>
-        this.kvs.kv === undefined
-          ? { code: "ERR_NOT_READY", message: "the engine has not registered its KV cache" }
-          : this.life.draining
-            ? { code: "ERR_DRAINING", message: "the sidecar is draining" }
-            : undefined,
-      authenticated: () => this.channel.authenticated,
-      emit: (kind, peer, reason) => this.events.emit(kind, "", peer, "", reason, 0, ""),
-      noteError: (text) => this.noteError(text),
-      peerDown: (peer, why) => {
-        this.decode.peerDown(peer, why);
-        this.prefill.peerDown(peer);
-      },
-      busyWith: (peer) => this.decode.readingFrom(peer) || this.prefill.writingTo(peer),
-      liveWith: (peer) => this.decode.liveWith(peer) || this.prefill.liveWith(peer),
-    };
-  }
-
   // --- SidecarView -------------------------------------------------------------------
 
   status(): SidecarStatus {
@@ -346,11 +266,11 @@ export class Sidecar implements SidecarView {
       startedMs: this.startedMs,
       draining: this.life.draining,
       kv: this.kvs.kv,
-      peers: this.peers.list(),
-      transfers: [...this.prefill.list(), ...this.decode.list()],
-      bytesMoved: this.bytesMoved,
-      transfersMoved: this.transfersMoved,
-      leaseTableSize: this.prefill.leased(),
+      peers: this.sides.peers.list(),
+      transfers: this.sides.list(),
+      bytesMoved: this.tally.bytesMoved,
+      transfersMoved: this.tally.transfersMoved,
+      leaseTableSize: this.sides.prefill.leased(),
       lastErrors: this.errors.list(),
       ucx: this.ucxStatus(),
     });
@@ -362,11 +282,10 @@ export class Sidecar implements SidecarView {
   }
 
   traced(transferId: string, side: TransferSide | "", hop: string): void {
-    if (side !== "decode") this.prefill.mark(transferId, hop);
-    if (side !== "prefill") this.decode.mark(transferId, hop);
+    this.sides.mark(transferId, side, hop);
   }
 
   transfers(filter: TransferFilter = {}): TransferInfo[] {
-    return filterTransfers([...this.prefill.list(), ...this.decode.list()], filter);
+    return filterTransfers(this.sides.list(), filter);
   }
 }

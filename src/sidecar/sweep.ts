@@ -7,6 +7,7 @@ import type { Logger } from "pino";
 
 import type { PeerTable } from "../peer/peer-table.js";
 import type { Clock } from "./clock.js";
+import type { ErrorPort } from "./context.js";
 import type { DecodeSide } from "./decode.js";
 import type { KvRegistry } from "./kv-registration.js";
 import type { TransferMetrics } from "./metrics.js";
@@ -25,8 +26,8 @@ export interface SweepParts {
   readonly peerIn: PeerDispatch;
   /** Notifications processed per second per peer, at most (for the error line). */
   readonly messagesPerSec: number;
-  metrics(): TransferMetrics | undefined;
-  noteError(text: string): void;
+  readonly tally: { readonly metrics: TransferMetrics | undefined };
+  readonly errors: ErrorPort;
 }
 
 export class Sweeper {
@@ -53,13 +54,13 @@ export class Sweeper {
     // is given back (no fault) and what P holds for a pull fails (D hears "not held").
     const broken = kvs.newlyBroken();
     if (broken !== undefined) {
-      this.parts.noteError(`ERR_REGION_CHANGED: ${broken}`);
+      this.parts.errors.note(`ERR_REGION_CHANGED: ${broken}`);
       this.parts.log.error({ problem: broken }, "a KV file shrank under the sidecar");
       prefill.failHeld("ERR_REGION_CHANGED");
     }
     prefill.expire(now);
     decode.expire(now);
-    const metrics = this.parts.metrics();
+    const metrics = this.parts.tally.metrics;
     if (metrics !== undefined) {
       metrics.setQueueDepth("prefill_live", prefill.live());
       metrics.setQueueDepth("decode_live", decode.live());
@@ -70,7 +71,7 @@ export class Sweeper {
     }
     peers.expire(now);
     for (const [engineId, n] of peers.overBudget())
-      this.parts.noteError(
+      this.parts.errors.note(
         `${n} notifications from '${engineId}' dropped: over ${this.parts.messagesPerSec}/s (ERR_OVERLOADED)`,
       );
   }

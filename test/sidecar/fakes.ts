@@ -278,7 +278,7 @@ export class FakeWorld {
       clock: this.clock,
       settings: { ...SETTINGS, ...settings },
       log,
-      kv: () => kv,
+      kvs: { kv },
       engine: {
         send: (msg) => this.engine.push(msg),
         refuse: (transferId, code, message) => {
@@ -294,17 +294,21 @@ export class FakeWorld {
           return sealed;
         },
       },
-      emit: (kind, transferId, peer, side, reason) => {
-        this.events.push({ kind, transferId, side, reason });
-        this.eventPeers.push(`${transferId} ${peer}`);
+      events: {
+        emit: (kind, transferId, peer, side, reason) => {
+          this.events.push({ kind, transferId, side, reason });
+          this.eventPeers.push(`${transferId} ${peer}`);
+        },
       },
-      moved: (bytes) => (this.moved += bytes),
-      noteError: (text) => this.errors.push(text),
-      metrics: () => ({
-        transferReady: (mode, latencyMs, bytes) => this.ready.push({ mode, latencyMs, bytes }),
-        transferFailed: (reason) => this.failures.push(reason),
-        setQueueDepth: () => undefined,
-      }),
+      errors: { note: (text) => this.errors.push(text) },
+      tally: {
+        moved: (bytes) => (this.moved += bytes),
+        metrics: {
+          transferReady: (mode, latencyMs, bytes) => this.ready.push({ mode, latencyMs, bytes }),
+          transferFailed: (reason) => this.failures.push(reason),
+          setQueueDepth: () => undefined,
+        },
+      },
     };
   }
 
@@ -313,7 +317,7 @@ export class FakeWorld {
     return new PeerState(
       peerMetadata(engineId, 7n, layout),
       layout,
-      this.ctx.kv()!.agents,
+      this.ctx.kvs.kv!.agents,
       "none",
       this.ctx.log,
       this.clock.now(),
@@ -411,6 +415,7 @@ export class PeerTableWorld {
     } = {},
   ) {
     const kv = fakeKv(o.layout ?? SMALL, this.agent);
+    const world = this;
     this.table = new PeerTable(
       {
         engineId: o.engineId ?? "p0",
@@ -418,19 +423,26 @@ export class PeerTableWorld {
         role: o.role ?? "prefill",
         clock: this.clock,
         log: pino({ level: "silent" }),
-        sideChannel: () => "127.0.0.1:2",
-        kv: () => (this.registered ? kv : undefined),
-        notAccepting: () =>
-          o.notAccepting === true ? { code: "ERR_NOT_READY", message: "not yet" } : undefined,
-        authenticated: () => o.authenticated === true,
-        emit: (kind, peer, reason) => {
-          this.events.push(`${kind} ${peer}`);
-          this.reasons.push(`${kind} ${peer}: ${reason}`);
+        channel: { address: "127.0.0.1:2", authenticated: o.authenticated === true },
+        kvs: {
+          get kv() {
+            return world.registered ? kv : undefined;
+          },
+          notAccepting: () =>
+            o.notAccepting === true ? { code: "ERR_NOT_READY", message: "not yet" } : undefined,
         },
-        noteError: (text) => this.errors.push(text),
-        peerDown: (peer, why) => this.downs.push({ peer: peer.engineId, epoch: peer.epoch, why }),
-        busyWith: () => this.busy,
-        liveWith: () => this.live,
+        events: {
+          peerEvent: (kind, peer, reason) => {
+            this.events.push(`${kind} ${peer}`);
+            this.reasons.push(`${kind} ${peer}: ${reason}`);
+          },
+        },
+        errors: { note: (text) => this.errors.push(text) },
+        sides: {
+          peerDown: (peer, why) => this.downs.push({ peer: peer.engineId, epoch: peer.epoch, why }),
+          busyWith: () => this.busy,
+          liveWith: () => this.live,
+        },
       },
       {
         errorMode: "none",

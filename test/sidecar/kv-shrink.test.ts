@@ -23,7 +23,7 @@ const pushReg = (transferId: string, token = "") =>
 
 describe("a KV file that shrank under the sidecar (kv.shrunk)", () => {
   const shrink = (w: FakeWorld) => {
-    Object.assign(w.ctx.kv()!, { shrunk: () => "rank 0 region 0: KV file '/dev/shm/x' shrank" });
+    Object.assign(w.ctx.kvs.kv!, { shrunk: () => "rank 0 region 0: KV file '/dev/shm/x' shrank" });
   };
 
   it("P: a PrefillDone fails at once (no pull may read the blocks), its D told; a push is refused before any write", async () => {
@@ -64,7 +64,7 @@ describe("a KV file that shrank after PrefillDone", () => {
     const w = new FakeWorld({ maxTransfers: 16 });
     const p = new PrefillSide(w.ctx);
     p.prefillDone(prefillDone("t1", "tok"));
-    Object.assign(w.ctx.kv()!, { shrunk: () => "rank 0 region 0: KV file shrank" });
+    Object.assign(w.ctx.kvs.kv!, { shrunk: () => "rank 0 region 0: KV file shrank" });
     p.pushReg(w.peer("d0"), pushReg("t1", "tok"));
     await settle();
     expect(w.agent.ops).toEqual([]);

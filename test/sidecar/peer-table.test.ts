@@ -209,7 +209,7 @@ describe("one peer's state", () => {
   it("pairs two layouts once, and again for another layout object (an engine registered again)", () => {
     const w = new FakeWorld();
     const peer = w.peer("p0");
-    const own = w.ctx.kv()!.layout;
+    const own = w.ctx.kvs.kv!.layout;
     const first = peer.pairing(own, peer.layout);
     expect(peer.pairing(own, peer.layout)).toBe(first);
     const again = { ...own };
