@@ -63,7 +63,7 @@ export const BUGS = [
     name: "unauthenticated-handshake",
     what: "with mutual TLS, a handshake whose metadata names another engine than its certificate is accepted",
     file: "src/peer/peer-table.ts",
-    from: "if (this.host.authenticated() && identity !== md.engineId) {",
+    from: "if (this.host.channel.authenticated && identity !== md.engineId) {",
     to: "if (false) {",
   },
 ];
