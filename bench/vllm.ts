@@ -1,6 +1,6 @@
 // `kvxfer bench vllm`: a real vLLM P/D pair (CPU build, a random-weight model made here) through
 // kvxfer sidecars, against one engine alone, in the same run. The measurement runs in Python
-// (connectors/vllm/kvxfer_vllm/bench.py, in the project's .venv); this prints its table with the
+// (connectors/vllm/kvxfer_vllm_testing/bench.py, in the project's .venv); this prints its table with the
 // ratio to the single engine and writes bench/results/vllm.json. Flags go to the Python side:
 // [--lengths 32,256,1024] [--requests N] [--output-tokens N] [--modes pull,push]
 // [--placements shared,host_buffer] [--kv-memory file,segment] [--quick] [--json].
@@ -48,6 +48,12 @@ interface VllmBenchOptions {
   log?: (line: string) => void;
 }
 
+/** connectors/vllm first on PYTHONPATH: the testing package, and this checkout's connector. */
+function pythonPath(root: string): string {
+  const own = join(root, "connectors", "vllm");
+  return process.env.PYTHONPATH ? `${own}:${process.env.PYTHONPATH}` : own;
+}
+
 function runPython(args: string[], log?: (line: string) => void): Promise<VllmBenchResult> {
   const root = packageRoot();
   const py = join(root, ".venv", "bin", "python");
@@ -57,8 +63,10 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
     );
   }
   return new Promise((resolve, reject) => {
-    const child = spawn(py, ["-m", "kvxfer_vllm.bench", ...args], {
+    const child = spawn(py, ["-m", "kvxfer_vllm_testing.bench", ...args], {
       cwd: root,
+      // The testing package is not installed (the wheel ships only the connector): it runs from the checkout.
+      env: { ...process.env, PYTHONPATH: pythonPath(root) },
       stdio: ["ignore", "pipe", "pipe"],
     });
     let out = "";
@@ -78,13 +86,13 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
       process.off("SIGTERM", stop);
       process.off("SIGINT", stop);
       if (code !== 0)
-        return reject(new Error(`kvxfer_vllm.bench exited ${code}:\n${err.slice(-3000)}`));
+        return reject(new Error(`kvxfer_vllm_testing.bench exited ${code}:\n${err.slice(-3000)}`));
       try {
         resolve(JSON.parse(out.trim().split("\n").pop() ?? "") as VllmBenchResult);
       } catch (e) {
         reject(
           new Error(
-            `kvxfer_vllm.bench printed no result: ${(e as Error).message}\n${err.slice(-2000)}`,
+            `kvxfer_vllm_testing.bench printed no result: ${(e as Error).message}\n${err.slice(-2000)}`,
           ),
         );
       }

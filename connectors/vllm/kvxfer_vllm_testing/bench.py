@@ -6,7 +6,7 @@ pair through kvxfer (pull, push), measuring from the client: time to first token
 end-to-end latency; and, from the sidecars, the KV bytes each P/D request moved. Prints one JSON
 object on stdout (the TypeScript ``bench/vllm.ts`` formats it); progress on stderr.
 
-    python -m kvxfer_vllm.bench [--lengths 32,256,1024] [--requests 8] [--output-tokens 16]
+    python -m kvxfer_vllm_testing.bench [--lengths 32,256,1024] [--requests 8] [--output-tokens 16]
                                 [--modes pull,push] [--placements shared,host_buffer]
                                 [--kv-memory file,segment] [--quick]
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import requests
 
-from .config import KV_MEMORY
+from kvxfer_vllm.config import KV_MEMORY
 from .harness import EngineSpec, SidecarProc, VllmServer
 from .tiny_model import TinyModelSpec, make_tiny_model
 
