@@ -1,36 +1,53 @@
-// `kvxfer bench vllm`: a real vLLM P/D pair (CPU build, a random-weight model made here) through
-// kvxfer sidecars, against one engine alone, in the same run. The measurement runs in Python
-// (connectors/vllm/kvxfer_vllm_testing/bench.py, in the project's .venv); this prints its table with the
-// ratio to the single engine and writes bench/results/vllm.json. Flags go to the Python side:
-// [--lengths 32,256,1024] [--requests N] [--output-tokens N] [--modes pull,push]
-// [--placements shared,host_buffer] [--kv-memory file,segment] [--quick] [--json].
-import { spawn } from "node:child_process";
+// `kvxfer bench vllm`: real vLLM P/D deployments (CPU build, a random-weight model made here)
+// through kvxfer, against one engine alone and, with --vs, vLLM's own NixlConnector,
+// NixlPushConnector and MooncakeConnector, in the same run. The measurement runs in Python
+// (connectors/vllm/kvxfer_vllm_testing/bench.py, in the project's .venv); this prints its table
+// with each figure's ratio to kvxfer pull's, writes bench/results/vllm.json and the TTFT plot
+// (vllm-ttft.svg/.png). Flags go to the Python side: [--vs nixl,nixl-push,mooncake]
+// [--lengths 32,256,1024,4096] [--concurrency 1,8] [--requests N] [--rounds N]
+// [--output-tokens N] [--modes pull,push] [--quick]; here: [--json] [--install-peers] (pip-installs
+// the pinned peers, bench/peers/requirements.txt, into .venv first).
+import { spawn, spawnSync } from "node:child_process";
 import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 
-import { fmt, markdownTable, packageRoot, runSuiteMain, table } from "./report.js";
+import { installCommand } from "./peers.js";
+import { fmt, markdownTable, packageRoot, runSuiteMain, table, writeChart } from "./report.js";
+import { lineChart, type ChartSeries } from "./svg.js";
 
 interface Dist {
-  p50: number;
-  p99: number;
+  p50: number | null;
+  p90: number | null;
   n: number;
 }
 
-interface VllmRow {
-  placement: string;
-  /** Where the shared KV lived: files, or segments the sidecars allocated (absent: files). */
-  kv_memory?: "file" | "segment";
+export interface VllmRow {
+  system: string;
+  label: string;
   tokens: number;
-  mode: "one" | "pull" | "push";
+  concurrency: number;
+  /** "ok", or why the row has no figures ("not installed: ...", "failed to start: ..."). */
+  status: string;
+  requests: number;
   ttft_ms: Dist;
   e2e_ms: Dist;
-  kv_bytes: number;
+  output_tokens_per_s: number | null;
+  /** CPU seconds per request by process ("P engine", "D sidecar", ...) and their total. */
+  cpu_s_per_request: Record<string, number> | null;
+  /** Outputs token-identical to one engine's for the same prompt, of those compared. */
+  correct: { identical: number; compared: number };
+  errors: string[];
+  error_count: number;
 }
 
 export interface VllmBenchResult {
   machine: string;
   vllm: string;
+  peers: Record<
+    string,
+    { installed: boolean; versions: Record<string, string | null>; how: string }
+  >;
   model: {
     layers: number;
     kv_heads: number;
@@ -38,12 +55,16 @@ export interface VllmBenchResult {
     dtype: string;
     kv_bytes_per_token: number;
   };
+  engine: Record<string, unknown>;
   output_tokens: number;
+  rounds: number;
+  requests_per_round: number;
   rows: VllmRow[];
 }
 
 interface VllmBenchOptions {
   json: boolean;
+  installPeers: boolean;
   args: string[];
   log?: (line: string) => void;
 }
@@ -54,7 +75,20 @@ function pythonPath(root: string): string {
   return process.env.PYTHONPATH ? `${own}:${process.env.PYTHONPATH}` : own;
 }
 
-function runPython(args: string[], log?: (line: string) => void): Promise<VllmBenchResult> {
+/** pip-installs the pinned peers into .venv (pip's output on stderr, so --json stays clean). */
+function installPeers(py: string, log?: (line: string) => void): void {
+  const cmd = installCommand(py);
+  log?.(`${cmd.join(" ")} ...`);
+  const cache = process.env.PIP_CACHE_DIR ?? join(process.env.HOME ?? "/tmp", ".cache", "pip");
+  const r = spawnSync(cmd[0]!, cmd.slice(1), {
+    stdio: ["ignore", 2, 2],
+    env: { ...process.env, PIP_CACHE_DIR: cache },
+    timeout: 20 * 60_000,
+  });
+  if (r.status !== 0) throw new Error(`pip install failed (exit ${r.status ?? r.signal})`);
+}
+
+function runPython(o: VllmBenchOptions): Promise<VllmBenchResult> {
   const root = packageRoot();
   const py = join(root, ".venv", "bin", "python");
   if (!existsSync(py)) {
@@ -62,8 +96,9 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
       new Error(`${py} is missing: run 'npm run quickstart' (scripts/setup-python.sh) first`),
     );
   }
+  if (o.installPeers) installPeers(py, o.log);
   return new Promise((resolve, reject) => {
-    const child = spawn(py, ["-m", "kvxfer_vllm_testing.bench", ...args], {
+    const child = spawn(py, ["-m", "kvxfer_vllm_testing.bench", ...o.args], {
       cwd: root,
       // The testing package is not installed (the wheel ships only the connector): it runs from the checkout.
       env: { ...process.env, PYTHONPATH: pythonPath(root) },
@@ -75,7 +110,7 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
     child.stderr.on("data", (b: Buffer) => {
       err += b.toString();
       for (const line of b.toString().split("\n"))
-        if (/^\s*(starting|\S+ \d+ tokens)/.test(line)) log?.(line);
+        if (/^\s*(round |\d+ tokens|failed)/.test(line)) o.log?.(line);
     });
     // The measurement owns engines and sidecars: a stopped parent stops it (it cleans up on SIGTERM).
     const stop = (): void => void child.kill("SIGTERM");
@@ -100,69 +135,110 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
   });
 }
 
-/** The table: each P/D figure next to the single engine's from the same run, and the ratio. */
+function ms(x: number | null | undefined): string {
+  return x === null || x === undefined ? "-" : `${fmt(x, 0)}`;
+}
+
+/** One line per (prompt, in flight, system); ratios are to kvxfer pull's figure from the same run. */
 export function formatVllm(r: VllmBenchResult, markdown = false): string {
   const head = [
-    "placement",
     "prompt",
-    "mode",
-    "TTFT p50",
-    "TTFT p99",
-    "one engine p50",
-    "ratio",
-    "E2E p50",
-    "E2E p99",
-    "one engine p50",
-    "ratio",
-    "KV/request",
+    "in flight",
+    "system",
+    "TTFT p50 / p90 ms",
+    "vs kvxfer pull",
+    "E2E p50 / p90 ms",
+    "out tok/s",
+    "CPU s/req",
+    "identical",
     "n",
   ];
   const rows: string[][] = [];
   for (const row of r.rows) {
-    if (row.mode === "one") continue;
-    const one = r.rows.find(
+    const ref = r.rows.find(
       (x) =>
-        x.mode === "one" &&
-        x.tokens === row.tokens &&
-        x.placement === row.placement &&
-        x.kv_memory === row.kv_memory,
+        x.system === "kvxfer-pull" && x.tokens === row.tokens && x.concurrency === row.concurrency,
     );
+    const ok = row.status === "ok";
+    const ratio =
+      ok && ref?.ttft_ms.p50 && row.ttft_ms.p50 !== null
+        ? row.ttft_ms.p50 / ref.ttft_ms.p50
+        : undefined;
     rows.push([
-      row.kv_memory === "segment" ? `${row.placement}, segments` : row.placement,
       String(row.tokens),
-      row.mode,
-      `${fmt(row.ttft_ms.p50, 0)} ms`,
-      row.ttft_ms.n >= 20 ? `${fmt(row.ttft_ms.p99, 0)} ms` : "-",
-      `${fmt(one?.ttft_ms.p50, 0)} ms`,
-      fmt(one ? row.ttft_ms.p50 / one.ttft_ms.p50 : undefined, 2),
-      `${fmt(row.e2e_ms.p50, 0)} ms`,
-      row.e2e_ms.n >= 20 ? `${fmt(row.e2e_ms.p99, 0)} ms` : "-",
-      `${fmt(one?.e2e_ms.p50, 0)} ms`,
-      fmt(one ? row.e2e_ms.p50 / one.e2e_ms.p50 : undefined, 2),
-      `${fmt(row.kv_bytes / 1024, 0)} KiB`,
+      String(row.concurrency),
+      row.label,
+      ok ? `${ms(row.ttft_ms.p50)} / ${ms(row.ttft_ms.p90)}` : row.status,
+      ok ? fmt(ratio, 2) : "-",
+      ok ? `${ms(row.e2e_ms.p50)} / ${ms(row.e2e_ms.p90)}` : "-",
+      ok ? fmt(row.output_tokens_per_s ?? undefined, 0) : "-",
+      ok ? fmt(row.cpu_s_per_request?.total, 2) : "-",
+      row.system === "one"
+        ? "(reference)"
+        : ok
+          ? `${row.correct.identical}/${row.correct.compared}` +
+            (row.error_count ? `, ${row.error_count} failed` : "")
+          : "-",
       String(row.ttft_ms.n),
     ]);
   }
   return markdown ? markdownTable(head, rows) : table(head, rows);
 }
 
+/** TTFT p50 by prompt length, one line per system (at the lowest concurrency measured). */
+export function ttftChart(r: VllmBenchResult): string {
+  const conc = Math.min(...r.rows.map((x) => x.concurrency));
+  const systems = [...new Set(r.rows.map((x) => x.system))];
+  const series: ChartSeries[] = systems.map((s) => {
+    const rows = r.rows.filter(
+      (x) => x.system === s && x.concurrency === conc && x.status === "ok",
+    );
+    return {
+      name: rows[0]?.label ?? s,
+      dashed: s === "one",
+      points: rows.map((x) => [x.tokens, x.ttft_ms.p50 ?? Number.NaN] as const),
+    };
+  });
+  return lineChart({
+    title: `TTFT p50 by prompt length, ${conc} in flight`,
+    subtitle: `vLLM ${r.vllm}; ${r.machine}`,
+    xLabel: "prompt tokens",
+    yLabel: "TTFT p50 (ms)",
+    logX: true,
+    logY: true,
+    series,
+  });
+}
+
 export function parseVllmArgs(argv: string[]): VllmBenchOptions {
-  const args = argv.filter((a) => a !== "--json");
-  return { json: argv.includes("--json"), args };
+  const args = argv.filter((a) => a !== "--json" && a !== "--install-peers");
+  return { json: argv.includes("--json"), installPeers: argv.includes("--install-peers"), args };
 }
 
 export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchResult> {
   return runSuiteMain(
     "vllm",
     parseVllmArgs(argv),
-    (o) => runPython(o.args, o.log),
+    (o) => runPython(o),
     (r) => [
-      `\nkvxfer with vLLM: P/D pair through kvxfer vs one engine alone; ${r.machine}; vLLM ${r.vllm}`,
+      `\nkvxfer with vLLM beside vLLM's own connectors; ${r.machine}; vLLM ${r.vllm}`,
       `  model: ${r.model.layers} layers, ${r.model.kv_heads} KV heads x ${r.model.head_dim}, ${r.model.dtype} ` +
-        `(${r.model.kv_bytes_per_token} B of KV per token); ${r.output_tokens} output tokens; p99 only from 20 samples up`,
+        `(${r.model.kv_bytes_per_token} B of KV per token); ${r.output_tokens} output tokens; ` +
+        `${r.rounds} round(s) of ${r.requests_per_round} requests per cell`,
+      "  peers: " +
+        Object.entries(r.peers)
+          .map(
+            ([k, v]) =>
+              `${k} ${Object.entries(v.versions)
+                .map(([d, ver]) => `${d} ${ver ?? "missing"}`)
+                .join(", ")}`,
+          )
+          .join("; "),
       formatVllm(r),
-      "  TTFT: client sends -> first streamed token (P/D: P's prefill request, then D's stream; push: both at once).",
+      "  TTFT: client sends -> first streamed token (pull: P's request, then D's stream; push and Mooncake: both at once).",
+      "  identical: outputs token-identical to one engine's for the same prompt.",
     ],
+    (r) => writeChart("vllm-ttft.svg", ttftChart(r)),
   );
 }
 

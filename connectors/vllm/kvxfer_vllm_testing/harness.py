@@ -10,10 +10,12 @@ import json
 import os
 import secrets
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -188,20 +190,38 @@ class EngineSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     #: Without the connector: a plain single engine (the reference).
     connector: bool = True
+    #: Another connector's whole ``--kv-transfer-config`` (vLLM's own, for the bench's peers).
+    kv_config: dict[str, Any] | None = None
+    #: More environment for the engine's processes.
+    env: dict[str, str] = field(default_factory=dict)
+    #: Patches from ``peer_patches/sitecustomize.py`` for the engine's processes (none: no patch).
+    patches: tuple[str, ...] = ()
+
+
+#: ``sitecustomize`` for the peers' patches: first on the PYTHONPATH of engines that ask for them.
+PEER_PATCHES = Path(__file__).resolve().parent / "peer_patches"
 
 
 class VllmServer(Proc):
-    """One vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``)."""
+    """One vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``).
+
+    Its processes' temporary files (vLLM's IPC sockets, ``VLLM_RPC_BASE_PATH``, and whatever
+    else asks ``tempfile``: ``TMPDIR``) go to a scratch folder of their own, removed by ``stop``:
+    a vLLM start otherwise leaves ``/tmp/<uuid>`` sockets behind."""
 
     def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
         self.spec = spec
+        # Short and in /tmp: a unix socket's path must stay under 108 bytes.
+        self.scratch = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-"))
         self.url = f"http://127.0.0.1:{spec.port}"
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
                 "--host", "127.0.0.1", "--port", str(spec.port), "--enforce-eager",
                 "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
                 "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--max-num-seqs", "16",
                 "--dtype", spec.dtype]
-        if spec.connector:
+        if spec.kv_config is not None:
+            args += ["--kv-transfer-config", json.dumps(spec.kv_config)]
+        elif spec.connector:
             cfg = {
                 "kv_connector": "KvxferConnector",
                 "kv_connector_module_path": "kvxfer_vllm.connector",
@@ -213,8 +233,24 @@ class VllmServer(Proc):
             args += ["--kv-transfer-config", json.dumps(cfg)]
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND=spec.cores,
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                   DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
-        super().__init__(args, log_dir / f"vllm-{spec.engine_id}-{spec.port}.log", env=env)
+                   DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
+                   VLLM_RPC_BASE_PATH=str(self.scratch), TMPDIR=str(self.scratch), **spec.env)
+        if spec.patches:
+            env["KVXFER_BENCH_PATCHES"] = ",".join(spec.patches)
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (str(PEER_PATCHES), env.get("PYTHONPATH")) if x)
+        try:
+            super().__init__(args, log_dir / f"vllm-{spec.engine_id}-{spec.port}.log", env=env)
+        except BaseException:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise
+
+    def stop(self, timeout: float = 30.0) -> None:
+        super().stop(timeout)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def kill(self) -> None:
+        super().kill()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         self.wait_healthy(f"{self.url}/health", f"vLLM {self.spec.engine_id}", timeout, 0.5)
