@@ -5,7 +5,7 @@
 // with each figure's ratio to kvxfer pull's, writes bench/results/vllm.json and the TTFT plot
 // (vllm-ttft.svg/.png). Flags go to the Python side: [--vs nixl,nixl-push,mooncake]
 // [--lengths 32,256,1024,4096] [--concurrency 1,8] [--requests N] [--rounds N]
-// [--output-tokens N] [--modes pull,push] [--quick]; here: [--json] [--install-peers] (pip-installs
+// [--output-tokens N] [--modes pull,push] [--faults] [--quick]; here: [--json] [--install-peers] (pip-installs
 // the pinned peers, bench/peers/requirements.txt, into .venv first).
 import { spawn, spawnSync } from "node:child_process";
 import { existsSync } from "node:fs";
@@ -37,6 +37,8 @@ export interface VllmRow {
   cpu_s_per_request: Record<string, number> | null;
   /** Outputs token-identical to one engine's for the same prompt, of those compared. */
   correct: { identical: number; compared: number };
+  /** D's prompt tokens per request whose KV moved, and those D computed (vLLM's own counter). */
+  d_prompt_tokens_per_request?: { external_kv_transfer: number; local_compute: number } | null;
   errors: string[];
   error_count: number;
 }
@@ -60,6 +62,23 @@ export interface VllmBenchResult {
   rounds: number;
   requests_per_round: number;
   rows: VllmRow[];
+  /** With --faults: each P/D system once with P's side channel unreachable. */
+  fault_rows?: VllmFaultRow[];
+}
+
+export interface VllmFaultRow {
+  system: string;
+  label: string;
+  fault: string;
+  tokens: number;
+  /** "answered" or "error: ..." */
+  client: string;
+  /** D's output equals one engine's (it recomputed); null when it answered nothing. */
+  identical: boolean | null;
+  e2e_ms: number;
+  /** Seconds until P's KV cache was empty again; null: not within the bound. */
+  p_blocks_back_s?: number | null;
+  next_request_identical: boolean | string;
 }
 
 interface VllmBenchOptions {
@@ -151,6 +170,7 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
     "out tok/s",
     "CPU s/req",
     "identical",
+    "D: moved / computed",
     "n",
   ];
   const rows: string[][] = [];
@@ -179,10 +199,45 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
           ? `${row.correct.identical}/${row.correct.compared}` +
             (row.error_count ? `, ${row.error_count} failed` : "")
           : "-",
+      row.d_prompt_tokens_per_request
+        ? `${fmt(row.d_prompt_tokens_per_request.external_kv_transfer, 0)} / ` +
+          fmt(row.d_prompt_tokens_per_request.local_compute, 0)
+        : "-",
       String(row.ttft_ms.n),
     ]);
   }
   return markdown ? markdownTable(head, rows) : table(head, rows);
+}
+
+/** The fault rows: what the client saw, whether D recomputed, when P's blocks came back. */
+export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false): string {
+  const head = [
+    "system",
+    "fault",
+    "client sees",
+    "output",
+    "E2E ms",
+    "P's blocks back",
+    "next request",
+  ];
+  const body = rows.map((f) => [
+    f.label,
+    f.fault,
+    f.client,
+    f.identical === null ? "-" : f.identical ? "one engine's (recomputed)" : "DIFFERENT",
+    fmt(f.e2e_ms, 0),
+    f.p_blocks_back_s === undefined
+      ? "-"
+      : f.p_blocks_back_s === null
+        ? "not within 60 s"
+        : `${fmt(f.p_blocks_back_s, 1)} s`,
+    typeof f.next_request_identical === "string"
+      ? f.next_request_identical
+      : f.next_request_identical
+        ? "correct"
+        : "DIFFERENT",
+  ]);
+  return markdown ? markdownTable(head, body) : table(head, body);
 }
 
 /** TTFT p50 by prompt length, one line per system (at the lowest concurrency measured). */
@@ -237,6 +292,8 @@ export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchR
       formatVllm(r),
       "  TTFT: client sends -> first streamed token (pull: P's request, then D's stream; push and Mooncake: both at once).",
       "  identical: outputs token-identical to one engine's for the same prompt.",
+      "  D: moved / computed: D's prompt tokens per request whose KV came from P, and those D computed (vLLM's counter).",
+      ...(r.fault_rows?.length ? ["", formatVllmFaults(r.fault_rows)] : []),
     ],
     (r) => writeChart("vllm-ttft.svg", ttftChart(r)),
   );

@@ -545,6 +545,11 @@ export const COMMANDS: readonly CommandSpec[] = [
         help: "vLLM's own connectors beside kvxfer (nixl: as shipped and with two CPU fixes)",
       },
       { name: "install-peers", kind: FLAG, help: "install the pinned peers into .venv first" },
+      {
+        name: "faults",
+        kind: FLAG,
+        help: "each P/D system once more with P's side channel unreachable",
+      },
       { name: "lengths", kind: { t: "ints" }, help: "prompt lengths", def: "32,256,1024,4096" },
       { name: "concurrency", kind: { t: "ints" }, help: "requests in flight", def: "1,8" },
       { name: "requests", kind: POS_INT, help: "requests per cell and round", def: "8" },

@@ -42,7 +42,7 @@ import requests
 
 from kvxfer_vllm.config import KV_MEMORY
 
-from .harness import EngineSpec, Proc, SidecarProc, VllmServer, free_port
+from .harness import EngineSpec, Proc, SidecarProc, VllmServer, free_port, metric
 from .tiny_model import TinyModelSpec, make_tiny_model
 
 #: Bigger than the tests' model so the KV is not negligible: 8 layers x 4 KV heads x 64 = 8 KiB/token.
@@ -54,9 +54,10 @@ SYSTEMS: dict[str, str] = {
     "one": "one engine",
     "kvxfer-pull": "kvxfer pull",
     "kvxfer-push": "kvxfer push",
+    # "2 fixes": the two CPU fixes of peer_patches (NIXL's progress delay, vLLM's core pinning).
     "nixl": "NixlConnector as shipped",
-    "nixl-fixed": "NixlConnector, two CPU fixes",
-    "nixl-push": "NixlPushConnector, two CPU fixes",
+    "nixl-fixed": "NixlConnector, 2 fixes",
+    "nixl-push": "NixlPushConnector, 2 fixes",
     "mooncake": "MooncakeConnector (TCP)",
 }
 #: ``--vs`` names -> the systems they add.
@@ -168,8 +169,26 @@ class Deployment:
     procs: dict[str, Proc]
     model: str
 
-    def serve(self, system: str, prompt: list[int], out: int) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+        """One request through ``system``; with ``dead_port`` D is told that port (nothing listens
+        there) for P's side channel (kvxfer: P's sidecar; NIXL: its side channel; Mooncake: its
+        bootstrap server): the peer unreachable."""
         raise NotImplementedError
+
+    def d_prompt_tokens(self) -> dict[str, float]:
+        """D's prompt tokens so far by where they came from (vLLM's own counter): the KV that moved
+        (``external_kv_transfer``) and what D computed itself (``local_compute``); {} without a D."""
+        d = getattr(self, "d", None)
+        if d is None:
+            return {}
+        url = f"{d.url}/metrics"
+        return {k: metric(url, "vllm:prompt_tokens_by_source_total", source=k)
+                for k in ("external_kv_transfer", "local_compute")}
+
+    @property
+    def prefill_engine(self) -> VllmServer | None:
+        """The engine that holds the blocks D reads (None: no transfer)."""
+        return getattr(self, "p", None)
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -203,7 +222,7 @@ class OneEngine(Deployment):
         (self.e,) = _start([_engine(work, model, f"one-{os.getpid()}", "0", max_len, connector=False)], work)
         self.procs = {"engine": self.e}
 
-    def serve(self, system: str, prompt: list[int], out: int) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
         return stream(self.e.url, self.model, prompt, out, None, time.perf_counter())
 
 
@@ -239,15 +258,18 @@ class KvxferPair(Deployment):
         host, port = self.p_sc.side_channel.rsplit(":", 1)
         self.p_addr = (host, int(port))
 
-    def serve(self, system: str, prompt: list[int], out: int) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
         tid = uuid.uuid4().hex
         t0 = time.perf_counter()
         p_params = {"do_remote_decode": True, "transfer_id": tid}
         if system == "kvxfer-pull":
             pr = prefill(self.p.url, self.model, prompt, p_params)
-            return stream(self.d.url, self.model, prompt, out, pr["kv_transfer_params"], t0)
-        d_params = {"do_remote_prefill": True, "remote_host": self.p_addr[0], "remote_port": self.p_addr[1],
-                    "transfer_id": tid}
+            params = dict(pr["kv_transfer_params"])
+            if dead_port is not None:
+                params["remote_port"] = dead_port
+            return stream(self.d.url, self.model, prompt, out, params, t0)
+        d_params = {"do_remote_prefill": True, "remote_host": self.p_addr[0],
+                    "remote_port": self.p_addr[1] if dead_port is None else dead_port, "transfer_id": tid}
         return both(lambda: prefill(self.p.url, self.model, prompt, p_params),
                     lambda: stream(self.d.url, self.model, prompt, out, d_params, t0))
 
@@ -280,7 +302,7 @@ class NixlPair(Deployment):
         self.p, self.d = _start([spec(self.p_id, "0", self.p_port), spec(self.d_id, "1", free_port())], work)
         self.procs = {"P engine": self.p, "D engine": self.d}
 
-    def serve(self, system: str, prompt: list[int], out: int) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
@@ -288,11 +310,15 @@ class NixlPair(Deployment):
                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
         if not self.push:
             pr = prefill(self.p.url, self.model, prompt, p_params, headers)
-            return stream(self.d.url, self.model, prompt, out, pr["kv_transfer_params"], t0, headers)
+            params = dict(pr["kv_transfer_params"])
+            if dead_port is not None:
+                params["remote_port"] = dead_port
+            return stream(self.d.url, self.model, prompt, out, params, t0, headers)
         # P's request id as vLLM's OpenAI server makes it from the header (its engine then appends a
         # random suffix, which the push connector strips when it pairs P's and D's requests).
         d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id, "remote_host": "127.0.0.1",
-                    "remote_port": self.p_port, "tp_size": 1, "remote_request_id": f"cmpl-{rid}-0"}
+                    "remote_port": self.p_port if dead_port is None else dead_port, "tp_size": 1,
+                    "remote_request_id": f"cmpl-{rid}-0"}
         return both(lambda: prefill(self.p.url, self.model, prompt, p_params, headers),
                     lambda: stream(self.d.url, self.model, prompt, out, d_params, t0, headers))
 
@@ -319,11 +345,12 @@ class MooncakePair(Deployment):
         self.p, self.d = _start([spec(self.p_id, "kv_producer", "0"), spec(f"md-{tag}", "kv_consumer", "1")], work)
         self.procs = {"P engine": self.p, "D engine": self.d}
 
-    def serve(self, system: str, prompt: list[int], out: int) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
         t0 = time.perf_counter()
         tid = uuid.uuid4().hex
         d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id,
-                    "remote_bootstrap_addr": f"http://127.0.0.1:{self.boot}", "transfer_id": tid}
+                    "remote_bootstrap_addr": f"http://127.0.0.1:{self.boot if dead_port is None else dead_port}",
+                    "transfer_id": tid}
         return both(lambda: prefill(self.p.url, self.model, prompt, {"do_remote_decode": True, "transfer_id": tid}),
                     lambda: stream(self.d.url, self.model, prompt, out, d_params, t0))
 
@@ -392,6 +419,8 @@ class Cell:
     compared: int = 0
     errors: list[str] = field(default_factory=list)
     status: str = "ok"
+    #: D's prompt tokens by source over the cell's requests (what moved, what D computed).
+    d_tokens: dict[str, float] = field(default_factory=dict)
 
 
 def percentile(xs: list[float], p: float) -> float | None:
@@ -403,8 +432,8 @@ def percentile(xs: list[float], p: float) -> float | None:
 
 def run(systems: list[str], lengths: list[int], concurrency: list[int], requests_per: int, rounds: int,
         out_tokens: int, work_root: Path | None = None,
-        on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, str] | None = None
-        ) -> dict[str, Any]:
+        on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, str] | None = None,
+        faults: bool = False) -> dict[str, Any]:
     """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory``; ``on_ready``
     sees each deployment once it has answered its warm-up requests."""
     kvxfer = {"placement": "shared", "kv_memory": "file", **(kvxfer or {})}
@@ -416,6 +445,8 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
     max_len = max(lengths) + out_tokens + 64
     cells: dict[tuple[str, int, int], Cell] = {(s, n, c): Cell() for s in systems for n in lengths for c in concurrency}
     reference: dict[int, list[int]] = {}
+    fault_rows: list[dict[str, Any]] = []
+    one_engine: list[OneEngine] = []
     load_before = os.getloadavg()
     try:
         for r in range(rounds):
@@ -451,9 +482,22 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                             for s in served:
                                 batch(dep, s, cells[(s, n, c)], n, c, requests_per, r, out_tokens, reference)
                             log(f"  {n} tokens, {c} in flight: done")
+                    if faults and r == 0 and isinstance(dep, OneEngine):
+                        one_engine.append(dep)
+                        continue  # kept running: the fault rows compare with its outputs
+                    if faults and r == 0 and one_engine:
+                        ref = one_engine[0]
+                        for s in served:
+                            fault_rows.append(unreachable_peer(
+                                dep, s, min(lengths), out_tokens,
+                                lambda pr: stream(ref.e.url, model, pr, out_tokens, None, time.perf_counter()).ids))
+                            log(f"  fault rows of {s}: {fault_rows[-1]}")
                 finally:
-                    dep.close()
+                    if dep not in one_engine:
+                        dep.close()
     finally:
+        for dep in one_engine:
+            dep.close()
         shutil.rmtree(work, ignore_errors=True)
     rows = []
     for (s, n, c), cell in cells.items():
@@ -468,6 +512,9 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
             "cpu_s_per_request": ({k: v / cell.requests for k, v in cell.cpu.items()} | {
                 "total": sum(cell.cpu.values()) / cell.requests}) if cell.requests else None,
             "correct": {"identical": cell.correct, "compared": cell.compared},
+            # Per request, from D's vLLM: prompt tokens whose KV moved, and those D computed itself.
+            "d_prompt_tokens_per_request": {k: v / cell.requests for k, v in cell.d_tokens.items()}
+            if cell.requests and cell.d_tokens else None,
             "errors": cell.errors[:3], "error_count": len(cell.errors),
         })
     return {
@@ -482,6 +529,7 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                    "enforce_eager": True},
         "kvxfer": kvxfer, "output_tokens": out_tokens, "rounds": rounds, "requests_per_round": requests_per,
         "rows": rows,
+        "fault_rows": fault_rows,
     }
 
 
@@ -490,6 +538,7 @@ def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, 
     """``count`` requests of ``n`` tokens, ``c`` at a time; the same prompts for every system."""
     seeds = [hash((n, c, rnd, i)) & 0x7FFFFFFF for i in range(count)]
     before = cpu_seconds(dep.procs)
+    d_before = dep.d_prompt_tokens()
     t0 = time.perf_counter()
 
     def one(seed: int) -> tuple[int, Answer | BaseException]:
@@ -502,6 +551,8 @@ def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, 
         results = list(pool.map(one, seeds))
     cell.wall += time.perf_counter() - t0
     after = cpu_seconds(dep.procs)
+    for k, v in dep.d_prompt_tokens().items():
+        cell.d_tokens[k] = cell.d_tokens.get(k, 0.0) + v - d_before.get(k, 0.0)
     for k in after:
         cell.cpu[k] = cell.cpu.get(k, 0.0) + after[k] - before.get(k, 0.0)
     cell.requests += count
@@ -519,6 +570,44 @@ def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, 
             cell.correct += res.ids == reference[seed]
 
 
+def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_of: Callable[[list[int]], list[int]],
+                     hold_s: float = 60.0) -> dict[str, Any]:
+    """One request whose D is told a dead port for P's side channel: what the client sees, whether
+    D's output is still one engine's (D recomputed), how long until P's KV cache is empty again
+    (its blocks back, polled on P's ``vllm:kv_cache_usage_perc`` up to ``hold_s``), and whether
+    the next ordinary request is correct."""
+    prompt = prompt_of(n, 20_000_000 + n)
+    row: dict[str, Any] = {"system": system, "label": SYSTEMS[system], "fault": "peer unreachable", "tokens": n}
+    t0 = time.perf_counter()
+    try:
+        ans = dep.serve(system, prompt, out, dead_port=free_port())
+        row["client"] = "answered"
+        row["identical"] = ans.ids == reference_of(prompt)
+    except Exception as err:  # noqa: BLE001 - what the client sees is the finding
+        row["client"] = f"error: {str(err)[:200]}"
+        row["identical"] = None
+    row["e2e_ms"] = (time.perf_counter() - t0) * 1000
+    p = dep.prefill_engine
+    if p is not None:
+        deadline = time.monotonic() + hold_s
+        back = None
+        while time.monotonic() < deadline:
+            try:
+                if p.metric("vllm:kv_cache_usage_perc") == 0.0:
+                    back = time.monotonic() - (deadline - hold_s)
+                    break
+            except requests.RequestException:
+                break
+            time.sleep(0.5)
+        row["p_blocks_back_s"] = back
+    try:
+        after = prompt_of(n, 20_000_001 + n)
+        row["next_request_identical"] = dep.serve(system, after, out).ids == reference_of(after)
+    except Exception as err:  # noqa: BLE001
+        row["next_request_identical"] = f"error: {str(err)[:200]}"
+    return row
+
+
 def main() -> None:
     # SIGTERM (a stopped parent, a timeout) unwinds like Ctrl-C: engines, sidecars and files go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -532,6 +621,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8, help="requests per cell and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--faults", action="store_true",
+                    help="after the first round's requests, each P/D system once with P's side channel unreachable")
     ap.add_argument("--quick", action="store_true", help="256 tokens, 1 in flight, 2 requests, 1 round")
     a = ap.parse_args()
     systems = ["one"]
@@ -551,7 +642,7 @@ def main() -> None:
         conc = [int(x) for x in a.concurrency.split(",")]
         reqs, rounds = a.requests, a.rounds
     res = run(systems, lengths, conc, max(reqs, max(conc)), rounds, a.output_tokens,
-              kvxfer={"placement": a.placement, "kv_memory": a.kv_memory})
+              kvxfer={"placement": a.placement, "kv_memory": a.kv_memory}, faults=a.faults)
     print(json.dumps(res))
 
 

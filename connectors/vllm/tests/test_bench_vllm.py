@@ -1,6 +1,6 @@
 """``kvxfer bench vllm``'s quick variant, so the comparison harness stays alive: one prompt length,
 kvxfer (pull) beside vLLM's own NixlConnector (with the bench's two CPU fixes), every output
-token-identical to one engine's for the same prompt. And vLLM's IPC files go to the harness's
+token-identical to one engine's for the same prompt, with the KV moved (D's own counter). And vLLM's IPC files go to the harness's
 scratch folders: while the deployments run, no process of theirs holds a socket or file directly
 in /tmp, and after the run nothing they held is left there.
 """
@@ -85,6 +85,9 @@ def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
         assert row["ttft_ms"]["n"] == 2
     for name in ("kvxfer-pull", "nixl-fixed"):
         assert rows[name]["correct"] == {"identical": 2, "compared": 2}, (name, rows[name])
+        # The KV moved (D's own counter; 7 of 8 blocks at least, D computes the last token), so
+        # identical outputs are not D recomputing the prompt.
+        assert rows[name]["d_prompt_tokens_per_request"]["external_kv_transfer"] >= 100, (name, rows[name])
     assert result["peers"]["nixl"]["installed"] is True
     assert result["peers"]["nixl"]["versions"]["nixl"] == "1.5.1"
 
