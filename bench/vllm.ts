@@ -76,8 +76,8 @@ export interface VllmFaultRow {
   /** D's output equals one engine's (it recomputed); null when it answered nothing. */
   identical: boolean | null;
   e2e_ms: number;
-  /** Seconds until P's KV cache was empty again; null: not within the bound. */
-  p_blocks_back_s?: number | null;
+  /** Seconds until P's KV cache usage gauge read 0 (refreshed only when P steps); null: not within the bound. */
+  p_kv_usage_zero_after_s?: number | null;
   next_request_identical: boolean | string;
 }
 
@@ -209,7 +209,7 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
   return markdown ? markdownTable(head, rows) : table(head, rows);
 }
 
-/** The fault rows: what the client saw, whether D recomputed, when P's blocks came back. */
+/** The fault rows: what the client saw, whether D recomputed, P's KV usage gauge, the next request. */
 export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false): string {
   const head = [
     "system",
@@ -217,7 +217,7 @@ export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false
     "client sees",
     "output",
     "E2E ms",
-    "P's blocks back",
+    "P's KV usage 0 after",
     "next request",
   ];
   const body = rows.map((f) => [
@@ -226,11 +226,11 @@ export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false
     f.client,
     f.identical === null ? "-" : f.identical ? "one engine's (recomputed)" : "DIFFERENT",
     fmt(f.e2e_ms, 0),
-    f.p_blocks_back_s === undefined
+    f.p_kv_usage_zero_after_s === undefined
       ? "-"
-      : f.p_blocks_back_s === null
+      : f.p_kv_usage_zero_after_s === null
         ? "not within 60 s"
-        : `${fmt(f.p_blocks_back_s, 1)} s`,
+        : `${fmt(f.p_kv_usage_zero_after_s, 1)} s`,
     typeof f.next_request_identical === "string"
       ? f.next_request_identical
       : f.next_request_identical

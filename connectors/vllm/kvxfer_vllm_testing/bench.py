@@ -573,9 +573,10 @@ def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, 
 def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_of: Callable[[list[int]], list[int]],
                      hold_s: float = 60.0) -> dict[str, Any]:
     """One request whose D is told a dead port for P's side channel: what the client sees, whether
-    D's output is still one engine's (D recomputed), how long until P's KV cache is empty again
-    (its blocks back, polled on P's ``vllm:kv_cache_usage_perc`` up to ``hold_s``), and whether
-    the next ordinary request is correct."""
+    D's output is still one engine's (D recomputed), how long until P's KV cache usage gauge
+    (``vllm:kv_cache_usage_perc``, polled up to ``hold_s``) reads 0, and whether the next ordinary
+    request is correct. vLLM refreshes that gauge only when P's engine steps, so on an idle P an
+    early 0 may be stale: it bounds when P's blocks came back only where P kept stepping."""
     prompt = prompt_of(n, 20_000_000 + n)
     row: dict[str, Any] = {"system": system, "label": SYSTEMS[system], "fault": "peer unreachable", "tokens": n}
     t0 = time.perf_counter()
@@ -599,7 +600,7 @@ def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_o
             except requests.RequestException:
                 break
             time.sleep(0.5)
-        row["p_blocks_back_s"] = back
+        row["p_kv_usage_zero_after_s"] = back
     try:
         after = prompt_of(n, 20_000_001 + n)
         row["next_request_identical"] = dep.serve(system, after, out).ids == reference_of(after)
