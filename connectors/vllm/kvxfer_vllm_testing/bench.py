@@ -42,7 +42,7 @@ import requests
 
 from kvxfer_vllm.config import KV_MEMORY
 
-from .harness import EngineSpec, Proc, SidecarProc, VllmServer, free_port, metric
+from .harness import EngineSpec, Proc, SidecarProc, VllmServer, free_port, free_ports, metric
 from .tiny_model import TinyModelSpec, make_tiny_model
 
 #: Bigger than the tests' model so the KV is not negligible: 8 layers x 4 KV heads x 64 = 8 KiB/token.
@@ -289,17 +289,19 @@ class NixlPair(Deployment):
         self.systems = ("nixl-push",) if push else (("nixl-fixed",) if fixed else ("nixl",))
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.p_id, self.d_id = f"np-{tag}", f"nd-{tag}"
-        self.p_port = free_port()
+        # HTTP and side-channel ports, distinct (a side channel that cannot bind hangs the engine).
+        p_http, d_http, self.p_port, d_side = free_ports(4)
         patches = ("nixl-delay", "nixl-affinity") if fixed else ()
 
-        def spec(eid: str, cores: str, port: int) -> EngineSpec:
+        def spec(eid: str, cores: str, http: int, side: int) -> EngineSpec:
             cfg = {"kv_connector": "NixlPushConnector" if push else "NixlConnector", "kv_role": "kv_both",
                    "kv_buffer_device": "cpu", "engine_id": eid}
-            return _engine(work, model, eid, cores, max_len, kv_config=cfg, patches=patches,
+            return _engine(work, model, eid, cores, max_len, kv_config=cfg, patches=patches, port=http,
                            env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)})
+                                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
 
-        self.p, self.d = _start([spec(self.p_id, "0", self.p_port), spec(self.d_id, "1", free_port())], work)
+        self.p, self.d = _start([spec(self.p_id, "0", p_http, self.p_port), spec(self.d_id, "1", d_http, d_side)],
+                                work)
         self.procs = {"P engine": self.p, "D engine": self.d}
 
     def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
@@ -334,15 +336,16 @@ class MooncakePair(Deployment):
         self.model = model
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.p_id = f"mp-{tag}"
-        self.boot = free_port()
+        p_http, d_http, self.boot = free_ports(3)
 
-        def spec(eid: str, role: str, cores: str) -> EngineSpec:
+        def spec(eid: str, role: str, cores: str, http: int) -> EngineSpec:
             cfg = {"kv_connector": "MooncakeConnector", "kv_role": role, "kv_buffer_device": "cpu",
                    "engine_id": eid, "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
-            return _engine(work, model, eid, cores, max_len, kv_config=cfg, patches=("mooncake-device",),
+            return _engine(work, model, eid, cores, max_len, kv_config=cfg, patches=("mooncake-device",), port=http,
                            env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.boot)})
 
-        self.p, self.d = _start([spec(self.p_id, "kv_producer", "0"), spec(f"md-{tag}", "kv_consumer", "1")], work)
+        self.p, self.d = _start([spec(self.p_id, "kv_producer", "0", p_http),
+                                 spec(f"md-{tag}", "kv_consumer", "1", d_http)], work)
         self.procs = {"P engine": self.p, "D engine": self.d}
 
     def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
@@ -460,10 +463,16 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                 if not served:
                     continue
                 log(f"round {r + 1}/{rounds}: starting {', '.join(SYSTEMS[s] for s in served)} ...")
-                try:
-                    dep = make(work, model, max_len)
-                except Exception as err:  # noqa: BLE001 - a failed deployment is a row, not a crash
-                    log(f"  failed to start: {str(err)[:2000]}")
+                dep = None
+                for attempt in (1, 2):  # a port taken by another process meanwhile: once more, new ports
+                    try:
+                        dep = make(work, model, max_len)
+                        break
+                    except Exception as err:  # noqa: BLE001 - a failed deployment is a row, not a crash
+                        log(f"  failed to start (attempt {attempt}): {str(err)[:2000]}")
+                        failure = err
+                if dep is None:
+                    err = failure
                     for (cs, _, _), cell in cells.items():
                         if cs in served:
                             cell.status = f"failed to start: {str(err).splitlines()[0][:300]}"

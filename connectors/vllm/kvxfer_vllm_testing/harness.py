@@ -43,6 +43,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all bound at once, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 class Proc:
     """A child in its own session: ``stop`` ends it and everything it started."""
 
@@ -92,12 +104,15 @@ class Proc:
         except ProcessLookupError:
             pass
 
-    def wait_healthy(self, url: str, what: str, timeout: float, interval: float) -> None:
-        """Until ``url`` answers 200 (bounded); fails naming ``what`` if the process exits first."""
+    def wait_healthy(self, url: str, what: str, timeout: float, interval: float, fatal: tuple[str, ...] = ()) -> None:
+        """Until ``url`` answers 200 (bounded); fails naming ``what`` if the process exits first, or
+        at once when its log shows one of ``fatal`` (an error it would otherwise hang on)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"{what} exited while starting:\n{self.tail()}")
+            if fatal and any(f in self.tail(20000) for f in fatal):
+                raise RuntimeError(f"{what} failed while starting:\n{self.tail()}")
             try:
                 if requests.get(url, timeout=2).status_code == 200:
                     return
@@ -253,7 +268,10 @@ class VllmServer(Proc):
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        self.wait_healthy(f"{self.url}/health", f"vLLM {self.spec.engine_id}", timeout, 0.5)
+        # NIXL's side-channel listener dies on a port taken meanwhile, and the engine then never
+        # becomes ready: fail at once instead of waiting out the bound.
+        self.wait_healthy(f"{self.url}/health", f"vLLM {self.spec.engine_id}", timeout, 0.5,
+                          fatal=("Exception in thread nixl_handshake_listener",))
 
     def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
                  timeout: float = 120.0) -> dict[str, Any]:
