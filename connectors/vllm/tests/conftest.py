@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from kvxfer_vllm.harness import REPO, EngineSpec, PdRouter, Proc, SidecarProc, VllmServer, _group_alive
-from kvxfer_vllm.tiny_model import make_tiny_model
+from kvxfer_vllm_testing.harness import REPO, EngineSpec, PdRouter, Proc, SidecarProc, VllmServer, _group_alive
+from kvxfer_vllm_testing.tiny_model import make_tiny_model
 
 _ids = itertools.count()
 

@@ -17,7 +17,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvxfer_vllm.connector import KvxferConnector, KvxferConnectorMetadata, KvxferHandshakeMetadata
 from kvxfer_vllm.errors import ConfigError
-from kvxfer_vllm.tiny_model import make_tiny_model
+from kvxfer_vllm_testing.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import math
 import pytest
 from conftest import Deployment, pd_deployment, prompt, unique, wait_for
 
-from kvxfer_vllm.harness import PdRouter, SidecarProc, VllmServer, output_ids
+from kvxfer_vllm_testing.harness import PdRouter, SidecarProc, VllmServer, output_ids
 
 BLOCK = 32
 MAX_TOKENS = 16

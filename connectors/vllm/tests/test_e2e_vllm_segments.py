@@ -12,7 +12,7 @@ import re
 import pytest
 from conftest import pd_deployment, prompt, unique
 
-from kvxfer_vllm.harness import output_ids
+from kvxfer_vllm_testing.harness import output_ids
 
 BLOCK = 32
 MAX_TOKENS = 16

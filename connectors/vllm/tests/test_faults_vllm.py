@@ -17,7 +17,7 @@ import pytest
 import requests
 from conftest import Deployment, pd_deployment, prompt, unique, wait_for
 
-from kvxfer_vllm.harness import PdRouter, SidecarProc, output_ids
+from kvxfer_vllm_testing.harness import PdRouter, SidecarProc, output_ids
 
 BLOCK = 32
 MAX_TOKENS = 8

@@ -16,7 +16,7 @@ from conftest import unique, wait_for
 from test_client import pair
 
 from kvxfer_vllm.client import Event, SidecarClient
-from kvxfer_vllm.harness import free_port
+from kvxfer_vllm_testing.harness import free_port
 from kvxfer_vllm.messages import AbortMsg, StepMessages
 
 

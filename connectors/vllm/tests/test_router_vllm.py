@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import stop_deployment, unique
 
-from kvxfer_vllm.harness import EngineSpec, SidecarProc, VllmRouter, VllmServer, metric, output_ids
-from kvxfer_vllm.tiny_model import make_tiny_model
+from kvxfer_vllm_testing.harness import EngineSpec, SidecarProc, VllmRouter, VllmServer, metric, output_ids
+from kvxfer_vllm_testing.tiny_model import make_tiny_model
 
 BLOCK = 32
 MAX_TOKENS = 12

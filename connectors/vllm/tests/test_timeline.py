@@ -106,7 +106,7 @@ def test_no_import_cycles_in_the_package():
 
 
 def test_breakdown_lines_up_router_connector_and_sidecar_marks():
-    from kvxfer_vllm import breakdown
+    from kvxfer_vllm_testing import breakdown
 
     router = {"sent": 10.0, "p.answer": 10.5, "d.first": 10.9, "ref.sent": 11.0, "ref.first": 11.05}
     conn = [{"t": 10.52, "ev": "d.worker.sent", "tid": "t"}, {"t": 10.7, "ev": "d.worker.kv_ready", "tid": "t"},

@@ -7,7 +7,7 @@ every run serves the same model. The tokenizer maps ``w<i>`` to id ``3 + i``;
 prompts can also be given as token ids. A chat template (each message's content, then a space)
 lets ``/v1/chat/completions`` serve it without ``--chat-template``.
 
-    python -m kvxfer_vllm.tiny_model OUT_DIR [--layers 2] [--kv-heads 2]
+    python -m kvxfer_vllm_testing.tiny_model OUT_DIR [--layers 2] [--kv-heads 2]
 """
 
 from __future__ import annotations

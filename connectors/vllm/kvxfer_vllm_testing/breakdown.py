@@ -27,14 +27,16 @@ from typing import Any
 
 import requests
 
-from . import timeline
-from .bench import BENCH_MODEL, Pair, prompt_of
+from kvxfer_vllm import timeline
+
+from .bench import BENCH_MODEL, prompt_of
 from .harness import EngineSpec, SidecarProc, VllmServer
 from .tiny_model import make_tiny_model
 
 
-class SidecarFlagsPair(Pair):
-    """The bench's pair (same engines, cores and settings) with extra flags for both sidecars."""
+class SidecarFlagsPair:
+    """Two CPU engines (P on core 0, D on core 1, the bench's settings) and their sidecars, with
+    extra flags for both sidecars."""
 
     def __init__(self, work: Path, model: str, kv_memory: str, max_len: int, flags: list[str]) -> None:
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-breakdown-", dir="/dev/shm"))
@@ -42,9 +44,9 @@ class SidecarFlagsPair(Pair):
         started: list[Any] = []
         try:
             # Everything started so far is stopped if a start fails or the run is stopped meanwhile.
-            self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc:///tmp/kvxfer-breakdown-p-{tag}.sock", work, *flags)
+            self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc://{work}/p-{tag}.sock", work, *flags)
             started.append(self.p_sc)
-            self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc:///tmp/kvxfer-breakdown-d-{tag}.sock", work, *flags)
+            self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc://{work}/d-{tag}.sock", work, *flags)
             started.append(self.d_sc)
             extra = {"placement": "shared", "kv_memory": kv_memory, "register_timeout_s": 600.0}
             common: dict[str, Any] = dict(block_size=32, kv_cache_bytes=512 << 20, max_model_len=max_len, extra=extra)
@@ -61,6 +63,13 @@ class SidecarFlagsPair(Pair):
             raise
         host, port = self.p_sc.side_channel.rsplit(":", 1)
         self.p_addr = (host, int(port))
+
+    def close(self) -> None:
+        for s in (self.p, self.d):
+            s.stop(60)
+        for sc in (self.p_sc, self.d_sc):
+            sc.stop()
+        shutil.rmtree(self.shm, ignore_errors=True)
 
 
 
@@ -92,7 +101,7 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def first_token(pair: Pair, prompt: list[int], params: dict[str, Any] | None) -> float:
+def first_token(pair: SidecarFlagsPair, prompt: list[int], params: dict[str, Any] | None) -> float:
     """Streams 2 tokens from D; when the first arrived (monotonic seconds)."""
     body: dict[str, Any] = {"model": pair.d.spec.model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
                             "ignore_eos": True, "stream": True}
@@ -110,7 +119,7 @@ def first_token(pair: Pair, prompt: list[int], params: dict[str, Any] | None) ->
     return first
 
 
-def pull_once(pair: Pair, prompt: list[int], tid: str) -> dict[str, float]:
+def pull_once(pair: SidecarFlagsPair, prompt: list[int], tid: str) -> dict[str, float]:
     """One pull request as a router makes it, then the reference (the same prompt to D alone,
     now in its prefix cache); the router's marks (monotonic seconds)."""
     t: dict[str, float] = {"sent": time.monotonic()}

@@ -6,7 +6,6 @@ children; every wait has a bound. Addresses are loopback only.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import secrets
@@ -25,6 +24,8 @@ from typing import Any
 
 import requests
 
+from .pki import shared_pki
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -40,6 +41,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all bound at once, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class Proc:
@@ -91,12 +104,15 @@ class Proc:
         except ProcessLookupError:
             pass
 
-    def wait_healthy(self, url: str, what: str, timeout: float, interval: float) -> None:
-        """Until ``url`` answers 200 (bounded); fails naming ``what`` if the process exits first."""
+    def wait_healthy(self, url: str, what: str, timeout: float, interval: float, fatal: tuple[str, ...] = ()) -> None:
+        """Until ``url`` answers 200 (bounded); fails naming ``what`` if the process exits first, or
+        at once when its log shows one of ``fatal`` (an error it would otherwise hang on)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"{what} exited while starting:\n{self.tail()}")
+            if fatal and any(f in self.tail(20000) for f in fatal):
+                raise RuntimeError(f"{what} failed while starting:\n{self.tail()}")
             try:
                 if requests.get(url, timeout=2).status_code == 200:
                     return
@@ -120,54 +136,6 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-
-
-class Pki:
-    """A throwaway CA (``openssl``): every sidecar the harness starts gets a certificate naming
-    its engine id, so peers authenticate each other as in production (docs/security.md)."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="kvxfer-pki-"))
-        self.ca = self.dir / "ca.pem"
-        self._n = 0
-        self._issued: dict[str, list[str]] = {}
-        self._ssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "ca.key")
-        self._ssl("req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=kvxfer test CA", "-days", "7",
-                  "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign",
-                  "-out", "ca.pem")
-        atexit.register(self.close)
-
-    def _ssl(self, *args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=self.dir, check=True, capture_output=True)
-
-    def flags(self, engine_id: str) -> list[str]:
-        """``--peer-cert/--peer-key/--peer-ca`` for ``engine_id`` (issued once)."""
-        if engine_id not in self._issued:
-            self._n += 1
-            n = self._n
-            (self.dir / f"{n}.ext").write_text(
-                "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-                "extendedKeyUsage=serverAuth,clientAuth\n")
-            self._ssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", f"{n}.key")
-            self._ssl("req", "-new", "-key", f"{n}.key", "-subj", f"/CN={engine_id}", "-out", f"{n}.csr")
-            self._ssl("x509", "-req", "-in", f"{n}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial",
-                      str(n), "-days", "7", "-extfile", f"{n}.ext", "-out", f"{n}.pem")
-            self._issued[engine_id] = ["--peer-cert", str(self.dir / f"{n}.pem"),
-                                       "--peer-key", str(self.dir / f"{n}.key"), "--peer-ca", str(self.ca)]
-        return self._issued[engine_id]
-
-    def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-_shared_pki: Pki | None = None
-
-
-def shared_pki() -> Pki:
-    global _shared_pki
-    if _shared_pki is None:
-        _shared_pki = Pki()
-    return _shared_pki
 
 
 class SidecarProc(Proc):
@@ -237,20 +205,38 @@ class EngineSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     #: Without the connector: a plain single engine (the reference).
     connector: bool = True
+    #: Another connector's whole ``--kv-transfer-config`` (vLLM's own, for the bench's peers).
+    kv_config: dict[str, Any] | None = None
+    #: More environment for the engine's processes.
+    env: dict[str, str] = field(default_factory=dict)
+    #: Patches from ``peer_patches/sitecustomize.py`` for the engine's processes (none: no patch).
+    patches: tuple[str, ...] = ()
+
+
+#: ``sitecustomize`` for the peers' patches: first on the PYTHONPATH of engines that ask for them.
+PEER_PATCHES = Path(__file__).resolve().parent / "peer_patches"
 
 
 class VllmServer(Proc):
-    """One vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``)."""
+    """One vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``).
+
+    Its processes' temporary files (vLLM's IPC sockets, ``VLLM_RPC_BASE_PATH``, and whatever
+    else asks ``tempfile``: ``TMPDIR``) go to a scratch folder of their own, removed by ``stop``:
+    a vLLM start otherwise leaves ``/tmp/<uuid>`` sockets behind."""
 
     def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
         self.spec = spec
+        # Short and in /tmp: a unix socket's path must stay under 108 bytes.
+        self.scratch = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-"))
         self.url = f"http://127.0.0.1:{spec.port}"
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
                 "--host", "127.0.0.1", "--port", str(spec.port), "--enforce-eager",
                 "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
                 "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--max-num-seqs", "16",
                 "--dtype", spec.dtype]
-        if spec.connector:
+        if spec.kv_config is not None:
+            args += ["--kv-transfer-config", json.dumps(spec.kv_config)]
+        elif spec.connector:
             cfg = {
                 "kv_connector": "KvxferConnector",
                 "kv_connector_module_path": "kvxfer_vllm.connector",
@@ -262,11 +248,30 @@ class VllmServer(Proc):
             args += ["--kv-transfer-config", json.dumps(cfg)]
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND=spec.cores,
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                   DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
-        super().__init__(args, log_dir / f"vllm-{spec.engine_id}-{spec.port}.log", env=env)
+                   DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
+                   VLLM_RPC_BASE_PATH=str(self.scratch), TMPDIR=str(self.scratch), **spec.env)
+        if spec.patches:
+            env["KVXFER_BENCH_PATCHES"] = ",".join(spec.patches)
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (str(PEER_PATCHES), env.get("PYTHONPATH")) if x)
+        try:
+            super().__init__(args, log_dir / f"vllm-{spec.engine_id}-{spec.port}.log", env=env)
+        except BaseException:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise
+
+    def stop(self, timeout: float = 30.0) -> None:
+        super().stop(timeout)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def kill(self) -> None:
+        super().kill()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        self.wait_healthy(f"{self.url}/health", f"vLLM {self.spec.engine_id}", timeout, 0.5)
+        # NIXL's side-channel listener dies on a port taken meanwhile, and the engine then never
+        # becomes ready: fail at once instead of waiting out the bound.
+        self.wait_healthy(f"{self.url}/health", f"vLLM {self.spec.engine_id}", timeout, 0.5,
+                          fatal=("Exception in thread nixl_handshake_listener",))
 
     def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
                  timeout: float = 120.0) -> dict[str, Any]:

@@ -1,0 +1,662 @@
+"""``kvxfer bench vllm``: real vLLM P/D deployments through kvxfer, beside vLLM's own connectors.
+
+The same random-weight model, the same engine flags and the same requests go to each system in
+turn: one engine alone (the reference), kvxfer (pull and push, one P/D pair), and with ``--vs``
+vLLM's NixlConnector (as shipped, and with the two CPU fixes of ``peer_patches``),
+NixlPushConnector (with those fixes) and MooncakeConnector (TCP). One deployment runs at a time
+(P on core 0, D on core 1); rounds repeat the whole sequence, so drift and load hit every system
+alike. Per (system, prompt length, requests in flight): TTFT p50/p90 and end-to-end latency from
+the client (streamed), output tokens/s, CPU seconds per request of every process of the
+deployment (engines and sidecars, from /proc), and every output's tokens against the one
+engine's for the same prompt. A peer that is not installed, or a deployment that fails, is a row
+that says so. One JSON object on stdout (``bench/vllm.ts`` formats it); progress on stderr.
+
+    python -m kvxfer_vllm_testing.bench [--vs nixl,nixl-push,mooncake] [--lengths 32,256,1024,4096]
+        [--concurrency 1,8] [--requests 8] [--rounds 2] [--output-tokens 16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import random
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from kvxfer_vllm.config import KV_MEMORY
+
+from .harness import EngineSpec, Proc, SidecarProc, VllmServer, free_port, free_ports, metric
+from .tiny_model import TinyModelSpec, make_tiny_model
+
+#: Bigger than the tests' model so the KV is not negligible: 8 layers x 4 KV heads x 64 = 8 KiB/token.
+BENCH_MODEL = TinyModelSpec(layers=8, heads=8, kv_heads=4, head_dim=64, hidden=512, intermediate=1024,
+                            max_positions=8192)
+
+#: Every system, in the order a round runs them, with its label.
+SYSTEMS: dict[str, str] = {
+    "one": "one engine",
+    "kvxfer-pull": "kvxfer pull",
+    "kvxfer-push": "kvxfer push",
+    # "2 fixes": the two CPU fixes of peer_patches (NIXL's progress delay, vLLM's core pinning).
+    "nixl": "NixlConnector as shipped",
+    "nixl-fixed": "NixlConnector, 2 fixes",
+    "nixl-push": "NixlPushConnector, 2 fixes",
+    "mooncake": "MooncakeConnector (TCP)",
+}
+#: ``--vs`` names -> the systems they add.
+VS: dict[str, list[str]] = {"nixl": ["nixl", "nixl-fixed"], "nixl-push": ["nixl-push"], "mooncake": ["mooncake"]}
+#: The Python distributions each peer needs (bench/peers/requirements.txt pins them).
+PEER_DISTS: dict[str, list[str]] = {
+    "nixl": ["nixl", "nixl-cu13"],
+    "mooncake": ["mooncake-transfer-engine-non-cuda"],
+}
+PEER_MODULE = {"nixl": "nixl", "mooncake": "mooncake.engine"}
+INSTALL_HINT = "kvxfer bench vllm --install-peers"
+REQUEST_TIMEOUT = 300.0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Answer:
+    ttft: float
+    e2e: float
+    ids: list[int]
+
+
+def stream(url: str, model: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None,
+           t0: float, headers: dict[str, str] | None = None) -> Answer:
+    """Streams a greedy completion; times (seconds since ``t0``) of the first and last token, and
+    the output's token ids."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    first = None
+    ids: list[int] = []
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=REQUEST_TIMEOUT,
+                       headers=headers) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                got = choice.get("token_ids") or []
+                if got and first is None:
+                    first = time.perf_counter() - t0
+                ids.extend(got)
+    last = time.perf_counter() - t0
+    if not ids:
+        raise RuntimeError(f"{url}: the stream carried no token_ids")
+    return Answer(first if first is not None else last, last, ids)
+
+
+def prefill(url: str, model: str, prompt: list[int], params: dict[str, Any],
+            headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """P's half of a P/D request (``max_tokens=1``); P's answer."""
+    r = requests.post(f"{url}/v1/completions", headers=headers, timeout=REQUEST_TIMEOUT, json={
+        "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": params})
+    if r.status_code != 200:
+        raise RuntimeError(f"P {url}: HTTP {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def both(p_call: Callable[[], Any], d_call: Callable[[], Answer]) -> Answer:
+    """P's and D's requests at once (push, and routers that send D P's coordinates up front)."""
+    err: list[BaseException] = []
+
+    def run_p() -> None:
+        try:
+            p_call()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            err.append(e)
+
+    th = threading.Thread(target=run_p, daemon=True)
+    th.start()
+    ans = d_call()
+    th.join(REQUEST_TIMEOUT)
+    if err:
+        raise err[0]
+    return ans
+
+
+def cpu_seconds(procs: dict[str, Proc]) -> dict[str, float]:
+    """utime + stime of every live process in each process's group (its session: the harness
+    starts each in its own), from /proc, in seconds."""
+    tck = os.sysconf("SC_CLK_TCK")
+    groups = {p.pid: name for name, p in procs.items()}
+    out = dict.fromkeys(procs, 0.0)
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command: state ppid pgrp session ... utime(14) stime(15), 1-based overall.
+        name = groups.get(int(fields[2]))
+        if name is not None:
+            out[name] += (int(fields[11]) + int(fields[12])) / tck
+    return out
+
+
+class Deployment:
+    """One deployment of one or more systems; ``procs`` are the processes whose CPU time counts."""
+
+    systems: tuple[str, ...] = ()
+    procs: dict[str, Proc]
+    model: str
+
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+        """One request through ``system``; with ``dead_port`` D is told that port (nothing listens
+        there) for P's side channel (kvxfer: P's sidecar; NIXL: its side channel; Mooncake: its
+        bootstrap server): the peer unreachable."""
+        raise NotImplementedError
+
+    def d_prompt_tokens(self) -> dict[str, float]:
+        """D's prompt tokens so far by where they came from (vLLM's own counter): the KV that moved
+        (``external_kv_transfer``) and what D computed itself (``local_compute``); {} without a D."""
+        d = getattr(self, "d", None)
+        if d is None:
+            return {}
+        url = f"{d.url}/metrics"
+        return {k: metric(url, "vllm:prompt_tokens_by_source_total", source=k)
+                for k in ("external_kv_transfer", "local_compute")}
+
+    @property
+    def prefill_engine(self) -> VllmServer | None:
+        """The engine that holds the blocks D reads (None: no transfer)."""
+        return getattr(self, "p", None)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.stop(60)
+
+
+def _engine(work: Path, model: str, engine_id: str, cores: str, max_len: int, **kw: Any) -> EngineSpec:
+    return EngineSpec(model, engine_id, "", "", block_size=32, kv_cache_bytes=512 << 20, max_model_len=max_len,
+                      cores=cores, **kw)
+
+
+def _start(specs: list[EngineSpec], work: Path) -> list[VllmServer]:
+    servers: list[VllmServer] = []
+    try:
+        for s in specs:
+            servers.append(VllmServer(s, work))
+        for v in servers:
+            v.wait_ready()
+    except BaseException:
+        for v in servers:
+            v.stop(60)
+        raise
+    return servers
+
+
+class OneEngine(Deployment):
+    systems = ("one",)
+
+    def __init__(self, work: Path, model: str, max_len: int) -> None:
+        self.model = model
+        (self.e,) = _start([_engine(work, model, f"one-{os.getpid()}", "0", max_len, connector=False)], work)
+        self.procs = {"engine": self.e}
+
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+        return stream(self.e.url, self.model, prompt, out, None, time.perf_counter())
+
+
+class KvxferPair(Deployment):
+    """kvxfer's connector and sidecars: pull (P first, D with P's answer) and push (both at once,
+    D told P's sidecar address and the transfer id)."""
+
+    systems = ("kvxfer-pull", "kvxfer-push")
+
+    def __init__(self, work: Path, model: str, max_len: int, placement: str = "shared",
+                 kv_memory: str = "file") -> None:
+        self.model = model
+        self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-bench-", dir="/dev/shm"))
+        tag = f"{os.getpid()}-{secrets.token_hex(3)}"
+        self.procs = {}
+        try:
+            # --prefault: the sidecars' mappings of the KV resident at once, as operations.md advises
+            # for vLLM (without it, page faults were most of a 1024-token read: journal/vllm.md).
+            self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc://{work}/p-{tag}.sock", work, "--prefault", "true")
+            self.procs["P sidecar"] = self.p_sc
+            self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc://{work}/d-{tag}.sock", work, "--prefault", "true")
+            self.procs["D sidecar"] = self.d_sc
+
+            def spec(sc: SidecarProc, cores: str) -> EngineSpec:
+                return EngineSpec(model, sc.engine_id, sc.socket, str(self.shm), block_size=32,
+                                  kv_cache_bytes=512 << 20, max_model_len=max_len, cores=cores,
+                                  extra={"register_timeout_s": 600.0, "placement": placement,
+                                         "kv_memory": kv_memory})
+
+            self.p, self.d = _start([spec(self.p_sc, "0"), spec(self.d_sc, "1")], work)
+            self.procs = {"P engine": self.p, "D engine": self.d, "P sidecar": self.p_sc, "D sidecar": self.d_sc}
+        except BaseException:
+            self.close()
+            raise
+        host, port = self.p_sc.side_channel.rsplit(":", 1)
+        self.p_addr = (host, int(port))
+
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+        tid = uuid.uuid4().hex
+        t0 = time.perf_counter()
+        p_params = {"do_remote_decode": True, "transfer_id": tid}
+        if system == "kvxfer-pull":
+            pr = prefill(self.p.url, self.model, prompt, p_params)
+            params = dict(pr["kv_transfer_params"])
+            if dead_port is not None:
+                params["remote_port"] = dead_port
+            return stream(self.d.url, self.model, prompt, out, params, t0)
+        d_params = {"do_remote_prefill": True, "remote_host": self.p_addr[0],
+                    "remote_port": self.p_addr[1] if dead_port is None else dead_port, "transfer_id": tid}
+        return both(lambda: prefill(self.p.url, self.model, prompt, p_params),
+                    lambda: stream(self.d.url, self.model, prompt, out, d_params, t0))
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.stop(60)
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+class NixlPair(Deployment):
+    """vLLM's NixlConnector (pull) or NixlPushConnector on CPU (``kv_buffer_device: cpu``), as a
+    router drives them: pull as vLLM's toy proxy does; push with P's side channel up front and
+    the same ``X-Request-Id`` on both halves (the push connector pairs P's and D's requests by id)."""
+
+    def __init__(self, work: Path, model: str, max_len: int, *, push: bool, fixed: bool) -> None:
+        self.model, self.push = model, push
+        self.systems = ("nixl-push",) if push else (("nixl-fixed",) if fixed else ("nixl",))
+        tag = f"{os.getpid()}-{secrets.token_hex(3)}"
+        self.p_id, self.d_id = f"np-{tag}", f"nd-{tag}"
+        # HTTP and side-channel ports, distinct (a side channel that cannot bind hangs the engine).
+        p_http, d_http, self.p_port, d_side = free_ports(4)
+        patches = ("nixl-delay", "nixl-affinity") if fixed else ()
+
+        def spec(eid: str, cores: str, http: int, side: int) -> EngineSpec:
+            cfg = {"kv_connector": "NixlPushConnector" if push else "NixlConnector", "kv_role": "kv_both",
+                   "kv_buffer_device": "cpu", "engine_id": eid}
+            return _engine(work, model, eid, cores, max_len, kv_config=cfg, patches=patches, port=http,
+                           env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
+
+        self.p, self.d = _start([spec(self.p_id, "0", p_http, self.p_port), spec(self.d_id, "1", d_http, d_side)],
+                                work)
+        self.procs = {"P engine": self.p, "D engine": self.d}
+
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+        t0 = time.perf_counter()
+        rid = uuid.uuid4().hex
+        headers = {"X-Request-Id": rid}
+        p_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        if not self.push:
+            pr = prefill(self.p.url, self.model, prompt, p_params, headers)
+            params = dict(pr["kv_transfer_params"])
+            if dead_port is not None:
+                params["remote_port"] = dead_port
+            return stream(self.d.url, self.model, prompt, out, params, t0, headers)
+        # P's request id as vLLM's OpenAI server makes it from the header (its engine then appends a
+        # random suffix, which the push connector strips when it pairs P's and D's requests).
+        d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id, "remote_host": "127.0.0.1",
+                    "remote_port": self.p_port if dead_port is None else dead_port, "tp_size": 1,
+                    "remote_request_id": f"cmpl-{rid}-0"}
+        return both(lambda: prefill(self.p.url, self.model, prompt, p_params, headers),
+                    lambda: stream(self.d.url, self.model, prompt, out, d_params, t0, headers))
+
+
+class MooncakePair(Deployment):
+    """vLLM's MooncakeConnector over TCP as vllm-router's mooncake mode drives it: P and D at once,
+    D told P's engine id, P's bootstrap URL and the transfer id. Its worker needs the
+    ``mooncake-device`` patch to start without an accelerator."""
+
+    systems = ("mooncake",)
+
+    def __init__(self, work: Path, model: str, max_len: int) -> None:
+        self.model = model
+        tag = f"{os.getpid()}-{secrets.token_hex(3)}"
+        self.p_id = f"mp-{tag}"
+        p_http, d_http, self.boot = free_ports(3)
+
+        def spec(eid: str, role: str, cores: str, http: int) -> EngineSpec:
+            cfg = {"kv_connector": "MooncakeConnector", "kv_role": role, "kv_buffer_device": "cpu",
+                   "engine_id": eid, "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+            return _engine(work, model, eid, cores, max_len, kv_config=cfg, patches=("mooncake-device",), port=http,
+                           env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.boot)})
+
+        self.p, self.d = _start([spec(self.p_id, "kv_producer", "0", p_http),
+                                 spec(f"md-{tag}", "kv_consumer", "1", d_http)], work)
+        self.procs = {"P engine": self.p, "D engine": self.d}
+
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+        t0 = time.perf_counter()
+        tid = uuid.uuid4().hex
+        d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id,
+                    "remote_bootstrap_addr": f"http://127.0.0.1:{self.boot if dead_port is None else dead_port}",
+                    "transfer_id": tid}
+        return both(lambda: prefill(self.p.url, self.model, prompt, {"do_remote_decode": True, "transfer_id": tid}),
+                    lambda: stream(self.d.url, self.model, prompt, out, d_params, t0))
+
+
+#: The deployments a round starts, in order, with the systems each serves.
+def deployments(systems: list[str], kvxfer: dict[str, str]
+                ) -> list[tuple[tuple[str, ...], Callable[[Path, str, int], Deployment]]]:
+    out: list[tuple[tuple[str, ...], Callable[[Path, str, int], Deployment]]] = [(("one",), OneEngine)]
+    kv = tuple(s for s in ("kvxfer-pull", "kvxfer-push") if s in systems)
+    if kv:
+        out.append((kv, lambda w, m, n: KvxferPair(w, m, n, **kvxfer)))
+    if "nixl" in systems:
+        out.append((("nixl",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=False)))
+    if "nixl-fixed" in systems:
+        out.append((("nixl-fixed",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=True)))
+    if "nixl-push" in systems:
+        out.append((("nixl-push",), lambda w, m, n: NixlPair(w, m, n, push=True, fixed=True)))
+    if "mooncake" in systems:
+        out.append((("mooncake",), MooncakePair))
+    return out
+
+
+def peer_of(system: str) -> str | None:
+    return "nixl" if system.startswith("nixl") else ("mooncake" if system == "mooncake" else None)
+
+
+def peers_installed() -> dict[str, dict[str, Any]]:
+    """Each peer's distributions and versions, whether its module imports' spec is found, and how
+    it got there (bench/peers/requirements.txt, hash-checked, without dependencies)."""
+    out: dict[str, dict[str, Any]] = {}
+    for peer, dists in PEER_DISTS.items():
+        versions: dict[str, str | None] = {}
+        for d in dists:
+            try:
+                versions[d] = importlib.metadata.version(d)
+            except importlib.metadata.PackageNotFoundError:
+                versions[d] = None
+        try:
+            found = importlib.util.find_spec(PEER_MODULE[peer].split(".")[0]) is not None
+        except (ImportError, ValueError):
+            found = False
+        ok = found and all(versions.values())
+        out[peer] = {"installed": ok, "versions": versions,
+                     "how": ("pip install --no-deps -r bench/peers/requirements.txt (pinned, hash-checked; "
+                             "scripts/setup-python.sh installs NIXL's part)") if ok else f"missing: run {INSTALL_HINT}"}
+    return out
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    """A distinct prompt per request (random ids), so no request hits a prefix cache."""
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, BENCH_MODEL.vocab) for _ in range(n)]
+
+
+@dataclass
+class Cell:
+    """What one (system, prompt length, in flight) collects over the rounds."""
+
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    out_tokens: int = 0
+    wall: float = 0.0
+    cpu: dict[str, float] = field(default_factory=dict)
+    requests: int = 0
+    correct: int = 0
+    compared: int = 0
+    errors: list[str] = field(default_factory=list)
+    status: str = "ok"
+    #: D's prompt tokens by source over the cell's requests (what moved, what D computed).
+    d_tokens: dict[str, float] = field(default_factory=dict)
+
+
+def percentile(xs: list[float], p: float) -> float | None:
+    s = sorted(xs)
+    if not s:
+        return None
+    return s[min(len(s) - 1, max(0, -(-int(p * len(s) * 1000) // 1000) - 1))] * 1000
+
+
+def run(systems: list[str], lengths: list[int], concurrency: list[int], requests_per: int, rounds: int,
+        out_tokens: int, work_root: Path | None = None,
+        on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, str] | None = None,
+        faults: bool = False) -> dict[str, Any]:
+    """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory``; ``on_ready``
+    sees each deployment once it has answered its warm-up requests."""
+    kvxfer = {"placement": "shared", "kv_memory": "file", **(kvxfer or {})}
+    import vllm
+
+    peers = peers_installed()
+    work = Path(tempfile.mkdtemp(prefix="kvxfer-bench-vllm-", dir=work_root))
+    model = make_tiny_model(str(work / "model"), BENCH_MODEL)
+    max_len = max(lengths) + out_tokens + 64
+    cells: dict[tuple[str, int, int], Cell] = {(s, n, c): Cell() for s in systems for n in lengths for c in concurrency}
+    reference: dict[int, list[int]] = {}
+    fault_rows: list[dict[str, Any]] = []
+    one_engine: list[OneEngine] = []
+    load_before = os.getloadavg()
+    try:
+        for r in range(rounds):
+            for served, make in deployments(systems, kvxfer):
+                missing = [s for s in served if (pe := peer_of(s)) is not None and not peers[pe]["installed"]]
+                for s in missing:
+                    for (cs, _, _), cell in cells.items():
+                        if cs == s:
+                            cell.status = f"not installed: run {INSTALL_HINT}"
+                served = tuple(s for s in served if s not in missing)
+                if not served:
+                    continue
+                log(f"round {r + 1}/{rounds}: starting {', '.join(SYSTEMS[s] for s in served)} ...")
+                dep = None
+                for attempt in (1, 2):  # a port taken by another process meanwhile: once more, new ports
+                    try:
+                        dep = make(work, model, max_len)
+                        break
+                    except Exception as err:  # noqa: BLE001 - a failed deployment is a row, not a crash
+                        log(f"  failed to start (attempt {attempt}): {str(err)[:2000]}")
+                        failure = err
+                if dep is None:
+                    err = failure
+                    for (cs, _, _), cell in cells.items():
+                        if cs in served:
+                            cell.status = f"failed to start: {str(err).splitlines()[0][:300]}"
+                    continue
+                try:
+                    for s in served:  # the first requests of each kind pay for lazy initialisation
+                        for w in range(2):
+                            try:
+                                dep.serve(s, prompt_of(64, 10_000_000 + w), 2)
+                            except Exception as err:  # noqa: BLE001
+                                log(f"  warm-up of {s} failed: {err}")
+                    if on_ready is not None:
+                        on_ready(dep)
+                    for n in lengths:
+                        for c in concurrency:
+                            for s in served:
+                                batch(dep, s, cells[(s, n, c)], n, c, requests_per, r, out_tokens, reference)
+                            log(f"  {n} tokens, {c} in flight: done")
+                    if faults and r == 0 and isinstance(dep, OneEngine):
+                        one_engine.append(dep)
+                        continue  # kept running: the fault rows compare with its outputs
+                    if faults and r == 0 and one_engine:
+                        ref = one_engine[0]
+                        for s in served:
+                            fault_rows.append(unreachable_peer(
+                                dep, s, min(lengths), out_tokens,
+                                lambda pr: stream(ref.e.url, model, pr, out_tokens, None, time.perf_counter()).ids))
+                            log(f"  fault rows of {s}: {fault_rows[-1]}")
+                finally:
+                    if dep not in one_engine:
+                        dep.close()
+    finally:
+        for dep in one_engine:
+            dep.close()
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for (s, n, c), cell in cells.items():
+        if cell.status == "ok" and cell.errors and not cell.ttft:
+            cell.status = f"failed: {cell.errors[0][:300]}"
+        rows.append({
+            "system": s, "label": SYSTEMS[s], "tokens": n, "concurrency": c, "status": cell.status,
+            "requests": cell.requests,
+            "ttft_ms": {"p50": percentile(cell.ttft, 0.5), "p90": percentile(cell.ttft, 0.9), "n": len(cell.ttft)},
+            "e2e_ms": {"p50": percentile(cell.e2e, 0.5), "p90": percentile(cell.e2e, 0.9), "n": len(cell.e2e)},
+            "output_tokens_per_s": cell.out_tokens / cell.wall if cell.wall > 0 else None,
+            "cpu_s_per_request": ({k: v / cell.requests for k, v in cell.cpu.items()} | {
+                "total": sum(cell.cpu.values()) / cell.requests}) if cell.requests else None,
+            "correct": {"identical": cell.correct, "compared": cell.compared},
+            # Per request, from D's vLLM: prompt tokens whose KV moved, and those D computed itself.
+            "d_prompt_tokens_per_request": {k: v / cell.requests for k, v in cell.d_tokens.items()}
+            if cell.requests and cell.d_tokens else None,
+            "errors": cell.errors[:3], "error_count": len(cell.errors),
+        })
+    return {
+        "machine": f"{os.cpu_count()} cores, {platform.machine()}, load {load_before[0]:.2f} before, "
+                   f"{os.getloadavg()[0]:.2f} after",
+        "vllm": vllm.__version__,
+        "peers": peers,
+        "model": {"layers": BENCH_MODEL.layers, "kv_heads": BENCH_MODEL.kv_heads, "head_dim": BENCH_MODEL.head_dim,
+                  "dtype": "bfloat16",
+                  "kv_bytes_per_token": BENCH_MODEL.layers * 2 * BENCH_MODEL.kv_heads * BENCH_MODEL.head_dim * 2},
+        "engine": {"block_size": 32, "max_model_len": max_len, "kv_cache_bytes": 512 << 20, "cores": "P 0, D 1, one 0",
+                   "enforce_eager": True},
+        "kvxfer": kvxfer, "output_tokens": out_tokens, "rounds": rounds, "requests_per_round": requests_per,
+        "rows": rows,
+        "fault_rows": fault_rows,
+    }
+
+
+def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, rnd: int, out: int,
+          reference: dict[int, list[int]]) -> None:
+    """``count`` requests of ``n`` tokens, ``c`` at a time; the same prompts for every system."""
+    seeds = [hash((n, c, rnd, i)) & 0x7FFFFFFF for i in range(count)]
+    before = cpu_seconds(dep.procs)
+    d_before = dep.d_prompt_tokens()
+    t0 = time.perf_counter()
+
+    def one(seed: int) -> tuple[int, Answer | BaseException]:
+        try:
+            return seed, dep.serve(system, prompt_of(n, seed), out)
+        except Exception as err:  # noqa: BLE001 - counted in the row
+            return seed, err
+
+    with ThreadPoolExecutor(max_workers=c) as pool:
+        results = list(pool.map(one, seeds))
+    cell.wall += time.perf_counter() - t0
+    after = cpu_seconds(dep.procs)
+    for k, v in dep.d_prompt_tokens().items():
+        cell.d_tokens[k] = cell.d_tokens.get(k, 0.0) + v - d_before.get(k, 0.0)
+    for k in after:
+        cell.cpu[k] = cell.cpu.get(k, 0.0) + after[k] - before.get(k, 0.0)
+    cell.requests += count
+    for seed, res in results:
+        if isinstance(res, BaseException):
+            cell.errors.append(str(res)[:300])
+            continue
+        cell.ttft.append(res.ttft)
+        cell.e2e.append(res.e2e)
+        cell.out_tokens += len(res.ids)
+        if system == "one":
+            reference[seed] = res.ids
+        elif seed in reference:
+            cell.compared += 1
+            cell.correct += res.ids == reference[seed]
+
+
+def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_of: Callable[[list[int]], list[int]],
+                     hold_s: float = 60.0) -> dict[str, Any]:
+    """One request whose D is told a dead port for P's side channel: what the client sees, whether
+    D's output is still one engine's (D recomputed), how long until P's KV cache usage gauge
+    (``vllm:kv_cache_usage_perc``, polled up to ``hold_s``) reads 0, and whether the next ordinary
+    request is correct. vLLM refreshes that gauge only when P's engine steps, so on an idle P an
+    early 0 may be stale: it bounds when P's blocks came back only where P kept stepping."""
+    prompt = prompt_of(n, 20_000_000 + n)
+    row: dict[str, Any] = {"system": system, "label": SYSTEMS[system], "fault": "peer unreachable", "tokens": n}
+    t0 = time.perf_counter()
+    try:
+        ans = dep.serve(system, prompt, out, dead_port=free_port())
+        row["client"] = "answered"
+        row["identical"] = ans.ids == reference_of(prompt)
+    except Exception as err:  # noqa: BLE001 - what the client sees is the finding
+        row["client"] = f"error: {str(err)[:200]}"
+        row["identical"] = None
+    row["e2e_ms"] = (time.perf_counter() - t0) * 1000
+    p = dep.prefill_engine
+    if p is not None:
+        deadline = time.monotonic() + hold_s
+        back = None
+        while time.monotonic() < deadline:
+            try:
+                if p.metric("vllm:kv_cache_usage_perc") == 0.0:
+                    back = time.monotonic() - (deadline - hold_s)
+                    break
+            except requests.RequestException:
+                break
+            time.sleep(0.5)
+        row["p_kv_usage_zero_after_s"] = back
+    try:
+        after = prompt_of(n, 20_000_001 + n)
+        row["next_request_identical"] = dep.serve(system, after, out).ids == reference_of(after)
+    except Exception as err:  # noqa: BLE001
+        row["next_request_identical"] = f"error: {str(err)[:200]}"
+    return row
+
+
+def main() -> None:
+    # SIGTERM (a stopped parent, a timeout) unwinds like Ctrl-C: engines, sidecars and files go.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ap = argparse.ArgumentParser(prog="kvxfer bench vllm", description=__doc__.splitlines()[0])
+    ap.add_argument("--vs", default="", help="peers beside kvxfer: nixl, nixl-push, mooncake (comma-separated)")
+    ap.add_argument("--modes", default="pull,push", help="kvxfer's modes")
+    ap.add_argument("--placement", default="shared", choices=("shared", "host_buffer"), help="kvxfer's KV placement")
+    ap.add_argument("--kv-memory", default="file", choices=KV_MEMORY, help="kvxfer's KV memory")
+    ap.add_argument("--lengths", default="32,256,1024,4096")
+    ap.add_argument("--concurrency", default="1,8", help="requests in flight")
+    ap.add_argument("--requests", type=int, default=8, help="requests per cell and round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--faults", action="store_true",
+                    help="after the first round's requests, each P/D system once with P's side channel unreachable")
+    ap.add_argument("--quick", action="store_true", help="256 tokens, 1 in flight, 2 requests, 1 round")
+    a = ap.parse_args()
+    systems = ["one"]
+    for m in a.modes.split(","):
+        if m not in ("pull", "push"):
+            ap.error(f"--modes: unknown mode {m!r} (pull, push)")
+        systems.append(f"kvxfer-{m}")
+    for v in (x for x in a.vs.split(",") if x):
+        if v not in VS:
+            ap.error(f"--vs: unknown peer {v!r} ({', '.join(VS)})")
+        systems += VS[v]
+    systems = [s for s in SYSTEMS if s in systems]
+    if a.quick:
+        lengths, conc, reqs, rounds = [256], [1], 2, 1
+    else:
+        lengths = [int(x) for x in a.lengths.split(",")]
+        conc = [int(x) for x in a.concurrency.split(",")]
+        reqs, rounds = a.requests, a.rounds
+    res = run(systems, lengths, conc, max(reqs, max(conc)), rounds, a.output_tokens,
+              kvxfer={"placement": a.placement, "kv_memory": a.kv_memory}, faults=a.faults)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""``kvxfer bench vllm``'s quick variant, so the comparison harness stays alive: one prompt length,
+kvxfer (pull) beside vLLM's own NixlConnector (with the bench's two CPU fixes), every output
+token-identical to one engine's for the same prompt, with the KV moved (D's own counter). And vLLM's IPC files go to the harness's
+scratch folders: while the deployments run, no process of theirs holds a socket or file directly
+in /tmp, and after the run nothing they held is left there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from kvxfer_vllm_testing import bench
+from kvxfer_vllm_testing.harness import VllmServer
+from kvxfer_vllm_testing.pki import shared_pki
+
+TMP = Path("/tmp")
+
+
+def _pids_in_groups(pgids: set[int]) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[2]) in pgids:
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def held_paths(dep: bench.Deployment) -> set[str]:
+    """Unix socket paths bound by, and files open in, every process of the deployment."""
+    inodes: set[int] = set()
+    paths: set[str] = set()
+    for pid in _pids_in_groups({p.pid for p in dep.procs.values()}):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if m := re.fullmatch(r"socket:\[(\d+)\]", link):
+                inodes.add(int(m.group(1)))
+            elif link.startswith("/"):
+                paths.add(link)
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 8 and int(parts[6]) in inodes:
+                paths.add(parts[7].lstrip("@"))
+    return paths
+
+
+def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
+    if importlib.util.find_spec("nixl") is None:
+        pytest.fail("nixl is not installed in .venv: run scripts/setup-python.sh (it installs "
+                    "bench/peers/requirements-nixl.txt)")
+    tmp_before = set(os.listdir(TMP))
+    held: set[str] = set()
+    scratch: list[Path] = []
+
+    def observe(dep: bench.Deployment) -> None:
+        held.update(held_paths(dep))
+        scratch.extend(p.scratch for p in dep.procs.values() if isinstance(p, VllmServer))
+
+    started = time.monotonic()
+    result = bench.run(["one", "kvxfer-pull", "nixl-fixed"], lengths=[256], concurrency=[1], requests_per=2,
+                       rounds=1, out_tokens=8, on_ready=observe)
+    assert time.monotonic() - started < 1500
+    rows = {r["system"]: r for r in result["rows"]}
+    assert rows.keys() == {"one", "kvxfer-pull", "nixl-fixed"}
+    for name, row in rows.items():
+        assert row["status"] == "ok", (name, row)
+        assert row["error_count"] == 0, (name, row["errors"])
+        assert row["ttft_ms"]["n"] == 2
+    for name in ("kvxfer-pull", "nixl-fixed"):
+        assert rows[name]["correct"] == {"identical": 2, "compared": 2}, (name, rows[name])
+        # The KV moved (D's own counter; 7 of 8 blocks at least, D computes the last token), so
+        # identical outputs are not D recomputing the prompt.
+        assert rows[name]["d_prompt_tokens_per_request"]["external_kv_transfer"] >= 100, (name, rows[name])
+    assert result["peers"]["nixl"]["installed"] is True
+    assert result["peers"]["nixl"]["versions"]["nixl"] == "1.5.1"
+
+    # vLLM's IPC sockets lived in the engines' scratch folders, not directly in /tmp ...
+    assert held, "no socket or file of the deployments was observed"
+    assert any(any(p.startswith(f"{s}/") for s in scratch) for p in held), sorted(held)
+    in_tmp = sorted(p for p in held if Path(p).parent == TMP)
+    assert not in_tmp, f"the deployments held these directly in /tmp: {in_tmp}"
+    # ... and nothing they held, nor the scratch folders, is left; the run's own /tmp entries are
+    # gone too (this process's CA goes when it exits). Other users of /tmp may add entries
+    # meanwhile: only what the run's processes held is ours to check.
+    assert not [s for s in scratch if s.exists()]
+    left = [p for p in held if p.startswith("/tmp/") and os.path.exists(p)]
+    assert not left, f"left in /tmp: {left}"
+    new = set(os.listdir(TMP)) - tmp_before - {shared_pki().dir.name}
+    ours = [n for n in new if n.startswith(("kvxfer-bench-vllm-", "kvxfer-vllm-"))]
+    assert not ours, f"the bench's scratch left in /tmp: {ours}"
