@@ -558,8 +558,13 @@ def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, 
         except Exception as err:  # noqa: BLE001 - counted in the row
             return seed, err
 
-    with ThreadPoolExecutor(max_workers=c) as pool:
+    pool = ThreadPoolExecutor(max_workers=c)
+    try:
         results = list(pool.map(one, seeds))
+    finally:
+        # Not waiting here: when SIGTERM unwinds the run, stopping the deployment (run's finally)
+        # is what ends the requests still out (each may wait up to REQUEST_TIMEOUT otherwise).
+        pool.shutdown(wait=False, cancel_futures=True)
     cell.wall += time.perf_counter() - t0
     after = cpu_seconds(dep.procs)
     for k, v in dep.d_prompt_tokens().items():
