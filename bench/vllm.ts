@@ -10,7 +10,7 @@
 // `--breakdown` runs kvxfer_vllm_testing.breakdown instead: where each kvxfer pull request's time
 // goes, hop by hop (router, both engines' connector, both sidecars' traces), per prompt length
 // ([--lengths 32,256,1024,4096] [--requests N] [--kv-memory file|segment] [--prefault false,true]).
-import { spawn, spawnSync } from "node:child_process";
+import { spawn, spawnSync, type ChildProcess } from "node:child_process";
 import { existsSync } from "node:fs";
 import { join } from "node:path";
 import { pathToFileURL } from "node:url";
@@ -135,13 +135,10 @@ function runPython(o: VllmBenchOptions): Promise<VllmBenchResult> {
         if (/^\s*(round |\d+ tokens|failed)/.test(line)) o.log?.(line);
     });
     // The measurement owns engines and sidecars: a stopped parent stops it (it cleans up on SIGTERM).
-    const stop = (): void => void child.kill("SIGTERM");
-    process.once("SIGTERM", stop);
-    process.once("SIGINT", stop);
+    const unhook = stopWithParent(child);
     child.on("error", reject);
     child.on("exit", (code) => {
-      process.off("SIGTERM", stop);
-      process.off("SIGINT", stop);
+      unhook();
       if (code !== 0)
         return reject(new Error(`kvxfer_vllm_testing.bench exited ${code}:\n${err.slice(-3000)}`));
       try {
@@ -273,6 +270,17 @@ export function parseVllmArgs(argv: string[]): VllmBenchOptions {
   return { json: argv.includes("--json"), installPeers: argv.includes("--install-peers"), args };
 }
 
+/** SIGTERM to `child` when this process is told to stop (SIGTERM, SIGINT); the result undoes it. */
+function stopWithParent(child: ChildProcess): () => void {
+  const stop = (): void => void child.kill("SIGTERM");
+  process.once("SIGTERM", stop);
+  process.once("SIGINT", stop);
+  return () => {
+    process.off("SIGTERM", stop);
+    process.off("SIGINT", stop);
+  };
+}
+
 /** `--breakdown`: kvxfer_vllm_testing.breakdown prints its table on stderr and its JSON on stdout. */
 function runBreakdown(args: string[]): Promise<void> {
   const py = join(packageRoot(), ".venv", "bin", "python");
@@ -282,13 +290,10 @@ function runBreakdown(args: string[]): Promise<void> {
       env: { ...process.env, PYTHONPATH: pythonPath(packageRoot()) },
       stdio: ["ignore", "inherit", "inherit"],
     });
-    const stop = (): void => void child.kill("SIGTERM");
-    process.once("SIGTERM", stop);
-    process.once("SIGINT", stop);
+    const unhook = stopWithParent(child);
     child.on("error", reject);
     child.on("exit", (code) => {
-      process.off("SIGTERM", stop);
-      process.off("SIGINT", stop);
+      unhook();
       if (code === 0) resolve();
       else reject(new Error(`kvxfer_vllm_testing.breakdown exited ${code}`));
     });
