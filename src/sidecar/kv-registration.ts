@@ -240,10 +240,7 @@ export class KvRegistry implements KvGate {
     const fail = (error: string): void => {
       this.host.errors.note(`register: ${error}`);
       this.host.log.warn({ error }, "engine registration refused");
-      this.host.engine.answer({
-        case: "registered",
-        value: { ok: false, error, sideChannel: this.host.channel.address, epoch: this.host.epoch },
-      });
+      this.answerRegistered(error);
     };
     if (this.kv !== undefined) {
       if (conn === undefined || conn.isOwner)
@@ -270,15 +267,7 @@ export class KvRegistry implements KvGate {
       this.host.log.warn(
         "the engine reconnected and registered again: link handed to its new connection",
       );
-      this.host.engine.answer({
-        case: "registered",
-        value: {
-          ok: true,
-          error: "",
-          sideChannel: this.host.channel.address,
-          epoch: this.host.epoch,
-        },
-      });
+      this.answerRegistered();
       conn.adopt();
       return;
     }
@@ -352,18 +341,23 @@ export class KvRegistry implements KvGate {
       { tp: layout.tpSize, regions: layout.regionBytes.length },
       "KV cache registered",
     );
+    this.answerRegistered();
+  }
+
+  /** A new agent for `rank` of `ranks`. */
+  /** Registered, to the engine that asked: ok, or the error that refused it. */
+  private answerRegistered(error = ""): void {
     this.host.engine.answer({
       case: "registered",
       value: {
-        ok: true,
-        error: "",
+        ok: error === "",
+        error,
         sideChannel: this.host.channel.address,
         epoch: this.host.epoch,
       },
     });
   }
 
-  /** A new agent for `rank` of `ranks`. */
   private newAgent(rank: number, ranks: number): Agent {
     const netDevices = this.host.opts.netDevices[rank] ?? this.host.opts.netDevices[0];
     return new Agent({
