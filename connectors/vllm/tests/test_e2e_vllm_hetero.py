@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import Deployment, prompt, stop_deployment, unique
 
-from kvxfer_vllm.harness import EngineSpec, PdRouter, SidecarProc, VllmServer, metric, output_ids
-from kvxfer_vllm.tiny_model import TinyModelSpec, make_tiny_model
+from kvxfer_vllm_testing.harness import EngineSpec, PdRouter, SidecarProc, VllmServer, metric, output_ids
+from kvxfer_vllm_testing.tiny_model import TinyModelSpec, make_tiny_model
 
 P_BLOCK, D_BLOCK = 32, 64
 MAX_TOKENS = 16
