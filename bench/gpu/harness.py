@@ -33,6 +33,7 @@ import os
 import platform
 import random
 import select
+import shutil
 import statistics
 import struct
 import subprocess
@@ -676,6 +677,8 @@ def part_c_sidecars(mem: Any, res: dict[str, Any]) -> None:
             f.close()
         with contextlib.suppress(OSError):
             os.rmdir(shm_dir)
+        # The sidecars' logs: their tails are in res["logs"].
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # --- report -----------------------------------------------------------------------------------------
