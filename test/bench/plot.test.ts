@@ -2,38 +2,17 @@
 // it cannot use is named with why, on stderr, and it exits 1 when it drew nothing; a good
 // native.json or e2e.json is drawn, as SVG and PNG, and the missing ones are still named. No
 // benchmark runs here.
-import { spawn } from "node:child_process";
 import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 
 import { cliScript } from "../../sim/sidecar-process.js";
-
-interface Run {
-  status: number | null;
-  stdout: string;
-  stderr: string;
-}
+import { runNode, type NodeRun } from "../run-node.js";
 
 /** `kvxfer bench plot` as a child process with its results in `dir`; killed past 20 s. */
-function plot(dir: string): Promise<Run> {
-  return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [cliScript(), "bench", "plot"], {
-      stdio: ["ignore", "pipe", "pipe"],
-      env: { ...process.env, KVXFER_BENCH_RESULTS: dir },
-    });
-    let stdout = "";
-    let stderr = "";
-    child.stdout.on("data", (b: Buffer) => (stdout += b.toString()));
-    child.stderr.on("data", (b: Buffer) => (stderr += b.toString()));
-    const timer = setTimeout(() => child.kill("SIGKILL"), 20_000);
-    child.on("error", reject);
-    child.on("close", (status) => {
-      clearTimeout(timer);
-      resolve({ status, stdout, stderr });
-    });
-  });
+function plot(dir: string): Promise<NodeRun> {
+  return runNode([cliScript(), "bench", "plot"], { ...process.env, KVXFER_BENCH_RESULTS: dir });
 }
 
 const lines = (s: string): string[] => s.split("\n").filter((l) => l.trim() !== "");

@@ -4,7 +4,6 @@
  * own commands run; the optional ones fail in one line that names the package and what to do
  * (src/cli/optional.ts).
  */
-import { spawn } from "node:child_process";
 import { cpSync, mkdirSync, mkdtempSync, readdirSync, rmSync, symlinkSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -12,34 +11,15 @@ import { fileURLToPath } from "node:url";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { cliScript } from "../../sim/sidecar-process.js";
+import { runNode, type NodeRun } from "../run-node.js";
 
 const ROOT = fileURLToPath(new URL("../..", import.meta.url));
 const HARNESS = ["kvxfer-sim", "kvxfer-bench"];
 
 let dir = "";
 
-interface Run {
-  status: number | null;
-  stdout: string;
-  stderr: string;
-}
-
-function run(args: string[]): Promise<Run> {
-  return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [join(dir, "dist", "src", "cli", "main.js"), ...args], {
-      stdio: ["ignore", "pipe", "pipe"],
-    });
-    let stdout = "";
-    let stderr = "";
-    child.stdout.on("data", (b: Buffer) => (stdout += b.toString()));
-    child.stderr.on("data", (b: Buffer) => (stderr += b.toString()));
-    const timer = setTimeout(() => child.kill("SIGKILL"), 20_000);
-    child.on("error", reject);
-    child.on("close", (status) => {
-      clearTimeout(timer);
-      resolve({ status, stdout, stderr });
-    });
-  });
+function run(args: string[]): Promise<NodeRun> {
+  return runNode([join(dir, "dist", "src", "cli", "main.js"), ...args]);
 }
 
 beforeAll(() => {
