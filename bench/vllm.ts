@@ -65,7 +65,10 @@ export interface VllmBenchResult {
   rounds: number;
   requests_per_round: number;
   rows: VllmRow[];
-  /** With --faults: each P/D system once with P's side channel unreachable. */
+  /**
+   * With --faults: each P/D system once with P's side channel unreachable, then (each on a fresh
+   * deployment) P's engine killed after answering and D's engine killed mid-load.
+   */
   fault_rows?: VllmFaultRow[];
 }
 
@@ -76,8 +79,10 @@ export interface VllmFaultRow {
   tokens: number;
   /** "answered" or "error: ..." */
   client: string;
-  /** D's output equals one engine's (it recomputed); null when it answered nothing. */
+  /** D's output equals one engine's (moved or recomputed: see d_prompt_tokens); null when it answered nothing. */
   identical: boolean | null;
+  /** D's prompt tokens for the faulted request, by source (vLLM's counter): KV moved or computed. */
+  d_prompt_tokens?: Record<string, number>;
   e2e_ms: number;
   /** Seconds until P's KV cache usage gauge read 0 (refreshed only when P steps); null: not within the bound. */
   p_kv_usage_zero_after_s?: number | null;
@@ -209,6 +214,14 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
   return markdown ? markdownTable(head, rows) : table(head, rows);
 }
 
+/** "moved N, computed M": where D's prompt tokens came from (vLLM's counter). */
+function promptSource(t: Record<string, number> | undefined): string {
+  if (!t) return "-";
+  const moved = t.external_kv_transfer ?? 0;
+  const computed = t.local_compute ?? 0;
+  return `moved ${fmt(moved, 0)}, computed ${fmt(computed, 0)}`;
+}
+
 /** The fault rows: what the client saw, whether D recomputed, P's KV usage gauge, the next request. */
 export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false): string {
   const head = [
@@ -216,6 +229,7 @@ export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false
     "fault",
     "client sees",
     "output",
+    "D's prompt",
     "E2E ms",
     "P's KV usage 0 after",
     "next request",
@@ -224,7 +238,8 @@ export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false
     f.label,
     f.fault,
     f.client,
-    f.identical === null ? "-" : f.identical ? "one engine's (recomputed)" : "DIFFERENT",
+    f.identical === null ? "-" : f.identical ? "one engine's" : "DIFFERENT",
+    promptSource(f.d_prompt_tokens),
     fmt(f.e2e_ms, 0),
     f.p_kv_usage_zero_after_s === undefined
       ? "-"

@@ -122,6 +122,13 @@ def prefill(url: str, model: str, prompt: list[int], params: dict[str, Any],
     return r.json()
 
 
+def answered(p_answer: dict[str, Any], hook: Callable[[], None] | None) -> dict[str, Any]:
+    """P's answer, after running ``hook`` (a fault injected the moment P has answered)."""
+    if hook is not None:
+        hook()
+    return p_answer
+
+
 def both(p_call: Callable[[], Any], d_call: Callable[[], Answer]) -> Answer:
     """P's and D's requests at once (push, and routers that send D P's coordinates up front)."""
     err: list[BaseException] = []
@@ -169,10 +176,12 @@ class Deployment:
     procs: dict[str, Proc]
     model: str
 
-    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None,
+              on_p_answer: Callable[[], None] | None = None) -> Answer:
         """One request through ``system``; with ``dead_port`` D is told that port (nothing listens
         there) for P's side channel (kvxfer: P's sidecar; NIXL: its side channel; Mooncake: its
-        bootstrap server): the peer unreachable."""
+        bootstrap server): the peer unreachable. ``on_p_answer`` runs once P's answer is in (pull:
+        before D is asked; push: with D's request already out)."""
         raise NotImplementedError
 
     def d_prompt_tokens(self) -> dict[str, float]:
@@ -222,7 +231,8 @@ class OneEngine(Deployment):
         (self.e,) = _start([_engine(work, model, f"one-{os.getpid()}", "0", max_len, connector=False)], work)
         self.procs = {"engine": self.e}
 
-    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None,
+              on_p_answer: Callable[[], None] | None = None) -> Answer:
         return stream(self.e.url, self.model, prompt, out, None, time.perf_counter())
 
 
@@ -260,19 +270,20 @@ class KvxferPair(Deployment):
         host, port = self.p_sc.side_channel.rsplit(":", 1)
         self.p_addr = (host, int(port))
 
-    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None,
+              on_p_answer: Callable[[], None] | None = None) -> Answer:
         tid = uuid.uuid4().hex
         t0 = time.perf_counter()
         p_params = {"do_remote_decode": True, "transfer_id": tid}
         if system == "kvxfer-pull":
-            pr = prefill(self.p.url, self.model, prompt, p_params)
+            pr = answered(prefill(self.p.url, self.model, prompt, p_params), on_p_answer)
             params = dict(pr["kv_transfer_params"])
             if dead_port is not None:
                 params["remote_port"] = dead_port
             return stream(self.d.url, self.model, prompt, out, params, t0)
         d_params = {"do_remote_prefill": True, "remote_host": self.p_addr[0],
                     "remote_port": self.p_addr[1] if dead_port is None else dead_port, "transfer_id": tid}
-        return both(lambda: prefill(self.p.url, self.model, prompt, p_params),
+        return both(lambda: answered(prefill(self.p.url, self.model, prompt, p_params), on_p_answer),
                     lambda: stream(self.d.url, self.model, prompt, out, d_params, t0))
 
     def close(self) -> None:
@@ -306,14 +317,15 @@ class NixlPair(Deployment):
                                 work)
         self.procs = {"P engine": self.p, "D engine": self.d}
 
-    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None,
+              on_p_answer: Callable[[], None] | None = None) -> Answer:
         t0 = time.perf_counter()
         rid = uuid.uuid4().hex
         headers = {"X-Request-Id": rid}
         p_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
         if not self.push:
-            pr = prefill(self.p.url, self.model, prompt, p_params, headers)
+            pr = answered(prefill(self.p.url, self.model, prompt, p_params, headers), on_p_answer)
             params = dict(pr["kv_transfer_params"])
             if dead_port is not None:
                 params["remote_port"] = dead_port
@@ -323,7 +335,7 @@ class NixlPair(Deployment):
         d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id, "remote_host": "127.0.0.1",
                     "remote_port": self.p_port if dead_port is None else dead_port, "tp_size": 1,
                     "remote_request_id": f"cmpl-{rid}-0"}
-        return both(lambda: prefill(self.p.url, self.model, prompt, p_params, headers),
+        return both(lambda: answered(prefill(self.p.url, self.model, prompt, p_params, headers), on_p_answer),
                     lambda: stream(self.d.url, self.model, prompt, out, d_params, t0, headers))
 
 
@@ -350,13 +362,15 @@ class MooncakePair(Deployment):
                                  spec(f"md-{tag}", "kv_consumer", "1", d_http)], work)
         self.procs = {"P engine": self.p, "D engine": self.d}
 
-    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None) -> Answer:
+    def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None,
+              on_p_answer: Callable[[], None] | None = None) -> Answer:
         t0 = time.perf_counter()
         tid = uuid.uuid4().hex
         d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id,
                     "remote_bootstrap_addr": f"http://127.0.0.1:{self.boot if dead_port is None else dead_port}",
                     "transfer_id": tid}
-        return both(lambda: prefill(self.p.url, self.model, prompt, {"do_remote_decode": True, "transfer_id": tid}),
+        return both(lambda: answered(prefill(self.p.url, self.model, prompt,
+                                             {"do_remote_decode": True, "transfer_id": tid}), on_p_answer),
                     lambda: stream(self.d.url, self.model, prompt, out, d_params, t0))
 
 
@@ -506,6 +520,11 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                 finally:
                     if dep not in one_engine:
                         dep.close()
+        if faults and one_engine:
+            ref = one_engine[0]
+            fault_rows += destructive_fault_rows(
+                systems, kvxfer, peers, work, model, max_len, min(lengths), max(concurrency), out_tokens,
+                lambda pr: stream(ref.e.url, model, pr, out_tokens, None, time.perf_counter()).ids)
     finally:
         for dep in one_engine:
             dep.close()
@@ -542,6 +561,39 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
         "rows": rows,
         "fault_rows": fault_rows,
     }
+
+
+def destructive_fault_rows(systems: list[str], kvxfer: dict[str, str], peers: dict[str, dict[str, Any]], work: Path,
+                           model: str, max_len: int, n: int, in_flight: int, out: int,
+                           reference_of: Callable[[list[int]], list[int]]) -> list[dict[str, Any]]:
+    """Each of ``DESTRUCTIVE_FAULTS`` for each installed P/D system, on a deployment of its own."""
+    rows: list[dict[str, Any]] = []
+    for served, make in deployments(systems, kvxfer):
+        for s in served:
+            if s == "one" or ((pe := peer_of(s)) is not None and not peers[pe]["installed"]):
+                continue
+            for fault in DESTRUCTIVE_FAULTS:
+                name = FAULT_LABELS[fault.__name__]
+                log(f"fault ({fault.__name__}) on {SYSTEMS[s]}: starting ...")
+                try:
+                    dep = make(work, model, max_len)
+                except Exception as err:  # noqa: BLE001 - a row, not a crash
+                    rows.append({"system": s, "label": SYSTEMS[s], "fault": name, "tokens": n,
+                                 "client": f"failed to start: {str(err).splitlines()[0][:200]}",
+                                 "identical": None, "e2e_ms": 0.0, "next_request_identical": "-"})
+                    continue
+                try:
+                    for w in range(2):  # lazy initialisation, as in the rounds
+                        dep.serve(s, prompt_of(64, 10_000_000 + w), 2)
+                    rows.append(fault(dep, s, n, out, reference_of, in_flight))
+                    log(f"  {rows[-1]}")
+                except Exception as err:  # noqa: BLE001
+                    rows.append({"system": s, "label": SYSTEMS[s], "fault": name, "tokens": n,
+                                 "client": f"harness error: {str(err)[:200]}", "identical": None, "e2e_ms": 0.0,
+                                 "next_request_identical": "-"})
+                finally:
+                    dep.close()
+    return rows
 
 
 def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, rnd: int, out: int,
@@ -595,6 +647,7 @@ def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_o
     early 0 may be stale: it bounds when P's blocks came back only where P kept stepping."""
     prompt = prompt_of(n, 20_000_000 + n)
     row: dict[str, Any] = {"system": system, "label": SYSTEMS[system], "fault": "peer unreachable", "tokens": n}
+    d_before = dep.d_prompt_tokens()
     t0 = time.perf_counter()
     try:
         ans = dep.serve(system, prompt, out, dead_port=free_port())
@@ -604,6 +657,7 @@ def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_o
         row["client"] = f"error: {str(err)[:200]}"
         row["identical"] = None
     row["e2e_ms"] = (time.perf_counter() - t0) * 1000
+    row["d_prompt_tokens"] = kv_source(d_before, dep.d_prompt_tokens())
     p = dep.prefill_engine
     if p is not None:
         deadline = time.monotonic() + hold_s
@@ -625,6 +679,122 @@ def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_o
     return row
 
 
+def kv_source(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """D's prompt tokens between two readings of vLLM's counter, by where they came from."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def p_blocks_free(p: VllmServer, model: str, baseline: float | None, hold_s: float) -> float | None:
+    """Seconds until P's KV cache usage gauge is back at ``baseline`` (what a one-block probe on an
+    idle P reads): each poll first sends P a one-token request of its own so that P steps and
+    refreshes the gauge. None: not within ``hold_s``, or P is gone."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < hold_s:
+        try:
+            stream(p.url, model, [5, 6, 7], 1, None, time.perf_counter())
+            usage = p.metric("vllm:kv_cache_usage_perc")
+        except (requests.RequestException, RuntimeError):
+            return None
+        if baseline is not None and usage <= baseline + 1e-9:
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    return None
+
+
+def idle_usage(p: VllmServer | None, model: str) -> float | None:
+    """P's KV cache usage gauge right after a one-token probe on an idle P (the probe's own block)."""
+    if p is None:
+        return None
+    try:
+        stream(p.url, model, [5, 6, 7], 1, None, time.perf_counter())
+        return p.metric("vllm:kv_cache_usage_perc")
+    except (requests.RequestException, RuntimeError):
+        return None
+
+
+def p_killed_after_answer(dep: Deployment, system: str, n: int, out: int,
+                          reference_of: Callable[[list[int]], list[int]], in_flight: int) -> dict[str, Any]:
+    """P's engine SIGKILLed the moment its answer reaches the client (pull: before D is asked;
+    push: D's request already out): what the client sees, whether D's output is one engine's, and
+    whether D's prompt came from moved KV or was recomputed; then whether D alone still serves."""
+    prompt = prompt_of(n, 30_000_000 + n)
+    row: dict[str, Any] = {"system": system, "label": SYSTEMS[system],
+                           "fault": FAULT_LABELS["p_killed_after_answer"], "tokens": n}
+    p = dep.prefill_engine
+    assert p is not None
+    d_before = dep.d_prompt_tokens()
+    t0 = time.perf_counter()
+    try:
+        ans = dep.serve(system, prompt, out, on_p_answer=p.kill)
+        row["client"] = "answered"
+        row["identical"] = ans.ids == reference_of(prompt)
+    except Exception as err:  # noqa: BLE001 - what the client sees is the finding
+        row["client"] = f"error: {str(err)[:200]}"
+        row["identical"] = None
+    row["e2e_ms"] = (time.perf_counter() - t0) * 1000
+    row["d_prompt_tokens"] = kv_source(d_before, dep.d_prompt_tokens())
+    d = getattr(dep, "d")
+    try:  # D on its own (no transfer): does it still serve correctly?
+        after = prompt_of(n, 30_000_001 + n)
+        row["next_request_identical"] = (
+            stream(d.url, dep.model, after, out, None, time.perf_counter()).ids == reference_of(after))
+    except Exception as err:  # noqa: BLE001
+        row["next_request_identical"] = f"error: {str(err)[:200]}"
+    return row
+
+
+def d_killed_mid_load(dep: Deployment, system: str, n: int, out: int,
+                      reference_of: Callable[[list[int]], list[int]], in_flight: int,
+                      hold_s: float = 60.0) -> dict[str, Any]:
+    """``in_flight`` requests at once; D's engine SIGKILLed as soon as P has answered the first of
+    them: how many the client got answered and what the others saw, how long until P's KV cache
+    usage is back to an idle P's (P's blocks returned), and whether P alone still serves."""
+    row: dict[str, Any] = {"system": system, "label": SYSTEMS[system],
+                           "fault": FAULT_LABELS["d_killed_mid_load"], "tokens": n}
+    p = dep.prefill_engine
+    d = getattr(dep, "d")
+    assert p is not None
+    baseline = idle_usage(p, dep.model)
+    first = threading.Event()
+    prompts = [prompt_of(n, 40_000_000 + i) for i in range(in_flight)]
+
+    def one(pr: list[int]) -> Answer | BaseException:
+        try:
+            return dep.serve(system, pr, out, on_p_answer=first.set)
+        except Exception as err:  # noqa: BLE001 - counted in the row
+            return err
+
+    t0 = time.perf_counter()
+    pool = ThreadPoolExecutor(max_workers=in_flight)
+    try:
+        futures = [pool.submit(one, pr) for pr in prompts]
+        first.wait(REQUEST_TIMEOUT)
+        d.kill()
+        results = [f.result(REQUEST_TIMEOUT + 30) for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    row["e2e_ms"] = (time.perf_counter() - t0) * 1000
+    errors = [r for r in results if isinstance(r, BaseException)]
+    row["client"] = f"{len(results) - len(errors)}/{len(results)} answered" + (
+        f"; error: {str(errors[0])[:160]}" if errors else "")
+    done = [(pr, r) for pr, r in zip(prompts, results) if not isinstance(r, BaseException)]
+    row["identical"] = all(r.ids == reference_of(pr) for pr, r in done) if done else None
+    row["p_kv_usage_zero_after_s"] = p_blocks_free(p, dep.model, baseline, hold_s)
+    try:  # P on its own: does it still serve correctly?
+        after = prompt_of(n, 40_000_100 + n)
+        row["next_request_identical"] = (
+            stream(p.url, dep.model, after, out, None, time.perf_counter()).ids == reference_of(after))
+    except Exception as err:  # noqa: BLE001
+        row["next_request_identical"] = f"error: {str(err)[:200]}"
+    return row
+
+
+#: Faults that end the deployment they hit: each runs on a fresh one, after the rounds.
+DESTRUCTIVE_FAULTS = (p_killed_after_answer, d_killed_mid_load)
+FAULT_LABELS = {"p_killed_after_answer": "P's engine killed after answering",
+                "d_killed_mid_load": "D's engine killed mid-load"}
+
+
 def main() -> None:
     # SIGTERM (a stopped parent, a timeout) unwinds like Ctrl-C: engines, sidecars and files go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -639,7 +809,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--faults", action="store_true",
-                    help="after the first round's requests, each P/D system once with P's side channel unreachable")
+                    help="each P/D system once with P's side channel unreachable (after the first round's requests), then on "
+                         "fresh deployments: P's engine killed after answering, D's engine killed mid-load")
     ap.add_argument("--quick", action="store_true", help="256 tokens, 1 in flight, 2 requests, 1 round")
     a = ap.parse_args()
     systems = ["one"]
