@@ -84,7 +84,7 @@ export interface VllmFaultRow {
   /** D's prompt tokens for the faulted request, by source (vLLM's counter): KV moved or computed. */
   d_prompt_tokens?: Record<string, number>;
   e2e_ms: number;
-  /** Seconds until P's KV cache usage gauge read 0 (refreshed only when P steps); null: not within the bound. */
+  /** Seconds until P's KV cache usage is back to an idle P's (P probed so it refreshes); null: not within 60 s. */
   p_kv_usage_zero_after_s?: number | null;
   next_request_identical: boolean | string;
 }
@@ -222,7 +222,7 @@ function promptSource(t: Record<string, number> | undefined): string {
   return `moved ${fmt(moved, 0)}, computed ${fmt(computed, 0)}`;
 }
 
-/** The fault rows: what the client saw, whether D recomputed, P's KV usage gauge, the next request. */
+/** The fault rows: what the client saw, whether D's output is right and where its prompt came from, P's blocks, the next request. */
 export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false): string {
   const head = [
     "system",
@@ -231,7 +231,7 @@ export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false
     "output",
     "D's prompt",
     "E2E ms",
-    "P's KV usage 0 after",
+    "P's blocks back after",
     "next request",
   ];
   const body = rows.map((f) => [

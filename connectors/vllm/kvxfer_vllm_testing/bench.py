@@ -525,9 +525,15 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                         dep.close()
         if faults and one_engine:
             ref = one_engine[0]
-            fault_rows += destructive_fault_rows(
-                systems, kvxfer, peers, work, model, max_len, min(lengths), max(concurrency), out_tokens,
-                lambda pr: stream(ref.e.url, model, pr, out_tokens, None, time.perf_counter()).ids)
+            try:
+                fault_rows += destructive_fault_rows(
+                    systems, kvxfer, peers, work, model, max_len, min(lengths), max(concurrency), out_tokens,
+                    lambda pr: stream(ref.e.url, model, pr, out_tokens, None, time.perf_counter()).ids)
+            except Exception as err:  # noqa: BLE001 - the rounds' rows stand; the failure is a row
+                log(f"fault rows failed: {err}")
+                fault_rows.append({"system": "-", "label": "-", "fault": "(the harness)", "tokens": 0,
+                                   "client": f"harness error: {str(err)[:200]}", "identical": None,
+                                   "e2e_ms": 0.0, "next_request_identical": "-"})
     finally:
         for dep in one_engine:
             dep.close()
@@ -644,12 +650,13 @@ def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, 
 def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_of: Callable[[list[int]], list[int]],
                      hold_s: float = 60.0) -> dict[str, Any]:
     """One request whose D is told a dead port for P's side channel: what the client sees, whether
-    D's output is still one engine's (D recomputed), how long until P's KV cache usage gauge
-    (``vllm:kv_cache_usage_perc``, polled up to ``hold_s``) reads 0, and whether the next ordinary
-    request is correct. vLLM refreshes that gauge only when P's engine steps, so on an idle P an
-    early 0 may be stale: it bounds when P's blocks came back only where P kept stepping."""
+    D's output is still one engine's (D recomputed: D's prompt tokens by source say so), how long
+    until P's KV cache usage is back to an idle P's (P's blocks returned; polled up to ``hold_s``,
+    P probed so that its gauge refreshes), and whether the next ordinary request is correct."""
     prompt = prompt_of(n, 20_000_000 + n)
     row: dict[str, Any] = {"system": system, "label": SYSTEMS[system], "fault": "peer unreachable", "tokens": n}
+    p = dep.prefill_engine
+    baseline = idle_usage(p, dep.model)
     d_before = dep.d_prompt_tokens()
     t0 = time.perf_counter()
     try:
@@ -661,19 +668,8 @@ def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_o
         row["identical"] = None
     row["e2e_ms"] = (time.perf_counter() - t0) * 1000
     row["d_prompt_tokens"] = kv_source(d_before, dep.d_prompt_tokens())
-    p = dep.prefill_engine
     if p is not None:
-        deadline = time.monotonic() + hold_s
-        back = None
-        while time.monotonic() < deadline:
-            try:
-                if p.metric("vllm:kv_cache_usage_perc") == 0.0:
-                    back = time.monotonic() - (deadline - hold_s)
-                    break
-            except requests.RequestException:
-                break
-            time.sleep(0.5)
-        row["p_kv_usage_zero_after_s"] = back
+        row["p_kv_usage_zero_after_s"] = p_blocks_free(p, dep.model, baseline, hold_s)
     try:
         after = prompt_of(n, 20_000_001 + n)
         row["next_request_identical"] = dep.serve(system, after, out).ids == reference_of(after)
