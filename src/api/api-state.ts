@@ -15,7 +15,7 @@ import { KvxferError } from "../errors.js";
 import { transferIdCharProblem } from "../peer/messages.js";
 import type { EventLog, EventSubscription } from "../sidecar/event-log.js";
 import type { SidecarEvent, SidecarView } from "../sidecar/view.js";
-import { type EnumMap, encodeEventResponse, eventToProto } from "./convert.js";
+import { type EnumMap, encodeEventResponse, eventInit } from "./convert.js";
 import type { ApiServerOptions } from "./server-options.js";
 
 const MAX_TRANSFER_ID = 512;
@@ -146,7 +146,7 @@ export class ApiState {
   encodeEvent(ev: SidecarEvent): Uint8Array {
     let bytes = this.encoded.get(ev);
     if (bytes === undefined) {
-      bytes = encodeEventResponse(eventToProto(ev));
+      bytes = encodeEventResponse(eventInit(ev));
       this.encoded.set(ev, bytes);
     }
     return bytes;

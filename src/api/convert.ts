@@ -3,7 +3,7 @@
  * messages: the server converts view -> proto, the client proto -> view. The
  * one place enum names are mapped.
  */
-import { create, toBinary } from "@bufbuild/protobuf";
+import { create, type MessageInitShape } from "@bufbuild/protobuf";
 import { Role } from "../gen/kvxfer/v1/peer_pb.js";
 import {
   type Event,
@@ -17,8 +17,8 @@ import {
   TransferSchema,
   TransferSide as PbTransferSide,
   TransferState as PbTransferState,
-  WatchEventsResponseSchema,
 } from "../gen/kvxfer/v1/sidecar_pb.js";
+import { watchEventsResponseToBinary } from "../gen/kvxfer/v1/sidecar_binary.js";
 import type {
   EventKind,
   SidecarEvent,
@@ -94,8 +94,9 @@ const roles = new EnumMap<SidecarRole, Role>(["prefill", "decode", "both"], Role
 const big = (n: number): bigint => BigInt(Math.max(0, Math.trunc(n)));
 const num = (n: bigint): number => Number(n);
 
-export function eventToProto(ev: SidecarEvent): Event {
-  return create(EventSchema, {
+/** An event's fields as an Event init (for `create`, or the generated encoder without it). */
+export function eventInit(ev: SidecarEvent): MessageInitShape<typeof EventSchema> {
+  return {
     seq: big(ev.seq),
     kind: eventKinds.num(ev.kind) ?? PbEventKind.UNSPECIFIED,
     timeMs: big(ev.timeMs),
@@ -105,15 +106,16 @@ export function eventToProto(ev: SidecarEvent): Event {
     reason: ev.reason,
     bytes: big(ev.bytes),
     mode: transferModes.num(ev.mode) ?? PbTransferMode.UNSPECIFIED,
-  });
+  };
+}
+
+export function eventToProto(ev: SidecarEvent): Event {
+  return create(EventSchema, eventInit(ev));
 }
 
 /** A WatchEventsResponse carrying `e`, as bytes (the server encodes each event once). */
-export function encodeEventResponse(e: Event): Uint8Array {
-  return toBinary(
-    WatchEventsResponseSchema,
-    create(WatchEventsResponseSchema, { msg: { case: "event", value: e } }),
-  );
+export function encodeEventResponse(e: MessageInitShape<typeof EventSchema>): Uint8Array {
+  return watchEventsResponseToBinary({ msg: { case: "event", value: e } });
 }
 
 /** Throws when the kind is not one this client knows (a newer server). */

@@ -1,16 +1,16 @@
 /**
  * The engine's end of the engine link: a ZeroMQ DEALER connected to the sidecar's ROUTER.
  */
-import { fromBinary, toBinary } from "@bufbuild/protobuf";
+import { fromBinary } from "@bufbuild/protobuf";
 import type { Logger } from "pino";
 import { Dealer } from "zeromq";
 
 import {
   type EngineToSidecar,
-  EngineToSidecarSchema,
   type SidecarToEngine,
   SidecarToEngineSchema,
 } from "../gen/kvxfer/v1/engine_pb.js";
+import { engineToSidecarToBinary } from "../gen/kvxfer/v1/engine_binary.js";
 import { KvxferError } from "../errors.js";
 import {
   checkCap,
@@ -124,7 +124,7 @@ export class EngineLinkClient {
 
   /** Queues one message. Rejects with ERR_CLOSED, or ERR_SEND_FAILED when the queue is full. */
   async send(msg: EngineToSidecar): Promise<void> {
-    await this.sendRaw(toBinary(EngineToSidecarSchema, msg));
+    await this.sendRaw(engineToSidecarToBinary(msg));
   }
 
   /** Queues one frame of raw bytes: for tests and tools that send what an engine should not. */

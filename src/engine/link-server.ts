@@ -6,7 +6,7 @@
 import { chmodSync, lstatSync, unlinkSync } from "node:fs";
 import type { Server } from "node:net";
 
-import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
+import { create, fromBinary } from "@bufbuild/protobuf";
 import type { Logger } from "pino";
 import { Router } from "zeromq";
 
@@ -15,8 +15,8 @@ import {
   EngineToSidecarSchema,
   RefusedSchema,
   type SidecarToEngine,
-  SidecarToEngineSchema,
 } from "../gen/kvxfer/v1/engine_pb.js";
+import { sidecarToEngineToBinary } from "../gen/kvxfer/v1/engine_binary.js";
 import { KvxferError } from "../errors.js";
 import {
   checkCap,
@@ -404,7 +404,7 @@ export class EngineLinkServer {
     if (this.phase !== "open") return "failed";
     let body: Uint8Array;
     try {
-      body = toBinary(SidecarToEngineSchema, msg);
+      body = sidecarToEngineToBinary(msg);
     } catch (err) {
       this.log.error({ err, kind: msg.msg.case }, "cannot encode a message to the engine");
       return "failed";

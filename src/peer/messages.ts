@@ -4,7 +4,7 @@
  */
 import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 
-import { create, fromBinary, type MessageInitShape, toBinary } from "@bufbuild/protobuf";
+import { fromBinary, type MessageInitShape } from "@bufbuild/protobuf";
 
 import {
   PeerMessageSchema,
@@ -12,6 +12,7 @@ import {
   type SealedPeerMessage,
   SealedPeerMessageSchema,
 } from "../gen/kvxfer/v1/peer_pb.js";
+import { peerMessageToBinary, sealedPeerMessageToBinary } from "../gen/kvxfer/v1/peer_binary.js";
 
 /** Largest peer notification accepted (a PushReg of 250k block ids fits). */
 export const MAX_PEER_MESSAGE_BYTES = 1 << 20;
@@ -52,10 +53,7 @@ export function encodePeerMessage(
   body: PeerBody,
   seq = 0n,
 ): Uint8Array {
-  return toBinary(
-    PeerMessageSchema,
-    create(PeerMessageSchema, { senderEngineId, senderEpoch, receiverEpoch, seq, msg: body }),
-  );
+  return peerMessageToBinary({ senderEngineId, senderEpoch, receiverEpoch, seq, msg: body });
 }
 
 /** Bytes of a MAC key handed over in the handshake. */
@@ -77,10 +75,7 @@ function hmacSha256(key: Uint8Array, message: Uint8Array): Buffer {
  * key, as a SealedPeerMessage.
  */
 export function sealPeerMessage(key: Uint8Array, message: Uint8Array): Uint8Array {
-  return toBinary(
-    SealedPeerMessageSchema,
-    create(SealedPeerMessageSchema, { message, mac: hmacSha256(key, message) }),
-  );
+  return sealedPeerMessageToBinary({ message, mac: hmacSha256(key, message) });
 }
 
 /** A received notification, parsed but not yet verified: `verify` with the sender's key. */
