@@ -5,7 +5,35 @@
 import { BinaryWriter, WireType } from "@bufbuild/protobuf/wire";
 import type { MessageInitShape } from "@bufbuild/protobuf";
 import { create, toBinary } from "@bufbuild/protobuf";
-import { KvLayoutSchema, KvSlotAddressSchema } from "./layout_pb.js";
+import { KvLayoutSchema, KvRunOrderSchema, KvSlotAddressSchema } from "./layout_pb.js";
+
+/**
+ * Writes kvxfer.v1.KvRunOrder's fields into `w`, as toBinary would.
+ */
+export function writeKvRunOrder(w: BinaryWriter, m: MessageInitShape<typeof KvRunOrderSchema>): void {
+  const dimGroup = m.dimGroup;
+  if (dimGroup !== undefined && dimGroup !== 0) {
+    w.tag(1, WireType.Varint).uint32(dimGroup);
+  }
+  const tokenTile = m.tokenTile;
+  if (tokenTile !== undefined && tokenTile !== 0) {
+    w.tag(2, WireType.Varint).uint32(tokenTile);
+  }
+}
+
+/**
+ * kvxfer.v1.KvRunOrder as bytes: what `toBinary(KvRunOrderSchema, create(KvRunOrderSchema, m))` writes.
+ */
+export function kvRunOrderToBinary(m: MessageInitShape<typeof KvRunOrderSchema>): Uint8Array {
+  try {
+    const w = new BinaryWriter();
+    writeKvRunOrder(w, m);
+    return w.finish();
+  } catch {
+    // protobuf-es says which field is wrong.
+    return toBinary(KvRunOrderSchema, create(KvRunOrderSchema, m));
+  }
+}
 
 /**
  * Writes kvxfer.v1.KvSlotAddress's fields into `w`, as toBinary would.
@@ -112,6 +140,14 @@ export function writeKvLayout(w: BinaryWriter, m: MessageInitShape<typeof KvLayo
   const opaqueBlocks = m.opaqueBlocks;
   if (opaqueBlocks !== undefined && opaqueBlocks !== false) {
     w.tag(17, WireType.Varint).bool(opaqueBlocks);
+  }
+  const runOrders = m.runOrders;
+  if (runOrders !== undefined && runOrders.length > 0) {
+    for (const v of runOrders) {
+      w.tag(18, WireType.LengthDelimited).fork();
+      writeKvRunOrder(w, v);
+      w.join();
+    }
   }
 }
 
