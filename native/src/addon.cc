@@ -16,6 +16,7 @@
 #include "agent.h"
 #include "endpoint.h"
 #include "handle.h"
+#include "mac.h"
 #include "memory_type.h"
 #include "region.h"
 #include "remote_region.h"
@@ -79,6 +80,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("Endpoint", data->endpoint_ctor.Value());
   exports.Set("RemoteRegion", data->remote_ctor.Value());
   exports.Set("PreparedTransfer", data->xfer_ctor.Value());
+  exports.Set("MacKey", MacKey::Define(env));
   exports.Set("ucxVersion", Napi::String::New(env, ucp_get_version_string()));
   exports.Set("ucxInfo", Napi::Function::New(env, UcxInfo, "ucxInfo"));
   exports.Set("ucsStatusName", Napi::Function::New(

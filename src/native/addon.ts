@@ -122,6 +122,10 @@ export interface NativeAddon {
     },
     onEvents: (batch: NativeEvent[]) => void,
   ) => NativeAgent;
+  MacKey: new (key: Uint8Array) => {
+    sign(message: Uint8Array): Buffer;
+    verify(message: Uint8Array, mac: Uint8Array): boolean;
+  };
   ucxVersion: string;
   ucxInfo(transports?: string): UcxInfo;
   ucsStatusName(status: number): string;

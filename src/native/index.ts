@@ -8,7 +8,8 @@
  * memory (RemoteRegions) and moves bytes with one-sided WRITE and READ.
  *
  * Its parts: agent.ts (Agent), handles.ts (Region, Endpoint, RemoteRegion, PreparedTransfer),
- * types.ts (plain data types), trace.ts (OpTrace and monoUs), ucx.ts (the UCX in use), addon.ts
+ * types.ts (plain data types), trace.ts (OpTrace and monoUs), ucx.ts (the UCX in use), mac.ts
+ * (MacKey, HMAC-SHA256 for peer notifications), addon.ts
  * (the raw addon, its loading, and calls into it).
  */
 
@@ -16,6 +17,7 @@
 export { KvxferError, hasCode } from "../errors.js";
 export { Agent, type AgentEvents, type TransferEntry, type WritePart } from "./agent.js";
 export { Endpoint, PreparedTransfer, Region, RemoteRegion } from "./handles.js";
+export { MacKey } from "./mac.js";
 export { monoUs } from "./trace.js";
 export type {
   AgentOptions,
