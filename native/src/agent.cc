@@ -82,7 +82,17 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   Napi::ThreadSafeFunction tsfn = tsfn_;
   engine_->Start([tsfn, link]() mutable {
     tsfn.NonBlockingCall([link](Napi::Env env, Napi::Function) {
-      if (link->agent != nullptr) link->agent->Deliver(env);
+      if (link->agent == nullptr) return;
+      try {
+        link->agent->Deliver(env);
+      } catch (const Napi::Error& e) {
+        // Nothing may leave this callback as a C++ exception (std::terminate). JavaScript could
+        // not run (the process is exiting with a batch still queued: napi_cannot_run_js), or
+        // onEvents threw: hand that error on as an uncaught exception, through the C API, which
+        // reports instead of throwing; during teardown it is dropped.
+        napi_value value = e.Value();
+        if (value != nullptr) napi_throw(env, value);
+      }
     });
   });
   data_->agents.insert(this);
