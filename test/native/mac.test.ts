@@ -36,14 +36,14 @@ describe("MacKey", () => {
     const m = randomBytes(120);
     const mac = k.sign(m);
     const flipped = Buffer.from(mac);
-    flipped[31] ^= 1;
+    flipped[31] = flipped[31]! ^ 1;
     expect(k.verify(m, flipped)).toBe(false);
     expect(k.verify(m, mac.subarray(0, 31))).toBe(false);
     expect(k.verify(m, Buffer.concat([mac, Buffer.alloc(1)]))).toBe(false);
     expect(k.verify(m, new Uint8Array(0))).toBe(false);
     expect(new MacKey(randomBytes(32)).verify(m, mac)).toBe(false);
     const other = Buffer.from(m);
-    other[0] ^= 0x80;
+    other[0] = other[0]! ^ 0x80;
     expect(k.verify(other, mac)).toBe(false);
   });
 
