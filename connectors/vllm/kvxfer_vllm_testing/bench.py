@@ -657,10 +657,22 @@ def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_o
     row: dict[str, Any] = {"system": system, "label": SYSTEMS[system], "fault": "peer unreachable", "tokens": n}
     p = dep.prefill_engine
     baseline = idle_usage(p, dep.model)
+    faulted_request(row, dep, system, prompt, out, reference_of, dead_port=free_port())
+    if p is not None:
+        row["p_kv_usage_zero_after_s"] = p_blocks_free(p, dep.model, baseline, hold_s)
+    row["next_request_identical"] = serves_correctly(
+        lambda pr: dep.serve(system, pr, out), prompt_of(n, 20_000_001 + n), reference_of)
+    return row
+
+
+def faulted_request(row: dict[str, Any], dep: Deployment, system: str, prompt: list[int], out: int,
+                    reference_of: Callable[[list[int]], list[int]], **serve: Any) -> None:
+    """One request through ``system`` with a fault (``serve``'s keywords): what the client saw,
+    whether the output is one engine's, the time, and D's prompt tokens by source, into ``row``."""
     d_before = dep.d_prompt_tokens()
     t0 = time.perf_counter()
     try:
-        ans = dep.serve(system, prompt, out, dead_port=free_port())
+        ans = dep.serve(system, prompt, out, **serve)
         row["client"] = "answered"
         row["identical"] = ans.ids == reference_of(prompt)
     except Exception as err:  # noqa: BLE001 - what the client sees is the finding
@@ -668,14 +680,15 @@ def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_o
         row["identical"] = None
     row["e2e_ms"] = (time.perf_counter() - t0) * 1000
     row["d_prompt_tokens"] = kv_source(d_before, dep.d_prompt_tokens())
-    if p is not None:
-        row["p_kv_usage_zero_after_s"] = p_blocks_free(p, dep.model, baseline, hold_s)
+
+
+def serves_correctly(call: Callable[[list[int]], Answer], prompt: list[int],
+                     reference_of: Callable[[list[int]], list[int]]) -> bool | str:
+    """After a fault: whether ``call`` answers ``prompt`` with one engine's tokens ("error: ..." if not at all)."""
     try:
-        after = prompt_of(n, 20_000_001 + n)
-        row["next_request_identical"] = dep.serve(system, after, out).ids == reference_of(after)
+        return call(prompt).ids == reference_of(prompt)
     except Exception as err:  # noqa: BLE001
-        row["next_request_identical"] = f"error: {str(err)[:200]}"
-    return row
+        return f"error: {str(err)[:200]}"
 
 
 def kv_source(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -721,24 +734,12 @@ def p_killed_after_answer(dep: Deployment, system: str, n: int, out: int,
                            "fault": FAULT_LABELS["p_killed_after_answer"], "tokens": n}
     p = dep.prefill_engine
     assert p is not None
-    d_before = dep.d_prompt_tokens()
-    t0 = time.perf_counter()
-    try:
-        ans = dep.serve(system, prompt, out, on_p_answer=p.kill)
-        row["client"] = "answered"
-        row["identical"] = ans.ids == reference_of(prompt)
-    except Exception as err:  # noqa: BLE001 - what the client sees is the finding
-        row["client"] = f"error: {str(err)[:200]}"
-        row["identical"] = None
-    row["e2e_ms"] = (time.perf_counter() - t0) * 1000
-    row["d_prompt_tokens"] = kv_source(d_before, dep.d_prompt_tokens())
+    faulted_request(row, dep, system, prompt, out, reference_of, on_p_answer=p.kill)
     d = getattr(dep, "d")
-    try:  # D on its own (no transfer): does it still serve correctly?
-        after = prompt_of(n, 30_000_001 + n)
-        row["next_request_identical"] = (
-            stream(d.url, dep.model, after, out, None, time.perf_counter()).ids == reference_of(after))
-    except Exception as err:  # noqa: BLE001
-        row["next_request_identical"] = f"error: {str(err)[:200]}"
+    # D on its own (no transfer): does it still serve correctly?
+    row["next_request_identical"] = serves_correctly(
+        lambda pr: stream(d.url, dep.model, pr, out, None, time.perf_counter()), prompt_of(n, 30_000_001 + n),
+        reference_of)
     return row
 
 
@@ -779,12 +780,10 @@ def d_killed_mid_load(dep: Deployment, system: str, n: int, out: int,
     done = [(pr, r) for pr, r in zip(prompts, results) if not isinstance(r, BaseException)]
     row["identical"] = all(r.ids == reference_of(pr) for pr, r in done) if done else None
     row["p_kv_usage_zero_after_s"] = p_blocks_free(p, dep.model, baseline, hold_s)
-    try:  # P on its own: does it still serve correctly?
-        after = prompt_of(n, 40_000_100 + n)
-        row["next_request_identical"] = (
-            stream(p.url, dep.model, after, out, None, time.perf_counter()).ids == reference_of(after))
-    except Exception as err:  # noqa: BLE001
-        row["next_request_identical"] = f"error: {str(err)[:200]}"
+    # P on its own: does it still serve correctly?
+    row["next_request_identical"] = serves_correctly(
+        lambda pr: stream(p.url, dep.model, pr, out, None, time.perf_counter()), prompt_of(n, 40_000_100 + n),
+        reference_of)
     return row
 
 
