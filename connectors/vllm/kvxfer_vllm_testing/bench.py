@@ -807,8 +807,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--faults", action="store_true",
-                    help="each P/D system once with P's side channel unreachable (after the first round's requests), then on "
-                         "fresh deployments: P's engine killed after answering, D's engine killed mid-load")
+                    help="each P/D system once with P's side channel unreachable (after the first round's "
+                         "requests), then on fresh deployments: P's engine killed after answering, D's engine "
+                         "killed mid-load")
     ap.add_argument("--quick", action="store_true", help="256 tokens, 1 in flight, 2 requests, 1 round")
     a = ap.parse_args()
     systems = ["one"]
