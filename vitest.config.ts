@@ -5,6 +5,8 @@ export default defineConfig({
     // The native addon owns threads and UCX state: each test file gets its own process.
     pool: "forks",
     include: ["test/**/*.test.ts"],
+    // Removes the certificate authorities each file's worker made (test/setup/pki.ts).
+    setupFiles: ["test/setup/pki.ts"],
     testTimeout: 60_000,
     hookTimeout: 60_000,
     // Two cores: running files in parallel only makes timing-sensitive tests flaky.

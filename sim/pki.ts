@@ -160,3 +160,13 @@ export function sharedPki(): Pki {
   if (shared === undefined) shared = new Pki();
   return shared;
 }
+
+/**
+ * Closes every CA this process made (their folders go); a later `sharedPki()` makes a new one.
+ * For a process that may be ended by a signal, where the exit hook does not run: the test
+ * runner's workers call it after each file (test/setup/pki.ts).
+ */
+export function closeAllPkis(): void {
+  for (const p of [...live]) p.close();
+  shared = undefined;
+}
