@@ -137,7 +137,7 @@ function runPython(o: VllmBenchOptions): Promise<VllmBenchResult> {
     child.stderr.on("data", (b: Buffer) => {
       err += b.toString();
       for (const line of b.toString().split("\n"))
-        if (/^\s*(round |\d+ tokens|failed)/.test(line)) o.log?.(line);
+        if (/^\s*(round |\d+ tokens|failed|fault)/.test(line)) o.log?.(line);
     });
     // The measurement owns engines and sidecars: a stopped parent stops it (it cleans up on SIGTERM).
     const unhook = stopWithParent(child);

@@ -595,7 +595,7 @@ def destructive_fault_rows(systems: list[str], kvxfer: dict[str, str], peers: di
                     for w in range(2):  # lazy initialisation, as in the rounds
                         dep.serve(s, prompt_of(64, 10_000_000 + w), 2)
                     rows.append(fault(dep, s, n, out, reference_of, in_flight))
-                    log(f"  {rows[-1]}")
+                    log(f"  fault row: {rows[-1]}")
                 except Exception as err:  # noqa: BLE001
                     rows.append({"system": s, "label": SYSTEMS[s], "fault": name, "tokens": n,
                                  "client": f"harness error: {str(err)[:200]}", "identical": None, "e2e_ms": 0.0,
