@@ -83,16 +83,12 @@ function macKeyOf(key: Uint8Array): MacKey {
   return k;
 }
 
-function hmacSha256(key: Uint8Array, message: Uint8Array): Buffer {
-  return macKeyOf(key).sign(message);
-}
-
 /**
  * A notification as it travels: the encoded PeerMessage and its HMAC-SHA256 under the sender's
  * key, as a SealedPeerMessage.
  */
 export function sealPeerMessage(key: Uint8Array, message: Uint8Array): Uint8Array {
-  return sealedPeerMessageToBinary({ message, mac: hmacSha256(key, message) });
+  return sealedPeerMessageToBinary({ message, mac: macKeyOf(key).sign(message) });
 }
 
 /** A received notification, parsed but not yet verified: `verify` with the sender's key. */

@@ -187,7 +187,7 @@ class Deployment:
     def d_prompt_tokens(self) -> dict[str, float]:
         """D's prompt tokens so far by where they came from (vLLM's own counter): the KV that moved
         (``external_kv_transfer``) and what D computed itself (``local_compute``); {} without a D."""
-        d = getattr(self, "d", None)
+        d = self.decode_engine
         if d is None:
             return {}
         url = f"{d.url}/metrics"
@@ -198,6 +198,11 @@ class Deployment:
     def prefill_engine(self) -> VllmServer | None:
         """The engine that holds the blocks D reads (None: no transfer)."""
         return getattr(self, "p", None)
+
+    @property
+    def decode_engine(self) -> VllmServer | None:
+        """The engine that loads P's KV (None: no transfer)."""
+        return getattr(self, "d", None)
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -656,7 +661,7 @@ def unreachable_peer(dep: Deployment, system: str, n: int, out: int, reference_o
     prompt = prompt_of(n, 20_000_000 + n)
     row: dict[str, Any] = {"system": system, "label": SYSTEMS[system], "fault": "peer unreachable", "tokens": n}
     p = dep.prefill_engine
-    baseline = idle_usage(p, dep.model)
+    baseline = probed_usage(p, dep.model)
     faulted_request(row, dep, system, prompt, out, reference_of, dead_port=free_port())
     if p is not None:
         row["p_kv_usage_zero_after_s"] = p_blocks_free(p, dep.model, baseline, hold_s)
@@ -696,25 +701,9 @@ def kv_source(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
-def p_blocks_free(p: VllmServer, model: str, baseline: float | None, hold_s: float) -> float | None:
-    """Seconds until P's KV cache usage gauge is back at ``baseline`` (what a one-block probe on an
-    idle P reads): each poll first sends P a one-token request of its own so that P steps and
-    refreshes the gauge. None: not within ``hold_s``, or P is gone."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < hold_s:
-        try:
-            stream(p.url, model, [5, 6, 7], 1, None, time.perf_counter())
-            usage = p.metric("vllm:kv_cache_usage_perc")
-        except (requests.RequestException, RuntimeError):
-            return None
-        if baseline is not None and usage <= baseline + 1e-9:
-            return time.monotonic() - t0
-        time.sleep(0.5)
-    return None
-
-
-def idle_usage(p: VllmServer | None, model: str) -> float | None:
-    """P's KV cache usage gauge right after a one-token probe on an idle P (the probe's own block)."""
+def probed_usage(p: VllmServer | None, model: str) -> float | None:
+    """P's KV cache usage gauge right after a one-token request of its own, which makes P step and
+    refresh the gauge (on an idle P: the probe's own block). None: no P, or P does not answer."""
     if p is None:
         return None
     try:
@@ -722,6 +711,20 @@ def idle_usage(p: VllmServer | None, model: str) -> float | None:
         return p.metric("vllm:kv_cache_usage_perc")
     except (requests.RequestException, RuntimeError):
         return None
+
+
+def p_blocks_free(p: VllmServer, model: str, baseline: float | None, hold_s: float) -> float | None:
+    """Seconds until P's probed KV cache usage is back at ``baseline`` (an idle P's, from
+    ``probed_usage`` before the fault). None: not within ``hold_s``, or P is gone."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < hold_s:
+        usage = probed_usage(p, model)
+        if usage is None:
+            return None
+        if baseline is not None and usage <= baseline + 1e-9:
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    return None
 
 
 def p_killed_after_answer(dep: Deployment, system: str, n: int, out: int,
@@ -735,7 +738,8 @@ def p_killed_after_answer(dep: Deployment, system: str, n: int, out: int,
     p = dep.prefill_engine
     assert p is not None
     faulted_request(row, dep, system, prompt, out, reference_of, on_p_answer=p.kill)
-    d = getattr(dep, "d")
+    d = dep.decode_engine
+    assert d is not None
     # D on its own (no transfer): does it still serve correctly?
     row["next_request_identical"] = serves_correctly(
         lambda pr: stream(d.url, dep.model, pr, out, None, time.perf_counter()), prompt_of(n, 30_000_001 + n),
@@ -752,9 +756,10 @@ def d_killed_mid_load(dep: Deployment, system: str, n: int, out: int,
     row: dict[str, Any] = {"system": system, "label": SYSTEMS[system],
                            "fault": FAULT_LABELS["d_killed_mid_load"], "tokens": n}
     p = dep.prefill_engine
-    d = getattr(dep, "d")
+    d = dep.decode_engine
+    assert d is not None
     assert p is not None
-    baseline = idle_usage(p, dep.model)
+    baseline = probed_usage(p, dep.model)
     first = threading.Event()
     prompts = [prompt_of(n, 40_000_000 + i) for i in range(in_flight)]
 
