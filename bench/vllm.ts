@@ -42,6 +42,8 @@ export interface VllmRow {
   correct: { identical: number; compared: number };
   /** D's prompt tokens per request whose KV moved, and those D computed (vLLM's own counter). */
   d_prompt_tokens_per_request?: { external_kv_transfer: number; local_compute: number } | null;
+  /** kvxfer: the cell's transfers that failed, by "side state: reason" (the sidecars' record). */
+  kv_failures?: Record<string, number> | null;
   errors: string[];
   error_count: number;
 }
@@ -214,6 +216,16 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
   return markdown ? markdownTable(head, rows) : table(head, rows);
 }
 
+/** One line per kvxfer transfer failure kind in a cell: why D computed what it did not receive. */
+export function formatKvFailures(rows: readonly VllmRow[]): string[] {
+  return rows.flatMap((row) =>
+    Object.entries(row.kv_failures ?? {}).map(
+      ([why, n]) =>
+        `  ${row.label}, ${row.tokens} tokens, ${row.concurrency} in flight: ${n} x ${why}`,
+    ),
+  );
+}
+
 /** "moved N, computed M": where D's prompt tokens came from (vLLM's counter). */
 function promptSource(t: Record<string, number> | undefined): string {
   if (!t) return "-";
@@ -339,6 +351,9 @@ export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchR
       "  TTFT: client sends -> first streamed token (pull: P's request, then D's stream; push and Mooncake: both at once).",
       "  identical: outputs token-identical to one engine's for the same prompt.",
       "  D: moved / computed: D's prompt tokens per request whose KV came from P, and those D computed (vLLM's counter).",
+      ...(r.rows.some((x) => x.kv_failures)
+        ? ["  kvxfer transfers that failed (the sidecars' record):", ...formatKvFailures(r.rows)]
+        : []),
       ...(r.fault_rows?.length ? ["", formatVllmFaults(r.fault_rows)] : []),
     ],
     (r) => writeChart("vllm-ttft.svg", ttftChart(r)),

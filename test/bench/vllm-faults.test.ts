@@ -4,7 +4,12 @@
 // connectors/vllm (kvxfer_vllm_testing.bench); no engine starts here.
 import { describe, expect, it } from "vitest";
 
-import { formatVllmFaults, type VllmFaultRow } from "../../bench/vllm.js";
+import {
+  formatKvFailures,
+  formatVllmFaults,
+  type VllmFaultRow,
+  type VllmRow,
+} from "../../bench/vllm.js";
 
 const row = (over: Partial<VllmFaultRow>): VllmFaultRow => ({
   system: "kvxfer-pull",
@@ -46,5 +51,35 @@ describe("formatVllmFaults", () => {
     expect(lines[3]).toContain("error: P gone");
     expect(lines[4]).toContain("2.3 s");
     expect(lines[4]).toMatch(/\| - \|/);
+  });
+});
+
+describe("formatKvFailures", () => {
+  const cell = (over: Partial<VllmRow>): VllmRow => ({
+    system: "kvxfer-pull",
+    label: "kvxfer pull",
+    tokens: 4096,
+    concurrency: 8,
+    status: "ok",
+    requests: 16,
+    ttft_ms: { p50: 1, p90: 2, n: 16 },
+    e2e_ms: { p50: 1, p90: 2, n: 16 },
+    output_tokens_per_s: 1,
+    cpu_s_per_request: null,
+    correct: { identical: 16, compared: 16 },
+    errors: [],
+    error_count: 0,
+    ...over,
+  });
+
+  it("names each cell's failed transfers by side, state and reason, and nothing for a clean cell", () => {
+    const lines = formatKvFailures([
+      cell({ kv_failures: { "D failed: ERR_TIMEOUT: no readAck within 5000 ms": 1 } }),
+      cell({ tokens: 32, kv_failures: null }),
+      cell({ system: "nixl-fixed", label: "NixlConnector, 2 fixes" }),
+    ]);
+    expect(lines).toEqual([
+      "  kvxfer pull, 4096 tokens, 8 in flight: 1 x D failed: ERR_TIMEOUT: no readAck within 5000 ms",
+    ]);
   });
 });

@@ -194,6 +194,11 @@ class Deployment:
         return {k: metric(url, "vllm:prompt_tokens_by_source_total", source=k)
                 for k in ("external_kv_transfer", "local_compute")}
 
+    def failed_transfers(self) -> dict[str, int]:
+        """kvxfer only: the sidecars' transfers that ended failed, expired or aborted so far, counted
+        by side, state and reason ({} for the others, whose failures show in D's prompt tokens)."""
+        return {}
+
     @property
     def prefill_engine(self) -> VllmServer | None:
         """The engine that holds the blocks D reads (None: no transfer)."""
@@ -290,6 +295,18 @@ class KvxferPair(Deployment):
                     "remote_port": self.p_addr[1] if dead_port is None else dead_port, "transfer_id": tid}
         return both(lambda: answered(prefill(self.p.url, self.model, prompt, p_params), on_p_answer),
                     lambda: stream(self.d.url, self.model, prompt, out, d_params, t0))
+
+    def failed_transfers(self) -> dict[str, int]:
+        from kvxfer_vllm._gen.kvxfer.v1 import sidecar_pb2 as pb
+
+        out: dict[str, int] = {}
+        for sc in (self.p_sc, self.d_sc):
+            for t in sc.transfers(pb.TRANSFER_STATE_FAILED, pb.TRANSFER_STATE_EXPIRED, pb.TRANSFER_STATE_ABORTED):
+                side = pb.TransferSide.Name(t.side).removeprefix("TRANSFER_SIDE_")
+                state = pb.TransferState.Name(t.state).removeprefix("TRANSFER_STATE_").lower()
+                key = f"{side} {state}: {t.reason[:160]}"
+                out[key] = out.get(key, 0) + 1
+        return out
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -448,6 +465,8 @@ class Cell:
     status: str = "ok"
     #: D's prompt tokens by source over the cell's requests (what moved, what D computed).
     d_tokens: dict[str, float] = field(default_factory=dict)
+    #: kvxfer: the cell's transfers that failed, by side, state and reason (the sidecars' own record).
+    kv_failures: dict[str, int] = field(default_factory=dict)
 
 
 def percentile(xs: list[float], p: float) -> float | None:
@@ -559,6 +578,7 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
             # Per request, from D's vLLM: prompt tokens whose KV moved, and those D computed itself.
             "d_prompt_tokens_per_request": {k: v / cell.requests for k, v in cell.d_tokens.items()}
             if cell.requests and cell.d_tokens else None,
+            "kv_failures": cell.kv_failures or None,
             "errors": cell.errors[:3], "error_count": len(cell.errors),
         })
     return {
@@ -616,6 +636,7 @@ def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, 
     seeds = [hash((n, c, rnd, i)) & 0x7FFFFFFF for i in range(count)]
     before = cpu_seconds(dep.procs)
     d_before = dep.d_prompt_tokens()
+    failed_before = dep.failed_transfers()
     t0 = time.perf_counter()
 
     def one(seed: int) -> tuple[int, Answer | BaseException]:
@@ -635,6 +656,9 @@ def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, 
     after = cpu_seconds(dep.procs)
     for k, v in dep.d_prompt_tokens().items():
         cell.d_tokens[k] = cell.d_tokens.get(k, 0.0) + v - d_before.get(k, 0.0)
+    for k, v in dep.failed_transfers().items():
+        if v > failed_before.get(k, 0):
+            cell.kv_failures[k] = cell.kv_failures.get(k, 0) + v - failed_before.get(k, 0)
     for k in after:
         cell.cpu[k] = cell.cpu.get(k, 0.0) + after[k] - before.get(k, 0.0)
     cell.requests += count

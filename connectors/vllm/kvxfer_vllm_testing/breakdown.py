@@ -133,22 +133,14 @@ def pull_once(pair: SidecarFlagsPair, prompt: list[int], tid: str) -> dict[str, 
     return t
 
 
-def sidecar_traces(grpc_address: str, sizes: dict[str, tuple[int, int]] | None = None
+def sidecar_traces(sc: SidecarProc, sizes: dict[str, tuple[int, int]] | None = None
                    ) -> dict[str, list[tuple[str, float]]]:
     """transfer id -> its hops (name, monotonic seconds) on one sidecar, from ListTransfers;
     ``sizes`` gets each transfer's (bytes, descriptors)."""
-    import grpc
-
-    from ._gen.kvxfer.v1 import sidecar_pb2 as pb
-
-    with grpc.insecure_channel(grpc_address) as ch:
-        call = ch.unary_unary("/kvxfer.v1.Sidecar/ListTransfers",
-                              request_serializer=lambda r: r.SerializeToString(),
-                              response_deserializer=pb.ListTransfersResponse.FromString)
-        res = call(pb.ListTransfersRequest(limit=10_000), timeout=30)
+    transfers = sc.transfers()
     if sizes is not None:
-        sizes.update({t.transfer_id: (t.bytes, t.descriptors) for t in res.transfers})
-    return {t.transfer_id: [(h.hop, h.at_us / 1e6) for h in t.trace] for t in res.transfers}
+        sizes.update({t.transfer_id: (t.bytes, t.descriptors) for t in transfers})
+    return {t.transfer_id: [(h.hop, h.at_us / 1e6) for h in t.trace] for t in transfers}
 
 
 def _marks(router: dict[str, float], conn: list[dict[str, Any]], p_hops: list[tuple[str, float]],
@@ -197,7 +189,7 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, fl
                 order.append((n, tid))
         time.sleep(0.5)  # the last marks reach their files
         sizes: dict[str, tuple[int, int]] = {}
-        p_tr, d_tr = sidecar_traces(pair.p_sc.grpc), sidecar_traces(pair.d_sc.grpc, sizes)
+        p_tr, d_tr = sidecar_traces(pair.p_sc), sidecar_traces(pair.d_sc, sizes)
     finally:
         pair.close()
     conn: dict[str, list[dict[str, Any]]] = {}

@@ -133,6 +133,53 @@ class Proc:
             return ""
 
 
+def group_pids(pgids: set[int]) -> list[int]:
+    """Every live process whose process group is one of ``pgids``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[2]) in pgids:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+#: What vLLM's processes make in /dev/shm through Python's multiprocessing: shared memory
+#: (``psm_*``: the executor's message queues, 160-240 MiB each) and named semaphores (``sem.mp-*``).
+#: Their makers remove them on a clean exit; after a SIGKILL nobody does.
+MP_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def mp_shm_mapped(pids: list[int]) -> set[Path]:
+    """The multiprocessing files in /dev/shm that ``pids`` have mapped. Found by inode: a named
+    semaphore is mapped under the temporary name glibc made it with (since removed), then linked
+    to its ``sem.mp-*`` name."""
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                lines = f.readlines()
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                inodes.add(int(parts[4]))
+    found: set[Path] = set()
+    if inodes:
+        with os.scandir("/dev/shm") as entries:
+            for e in entries:
+                try:
+                    if e.name.startswith(MP_SHM_PREFIXES) and e.inode() in inodes:
+                        found.add(Path(e.path))
+                except OSError:
+                    pass
+    return found
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -185,6 +232,19 @@ class SidecarProc(Proc):
                 if os.path.exists(f):
                     os.unlink(f)
 
+    def transfers(self, *states: int, limit: int = 10_000) -> list[Any]:
+        """The sidecar's transfers (``kvxfer.v1.Transfer``, trace included) from ListTransfers over
+        gRPC; only those in ``states`` when given."""
+        import grpc
+
+        from kvxfer_vllm._gen.kvxfer.v1 import sidecar_pb2 as pb
+
+        with grpc.insecure_channel(self.grpc) as ch:
+            call = ch.unary_unary("/kvxfer.v1.Sidecar/ListTransfers",
+                                  request_serializer=lambda r: r.SerializeToString(),
+                                  response_deserializer=pb.ListTransfersResponse.FromString)
+            return list(call(pb.ListTransfersRequest(states=list(states), limit=limit), timeout=30).transfers)
+
     def status(self) -> dict[str, Any]:
         out = subprocess.run(["node", str(cli_path()), "status", self.grpc, "--json"],
                              capture_output=True, text=True, timeout=30)
@@ -227,13 +287,16 @@ class VllmServer(Proc):
 
     Its processes' temporary files (vLLM's IPC sockets, ``VLLM_RPC_BASE_PATH``, and whatever
     else asks ``tempfile``: ``TMPDIR``) go to a scratch folder of their own, removed by ``stop``:
-    a vLLM start otherwise leaves ``/tmp/<uuid>`` sockets behind."""
+    a vLLM start otherwise leaves ``/tmp/<uuid>`` sockets behind. ``stop`` and ``kill`` also
+    remove the multiprocessing files in /dev/shm its processes had mapped (``MP_SHM_PREFIXES``),
+    which a SIGKILLed engine leaves (a bench's fault rows left 8 GiB of them)."""
 
     def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
         self.spec = spec
         # Short and in /tmp: a unix socket's path must stay under 108 bytes.
         self.scratch = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-"))
         self.url = f"http://127.0.0.1:{spec.port}"
+        self.mp_shm: set[Path] = set()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
                 "--host", "127.0.0.1", "--port", str(spec.port), "--enforce-eager",
                 "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
@@ -265,18 +328,34 @@ class VllmServer(Proc):
             raise
 
     def stop(self, timeout: float = 30.0) -> None:
+        self.note_mp_shm()
         super().stop(timeout)
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        self._remove_leftovers()
 
     def kill(self) -> None:
+        self.note_mp_shm()
         super().kill()
+        self._remove_leftovers()
+
+    def note_mp_shm(self) -> set[Path]:
+        """Remembers (and returns) the multiprocessing files in /dev/shm the engine's processes
+        have mapped now, so that ``stop`` and ``kill`` can remove what a killed process left."""
+        if self.alive():
+            self.mp_shm |= mp_shm_mapped(group_pids({self.pid}))
+        return set(self.mp_shm)
+
+    def _remove_leftovers(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)
+        # A process still dying has them mapped; removing the names is what a clean exit does.
+        for f in self.mp_shm:
+            f.unlink(missing_ok=True)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         # NIXL's side-channel listener dies on a port taken meanwhile, and the engine then never
         # becomes ready: fail at once instead of waiting out the bound.
         self.wait_healthy(f"{self.url}/health", f"vLLM {self.spec.engine_id}", timeout, 0.5,
                           fatal=("Exception in thread nixl_handshake_listener",))
+        self.note_mp_shm()
 
     def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
                  timeout: float = 120.0) -> dict[str, Any]:

@@ -16,30 +16,17 @@ from pathlib import Path
 import pytest
 
 from kvxfer_vllm_testing import bench
-from kvxfer_vllm_testing.harness import VllmServer
+from kvxfer_vllm_testing.harness import VllmServer, group_pids
 from kvxfer_vllm_testing.pki import shared_pki
 
 TMP = Path("/tmp")
-
-
-def _pids_in_groups(pgids: set[int]) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) in pgids:
-                        out.append(int(d))
-            except OSError:
-                pass
-    return out
 
 
 def held_paths(dep: bench.Deployment) -> set[str]:
     """Unix socket paths bound by, and files open in, every process of the deployment."""
     inodes: set[int] = set()
     paths: set[str] = set()
-    for pid in _pids_in_groups({p.pid for p in dep.procs.values()}):
+    for pid in group_pids({p.pid for p in dep.procs.values()}):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
@@ -88,6 +75,8 @@ def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
         # The KV moved (D's own counter; 7 of 8 blocks at least, D computes the last token), so
         # identical outputs are not D recomputing the prompt.
         assert rows[name]["d_prompt_tokens_per_request"]["external_kv_transfer"] >= 100, (name, rows[name])
+    # The sidecars' own record (ListTransfers over gRPC) of failed transfers: none here.
+    assert rows["kvxfer-pull"]["kv_failures"] is None, rows["kvxfer-pull"]["kv_failures"]
     assert result["peers"]["nixl"]["installed"] is True
     assert result["peers"]["nixl"]["versions"]["nixl"] == "1.5.1"
 

@@ -130,3 +130,16 @@ def test_a_sidecar_that_stays_down_costs_a_recompute_not_a_hang(pd):
     before = moved(pd)
     assert pd.router.pull(ids, MAX_TOKENS, unique("back"))[0] == reference(pd, ids)
     assert moved(pd) > before
+
+
+def test_an_engine_killed_leaves_nothing_in_dev_shm(pd):
+    """SIGKILL to D's engine, as the bench's fault rows do: its processes cannot remove vLLM's
+    multiprocessing files in /dev/shm (the executor's message queues, 160-240 MiB each, and its
+    semaphores), so the harness does. Last in the module: the deployment goes after it."""
+    files = {f for f in pd.d.note_mp_shm() if f.exists()}
+    for kind in ("psm_", "sem.mp-"):
+        assert any(f.name.startswith(kind) for f in files), f"no {kind}* in /dev/shm mapped by D's engine: {files}"
+    pd.d.kill()
+    assert not pd.d.alive()
+    left = sorted(str(f) for f in files if f.exists())
+    assert not left, f"left in /dev/shm by the killed engine: {left}"
