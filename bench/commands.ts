@@ -251,6 +251,11 @@ export const commands: readonly CommandSpec[] = [
         help: "--breakdown: the sidecars' --prefault settings to compare",
         def: "true",
       },
+      {
+        name: "pin-engines",
+        kind: FLAG,
+        help: "every process of each engine on its core (taskset), for every system alike; without it only vLLM's model threads are bound",
+      },
     ],
   ),
   benchSpec(

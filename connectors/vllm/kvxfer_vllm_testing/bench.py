@@ -18,6 +18,7 @@ that says so. One JSON object on stdout (``bench/vllm.ts`` formats it); progress
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -219,11 +220,12 @@ def _engine(work: Path, model: str, engine_id: str, cores: str, max_len: int, **
                       cores=cores, **kw)
 
 
-def _start(specs: list[EngineSpec], work: Path) -> list[VllmServer]:
+def _start(specs: list[EngineSpec], work: Path, pin: bool = False) -> list[VllmServer]:
+    """The engines, ready; with ``pin`` every process of each on its ``cores`` (EngineSpec.pin)."""
     servers: list[VllmServer] = []
     try:
         for s in specs:
-            servers.append(VllmServer(s, work))
+            servers.append(VllmServer(dataclasses.replace(s, pin=pin), work))
         for v in servers:
             v.wait_ready()
     except BaseException:
@@ -236,9 +238,9 @@ def _start(specs: list[EngineSpec], work: Path) -> list[VllmServer]:
 class OneEngine(Deployment):
     systems = ("one",)
 
-    def __init__(self, work: Path, model: str, max_len: int) -> None:
+    def __init__(self, work: Path, model: str, max_len: int, pin: bool = False) -> None:
         self.model = model
-        (self.e,) = _start([_engine(work, model, f"one-{os.getpid()}", "0", max_len, connector=False)], work)
+        (self.e,) = _start([_engine(work, model, f"one-{os.getpid()}", "0", max_len, connector=False)], work, pin)
         self.procs = {"engine": self.e}
 
     def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None,
@@ -253,7 +255,7 @@ class KvxferPair(Deployment):
     systems = ("kvxfer-pull", "kvxfer-push")
 
     def __init__(self, work: Path, model: str, max_len: int, placement: str = "shared",
-                 kv_memory: str = "file") -> None:
+                 kv_memory: str = "file", pin: bool = False) -> None:
         self.model = model
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-bench-", dir="/dev/shm"))
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -272,7 +274,7 @@ class KvxferPair(Deployment):
                                   extra={"register_timeout_s": 600.0, "placement": placement,
                                          "kv_memory": kv_memory})
 
-            self.p, self.d = _start([spec(self.p_sc, "0"), spec(self.d_sc, "1")], work)
+            self.p, self.d = _start([spec(self.p_sc, "0"), spec(self.d_sc, "1")], work, pin)
             self.procs = {"P engine": self.p, "D engine": self.d, "P sidecar": self.p_sc, "D sidecar": self.d_sc}
         except BaseException:
             self.close()
@@ -319,7 +321,7 @@ class NixlPair(Deployment):
     router drives them: pull as vLLM's toy proxy does; push with P's side channel up front and
     the same ``X-Request-Id`` on both halves (the push connector pairs P's and D's requests by id)."""
 
-    def __init__(self, work: Path, model: str, max_len: int, *, push: bool, fixed: bool) -> None:
+    def __init__(self, work: Path, model: str, max_len: int, *, push: bool, fixed: bool, pin: bool = False) -> None:
         self.model, self.push = model, push
         self.systems = ("nixl-push",) if push else (("nixl-fixed",) if fixed else ("nixl",))
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -336,7 +338,7 @@ class NixlPair(Deployment):
                                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
 
         self.p, self.d = _start([spec(self.p_id, "0", p_http, self.p_port), spec(self.d_id, "1", d_http, d_side)],
-                                work)
+                                work, pin)
         self.procs = {"P engine": self.p, "D engine": self.d}
 
     def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None,
@@ -368,7 +370,7 @@ class MooncakePair(Deployment):
 
     systems = ("mooncake",)
 
-    def __init__(self, work: Path, model: str, max_len: int) -> None:
+    def __init__(self, work: Path, model: str, max_len: int, pin: bool = False) -> None:
         self.model = model
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.p_id = f"mp-{tag}"
@@ -381,7 +383,7 @@ class MooncakePair(Deployment):
                            env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.boot)})
 
         self.p, self.d = _start([spec(self.p_id, "kv_producer", "0", p_http),
-                                 spec(f"md-{tag}", "kv_consumer", "1", d_http)], work)
+                                 spec(f"md-{tag}", "kv_consumer", "1", d_http)], work, pin)
         self.procs = {"P engine": self.p, "D engine": self.d}
 
     def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None,
@@ -397,23 +399,25 @@ class MooncakePair(Deployment):
 
 
 #: The deployments a round starts, in order, with the systems each serves.
-def deployments(systems: list[str], kvxfer: dict[str, str]
+def deployments(systems: list[str], kvxfer: dict[str, str], pin: bool = False
                 ) -> list[tuple[tuple[str, ...], Callable[[Path, str, int], Deployment]]]:
-    out: list[tuple[tuple[str, ...], Callable[[Path, str, int], Deployment]]] = [(("one",), OneEngine)]
+    """``pin``: every process of every engine on its core (EngineSpec.pin), for every system alike."""
+    out: list[tuple[tuple[str, ...], Callable[[Path, str, int], Deployment]]] = [
+        (("one",), lambda w, m, n: OneEngine(w, m, n, pin=pin))]
     # One pair per mode, like every other system: pull and push on one pair would share its
     # engines' prefix caches, and push (asked second, the same prompts) found all but the last
     # block of each prompt already on D and on P (it moved 32 of 256 prompt tokens).
     for mode in ("kvxfer-pull", "kvxfer-push"):
         if mode in systems:
-            out.append(((mode,), lambda w, m, n: KvxferPair(w, m, n, **kvxfer)))
+            out.append(((mode,), lambda w, m, n: KvxferPair(w, m, n, **kvxfer, pin=pin)))
     if "nixl" in systems:
-        out.append((("nixl",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=False)))
+        out.append((("nixl",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=False, pin=pin)))
     if "nixl-fixed" in systems:
-        out.append((("nixl-fixed",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=True)))
+        out.append((("nixl-fixed",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=True, pin=pin)))
     if "nixl-push" in systems:
-        out.append((("nixl-push",), lambda w, m, n: NixlPair(w, m, n, push=True, fixed=True)))
+        out.append((("nixl-push",), lambda w, m, n: NixlPair(w, m, n, push=True, fixed=True, pin=pin)))
     if "mooncake" in systems:
-        out.append((("mooncake",), MooncakePair))
+        out.append((("mooncake",), lambda w, m, n: MooncakePair(w, m, n, pin=pin)))
     return out
 
 
@@ -479,8 +483,9 @@ def percentile(xs: list[float], p: float) -> float | None:
 def run(systems: list[str], lengths: list[int], concurrency: list[int], requests_per: int, rounds: int,
         out_tokens: int, work_root: Path | None = None,
         on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, str] | None = None,
-        faults: bool = False) -> dict[str, Any]:
-    """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory``; ``on_ready``
+        faults: bool = False, pin_engines: bool = False) -> dict[str, Any]:
+    """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory``; ``pin_engines``
+    puts every process of each engine on its core (the model threads are always bound); ``on_ready``
     sees each deployment once it has answered its warm-up requests."""
     kvxfer = {"placement": "shared", "kv_memory": "file", **(kvxfer or {})}
     import vllm
@@ -496,7 +501,7 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
     load_before = os.getloadavg()
     try:
         for r in range(rounds):
-            for served, make in deployments(systems, kvxfer):
+            for served, make in deployments(systems, kvxfer, pin_engines):
                 missing = [s for s in served if (pe := peer_of(s)) is not None and not peers[pe]["installed"]]
                 for s in missing:
                     for (cs, _, _), cell in cells.items():
@@ -552,7 +557,8 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
             try:
                 fault_rows += destructive_fault_rows(
                     systems, kvxfer, peers, work, model, max_len, min(lengths), max(concurrency), out_tokens,
-                    lambda pr: stream(ref.e.url, model, pr, out_tokens, None, time.perf_counter()).ids)
+                    lambda pr: stream(ref.e.url, model, pr, out_tokens, None, time.perf_counter()).ids,
+                    pin_engines)
             except Exception as err:  # noqa: BLE001 - the rounds' rows stand; the failure is a row
                 log(f"fault rows failed: {err}")
                 fault_rows.append({"system": "-", "label": "-", "fault": "(the harness)", "tokens": 0,
@@ -590,6 +596,7 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                   "dtype": "bfloat16",
                   "kv_bytes_per_token": BENCH_MODEL.layers * 2 * BENCH_MODEL.kv_heads * BENCH_MODEL.head_dim * 2},
         "engine": {"block_size": 32, "max_model_len": max_len, "kv_cache_bytes": 512 << 20, "cores": "P 0, D 1, one 0",
+                   "pinned": "every process of each engine" if pin_engines else "the model threads only",
                    "enforce_eager": True},
         "kvxfer": kvxfer, "output_tokens": out_tokens, "rounds": rounds, "requests_per_round": requests_per,
         "rows": rows,
@@ -599,10 +606,10 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
 
 def destructive_fault_rows(systems: list[str], kvxfer: dict[str, str], peers: dict[str, dict[str, Any]], work: Path,
                            model: str, max_len: int, n: int, in_flight: int, out: int,
-                           reference_of: Callable[[list[int]], list[int]]) -> list[dict[str, Any]]:
+                           reference_of: Callable[[list[int]], list[int]], pin: bool = False) -> list[dict[str, Any]]:
     """Each of ``DESTRUCTIVE_FAULTS`` for each installed P/D system, on a deployment of its own."""
     rows: list[dict[str, Any]] = []
-    for served, make in deployments(systems, kvxfer):
+    for served, make in deployments(systems, kvxfer, pin):
         for s in served:
             if s == "one" or ((pe := peer_of(s)) is not None and not peers[pe]["installed"]):
                 continue
@@ -840,6 +847,9 @@ def main() -> None:
                          "requests), then on fresh deployments: P's engine killed after answering, D's engine "
                          "killed mid-load")
     ap.add_argument("--quick", action="store_true", help="256 tokens, 1 in flight, 2 requests, 1 round")
+    ap.add_argument("--pin-engines", action="store_true",
+                    help="every process of each engine on its core (taskset), for every system alike; "
+                         "without it only vLLM's model threads are bound")
     a = ap.parse_args()
     systems = ["one"]
     for m in a.modes.split(","):
@@ -858,7 +868,8 @@ def main() -> None:
         conc = [int(x) for x in a.concurrency.split(",")]
         reqs, rounds = a.requests, a.rounds
     res = run(systems, lengths, conc, max(reqs, max(conc)), rounds, a.output_tokens,
-              kvxfer={"placement": a.placement, "kv_memory": a.kv_memory}, faults=a.faults)
+              kvxfer={"placement": a.placement, "kv_memory": a.kv_memory}, faults=a.faults,
+              pin_engines=a.pin_engines)
     print(json.dumps(res))
 
 

@@ -276,6 +276,10 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     #: Patches from ``peer_patches/sitecustomize.py`` for the engine's processes (none: no patch).
     patches: tuple[str, ...] = ()
+    #: Every process of the engine (HTTP server, engine core, worker, all their threads) on
+    #: ``cores``, through ``taskset``; otherwise only vLLM's model threads are bound and the rest
+    #: float over every core (where, on a shared host, they take time from the other engine).
+    pin: bool = False
 
 
 #: ``sitecustomize`` for the peers' patches: first on the PYTHONPATH of engines that ask for them.
@@ -302,6 +306,10 @@ class VllmServer(Proc):
                 "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
                 "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--max-num-seqs", "16",
                 "--dtype", spec.dtype]
+        if spec.pin:
+            if spec.cores == "nobind":
+                raise ValueError(f"engine {spec.engine_id}: pin needs cores to pin to (cores is 'nobind')")
+            args = ["taskset", "--cpu-list", spec.cores, *args]
         if spec.kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(spec.kv_config)]
         elif spec.connector:

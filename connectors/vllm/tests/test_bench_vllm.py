@@ -94,3 +94,40 @@ def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
     new = set(os.listdir(TMP)) - tmp_before - {shared_pki().dir.name}
     ours = [n for n in new if n.startswith(("kvxfer-bench-vllm-", "kvxfer-vllm-"))]
     assert not ours, f"the bench's scratch left in /tmp: {ours}"
+
+
+def _thread_cores(pgid: int) -> set[int]:
+    """The cores any thread of any process in the group may run on."""
+    cores: set[int] = set()
+    for pid in group_pids({pgid}):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                cores |= os.sched_getaffinity(int(tid))
+            except OSError:  # the thread ended meanwhile
+                pass
+    return cores
+
+
+def test_pin_engines_puts_every_thread_of_each_engine_on_its_core() -> None:
+    """``--pin-engines``: the HTTP server, the engine core and the worker of each engine, every
+    thread, on the engine's core (P 0, D 1, one engine 0), for one engine and a kvxfer pair alike;
+    the outputs are still one engine's. Without it, everything but vLLM's model threads floats."""
+    seen: dict[str, tuple[str, set[int]]] = {}
+
+    def observe(dep: bench.Deployment) -> None:
+        for name, proc in dep.procs.items():
+            if isinstance(proc, VllmServer):
+                seen[f"{dep.systems[0]} {name}"] = (proc.spec.cores, _thread_cores(proc.pid))
+
+    result = bench.run(["one", "kvxfer-pull"], lengths=[32], concurrency=[1], requests_per=2, rounds=1,
+                       out_tokens=4, on_ready=observe, pin_engines=True)
+    rows = {r["system"]: r for r in result["rows"]}
+    assert rows["kvxfer-pull"]["correct"] == {"identical": 2, "compared": 2}, rows["kvxfer-pull"]
+    assert result["engine"]["pinned"] == "every process of each engine"
+    assert set(seen) == {"one engine", "kvxfer-pull P engine", "kvxfer-pull D engine"}, seen
+    for name, (cores, allowed) in seen.items():
+        assert allowed == {int(cores)}, f"{name}: threads may run on {sorted(allowed)}, not only core {cores}"
