@@ -43,7 +43,7 @@ import requests
 
 from kvxfer_vllm.config import KV_MEMORY
 
-from .harness import EngineSpec, Proc, SidecarProc, VllmServer, free_port, free_ports, metric
+from .harness import EngineSpec, Proc, SidecarProc, VllmServer, free_port, free_ports, metric, proc_stats
 from .tiny_model import TinyModelSpec, make_tiny_model
 
 #: Bigger than the tests' model so the KV is not negligible: 8 layers x 4 KV heads x 64 = 8 KiB/token.
@@ -155,15 +155,7 @@ def cpu_seconds(procs: dict[str, Proc]) -> dict[str, float]:
     tck = os.sysconf("SC_CLK_TCK")
     groups = {p.pid: name for name, p in procs.items()}
     out = dict.fromkeys(procs, 0.0)
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # After the command: state ppid pgrp session ... utime(14) stime(15), 1-based overall.
+    for _, fields in proc_stats():
         name = groups.get(int(fields[2]))
         if name is not None:
             out[name] += (int(fields[11]) + int(fields[12])) / tck

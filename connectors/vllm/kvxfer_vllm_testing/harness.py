@@ -133,18 +133,21 @@ class Proc:
             return ""
 
 
-def group_pids(pgids: set[int]) -> list[int]:
-    """Every live process whose process group is one of ``pgids``."""
-    out = []
+def proc_stats():
+    """(pid, the fields of /proc/PID/stat after the command) for every live process; after the
+    command: state ppid pgrp session ... utime (index 11) stime (12)."""
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) in pgids:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
+                    yield int(d), f.read().rsplit(")", 1)[1].split()
+            except OSError:
                 pass
-    return out
+
+
+def group_pids(pgids: set[int]) -> list[int]:
+    """Every live process whose process group is one of ``pgids``."""
+    return [pid for pid, fields in proc_stats() if int(fields[2]) in pgids]
 
 
 #: What vLLM's processes make in /dev/shm through Python's multiprocessing: shared memory
