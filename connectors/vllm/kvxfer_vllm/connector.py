@@ -200,6 +200,15 @@ class KvxferConnector(KVConnectorBase_V1):
         self._host: HostBuffer | None = None
         self._rank = 0
         self._blocks_per_block = 1
+        #: Send each step's messages when vLLM binds the step's metadata, before the forward, not
+        #: in start_load_kv: vLLM 0.32 calls that after the forward is launched, which on a CPU
+        #: engine means after the whole forward has run. P's PrefillDone then waited for P's next
+        #: step to finish (a 2 x 1024-token prefill here: ~780 ms), and D's read waited with it
+        #: for P's acknowledgement (journal/vllm.md, "The step P's PrefillDone waited for"). On a
+        #: GPU the launch returns at once and the device hooks expect the step's kernels queued.
+        self._send_at_bind = current_platform.device_type == "cpu"
+        #: The metadata whose messages went out at bind (start_load_kv must not send them again).
+        self._sent: KvxferConnectorMetadata | None = None
         if role == KVConnectorRole.WORKER and current_platform.device_type == "cpu":
             _allow_amx_tiles()
         if role == KVConnectorRole.SCHEDULER:
@@ -329,11 +338,19 @@ class KvxferConnector(KVConnectorBase_V1):
             side_channel=self.worker.side_channel, epoch=self.worker.epoch, blocks_per_block=self._blocks_per_block
         )
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and self._send_at_bind and isinstance(connector_metadata, KvxferConnectorMetadata):
+            self.worker.on_step(connector_metadata.step)
+            self._sent = connector_metadata
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.worker is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
+        if meta is self._sent:
+            return  # sent when it was bound
         self.worker.on_step(meta.step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

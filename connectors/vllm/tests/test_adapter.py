@@ -17,6 +17,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvxfer_vllm.connector import KvxferConnector, KvxferConnectorMetadata, KvxferHandshakeMetadata
 from kvxfer_vllm.errors import ConfigError
+from kvxfer_vllm.messages import PrefillDoneMsg, StepMessages
 from kvxfer_vllm_testing.tiny_model import make_tiny_model
 
 
@@ -80,6 +81,36 @@ def test_decode_side_hooks(model):
         [11, 12, 13], 70, 32, "127.0.0.1:4000", [5, 6, 7])
     c.update_connector_output(KVConnectorOutput(finished_recving={"cmpl-d-0-0badcafe"}))
     assert not c.has_pending_push_work()
+
+
+class _StepLog:
+    """Stands in for the worker half (which needs a sidecar): records what the adapter hands it."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepMessages] = []
+
+    def on_step(self, step: StepMessages) -> None:
+        self.steps.append(step)
+
+
+def test_a_cpu_engine_sends_a_steps_messages_when_vllm_binds_them_before_the_forward(model):
+    # vLLM 0.32 calls start_load_kv after the forward (synchronous on CPU): P's PrefillDone sent
+    # there waited a whole prefill step, and D's read waited for it (journal/vllm.md).
+    c = connector(model)
+    c.worker = log = _StepLog()  # type: ignore[assignment]
+    meta = KvxferConnectorMetadata(step=StepMessages(prefill_done=[PrefillDoneMsg("r", "t", [5], 32)]))
+    c.bind_connector_metadata(meta)
+    assert log.steps == [meta.step]
+    c.start_load_kv(None)  # type: ignore[arg-type]
+    c.clear_connector_metadata()
+    assert log.steps == [meta.step]  # once
+    # Where the forward is only launched (a GPU), the messages go in start_load_kv, as before.
+    c._send_at_bind = False
+    later = KvxferConnectorMetadata(step=StepMessages(prefill_done=[PrefillDoneMsg("r2", "t2", [6], 32)]))
+    c.bind_connector_metadata(later)
+    assert log.steps == [meta.step]
+    c.start_load_kv(None)  # type: ignore[arg-type]
+    assert log.steps == [meta.step, later.step]
 
 
 def test_configuration_errors_stop_the_engine_at_start_up(model):
