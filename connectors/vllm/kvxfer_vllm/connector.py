@@ -207,8 +207,6 @@ class KvxferConnector(KVConnectorBase_V1):
         #: for P's acknowledgement (journal/vllm.md, "The step P's PrefillDone waited for"). On a
         #: GPU the launch returns at once and the device hooks expect the step's kernels queued.
         self._send_at_bind = current_platform.device_type == "cpu"
-        #: The metadata whose messages went out at bind (start_load_kv must not send them again).
-        self._sent: KvxferConnectorMetadata | None = None
         if role == KVConnectorRole.WORKER and current_platform.device_type == "cpu":
             _allow_amx_tiles()
         if role == KVConnectorRole.SCHEDULER:
@@ -342,15 +340,12 @@ class KvxferConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None and self._send_at_bind and isinstance(connector_metadata, KvxferConnectorMetadata):
             self.worker.on_step(connector_metadata.step)
-            self._sent = connector_metadata
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self.worker is None or not self.has_connector_metadata():
-            return
+        if self.worker is None or self._send_at_bind or not self.has_connector_metadata():
+            return  # (on CPU, sent when it was bound)
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
-        if meta is self._sent:
-            return  # sent when it was bound
         self.worker.on_step(meta.step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
