@@ -50,6 +50,7 @@ const SIDECAR_KINDS: Partial<Record<SettingName, Kind>> = {
   "transfer-timeout-ms": POS_INT,
   "heartbeat-ms": POS_INT,
   "peer-timeout-ms": POS_INT,
+  "peer-keepalive-ms": NON_NEG_INT,
   "abort-grace-ms": POS_INT,
   "max-transfers": POS_INT,
   "kv-dir": STR,

@@ -103,6 +103,7 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     transferTimeoutMs: positiveInt("transfer-timeout-ms", s["transfer-timeout-ms"]),
     heartbeatMs: positiveInt("heartbeat-ms", s["heartbeat-ms"]),
     peerTimeoutMs: positiveInt("peer-timeout-ms", s["peer-timeout-ms"]),
+    peerKeepaliveMs: nonNegativeInt("peer-keepalive-ms", s["peer-keepalive-ms"]),
     abortGraceMs: positiveInt("abort-grace-ms", s["abort-grace-ms"]),
     maxTransfers: positiveInt("max-transfers", s["max-transfers"]),
     ...(s["max-per-peer"] === ""

@@ -90,6 +90,11 @@ export const SIDECAR_SETTINGS = {
     default: "5000",
     help: "a silent peer with live transfers is down after this long",
   },
+  "peer-keepalive-ms": {
+    type: "string",
+    default: "30000",
+    help: "heartbeats go on this long after a peer's last transfer, so the next transfer needs no new handshake; 0: only while transfers are live",
+  },
   "abort-grace-ms": {
     type: "string",
     default: "2000",

@@ -34,6 +34,11 @@ export class PeerState {
   readonly sideChannel: string;
   private up = true;
   lastSeenMs: number;
+  /**
+   * Last time a transfer used it: a message other than a heartbeat from it, or (D) a transfer
+   * resolved to it. Heartbeats go on for `peerKeepaliveMs` after it (PeerTable.keptAlive).
+   */
+  lastUsedMs: number;
   /** Side channel address we reached it at (D side), for revalidation. */
   dialedAddress = "";
   /** Key we MAC our notifications to this peer (this epoch) with; handed over in handshakes. */
@@ -69,6 +74,7 @@ export class PeerState {
     this.layout = layout;
     this.sideChannel = metadata.sideChannel;
     this.lastSeenMs = nowMs;
+    this.lastUsedMs = nowMs;
   }
 
   /**

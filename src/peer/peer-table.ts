@@ -89,6 +89,11 @@ export interface PeerTableSettings {
   readonly heartbeatMs: number;
   readonly handshakeTimeoutMs: number;
   readonly peerTimeoutMs: number;
+  /**
+   * Heartbeats go on this long after a peer's last transfer (0: only while transfers are live),
+   * so that a transfer after a quiet spell finds the peer fresh and needs no new handshake.
+   */
+  readonly peerKeepaliveMs: number;
   readonly tombstoneMs: number;
   readonly abortGraceMs: number;
   readonly peerCredentials: PeerCredentials | undefined;
@@ -228,6 +233,7 @@ export class PeerTable {
     const old = this.peers.get(md.engineId);
     if (old !== undefined && old.epoch === md.epoch && old.state === "connected") {
       old.lastSeenMs = this.host.clock.now();
+      old.lastUsedMs = old.lastSeenMs; // it handshakes to transfer
       return old;
     }
     if (old !== undefined)
@@ -258,6 +264,7 @@ export class PeerTable {
       cached.state === "connected" &&
       this.host.clock.now() - cached.lastSeenMs < 2 * this.settings.heartbeatMs
     ) {
+      cached.lastUsedMs = this.host.clock.now();
       return Promise.resolve(cached);
     }
     let pending = this.handshakes.get(address);
@@ -422,7 +429,27 @@ export class PeerTable {
       return undefined;
     }
     peer.lastSeenMs = host.clock.now();
+    if (m.body.case !== "heartbeat") peer.lastUsedMs = peer.lastSeenMs;
     return { peer, fromRank: from.rank, body: m.body };
+  }
+
+  /**
+   * Connected peers used by a transfer within the keepalive and heard from within the peer
+   * timeout: each gets a heartbeat even with no transfer live. Its heartbeats keep this side
+   * fresh in the peer's table (`resolve` re-dials a peer unheard of for two heartbeat periods,
+   * a TLS handshake per transfer otherwise); a peer gone silent gets none past the timeout.
+   */
+  keptAlive(now: number): PeerState[] {
+    const { peerKeepaliveMs, peerTimeoutMs } = this.settings;
+    const out: PeerState[] = [];
+    for (const p of this.peers.values())
+      if (
+        p.state === "connected" &&
+        now - p.lastUsedMs < peerKeepaliveMs &&
+        now - p.lastSeenMs < peerTimeoutMs
+      )
+        out.push(p);
+    return out;
   }
 
   /** Drops peers silent too long while transfers are live; forgets idle ones after the tombstone. */

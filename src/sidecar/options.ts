@@ -43,6 +43,8 @@ export interface SidecarOptions {
   heartbeatMs?: number;
   /** A peer silent this long (while transfers are live) is down. */
   peerTimeoutMs?: number;
+  /** Heartbeats go on this long after a peer's last transfer (0: only while transfers are live). */
+  peerKeepaliveMs?: number;
   /** Extra wait on D, after P's registration lease, before blocks of an unacknowledged abort are released. */
   abortGraceMs?: number;
   handshakeTimeoutMs?: number;
@@ -108,6 +110,7 @@ export function resolveOptions(options: SidecarOptions): ResolvedOptions {
     transferTimeoutMs: options.transferTimeoutMs ?? 60_000,
     heartbeatMs: options.heartbeatMs ?? 1000,
     peerTimeoutMs: options.peerTimeoutMs ?? 5000,
+    peerKeepaliveMs: options.peerKeepaliveMs ?? 30_000,
     abortGraceMs: options.abortGraceMs ?? 2000,
     handshakeTimeoutMs: options.handshakeTimeoutMs ?? 5000,
     tombstoneMs: options.tombstoneMs ?? 60_000,

@@ -449,6 +449,7 @@ export class PeerTableWorld {
         heartbeatMs: 1000,
         handshakeTimeoutMs: 1000,
         peerTimeoutMs: 5000,
+        peerKeepaliveMs: 30_000,
         tombstoneMs: 60_000,
         abortGraceMs: 200,
         peerCredentials: o.peerCredentials,

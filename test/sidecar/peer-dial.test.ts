@@ -133,6 +133,39 @@ describe("D resolves P over the side channel", () => {
     expect(p.table.verify(lastNoteSealed(d, peer))).toBeDefined();
   });
 
+  it("heartbeats go on after the last transfer (the keepalive): a quiet peer is still fresh and needs no handshake", async () => {
+    const { p, d, address, requests } = await pair();
+    const peer = await d.table.resolve(address);
+    const dAtP = peerOf(p, "d0");
+    // Both sides keep the other alive at once (P: D handshook; D: it resolved P).
+    expect(p.table.keptAlive(p.clock.now())).toEqual([dAtP]);
+    expect(d.table.keptAlive(d.clock.now())).toEqual([peer]);
+    // No transfer for 2.5 s, but P's heartbeat arrived in between: D uses its cached peer.
+    p.clock.advance(1500);
+    d.clock.advance(1500);
+    p.table.send(dAtP, { case: "heartbeat", value: { transferIds: [] } });
+    expect(d.table.verify(lastNote(p, "p0"))?.peer).toBe(peer);
+    d.clock.advance(1000);
+    expect(await d.table.resolve(address)).toBe(peer);
+    expect(requests).toHaveLength(1);
+    // A heartbeat is not a use: 30 s after D's last message P stops (peerKeepaliveMs is 30000).
+    p.clock.advance(28_499);
+    d.table.send(peer, { case: "heartbeat", value: { transferIds: [] } });
+    expect(p.table.verify(lastNote(d, "d0"))?.peer).toBe(dAtP);
+    expect(p.table.keptAlive(p.clock.now())).toEqual([dAtP]);
+    p.clock.advance(1);
+    expect(p.table.keptAlive(p.clock.now())).toEqual([]);
+    // Any other message is: D's next transfer keeps it alive again.
+    d.table.send(peer, { case: "readDone", value: { transferId: "t1", bytes: 1n, token: "k" } });
+    expect(p.table.verify(lastNote(d, "d0"))?.peer).toBe(dAtP);
+    expect(p.table.keptAlive(p.clock.now())).toEqual([dAtP]);
+    // A peer silent past the peer timeout gets no more, used or not.
+    p.clock.advance(5000);
+    expect(p.table.keptAlive(p.clock.now())).toEqual([]);
+    expect(p.errors).toEqual([]);
+    expect(d.errors).toEqual([]);
+  });
+
   it("one handshake serves every caller waiting for it; the next one dials again", async () => {
     const { d, address, requests } = await pair();
     const [a, b, c] = await Promise.all([

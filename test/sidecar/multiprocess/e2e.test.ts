@@ -253,7 +253,7 @@ describe("push orderings, forced", () => {
           times[i - 1]!,
         );
     };
-    inOrder(d, ["engine.expectKv", "peer.pushReg sent"]);
+    inOrder(d, ["engine.expectKv", "peer.resolved", "peer.pushReg sent"]);
     inOrder(p, ["peer.pushReg", "engine.prefillDone", "planned"]);
     expect(at(p, "peer.pushReg")).toBeGreaterThanOrEqual(at(d, "peer.pushReg sent"));
     for (const pair of ["0>0", "1>1"]) {
