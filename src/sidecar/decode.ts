@@ -357,7 +357,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     let pairing: LayoutPairing;
     try {
       peer = await this.resolvePeer(t.source);
-      t.trace.mark("peer.resolved");
+      if (!isTerminal(t.state)) t.trace.mark("peer.resolved");
       // Made at the handshake (the same layouts): which P ranks hold this engine's heads.
       pairing = peer.pairing(peer.layout, this.ctx.kvs.kv!.layout);
     } catch (err) {

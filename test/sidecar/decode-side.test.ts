@@ -741,6 +741,7 @@ describe("DecodeSide: traces, peers and words", () => {
     const hops = (id: string) => d.infoOf(id)!.trace.map((h) => h.hop);
     expect(hops("push")).toEqual([
       "engine.expectKv",
+      "peer.resolved",
       "peer.pushReg sent",
       "pair 0>0 xferDone received",
       "pair 0>0 xferDone delivered",
@@ -754,13 +755,14 @@ describe("DecodeSide: traces, peers and words", () => {
     await settle();
     d.readAck(p, "pull", true, false);
     const pull = hops("pull");
-    expect(pull.slice(0, 2)).toEqual(["engine.expectKv", "planned"]);
+    expect(pull.slice(0, 3)).toEqual(["engine.expectKv", "peer.resolved", "planned"]);
     expect(pull).toContain("pair 0>0 submitted");
     expect(pull).toContain("pair 0>0 flushed");
     expect(pull.slice(-3)).toEqual(["peer.readDone sent", "engine.kvReady sent", "event.appended"]);
     // A failed transfer's trace ends with its event too.
     d.expectKv(expectKv("aborted", false, "", [6, 7]), false);
     d.abort("aborted");
+    await settle(); // its peer resolves after the abort: no hop for it
     expect(hops("aborted")).toEqual(["engine.expectKv", "event.appended"]);
   });
 
@@ -927,6 +929,7 @@ describe("DecodeSide: late and stray messages", () => {
     d.readAck(p, "t1", true, false);
     expect(d.infoOf("t1")!.trace.map((h) => h.hop)).toEqual([
       "engine.expectKv",
+      "peer.resolved",
       "planned",
       ...OP_STEPS.map((s) => `pair 0>0 ${s}`),
       "peer.readDone sent",

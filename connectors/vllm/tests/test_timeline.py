@@ -112,7 +112,7 @@ def test_breakdown_lines_up_router_connector_and_sidecar_marks():
     conn = [{"t": 10.52, "ev": "d.worker.sent", "tid": "t"}, {"t": 10.7, "ev": "d.worker.kv_ready", "tid": "t"},
             {"t": 10.71, "ev": "d.sched.received", "tid": "t"}, {"t": 10.8, "ev": "d.sched.admitted", "tid": "t",
                                                                  "tokens": 1}]
-    d_hops = [("engine.expectKv", 10.521), ("planned", 10.53), ("pair 0>0 first post", 10.54),
+    d_hops = [("engine.expectKv", 10.521), ("peer.resolved", 10.525), ("planned", 10.53), ("pair 0>0 first post", 10.54),
               ("pair 0>0 completed", 10.6), ("pair 1>0 completed", 10.65), ("engine.kvReady sent", 10.69)]
     marks = breakdown._marks(router, conn, [], d_hops)
     ms = breakdown.segments(marks)
@@ -120,6 +120,8 @@ def test_breakdown_lines_up_router_connector_and_sidecar_marks():
     assert round(ms["transfer: read posted -> completed"], 3) == 110.0  # the last rank pair's
     assert round(ms["D side: P answer -> first token"], 3) == 400.0
     assert round(ms["KvReady sent -> D connector got it"], 3) == 10.0
+    assert round(ms["D sidecar: ExpectKv -> peer resolved"], 3) == 4.0
+    assert round(ms["D sidecar: peer resolved -> planned"], 3) == 5.0
     assert breakdown.admitted_tokens(conn) == 1
     res = {"kv_memory": "file", "sidecar_flags": [], "machine": "m", "segments": [s[0] for s in breakdown.SEGMENTS],
            "lengths": {"1024": {"median_ms": ms}}}
