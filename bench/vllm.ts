@@ -35,6 +35,8 @@ export interface VllmRow {
   requests: number;
   ttft_ms: Dist;
   e2e_ms: Dist;
+  /** P's HTTP answer to D's first token (P/D systems; absent in results from before it). */
+  d_side_ms?: Dist;
   output_tokens_per_s: number | null;
   /** CPU seconds per request by process ("P engine", "D sidecar", ...) and their total. */
   cpu_s_per_request: Record<string, number> | null;
@@ -173,6 +175,7 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
     "system",
     "TTFT p50 / p90 ms",
     "vs kvxfer pull",
+    "D side p50 / p90 ms",
     "E2E p50 / p90 ms",
     "out tok/s",
     "CPU s/req",
@@ -197,6 +200,7 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
       row.label,
       ok ? `${ms(row.ttft_ms.p50)} / ${ms(row.ttft_ms.p90)}` : row.status,
       ok ? fmt(ratio, 2) : "-",
+      ok && row.d_side_ms?.n ? `${ms(row.d_side_ms.p50)} / ${ms(row.d_side_ms.p90)}` : "-",
       ok ? `${ms(row.e2e_ms.p50)} / ${ms(row.e2e_ms.p90)}` : "-",
       ok ? fmt(row.output_tokens_per_s ?? undefined, 0) : "-",
       ok ? fmt(row.cpu_s_per_request?.total, 2) : "-",

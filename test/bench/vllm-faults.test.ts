@@ -1,11 +1,13 @@
-// How `kvxfer bench vllm --faults` prints its failure rows: what the client saw, whether D's output
-// is one engine's, where D's prompt came from (moved KV or recomputed), when P's blocks came back
-// and whether the surviving engine still serves. Formatting only: the faults themselves run in
-// connectors/vllm (kvxfer_vllm_testing.bench); no engine starts here.
+// How `kvxfer bench vllm` prints its rows: the failure rows of `--faults` (what the client saw,
+// whether D's output is one engine's, where D's prompt came from, when P's blocks came back, whether
+// the surviving engine still serves), each cell's failed transfers, and D's side in the main table.
+// Formatting only: the bench itself runs in connectors/vllm (kvxfer_vllm_testing.bench); no engine
+// starts here.
 import { describe, expect, it } from "vitest";
 
 import {
   formatKvFailures,
+  formatVllm,
   formatVllmFaults,
   type VllmFaultRow,
   type VllmRow,
@@ -81,5 +83,20 @@ describe("formatKvFailures", () => {
     expect(lines).toEqual([
       "  kvxfer pull, 4096 tokens, 8 in flight: 1 x D failed: ERR_TIMEOUT: no readAck within 5000 ms",
     ]);
+  });
+
+  it("prints D's side (P's answer to D's first token) where a row has one, '-' where not", () => {
+    const result = {
+      rows: [
+        cell({ d_side_ms: { p50: 21.4, p90: 30.2, n: 16 } }),
+        cell({ system: "one", label: "one engine", d_side_ms: { p50: null, p90: null, n: 0 } }),
+        cell({ system: "nixl-fixed", label: "NixlConnector, 2 fixes" }), // a result from before it
+      ],
+    } as unknown as Parameters<typeof formatVllm>[0];
+    const lines = formatVllm(result, true).split("\n");
+    expect(lines[0]).toContain("| D side p50 / p90 ms |");
+    expect(lines[2]!.split("|")[6]!.trim()).toBe("21 / 30");
+    expect(lines[3].split("|")[6]!.trim()).toBe("-");
+    expect(lines[4].split("|")[6]!.trim()).toBe("-");
   });
 });

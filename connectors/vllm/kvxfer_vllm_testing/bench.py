@@ -82,6 +82,8 @@ class Answer:
     ttft: float
     e2e: float
     ids: list[int]
+    #: Seconds from P's HTTP answer to D's first token (P/D only; negative when D's came first).
+    d_side: float | None = None
 
 
 def stream(url: str, model: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None,
@@ -123,11 +125,22 @@ def prefill(url: str, model: str, prompt: list[int], params: dict[str, Any],
     return r.json()
 
 
-def answered(p_answer: dict[str, Any], hook: Callable[[], None] | None) -> dict[str, Any]:
-    """P's answer, after running ``hook`` (a fault injected the moment P has answered)."""
+def answered(p_answer: dict[str, Any], hook: Callable[[], None] | None,
+             at: dict[str, float] | None = None) -> dict[str, Any]:
+    """P's answer, after running ``hook`` (a fault injected the moment P has answered); ``at["p"]``
+    gets when it came."""
+    if at is not None:
+        at["p"] = time.perf_counter()
     if hook is not None:
         hook()
     return p_answer
+
+
+def with_d_side(ans: Answer, at: dict[str, float], t0: float) -> Answer:
+    """``ans`` with its D side: P's answer (``at["p"]``, see ``answered``) to D's first token."""
+    if "p" in at:
+        ans.d_side = ans.ttft - (at["p"] - t0)
+    return ans
 
 
 def both(p_call: Callable[[], Any], d_call: Callable[[], Answer]) -> Answer:
@@ -279,16 +292,17 @@ class KvxferPair(Deployment):
         tid = uuid.uuid4().hex
         t0 = time.perf_counter()
         p_params = {"do_remote_decode": True, "transfer_id": tid}
+        at: dict[str, float] = {}
         if system == "kvxfer-pull":
-            pr = answered(prefill(self.p.url, self.model, prompt, p_params), on_p_answer)
+            pr = answered(prefill(self.p.url, self.model, prompt, p_params), on_p_answer, at)
             params = dict(pr["kv_transfer_params"])
             if dead_port is not None:
                 params["remote_port"] = dead_port
-            return stream(self.d.url, self.model, prompt, out, params, t0)
+            return with_d_side(stream(self.d.url, self.model, prompt, out, params, t0), at, t0)
         d_params = {"do_remote_prefill": True, "remote_host": self.p_addr[0],
                     "remote_port": self.p_addr[1] if dead_port is None else dead_port, "transfer_id": tid}
-        return both(lambda: answered(prefill(self.p.url, self.model, prompt, p_params), on_p_answer),
-                    lambda: stream(self.d.url, self.model, prompt, out, d_params, t0))
+        return with_d_side(both(lambda: answered(prefill(self.p.url, self.model, prompt, p_params), on_p_answer, at),
+                                lambda: stream(self.d.url, self.model, prompt, out, d_params, t0)), at, t0)
 
     def failed_transfers(self) -> dict[str, int]:
         from kvxfer_vllm._gen.kvxfer.v1 import sidecar_pb2 as pb
@@ -340,19 +354,21 @@ class NixlPair(Deployment):
         headers = {"X-Request-Id": rid}
         p_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        at: dict[str, float] = {}
         if not self.push:
-            pr = answered(prefill(self.p.url, self.model, prompt, p_params, headers), on_p_answer)
+            pr = answered(prefill(self.p.url, self.model, prompt, p_params, headers), on_p_answer, at)
             params = dict(pr["kv_transfer_params"])
             if dead_port is not None:
                 params["remote_port"] = dead_port
-            return stream(self.d.url, self.model, prompt, out, params, t0, headers)
+            return with_d_side(stream(self.d.url, self.model, prompt, out, params, t0, headers), at, t0)
         # P's request id as vLLM's OpenAI server makes it from the header (its engine then appends a
         # random suffix, which the push connector strips when it pairs P's and D's requests).
         d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id, "remote_host": "127.0.0.1",
                     "remote_port": self.p_port if dead_port is None else dead_port, "tp_size": 1,
                     "remote_request_id": f"cmpl-{rid}-0"}
-        return both(lambda: answered(prefill(self.p.url, self.model, prompt, p_params, headers), on_p_answer),
-                    lambda: stream(self.d.url, self.model, prompt, out, d_params, t0, headers))
+        return with_d_side(
+            both(lambda: answered(prefill(self.p.url, self.model, prompt, p_params, headers), on_p_answer, at),
+                 lambda: stream(self.d.url, self.model, prompt, out, d_params, t0, headers)), at, t0)
 
 
 class MooncakePair(Deployment):
@@ -385,9 +401,10 @@ class MooncakePair(Deployment):
         d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id,
                     "remote_bootstrap_addr": f"http://127.0.0.1:{self.boot if dead_port is None else dead_port}",
                     "transfer_id": tid}
-        return both(lambda: answered(prefill(self.p.url, self.model, prompt,
-                                             {"do_remote_decode": True, "transfer_id": tid}), on_p_answer),
-                    lambda: stream(self.d.url, self.model, prompt, out, d_params, t0))
+        at: dict[str, float] = {}
+        return with_d_side(both(lambda: answered(prefill(self.p.url, self.model, prompt,
+                                                         {"do_remote_decode": True, "transfer_id": tid}), on_p_answer, at),
+                                lambda: stream(self.d.url, self.model, prompt, out, d_params, t0)), at, t0)
 
 
 #: The deployments a round starts, in order, with the systems each serves.
@@ -451,6 +468,8 @@ class Cell:
 
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
+    #: P's answer to D's first token, per request (P/D systems).
+    d_side: list[float] = field(default_factory=list)
     out_tokens: int = 0
     wall: float = 0.0
     cpu: dict[str, float] = field(default_factory=dict)
@@ -569,6 +588,9 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
             "requests": cell.requests,
             "ttft_ms": {"p50": percentile(cell.ttft, 0.5), "p90": percentile(cell.ttft, 0.9), "n": len(cell.ttft)},
             "e2e_ms": {"p50": percentile(cell.e2e, 0.5), "p90": percentile(cell.e2e, 0.9), "n": len(cell.e2e)},
+            # P's HTTP answer -> D's first token: what D's side costs once P has answered.
+            "d_side_ms": {"p50": percentile(cell.d_side, 0.5), "p90": percentile(cell.d_side, 0.9),
+                          "n": len(cell.d_side)},
             "output_tokens_per_s": cell.out_tokens / cell.wall if cell.wall > 0 else None,
             "cpu_s_per_request": ({k: v / cell.requests for k, v in cell.cpu.items()} | {
                 "total": sum(cell.cpu.values()) / cell.requests}) if cell.requests else None,
@@ -667,6 +689,8 @@ def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, 
             continue
         cell.ttft.append(res.ttft)
         cell.e2e.append(res.e2e)
+        if res.d_side is not None:
+            cell.d_side.append(res.d_side)
         cell.out_tokens += len(res.ids)
         if system == "one":
             reference[seed] = res.ids

@@ -75,6 +75,11 @@ def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
         # The KV moved (D's own counter; 7 of 8 blocks at least, D computes the last token), so
         # identical outputs are not D recomputing the prompt.
         assert rows[name]["d_prompt_tokens_per_request"]["external_kv_transfer"] >= 100, (name, rows[name])
+        # D's side (P's answer -> D's first token): a pull asks D after P answered, so it is part
+        # of the TTFT, and one engine has none.
+        d_side = rows[name]["d_side_ms"]
+        assert d_side["n"] == 2 and 0 < d_side["p50"] < rows[name]["ttft_ms"]["p50"], (name, d_side)
+    assert rows["one"]["d_side_ms"]["n"] == 0
     # The sidecars' own record (ListTransfers over gRPC) of failed transfers: none here.
     assert rows["kvxfer-pull"]["kv_failures"] is None, rows["kvxfer-pull"]["kv_failures"]
     assert result["peers"]["nixl"]["installed"] is True
