@@ -353,6 +353,7 @@ export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchR
           .join("; "),
       formatVllm(r),
       "  TTFT: client sends -> first streamed token (pull: P's request, then D's stream; push and Mooncake: both at once).",
+      "  D side: P's HTTP answer -> D's first token, per request (in a push D was asked at the start; negative if D answered first).",
       "  identical: outputs token-identical to one engine's for the same prompt.",
       "  D: moved / computed: D's prompt tokens per request whose KV came from P, and those D computed (vLLM's counter).",
       ...(r.rows.some((x) => x.kv_failures)
