@@ -96,7 +96,7 @@ describe("formatKvFailures", () => {
     const lines = formatVllm(result, true).split("\n");
     expect(lines[0]).toContain("| D side p50 / p90 ms |");
     expect(lines[2]!.split("|")[6]!.trim()).toBe("21 / 30");
-    expect(lines[3].split("|")[6]!.trim()).toBe("-");
-    expect(lines[4].split("|")[6]!.trim()).toBe("-");
+    expect(lines[3]!.split("|")[6]!.trim()).toBe("-");
+    expect(lines[4]!.split("|")[6]!.trim()).toBe("-");
   });
 });
