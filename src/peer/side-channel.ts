@@ -85,6 +85,28 @@ export function certificateIdentity(cert: tls.PeerCertificate | X509Certificate)
 }
 
 /**
+ * The client's TLS context for `creds` (TLS 1.3 at least), built once, by the start-up check,
+ * and used by every dial: `tls.connect({cert, key, ca})` parsed the PEM files again at each one,
+ * and a decode sidecar dials a quiet peer before a transfer (measured: most of a 25-90 ms
+ * handshake at 4096-token prompts; journal/vllm.md). The server keeps its own options: given
+ * this context instead, it failed every mutual-TLS handshake (alert 40).
+ */
+const peerContexts = new WeakMap<PeerCredentials, tls.SecureContext>();
+function peerContext(creds: PeerCredentials): tls.SecureContext {
+  let ctx = peerContexts.get(creds);
+  if (ctx === undefined) {
+    ctx = tls.createSecureContext({
+      cert: creds.cert,
+      key: creds.key,
+      ca: creds.ca,
+      minVersion: "TLSv1.3",
+    });
+    peerContexts.set(creds, ctx);
+  }
+  return ctx;
+}
+
+/**
  * Checks credentials at start-up: every file parses, the certificate is signed
  * by the CA and names `engineId`. Throws ERR_CONFIG naming what is wrong.
  */
@@ -122,7 +144,7 @@ export function checkCredentials(creds: PeerCredentials, engineId: string): void
   const when = validityProblem(cert, "--peer-cert");
   if (when !== undefined) throw new KvxferError("ERR_CONFIG", when);
   try {
-    tls.createSecureContext({ cert: creds.cert, key: creds.key, ca: creds.ca });
+    peerContext(creds);
   } catch (err) {
     throw new KvxferError(
       "ERR_CONFIG",
@@ -441,27 +463,6 @@ export interface HandshakeResult {
 }
 
 /**
- * The client's TLS context for `creds`, built once: `tls.connect({cert, key, ca})` parses the PEM
- * files again for every dial, and a decode sidecar dials a peer for every transfer after two
- * quiet heartbeat intervals (measured: most of a 25-90 ms handshake at 4096-token prompts, whose
- * prefill outlasts them; journal/vllm.md).
- */
-const clientContexts = new WeakMap<PeerCredentials, tls.SecureContext>();
-function clientContext(creds: PeerCredentials): tls.SecureContext {
-  let ctx = clientContexts.get(creds);
-  if (ctx === undefined) {
-    ctx = tls.createSecureContext({
-      cert: creds.cert,
-      key: creds.key,
-      ca: creds.ca,
-      minVersion: "TLSv1.3",
-    });
-    clientContexts.set(creds, ctx);
-  }
-  return ctx;
-}
-
-/**
  * One handshake with the sidecar at `address`; rejects with a KvxferError after
  * `timeoutMs`. With credentials the server must present a certificate from the
  * same CA (ERR_UNAUTHENTICATED otherwise).
@@ -489,7 +490,7 @@ export async function handshake(
         : tls.connect({
             host,
             port,
-            secureContext: clientContext(creds), // TLS 1.3 at least, as the server
+            secureContext: peerContext(creds),
             // Not a host name check: the peer's identity is its engine id, which the caller
             // compares with the metadata it sends.
             checkServerIdentity: () => undefined,

@@ -1,7 +1,8 @@
 /**
  * The peers' notifications to this sidecar, each checked (PeerTable.verify), charged to its
  * sender's budget and handed to the side that owns it; and this sidecar's heartbeats to its
- * peers, one per peer with live transfers or used within the keepalive. A registered rank's agent is wired here.
+ * peers, one per peer with live transfers or used within the keepalive. A registered rank's
+ * agent is wired here.
  */
 import type { Agent, Notification } from "../native/index.js";
 import type { PeerTable } from "../peer/peer-table.js";
@@ -96,9 +97,9 @@ export class PeerDispatch {
    */
   sendHeartbeats(): void {
     const { peers, prefill, decode } = this.parts;
-    const byPeer = decode.heartbeatIds(this.parts.clock.now());
-    for (const peer of prefill.livePeers()) if (!byPeer.has(peer)) byPeer.set(peer, []);
-    for (const peer of peers.keptAlive(this.parts.clock.now()))
+    const now = this.parts.clock.now();
+    const byPeer = decode.heartbeatIds(now);
+    for (const peer of [...prefill.livePeers(), ...peers.keptAlive(now)])
       if (!byPeer.has(peer)) byPeer.set(peer, []);
     for (const [peer, ids] of byPeer)
       peers.send(peer, { case: "heartbeat", value: { transferIds: ids } });
