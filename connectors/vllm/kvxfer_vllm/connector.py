@@ -40,7 +40,7 @@ from .errors import ConfigError, LayoutError
 from .layout import describe, expand_block_ids, packing_of
 from .messages import StepMessages
 from .registration import RegionEntry, region_files, registration, tensor_views
-from .scheduler import SchedulerLogic
+from .scheduler import Scheduled, SchedulerLogic
 from .shm import HostBuffer, SharedKv, SharedKvFiles, SharedKvSegments
 from .stats import COUNTERS, merge, reduce
 from .versions import check_vllm_version
@@ -179,6 +179,22 @@ def _allow_amx_tiles() -> None:
                        "vLLM's AMX attention may fail with SIGILL")
 
 
+def _scheduled(out: SchedulerOutput | None) -> dict[str, Scheduled]:
+    """The requests a step computes, as SchedulerLogic.build_step takes them (vLLM 0.32's fields;
+    an output without them gives none, and P's PrefillDone then waits for vLLM to finish it)."""
+    counts = getattr(out, "num_scheduled_tokens", None)
+    new = getattr(out, "scheduled_new_reqs", None)
+    cached = getattr(out, "scheduled_cached_reqs", None)
+    if counts is None or new is None or cached is None:
+        return {}
+    got = {r.req_id: Scheduled(r.num_computed_tokens + counts.get(r.req_id, 0)) for r in new}
+    for i, rid in enumerate(cached.req_ids):
+        blocks = cached.new_block_ids[i]
+        got[rid] = Scheduled(cached.num_computed_tokens[i] + counts.get(rid, 0), list(blocks[0]) if blocks else [],
+                             replace=rid in cached.resumed_req_ids)
+    return got
+
+
 class KvxferConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -210,7 +226,10 @@ class KvxferConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER and current_platform.device_type == "cpu":
             _allow_amx_tiles()
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerLogic(engine_id=self.cfg.engine_id, tp_size=self.tp_size, advertise=self.cfg.advertise)
+            # P's PrefillDone when the forward that completes the prompt has run (wait_for_save), a
+            # step before vLLM finishes the request: on a CPU engine that hook runs after the forward.
+            self.scheduler = SchedulerLogic(engine_id=self.cfg.engine_id, tp_size=self.tp_size, advertise=self.cfg.advertise,
+                                            early_prefill_done=self._send_at_bind)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -355,7 +374,9 @@ class KvxferConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
-        return None
+        # After the forward: the prefills it completed (on CPU only, where the forward has run).
+        if self.worker is not None and isinstance(self._connector_metadata, KvxferConnectorMetadata):
+            self.worker.after_forward(self._connector_metadata.step)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.worker is None:
@@ -421,6 +442,14 @@ class KvxferConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         ids = blocks.get_block_ids()
+        sp = request.sampling_params
+        self.scheduler.p_allocated(
+            request.request_id,
+            request.kv_transfer_params,
+            list(ids[0]) if ids else [],
+            request.prompt_token_ids,
+            sp.max_tokens if sp is not None else None,
+        )
         self.scheduler.after_alloc(
             request.request_id,
             request.kv_transfer_params,
@@ -434,7 +463,7 @@ class KvxferConnector(KVConnectorBase_V1):
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         if timeline.enabled():
             self.scheduler.mark_admitted(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
-        return KvxferConnectorMetadata(step=self.scheduler.build_step(), idle=idle)
+        return KvxferConnectorMetadata(step=self.scheduler.build_step(_scheduled(scheduler_output)), idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None

@@ -61,6 +61,9 @@ class StepMessages:
     expect: list[ExpectMsg] = field(default_factory=list)
     abort: list[AbortMsg] = field(default_factory=list)
     give_up: list[GiveUpMsg] = field(default_factory=list)
+    #: P: prefills that this step's forward completes, sent when the forward has run (the worker's
+    #: ``after_forward``), not when the step starts like the lists above.
+    prefill_done_after_forward: list[PrefillDoneMsg] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prefill_done or self.expect or self.abort or self.give_up)
+        return bool(self.prefill_done or self.expect or self.abort or self.give_up or self.prefill_done_after_forward)

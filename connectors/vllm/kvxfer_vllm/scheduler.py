@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,37 @@ class _Waiting:
     sent: bool
 
 
+@dataclass(frozen=True)
+class Scheduled:
+    """A request a step computes: its tokens once the step's forward has run, and the blocks the
+    step gave it (``replace``: all its blocks, as after a preemption; else added to those it had)."""
+
+    tokens: int
+    new_blocks: Sequence[int] = ()
+    replace: bool = False
+
+
+@dataclass
+class _Candidate:
+    """P: a request allocated in the step being built that ends with that step's forward."""
+
+    params: dict[str, Any]
+    block_ids: list[int]
+    prompt: Sequence[int]
+
+
+@dataclass
+class _Early:
+    """P: a request whose PrefillDone went with its last prefill step (sent after the forward),
+    before vLLM finished it: what its answer must repeat."""
+
+    transfer_id: str
+    token: str
+    digest: str
+    block_ids: list[int]
+    num_tokens: int
+
+
 def _router_named(params: dict[str, Any]) -> bool:
     tid = params.get("transfer_id")
     return isinstance(tid, str) and tid != ""
@@ -47,8 +78,14 @@ def _router_named(params: dict[str, Any]) -> bool:
 
 class SchedulerLogic:
     def __init__(self, *, engine_id: str, tp_size: int, advertise: str = "",
-                 resolver: BootstrapResolver | None = None) -> None:
+                 resolver: BootstrapResolver | None = None, early_prefill_done: bool = False) -> None:
         self.engine_id = engine_id
+        #: P: tell the sidecar of a prefill when the forward that completes it has run, not when vLLM
+        #: has processed that step's output and run the next one (only where the forward has really
+        #: run when the worker's after-forward hook is called: a CPU engine).
+        self._early_enabled = early_prefill_done
+        self._candidates: dict[str, _Candidate] = {}
+        self._early: dict[str, _Early] = {}
         #: D: P's side channel from a router's bootstrap URL (vllm-router's mooncake mode).
         self._resolver = resolver or BootstrapResolver()
         self.tp_size = tp_size
@@ -160,6 +197,55 @@ class SchedulerLogic:
         self._waiting[request_id] = _Waiting(remote.transfer_id, sent=False)
         timeline.mark("d.sched.alloc", remote.transfer_id, tokens=num_external_tokens)
 
+    # --- P --------------------------------------------------------------------------
+
+    def p_allocated(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        block_ids: list[int],
+        prompt_token_ids: Sequence[int] | None,
+        max_tokens: int | None,
+    ) -> None:
+        """P: vLLM allocated blocks to a request as it left the waiting queue (``block_ids``: all it
+        holds). A request for remote decode that may generate one token ends with the step that
+        completes its prompt: that step (``build_step`` follows it there) sends its PrefillDone
+        when its forward has run, a step earlier than vLLM finishing the request would."""
+        if (not self._early_enabled or max_tokens != 1 or not wants_remote_decode(params)
+                or not block_ids or prompt_token_ids is None or not self.side_channel):
+            return
+        assert params is not None
+        self._candidates[request_id] = _Candidate(params, list(block_ids), prompt_token_ids)
+
+    def _take_early(self, scheduled: Mapping[str, Scheduled]) -> None:
+        """Candidates whose whole prompt this step computes get their PrefillDone sent after its
+        forward. The token and digest are chosen now; P's answer repeats them (request_finished)."""
+        for rid, c in list(self._candidates.items()):
+            s = scheduled.get(rid)
+            if s is None:
+                continue
+            if s.replace:
+                c.block_ids = list(s.new_blocks)
+            else:
+                c.block_ids.extend(s.new_blocks)
+            n = len(c.prompt)
+            if s.tokens < n:
+                continue  # a chunk of the prompt: its last one decides
+            del self._candidates[rid]
+            if s.tokens != n or n <= 0:
+                continue  # not a plain prefill: sent when vLLM finishes it
+            try:
+                token = token_of(c.params) or ("" if _router_named(c.params) else secrets.token_hex(16))
+            except BadParams:
+                continue  # request_finished reports it and gives up
+            tid = transfer_id_of(c.params, rid)
+            digest = prompt_digest(c.prompt, n)
+            self._next.prefill_done_after_forward.append(
+                PrefillDoneMsg(rid, tid, list(c.block_ids), n, bind_token(token, digest)))
+            self._early[rid] = _Early(tid, token, digest, list(c.block_ids), n)
+            self._holding.add(rid)
+            timeline.mark("p.sched.early", tid, tokens=n)
+
     # --- both -----------------------------------------------------------------------
 
     def request_finished(
@@ -176,6 +262,7 @@ class SchedulerLogic:
         request's prompt; P's answer carries the digest of the part its blocks hold (the first
         ``num_computed_tokens``, at most the prompt: what D's prompt is checked against)."""
         self._digests.pop(request_id, None)
+        self._candidates.pop(request_id, None)
         waiting = self._waiting.pop(request_id, None)
         if waiting is not None:
             # D: the request ended while its KV was still coming.
@@ -186,6 +273,21 @@ class SchedulerLogic:
             # says none can land (the worker reports the request as sent).
             self._next.abort.append(AbortMsg(request_id, waiting.transfer_id))
             self._aborting.add(request_id)
+            return True, None
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            # The sidecar has this request's PrefillDone (sent after its last forward): its blocks
+            # stay held until the sidecar releases them, whatever happens to the request now.
+            if finished_ok and num_computed_tokens == early.num_tokens and list(block_ids) == early.block_ids:
+                timeline.mark("p.sched.finished", early.transfer_id, tokens=num_computed_tokens)
+                return True, self._answer(request_id, early.transfer_id, block_ids, num_computed_tokens,
+                                          early.token, early.digest)
+            log.warning(
+                "kvxfer: request %s (transfer %s) ended %s after its PrefillDone was sent; no answer for D, "
+                "the sidecar releases the blocks when the transfer ends or expires", request_id,
+                early.transfer_id, "without finishing" if not finished_ok else
+                f"with {num_computed_tokens} tokens in {len(block_ids)} blocks, not the "
+                f"{early.num_tokens} in {len(early.block_ids)} sent")
             return True, None
         if not wants_remote_decode(params):
             return False, None
@@ -214,13 +316,17 @@ class SchedulerLogic:
         )
         self._holding.add(request_id)
         timeline.mark("p.sched.finished", tid, tokens=num_computed_tokens)
-        return True, prefill_answer(
+        return True, self._answer(request_id, tid, block_ids, num_computed_tokens, token, digest)
+
+    def _answer(self, request_id: str, tid: str, block_ids: list[int], num_tokens: int, token: str,
+                digest: str) -> dict[str, Any]:
+        return prefill_answer(
             transfer_id=tid,
             engine_id=self.engine_id,
             request_id=request_id,
             side_channel=self.side_channel,
             block_ids=block_ids,
-            num_tokens=num_computed_tokens,
+            num_tokens=num_tokens,
             tp_size=self.tp_size,
             blocks_per_block=self.blocks_per_block,
             token=token,
@@ -236,7 +342,11 @@ class SchedulerLogic:
         log.info("kvxfer: request %s (transfer %s) %s: telling D not to wait", request_id, tid, why)
         self._next.give_up.append(GiveUpMsg(request_id, tid))
 
-    def build_step(self) -> StepMessages:
+    def build_step(self, scheduled: Mapping[str, Scheduled] | None = None) -> StepMessages:
+        """This step's messages. ``scheduled``: the requests this step computes (P's early
+        PrefillDone, see ``p_allocated``; without it, none is sent early)."""
+        if self._candidates and scheduled:
+            self._take_early(scheduled)
         step, self._next = self._next, StepMessages()
         for m in step.expect:
             w = self._waiting.get(m.request_id)
@@ -245,7 +355,7 @@ class SchedulerLogic:
         if timeline.enabled():
             for m in step.expect:
                 timeline.mark("d.sched.step", m.transfer_id)
-            for p in step.prefill_done:
+            for p in step.prefill_done + step.prefill_done_after_forward:
                 timeline.mark("p.sched.step", p.transfer_id)
         return step
 
@@ -267,4 +377,4 @@ class SchedulerLogic:
 
     def has_pending_work(self) -> bool:
         """True while the engine must keep stepping so the workers can hear the sidecar."""
-        return bool(self._next or self._holding or self._waiting or self._aborting)
+        return bool(self._next or self._holding or self._waiting or self._aborting or self._early)

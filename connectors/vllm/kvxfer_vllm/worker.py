@@ -32,7 +32,7 @@ from ._gen.kvxfer.v1 import engine_pb2
 from . import timeline
 from .errors import LinkError, RegistrationError
 from .link import EngineLink
-from .messages import StepMessages
+from .messages import PrefillDoneMsg, StepMessages
 from .stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -205,35 +205,7 @@ class WorkerLogic:
                     self._giving_up.clear()  # answers lost with a sidecar: only log noise at stake
                 self._giving_up.add(g.transfer_id)
             self._send(engine_pb2.EngineToSidecar(abort=engine_pb2.Abort(transfer_id=g.transfer_id)))
-        for m in step.prefill_done:
-            if self.link_down():
-                # Nobody can read these blocks now: the engine gets them back at once.
-                self.stats.count("link_down")
-                self.stats.count("failures")
-                with self._lock:
-                    self._results.finished_sending.add(m.request_id)
-                continue
-            if self._before_prefill_done is not None:
-                # Host-buffer mode: the blocks reach shared memory before the sidecar may read them.
-                self._before_prefill_done(self._expand(m.block_ids))
-            with self._lock:
-                if m.transfer_id in self._p or m.transfer_id in self._d:
-                    log.error("kvxfer: transfer id %s is already live here; request %s is not sent", m.transfer_id, m.request_id)
-                    self._results.finished_sending.add(m.request_id)
-                    continue
-                self._p[m.transfer_id] = _P(m.request_id, m.num_tokens)
-            log.debug("kvxfer: PrefillDone %s (%d blocks, %d tokens)", m.transfer_id, len(m.block_ids), m.num_tokens)
-            msg = engine_pb2.EngineToSidecar(
-                prefill_done=engine_pb2.PrefillDone(
-                    transfer_id=m.transfer_id,
-                    block_ids=self._expand(m.block_ids),
-                    num_tokens=m.num_tokens,
-                    token=m.token,
-                )
-            )
-            timeline.mark("p.worker.sent", m.transfer_id)
-            if not self._send(msg):
-                self._end_p(m.transfer_id, failed=True)
+        self._prefill_done(step.prefill_done)
         for e in step.expect:
             if self.link_down():
                 # The KV cannot come through a sidecar we cannot reach: D computes it.
@@ -269,6 +241,42 @@ class WorkerLogic:
             timeline.mark("d.worker.sent", e.transfer_id)
             if not self._send(engine_pb2.EngineToSidecar(expect_kv=expect)):
                 self._fail_d(e.transfer_id)
+
+    def after_forward(self, step: StepMessages) -> None:
+        """Sends the PrefillDone of the prefills this step's forward completed (called once it has run)."""
+        if step.prefill_done_after_forward:
+            self._prefill_done(step.prefill_done_after_forward)
+
+    def _prefill_done(self, msgs: list[PrefillDoneMsg]) -> None:
+        for m in msgs:
+            if self.link_down():
+                # Nobody can read these blocks now: the engine gets them back at once.
+                self.stats.count("link_down")
+                self.stats.count("failures")
+                with self._lock:
+                    self._results.finished_sending.add(m.request_id)
+                continue
+            if self._before_prefill_done is not None:
+                # Host-buffer mode: the blocks reach shared memory before the sidecar may read them.
+                self._before_prefill_done(self._expand(m.block_ids))
+            with self._lock:
+                if m.transfer_id in self._p or m.transfer_id in self._d:
+                    log.error("kvxfer: transfer id %s is already live here; request %s is not sent", m.transfer_id, m.request_id)
+                    self._results.finished_sending.add(m.request_id)
+                    continue
+                self._p[m.transfer_id] = _P(m.request_id, m.num_tokens)
+            log.debug("kvxfer: PrefillDone %s (%d blocks, %d tokens)", m.transfer_id, len(m.block_ids), m.num_tokens)
+            msg = engine_pb2.EngineToSidecar(
+                prefill_done=engine_pb2.PrefillDone(
+                    transfer_id=m.transfer_id,
+                    block_ids=self._expand(m.block_ids),
+                    num_tokens=m.num_tokens,
+                    token=m.token,
+                )
+            )
+            timeline.mark("p.worker.sent", m.transfer_id)
+            if not self._send(msg):
+                self._end_p(m.transfer_id, failed=True)
 
     def take_results(self, idle_wait_s: float = 0.0) -> Results:
         """What finished since the last call (and the sidecar-lost bound, checked here).

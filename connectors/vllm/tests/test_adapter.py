@@ -38,8 +38,8 @@ def connector(model: str, **kw) -> KvxferConnector:
                            KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[]))
 
 
-def request(rid: str, n: int, params: dict) -> Request:
-    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
+def request(rid: str, n: int, params: dict, max_tokens: int = 4) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": params})
     return Request(rid, list(range(3, 3 + n)), sp, None)
 
 
@@ -89,8 +89,13 @@ class _StepLog:
     def __init__(self) -> None:
         self.steps: list[StepMessages] = []
 
+        self.after: list[StepMessages] = []
+
     def on_step(self, step: StepMessages) -> None:
         self.steps.append(step)
+
+    def after_forward(self, step: StepMessages) -> None:
+        self.after.append(step)
 
 
 def test_a_cpu_engine_sends_a_steps_messages_when_vllm_binds_them_before_the_forward(model):
@@ -111,6 +116,37 @@ def test_a_cpu_engine_sends_a_steps_messages_when_vllm_binds_them_before_the_for
     assert log.steps == [meta.step]
     c.start_load_kv(None)  # type: ignore[arg-type]
     assert log.steps == [meta.step, later.step]
+
+
+def test_a_cpu_prefill_is_announced_after_the_forward_that_completes_it(model):
+    """vLLM's own SchedulerOutput for the step that computes a one-token request's whole prompt:
+    its PrefillDone rides that step and the worker sends it from wait_for_save (after the forward
+    on CPU); request_finished, a step later, answers with the same blocks and token."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    c = connector(model)
+    c.set_xfer_handshake_metadata({0: KvxferHandshakeMetadata(side_channel="127.0.0.1:4000", epoch=9)})
+    r = request("cmpl-f-0-0badcafe", 70, {"do_remote_decode": True}, max_tokens=1)
+    c.update_state_after_alloc(r, KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in (5, 6, 7)],)), 0)
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(r, ([5, 6, 7],))]
+    out.num_scheduled_tokens = {r.request_id: 70}
+    out.total_num_scheduled_tokens = 70
+    meta = c.build_connector_meta(out)
+    assert isinstance(meta, KvxferConnectorMetadata) and not meta.step.prefill_done
+    (m,) = meta.step.prefill_done_after_forward
+    assert (m.transfer_id, m.block_ids, m.num_tokens) == ("cmpl-f-0", [5, 6, 7], 70)
+    c.worker = log = _StepLog()  # type: ignore[assignment]
+    c.bind_connector_metadata(meta)
+    assert log.steps == [meta.step] and log.after == []
+    c.wait_for_save()
+    assert log.after == [meta.step]
+    c.clear_connector_metadata()
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    r.num_computed_tokens = 70
+    delay, params = c.request_finished(r, [5, 6, 7])
+    assert delay and params["remote_block_ids"] == [5, 6, 7] and params["remote_num_tokens"] == 70
+    assert not c.build_connector_meta(SchedulerOutput.make_empty()).step  # announced once
 
 
 def test_configuration_errors_stop_the_engine_at_start_up(model):

@@ -225,3 +225,106 @@ def test_kv_is_bound_to_its_prompt():
         d.after_alloc(pid, params, [1], 40, 40)
     e4, e5 = d.build_step().expect
     assert e4.token == bind_token("k", prompt_digest(prompt, 40)) and e5.token != e4.token
+
+
+def early_sched() -> SchedulerLogic:
+    s = SchedulerLogic(engine_id="p0", tp_size=1, early_prefill_done=True)
+    s.set_side_channel("10.1.2.3:4567")
+    return s
+
+
+def test_a_one_token_prefill_is_announced_after_the_forward_that_completes_it():
+    """P (on CPU): the step that computes the whole prompt of a request that may generate one token
+    carries its PrefillDone, to be sent after that step's forward; vLLM finishing the request then
+    only answers, with the same token, digest and blocks."""
+    from kvxfer_vllm.params import bind_token, prompt_digest
+    from kvxfer_vllm.scheduler import Scheduled
+
+    s = early_sched()
+    prompt = list(range(3, 73))  # 70 tokens
+    s.p_allocated("cmpl-e-0-deadbeef", {"do_remote_decode": True}, [4, 7, 1], prompt, 1)
+    step = s.build_step({"cmpl-e-0-deadbeef": Scheduled(70)})
+    assert not step.prefill_done  # not before the forward
+    (m,) = step.prefill_done_after_forward
+    assert (m.request_id, m.transfer_id, m.block_ids, m.num_tokens) == ("cmpl-e-0-deadbeef", "cmpl-e-0", [4, 7, 1], 70)
+    assert s.has_pending_work()
+    delay, params = s.request_finished("cmpl-e-0-deadbeef", {"do_remote_decode": True}, finished_ok=True,
+                                       block_ids=[4, 7, 1], num_computed_tokens=70, token_ids=prompt)
+    assert delay is True
+    assert params["remote_block_ids"] == [4, 7, 1] and params["remote_num_tokens"] == 70
+    assert params["kvxfer_prompt_digest"] == prompt_digest(prompt, 70)
+    assert m.token == bind_token(params["kvxfer_token"], params["kvxfer_prompt_digest"])
+    assert not s.build_step()  # sent once
+    s.on_worker_output({"cmpl-e-0-deadbeef"}, None)
+    assert not s.has_pending_work()
+
+
+def test_a_chunked_prompt_is_announced_with_its_last_chunk_and_all_its_blocks():
+    from kvxfer_vllm.scheduler import Scheduled
+
+    s = early_sched()
+    s.p_allocated("r", {"do_remote_decode": True, "transfer_id": "t"}, [1, 2], list(range(100)), 1)
+    assert not s.build_step({"r": Scheduled(64)})  # first chunk
+    assert not s.build_step({})  # a step without it
+    (m,) = s.build_step({"r": Scheduled(100, [9, 5])}).prefill_done_after_forward
+    assert m.block_ids == [1, 2, 9, 5] and m.num_tokens == 100
+    # Preempted and resumed: vLLM gives all its blocks again.
+    s2 = early_sched()
+    s2.p_allocated("r", {"do_remote_decode": True}, [1, 2], list(range(100)), 1)
+    s2.build_step({"r": Scheduled(64)})
+    (m,) = s2.build_step({"r": Scheduled(100, [6, 3, 8, 4], replace=True)}).prefill_done_after_forward
+    assert m.block_ids == [6, 3, 8, 4]
+
+
+@pytest.mark.parametrize(
+    "params, max_tokens, side_channel, enabled",
+    [({"do_remote_decode": True}, 2, True, True),  # may decode on P: ends later
+     ({"do_remote_decode": True}, None, True, True),
+     ({}, 1, True, True),  # not for remote decode
+     ({"do_remote_decode": True}, 1, False, True),  # no side channel known
+     ({"do_remote_decode": True}, 1, True, False)],  # not on this device (a GPU's forward is async)
+)
+def test_other_prefills_are_announced_when_vllm_finishes_them(params, max_tokens, side_channel, enabled):
+    from kvxfer_vllm.scheduler import Scheduled
+
+    s = SchedulerLogic(engine_id="p0", tp_size=1, early_prefill_done=enabled)
+    if side_channel:
+        s.set_side_channel("10.1.2.3:4567")
+    s.p_allocated("r", params, [1], list(range(10)), max_tokens)
+    assert not s.build_step({"r": Scheduled(10)})
+    if params and side_channel:
+        s.request_finished("r", params, finished_ok=True, block_ids=[1], num_computed_tokens=10)
+        assert [m.request_id for m in s.build_step().prefill_done] == ["r"]
+
+
+def test_an_announced_prefill_that_is_aborted_keeps_its_blocks_until_the_sidecar_lets_go():
+    """The sidecar may be reading the blocks already: whatever vLLM decides about the request, they
+    are freed only when the worker reports the transfer over; D gets no answer to read with."""
+    from kvxfer_vllm.scheduler import Scheduled
+
+    s = early_sched()
+    s.p_allocated("r", {"do_remote_decode": True}, [1, 2], list(range(40)), 1)
+    s.build_step({"r": Scheduled(40)})
+    assert s.request_finished("r", {"do_remote_decode": True}, finished_ok=False, block_ids=[1, 2],
+                              num_computed_tokens=40) == (True, None)
+    assert not s.build_step()  # no second PrefillDone, no give-up: the transfer runs its course
+    assert s.has_pending_work()
+    s.on_worker_output({"r"}, None)
+    assert not s.has_pending_work()
+    # Other blocks than announced (not expected from vLLM): held, and no answer points D at them.
+    s.p_allocated("q", {"do_remote_decode": True}, [3], list(range(20)), 1)
+    s.build_step({"q": Scheduled(20)})
+    assert s.request_finished("q", {"do_remote_decode": True}, finished_ok=True, block_ids=[3, 4],
+                              num_computed_tokens=20) == (True, None)
+
+
+def test_a_candidate_that_ends_before_its_last_chunk_is_forgotten():
+    from kvxfer_vllm.scheduler import Scheduled
+
+    s = early_sched()
+    s.p_allocated("r", {"do_remote_decode": True}, [1], list(range(100)), 1)
+    s.build_step({"r": Scheduled(50)})
+    assert s.request_finished("r", {"do_remote_decode": True}, finished_ok=False, block_ids=[1],
+                              num_computed_tokens=50) == (False, None)
+    assert not s.build_step({"r": Scheduled(100)})
+    assert not s.has_pending_work()

@@ -64,7 +64,8 @@ def transfer(sidecars, shm_dir, **kw):
 
 
 def run_transfer(sidecars, shm_dir, *, backend, p_tp, d_tp, p_block, d_block, tokens, prefix, mode,
-                 p_flags=(), d_flags=(), host_buffer=False, d_backend=None, kv_memory="file"):
+                 p_flags=(), d_flags=(), host_buffer=False, d_backend=None, kv_memory="file",
+                 after_forward=False):
     p_sc = sidecars("prefill", *p_flags)
     d_sc = sidecars("decode", *d_flags)
     p = KvEngine(str(shm_dir), p_sc.engine_id, backend=backend, tp=p_tp, block_size=p_block, num_blocks=16,
@@ -91,14 +92,21 @@ def run_transfer(sidecars, shm_dir, *, backend, p_tp, d_tp, p_block, d_block, to
         tid = unique("t")
         step_d = StepMessages(expect=[ExpectMsg("rd", tid, d_blocks, tokens, prefix, pw.side_channel,
                                                 p_blocks if mode == "pull" else None)])
-        step_p = StepMessages(prefill_done=[PrefillDoneMsg("rp", tid, p_blocks, tokens)])
+        done = [PrefillDoneMsg("rp", tid, p_blocks, tokens)]
+        # after_forward: P's PrefillDone rides the step whose forward completes the prompt, and goes
+        # when the forward has run (the worker's after_forward), not when the step is bound.
+        step_p = StepMessages(prefill_done_after_forward=done) if after_forward else StepMessages(prefill_done=done)
+        pc, dc = Collector(pw), Collector(dw)
         if mode == "push":
             dw.on_step(step_d)
             pw.on_step(step_p)
         else:
             pw.on_step(step_p)
             dw.on_step(step_d)
-        pc, dc = Collector(pw), Collector(dw)
+        if after_forward:
+            with pytest.raises(pytest.fail.Exception, match="timed out"):
+                wait_for(lambda: "rd" in dc.poll().finished_recving, 0.5, "D's KV before P's forward ended")
+            pw.after_forward(step_p)
         wait_for(lambda: "rd" in dc.poll().finished_recving, 20, "D's KV")
         wait_for(lambda: "rp" in pc.poll().finished_sending, 20, "P's blocks back")
         return p, d, p_blocks, d_blocks, dc.r
@@ -124,10 +132,11 @@ def check_cpu_blocks(p, d, p_blocks, d_blocks, tokens, prefix, block):
             assert not bool(dt[others].view(torch.int8).any()), "bytes landed outside the request's blocks"
 
 
+@pytest.mark.parametrize("after_forward", [False, True], ids=["at-bind", "after-forward"])
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_cpu_layout_whole_blocks_tp1(sidecars, shm_dir, mode):
-    with transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=1, p_block=32,
-                                   d_block=32, tokens=70, prefix=0, mode=mode) as (p, d, pb, db, r):
+def test_cpu_layout_whole_blocks_tp1(sidecars, shm_dir, mode, after_forward):
+    with transfer(sidecars, shm_dir, backend="CPU_ATTN", p_tp=1, d_tp=1, p_block=32, d_block=32, tokens=70,
+                  prefix=0, mode=mode, after_forward=after_forward) as (p, d, pb, db, r):
         assert p.described.layout.opaque_blocks and p.described.layout.head_stride == 2 * 32 * 64
         assert not r.failed_recving
         check_cpu_blocks(p, d, pb, db, 70, 0, 32)
