@@ -17,6 +17,7 @@ talks to the sidecar for every rank.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -179,16 +180,19 @@ def _allow_amx_tiles() -> None:
                        "vLLM's AMX attention may fail with SIGILL")
 
 
-def _scheduled(out: SchedulerOutput | None) -> dict[str, Scheduled]:
-    """The requests a step computes, as SchedulerLogic.build_step takes them (vLLM 0.32's fields;
-    an output without them gives none, and P's PrefillDone then waits for vLLM to finish it)."""
+def _scheduled(out: SchedulerOutput | None, wanted: Mapping[str, object]) -> dict[str, Scheduled]:
+    """The ``wanted`` requests this step computes, as SchedulerLogic.build_step takes them (vLLM
+    0.32's fields; an output without them gives none, and P's PrefillDone then waits for vLLM to
+    finish the request)."""
     counts = getattr(out, "num_scheduled_tokens", None)
     new = getattr(out, "scheduled_new_reqs", None)
     cached = getattr(out, "scheduled_cached_reqs", None)
     if counts is None or new is None or cached is None:
         return {}
-    got = {r.req_id: Scheduled(r.num_computed_tokens + counts.get(r.req_id, 0)) for r in new}
+    got = {r.req_id: Scheduled(r.num_computed_tokens + counts.get(r.req_id, 0)) for r in new if r.req_id in wanted}
     for i, rid in enumerate(cached.req_ids):
+        if rid not in wanted:
+            continue
         blocks = cached.new_block_ids[i]
         got[rid] = Scheduled(cached.num_computed_tokens[i] + counts.get(rid, 0), list(blocks[0]) if blocks else [],
                              replace=rid in cached.resumed_req_ids)
@@ -442,18 +446,19 @@ class KvxferConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         ids = blocks.get_block_ids()
+        block_ids = list(ids[0]) if ids else []
         sp = request.sampling_params
         self.scheduler.p_allocated(
             request.request_id,
             request.kv_transfer_params,
-            list(ids[0]) if ids else [],
+            block_ids,
             request.prompt_token_ids,
             sp.max_tokens if sp is not None else None,
         )
         self.scheduler.after_alloc(
             request.request_id,
             request.kv_transfer_params,
-            list(ids[0]) if ids else [],
+            block_ids,
             num_external_tokens,
             request.num_prompt_tokens,
         )
@@ -463,7 +468,9 @@ class KvxferConnector(KVConnectorBase_V1):
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         if timeline.enabled():
             self.scheduler.mark_admitted(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
-        return KvxferConnectorMetadata(step=self.scheduler.build_step(_scheduled(scheduler_output)), idle=idle)
+        wanted = self.scheduler.early_candidates
+        scheduled = _scheduled(scheduler_output, wanted) if wanted else None
+        return KvxferConnectorMetadata(step=self.scheduler.build_step(scheduled), idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None

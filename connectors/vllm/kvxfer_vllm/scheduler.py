@@ -76,6 +76,14 @@ def _router_named(params: dict[str, Any]) -> bool:
     return isinstance(tid, str) and tid != ""
 
 
+def _transfer_token(params: dict[str, Any]) -> str:
+    """P: the transfer's token. The router's when it gave one (push: it told D too). A router that
+    names the transfer itself (transfer_id) without a token may have told D already (vllm-router's
+    mooncake mode sends both at once): no token, the transfer binds to the first authenticated D
+    that registers. Else a fresh one, which reaches D in P's answer. Raises BadParams."""
+    return token_of(params) or ("" if _router_named(params) else secrets.token_hex(16))
+
+
 class SchedulerLogic:
     def __init__(self, *, engine_id: str, tp_size: int, advertise: str = "",
                  resolver: BootstrapResolver | None = None, early_prefill_done: bool = False) -> None:
@@ -217,6 +225,12 @@ class SchedulerLogic:
         assert params is not None
         self._candidates[request_id] = _Candidate(params, list(block_ids), prompt_token_ids)
 
+    @property
+    def early_candidates(self) -> Mapping[str, object]:
+        """P: requests ``build_step`` follows toward an early PrefillDone (read-only view; empty on
+        most steps, when the adapter collects nothing for it)."""
+        return self._candidates
+
     def _take_early(self, scheduled: Mapping[str, Scheduled]) -> None:
         """Candidates whose whole prompt this step computes get their PrefillDone sent after its
         forward. The token and digest are chosen now; P's answer repeats them (request_finished)."""
@@ -235,14 +249,14 @@ class SchedulerLogic:
             if s.tokens != n or n <= 0:
                 continue  # not a plain prefill: sent when vLLM finishes it
             try:
-                token = token_of(c.params) or ("" if _router_named(c.params) else secrets.token_hex(16))
+                token = _transfer_token(c.params)
             except BadParams:
                 continue  # request_finished reports it and gives up
             tid = transfer_id_of(c.params, rid)
             digest = prompt_digest(c.prompt, n)
             self._next.prefill_done_after_forward.append(
-                PrefillDoneMsg(rid, tid, list(c.block_ids), n, bind_token(token, digest)))
-            self._early[rid] = _Early(tid, token, digest, list(c.block_ids), n)
+                PrefillDoneMsg(rid, tid, c.block_ids, n, bind_token(token, digest)))
+            self._early[rid] = _Early(tid, token, digest, c.block_ids, n)
             self._holding.add(rid)
             timeline.mark("p.sched.early", tid, tokens=n)
 
@@ -301,11 +315,7 @@ class SchedulerLogic:
             return False, None
         tid = transfer_id_of(params, request_id)
         try:
-            # The router's token when it gave one (push: it told D too). A router that names the
-            # transfer itself (transfer_id) without a token may have told D already (vllm-router's
-            # mooncake mode sends both at once): no token, the transfer binds to the first
-            # authenticated D that registers. Else a fresh one, which reaches D in this answer.
-            token = token_of(params) or ("" if _router_named(params) else secrets.token_hex(16))
+            token = _transfer_token(params)
         except BadParams as err:
             log.error("kvxfer: request %s: %s; D will compute it", request_id, err)
             self._give_up(request_id, params, "bad kvxfer_token")
@@ -377,4 +387,4 @@ class SchedulerLogic:
 
     def has_pending_work(self) -> bool:
         """True while the engine must keep stepping so the workers can hear the sidecar."""
-        return bool(self._next or self._holding or self._waiting or self._aborting or self._early)
+        return bool(self._next or self._holding or self._waiting or self._aborting)
