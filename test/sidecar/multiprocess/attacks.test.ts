@@ -382,7 +382,12 @@ describe("endpoints beyond loopback (multi-process)", () => {
         WAIT,
         "the gRPC warning",
       );
-      expect(sc.stderrTail).toContain("--metrics 0.0.0.0:0 listens beyond loopback without TLS");
+      // Logged right after the gRPC one, but it may reach this process in a later read of stderr.
+      await until(
+        () => sc.stderrTail.includes("--metrics 0.0.0.0:0 listens beyond loopback without TLS"),
+        WAIT,
+        "the metrics warning",
+      );
       const c = new SidecarClient(`127.0.0.1:${ready.grpc!.split(":").at(-1)}`, {
         timeoutMs: 5000,
       });
