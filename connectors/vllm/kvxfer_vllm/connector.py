@@ -17,7 +17,7 @@ talks to the sidecar for every rank.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Container
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -180,7 +180,7 @@ def _allow_amx_tiles() -> None:
                        "vLLM's AMX attention may fail with SIGILL")
 
 
-def _scheduled(out: SchedulerOutput | None, wanted: Mapping[str, object]) -> dict[str, Scheduled]:
+def _scheduled(out: SchedulerOutput | None, wanted: Container[str]) -> dict[str, Scheduled]:
     """The ``wanted`` requests this step computes, as SchedulerLogic.build_step takes them (vLLM
     0.32's fields; an output without them gives none, and P's PrefillDone then waits for vLLM to
     finish the request)."""

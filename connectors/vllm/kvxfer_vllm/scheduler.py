@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,10 +226,10 @@ class SchedulerLogic:
         self._candidates[request_id] = _Candidate(params, list(block_ids), prompt_token_ids)
 
     @property
-    def early_candidates(self) -> Mapping[str, object]:
-        """P: requests ``build_step`` follows toward an early PrefillDone (read-only view; empty on
-        most steps, when the adapter collects nothing for it)."""
-        return self._candidates
+    def early_candidates(self) -> Set[str]:
+        """P: the ids of the requests ``build_step`` follows toward an early PrefillDone (a live
+        view; empty on most steps, when the adapter collects nothing for it)."""
+        return self._candidates.keys()
 
     def _take_early(self, scheduled: Mapping[str, Scheduled]) -> None:
         """Candidates whose whole prompt this step computes get their PrefillDone sent after its
