@@ -491,6 +491,13 @@ def percentile(xs: list[float], p: float) -> float | None:
     return s[min(len(s) - 1, max(0, -(-int(p * len(s) * 1000) // 1000) - 1))] * 1000
 
 
+def distribution(xs: list[float]) -> dict[str, Any]:
+    """p50, p90 and every sample (ms, in the order the requests finished, round after round): at 8
+    in flight a cell's TTFT is a staircase of P's prefill steps, and its p50 can sit on a step."""
+    return {"p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9), "n": len(xs),
+            "samples": [round(x * 1000, 1) for x in xs]}
+
+
 def run(systems: list[str], lengths: list[int], concurrency: list[int], requests_per: int, rounds: int,
         out_tokens: int, work_root: Path | None = None,
         on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, str] | None = None,
@@ -586,11 +593,10 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
         rows.append({
             "system": s, "label": SYSTEMS[s], "tokens": n, "concurrency": c, "status": cell.status,
             "requests": cell.requests,
-            "ttft_ms": {"p50": percentile(cell.ttft, 0.5), "p90": percentile(cell.ttft, 0.9), "n": len(cell.ttft)},
-            "e2e_ms": {"p50": percentile(cell.e2e, 0.5), "p90": percentile(cell.e2e, 0.9), "n": len(cell.e2e)},
+            "ttft_ms": distribution(cell.ttft),
+            "e2e_ms": distribution(cell.e2e),
             # P's HTTP answer -> D's first token: what D's side costs once P has answered.
-            "d_side_ms": {"p50": percentile(cell.d_side, 0.5), "p90": percentile(cell.d_side, 0.9),
-                          "n": len(cell.d_side)},
+            "d_side_ms": distribution(cell.d_side),
             "output_tokens_per_s": cell.out_tokens / cell.wall if cell.wall > 0 else None,
             "cpu_s_per_request": ({k: v / cell.requests for k, v in cell.cpu.items()} | {
                 "total": sum(cell.cpu.values()) / cell.requests}) if cell.requests else None,

@@ -202,7 +202,10 @@ class SidecarProc(Proc):
         self.engine_id = engine_id
         self.socket = socket_ep
         auth = [] if "--peer-cert" in flags or "--insecure-peers" in flags else shared_pki().flags(engine_id)
-        args = ["node", str(cli_path()), "sidecar", "--engine-id", engine_id, "--role", role,
+        # KVXFER_SIDECAR_NODE_ARGS: flags for node itself (e.g. "--cpu-prof --cpu-prof-dir=DIR"),
+        # as the simulator's sidecars take them; node refuses --cpu-prof in NODE_OPTIONS.
+        node_args = os.environ.get("KVXFER_SIDECAR_NODE_ARGS", "").split()
+        args = ["node", *node_args, str(cli_path()), "sidecar", "--engine-id", engine_id, "--role", role,
                 "--engine-socket", socket_ep, "--listen", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
                 "--log-level", "info", *auth, *flags]
         super().__init__(args, log_dir / f"sidecar-{engine_id}-{time.monotonic_ns()}.log", stdout=subprocess.PIPE)

@@ -70,6 +70,11 @@ def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
         assert row["status"] == "ok", (name, row)
         assert row["error_count"] == 0, (name, row["errors"])
         assert row["ttft_ms"]["n"] == 2
+        # Every request's TTFT is kept (the staircase at 8 in flight is read from them), and the
+        # percentiles are of those samples (nearest rank: p90 of two is the larger).
+        samples = row["ttft_ms"]["samples"]
+        assert len(samples) == 2 and all(x > 0 for x in samples), (name, samples)
+        assert abs(row["ttft_ms"]["p90"] - max(samples)) < 0.1, (name, row["ttft_ms"])
     for name in ("kvxfer-pull", "nixl-fixed"):
         assert rows[name]["correct"] == {"identical": 2, "compared": 2}, (name, rows[name])
         # The KV moved (D's own counter; 7 of 8 blocks at least, D computes the last token), so
