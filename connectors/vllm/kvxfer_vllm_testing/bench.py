@@ -492,7 +492,7 @@ def percentile(xs: list[float], p: float) -> float | None:
 
 
 def distribution(xs: list[float]) -> dict[str, Any]:
-    """p50, p90 and every sample (ms, in the order the requests finished, round after round): at 8
+    """p50, p90 and every sample (ms, in the order the requests were sent, round after round): at 8
     in flight a cell's TTFT is a staircase of P's prefill steps, and its p50 can sit on a step."""
     return {"p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9), "n": len(xs),
             "samples": [round(x * 1000, 1) for x in xs]}
