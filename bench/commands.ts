@@ -254,7 +254,7 @@ export const commands: readonly CommandSpec[] = [
       {
         name: "pin-engines",
         kind: FLAG,
-        help: "every process of each engine on its core (taskset), for every system alike; without it only vLLM's model threads are bound",
+        help: "every process of each engine on its core (taskset), for every system alike (and in --breakdown); without it only vLLM's model threads are bound",
       },
     ],
   ),

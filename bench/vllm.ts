@@ -9,7 +9,8 @@
 // the pinned peers, bench/peers/requirements.txt, into .venv first).
 // `--breakdown` runs kvxfer_vllm_testing.breakdown instead: where each kvxfer pull request's time
 // goes, hop by hop (router, both engines' connector, both sidecars' traces), per prompt length
-// ([--lengths 32,256,1024,4096] [--requests N] [--kv-memory file|segment] [--prefault false,true]).
+// ([--lengths 32,256,1024,4096] [--requests N] [--kv-memory file|segment] [--prefault false,true]
+// [--pin-engines]).
 import { spawn, spawnSync, type ChildProcess } from "node:child_process";
 import { existsSync } from "node:fs";
 import { join } from "node:path";

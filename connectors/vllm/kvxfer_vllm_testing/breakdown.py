@@ -36,9 +36,11 @@ from .tiny_model import make_tiny_model
 
 class SidecarFlagsPair:
     """Two CPU engines (P on core 0, D on core 1, the bench's settings) and their sidecars, with
-    extra flags for both sidecars."""
+    extra flags for both sidecars; ``pin``: every process of each engine on its core, as
+    ``bench vllm --pin-engines`` runs them (otherwise only the model threads are bound)."""
 
-    def __init__(self, work: Path, model: str, kv_memory: str, max_len: int, flags: list[str]) -> None:
+    def __init__(self, work: Path, model: str, kv_memory: str, max_len: int, flags: list[str],
+                 pin: bool = False) -> None:
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-breakdown-", dir="/dev/shm"))
         tag = f"{os.getpid()}-{kv_memory}-{time.monotonic_ns()}"
         started: list[Any] = []
@@ -49,7 +51,8 @@ class SidecarFlagsPair:
             self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc://{work}/d-{tag}.sock", work, *flags)
             started.append(self.d_sc)
             extra = {"placement": "shared", "kv_memory": kv_memory, "register_timeout_s": 600.0}
-            common: dict[str, Any] = dict(block_size=32, kv_cache_bytes=512 << 20, max_model_len=max_len, extra=extra)
+            common: dict[str, Any] = dict(block_size=32, kv_cache_bytes=512 << 20, max_model_len=max_len, extra=extra,
+                                          pin=pin)
             self.p = VllmServer(EngineSpec(model, self.p_sc.engine_id, self.p_sc.socket, str(self.shm), cores="0", **common), work)
             started.insert(0, self.p)
             self.d = VllmServer(EngineSpec(model, self.d_sc.engine_id, self.d_sc.socket, str(self.shm), cores="1", **common), work)
@@ -171,10 +174,11 @@ def admitted_tokens(conn: list[dict[str, Any]]) -> int | None:
     return next((c.get("tokens") for c in conn if c["ev"] == "d.sched.admitted"), None)
 
 
-def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, flags: list[str]) -> dict[str, Any]:
+def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, flags: list[str],
+        pin: bool = False) -> dict[str, Any]:
     folder = work / f"timeline-{kv_memory}-{time.monotonic_ns()}"
     os.environ[timeline.ENV] = str(folder)  # the engines inherit it
-    pair = SidecarFlagsPair(work, model, kv_memory, max(lengths) + 80, flags)
+    pair = SidecarFlagsPair(work, model, kv_memory, max(lengths) + 80, flags, pin)
     router: dict[str, dict[str, float]] = {}
     order: list[tuple[int, str]] = []
     seed = 10_000
@@ -196,7 +200,8 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, fl
     conn: dict[str, list[dict[str, Any]]] = {}
     for m in timeline.read(str(folder)):
         conn.setdefault(m["tid"], []).append(m)
-    out: dict[str, Any] = {"kv_memory": kv_memory, "sidecar_flags": flags, "machine": f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
+    out: dict[str, Any] = {"kv_memory": kv_memory, "sidecar_flags": flags, "pinned_engines": pin,
+                           "machine": f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
                            "segments": [s[0] for s in SEGMENTS], "lengths": {}}
     for n in lengths:
         rows = []
@@ -223,7 +228,8 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, fl
 def table(res: dict[str, Any]) -> str:
     lengths = list(res["lengths"])
     width = max(len(s) for s in res["segments"])
-    lines = [f"KV in {res['kv_memory']}s {' '.join(res['sidecar_flags'])}".strip(),
+    pinned = ", engines pinned" if res.get("pinned_engines") else ""
+    lines = [f"KV in {res['kv_memory']}s {' '.join(res['sidecar_flags'])}".strip() + pinned,
              f"{'segment (median ms)'.ljust(width)}  " + "  ".join(f"{n:>7}" for n in lengths)]
     for s in res["segments"]:
         cells = [res["lengths"][n]["median_ms"].get(s) for n in lengths]
@@ -240,6 +246,8 @@ def main() -> None:
     ap.add_argument("--kv-memory", default="file", help="file, segment or both (file,segment): one pair each, in turn")
     ap.add_argument("--prefault", default="true", help="the sidecars' --prefault: true, false or both (false,true)")
     ap.add_argument("--rounds", type=int, default=1, help="pairs per kind, alternating kinds (drift hits each alike)")
+    ap.add_argument("--pin-engines", action="store_true",
+                    help="every process of each engine on its core (taskset), as the bench's --pin-engines")
     ap.add_argument("--table", action="store_true", help="also print the table on stderr")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -251,7 +259,7 @@ def main() -> None:
         for r in range(a.rounds):
             for kind, prefault in [(k, f) for k in a.kv_memory.split(",") for f in a.prefault.split(",")]:
                 log(f"round {r + 1}: KV in {kind}s, sidecars with --prefault {prefault} ...")
-                res = run(lengths, a.requests, work, kind, model, ["--prefault", prefault])
+                res = run(lengths, a.requests, work, kind, model, ["--prefault", prefault], a.pin_engines)
                 res["round"] = r + 1
                 if a.table:
                     log(table(res))

@@ -126,3 +126,5 @@ def test_breakdown_lines_up_router_connector_and_sidecar_marks():
     res = {"kv_memory": "file", "sidecar_flags": [], "machine": "m", "segments": [s[0] for s in breakdown.SEGMENTS],
            "lengths": {"1024": {"median_ms": ms}}}
     assert "D side: P answer -> first token" in breakdown.table(res)
+    assert "engines pinned" not in breakdown.table(res)
+    assert breakdown.table(res | {"pinned_engines": True}).splitlines()[0] == "KV in files, engines pinned"
