@@ -7,7 +7,7 @@ sent, P's HTTP answer, D's first streamed token), the connector's marks in both 
 both sidecars' trace hops (ListTransfers). Prints one JSON object on stdout: per length the
 median of each segment and every request's raw timeline; with ``--table`` a text table too.
 
-    python -m kvxfer_vllm_testing.breakdown [--lengths 32,256,1024,4096] [--requests 5] [--table]
+    python -m kvxfer_vllm_testing.breakdown [--lengths 32,256,1024,4096] [--requests 5] [--pin-engines] [--table]
 """
 
 from __future__ import annotations
