@@ -484,18 +484,21 @@ class Cell:
     kv_failures: dict[str, int] = field(default_factory=dict)
 
 
-def percentile(xs: list[float], p: float) -> float | None:
-    s = sorted(xs)
-    if not s:
+def nearest_rank(ordered: list[float], p: float) -> float | None:
+    """The ``p`` quantile of an already sorted list, by nearest rank (None when it is empty)."""
+    if not ordered:
         return None
-    return s[min(len(s) - 1, max(0, -(-int(p * len(s) * 1000) // 1000) - 1))] * 1000
+    return ordered[min(len(ordered) - 1, max(0, -(-int(p * len(ordered) * 1000) // 1000) - 1))]
 
 
 def distribution(xs: list[float]) -> dict[str, Any]:
-    """p50, p90 and every sample (ms, in the order the requests were sent, round after round): at 8
-    in flight a cell's TTFT is a staircase of P's prefill steps, and its p50 can sit on a step."""
-    return {"p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9), "n": len(xs),
-            "samples": [round(x * 1000, 1) for x in xs]}
+    """p50, p90 and every sample of ``xs`` (seconds), in ms; the samples in the order the requests
+    were sent, round after round: at 8 in flight a cell's TTFT is a staircase of P's prefill steps,
+    and its p50 can sit on a step."""
+    ms = [x * 1000 for x in xs]
+    ordered = sorted(ms)
+    return {"p50": nearest_rank(ordered, 0.5), "p90": nearest_rank(ordered, 0.9), "n": len(ms),
+            "samples": [round(x, 1) for x in ms]}
 
 
 def run(systems: list[str], lengths: list[int], concurrency: list[int], requests_per: int, rounds: int,
