@@ -10,8 +10,17 @@ import type {
   PrefillDone,
   RegisterKvCache,
 } from "../gen/kvxfer/v1/engine_pb.js";
-import { type KvLayout, PlanError } from "../plan/index.js";
-import { kvLayoutFromProto } from "../plan/layout-proto.js";
+import { equals } from "@bufbuild/protobuf";
+import { KvLayoutSchema } from "../gen/kvxfer/v1/layout_pb.js";
+import type { KvBlockList } from "../gen/kvxfer/v1/layout_pb.js";
+import {
+  type BlockList,
+  type KvGroup,
+  type KvLayout,
+  PlanError,
+  groupName,
+} from "../plan/index.js";
+import { kvGroupsFromProto, kvLayoutFromProto } from "../plan/layout-proto.js";
 import { MAX_TOKEN_BYTES, engineIdProblem, transferIdCharProblem } from "../peer/messages.js";
 
 export { ENGINE_ID_RULE, engineIdProblem } from "../peer/messages.js";
@@ -74,6 +83,8 @@ export interface EngineKvCache {
   readonly engineId: string;
   /** The template layout (tpRank 0); rank `r`'s layout is `{ ...layout, tpRank: r }`. */
   readonly layout: KvLayout;
+  /** The engine's KV cache groups (one full group with `layout` when it registered none). */
+  readonly groups: readonly KvGroup[];
   readonly ranks: readonly RankRegionFiles[];
 }
 
@@ -124,6 +135,16 @@ export function checkRegisterKvCache(msg: RegisterKvCache): RegisterCheck {
     throw err;
   }
   layout = { ...layout, tpRank: 0 };
+  let groups: readonly KvGroup[];
+  try {
+    groups = kvGroupsFromProto(msg.groups, layout);
+  } catch (err) {
+    if (err instanceof PlanError) return fail("ERR_BAD_LAYOUT", `${err.field}: ${err.message}`);
+    throw err;
+  }
+  if (msg.groups.length > 0 && !equals(KvLayoutSchema, msg.groups[0]!.layout!, msg.layout)) {
+    return fail("ERR_BAD_LAYOUT", "layout must be groups[0].layout when groups are given");
+  }
   if (msg.ranks.length !== layout.tpSize) {
     return fail(
       "ERR_BAD_REGIONS",
@@ -208,7 +229,7 @@ export function checkRegisterKvCache(msg: RegisterKvCache): RegisterCheck {
   }
   return {
     ok: true,
-    cache: { engineId: msg.engineId, layout, ranks: byRank as RankRegionFiles[] },
+    cache: { engineId: msg.engineId, layout, groups, ranks: byRank as RankRegionFiles[] },
   };
 }
 
@@ -233,14 +254,74 @@ function checkBlockIds(
   return undefined;
 }
 
-function checkPrefillDone(msg: PrefillDone, layout: KvLayout): EngineProblem | undefined {
+/**
+ * A transfer's block lists, one per group: `groups` (the message's per-group lists) or, from an
+ * engine of one group, `blockIds`. Each list within the cache, covering the tokens from where it
+ * starts (a state group: one slot), and no block id twice in the transfer, whatever its group
+ * (one block pool). Returns the lists or a problem naming the field.
+ */
+export function checkBlockLists(
+  lists: readonly KvBlockList[],
+  blockIds: readonly number[],
+  field: string,
+  numTokens: number,
+  groups: readonly KvGroup[],
+): BlockList[] | string {
+  if (lists.length === 0) {
+    if (groups.length !== 1)
+      return `${field} is empty: the engine registered ${groups.length} KV cache groups, name one list per group (groups)`;
+    const layout = groups[0]!.layout;
+    const err = checkBlockIds(
+      blockIds,
+      field,
+      Math.ceil(numTokens / layout.blockSize),
+      layout.numBlocks,
+    );
+    return err ?? [{ first: 0, ids: blockIds }];
+  }
+  const listsField = field === "block_ids" ? "groups" : "source_groups";
+  if (blockIds.length > 0) return `${field} and ${listsField} are both given`;
+  if (lists.length !== groups.length)
+    return `${listsField} lists ${lists.length} block lists, the engine registered ${groups.length} groups`;
+  const out: BlockList[] = [];
+  const seen = new Set<number>();
+  let total = 0;
+  for (const [g, l] of lists.entries()) {
+    const group = groups[g]!;
+    const where = `${listsField}[${g}].block_ids`;
+    const layout = group.layout;
+    total += l.blockIds.length;
+    if (total > MAX_BLOCK_IDS) return `${listsField} list more than ${MAX_BLOCK_IDS} ids`;
+    if (group.kind === "state") {
+      if (l.blockIds.length !== 1 || l.firstBlock !== 0)
+        return `${where}: ${groupName(g, group)} names its one state slot, got ${l.blockIds.length} ids from block ${l.firstBlock}`;
+    } else {
+      const need = Math.ceil(numTokens / layout.blockSize);
+      if (l.firstBlock >= need)
+        return `${listsField}[${g}].first_block ${l.firstBlock}: ${numTokens} tokens fill ${need} blocks of ${layout.blockSize}`;
+      if (group.kind === "full" && l.firstBlock !== 0)
+        return `${listsField}[${g}].first_block ${l.firstBlock}: ${groupName(g, group)} holds every block from 0`;
+      const err = checkBlockIds(l.blockIds, where, need - l.firstBlock, layout.numBlocks);
+      if (err) return err;
+    }
+    for (const [i, id] of l.blockIds.entries()) {
+      if (id >= layout.numBlocks)
+        return `${where}[${i}] = ${id} is not below numBlocks ${layout.numBlocks}`;
+      if (seen.has(id)) return `${where}[${i}] = ${id} is listed twice in the transfer`;
+      seen.add(id);
+    }
+    out.push({ first: l.firstBlock, ids: l.blockIds });
+  }
+  return out;
+}
+
+function checkPrefillDone(msg: PrefillDone, groups: readonly KvGroup[]): EngineProblem | undefined {
   const tid = echoId(msg.transferId);
   const idProblem = checkTransferId(msg.transferId);
   if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
   if (msg.numTokens === 0) return problem("ERR_BAD_TOKENS", tid, "num_tokens must be > 0");
-  const need = Math.ceil(msg.numTokens / layout.blockSize);
-  const blocks = checkBlockIds(msg.blockIds, "block_ids", need, layout.numBlocks);
-  if (blocks) return problem("ERR_BAD_BLOCKS", tid, blocks);
+  const blocks = checkBlockLists(msg.groups, msg.blockIds, "block_ids", msg.numTokens, groups);
+  if (typeof blocks === "string") return problem("ERR_BAD_BLOCKS", tid, blocks);
   return checkToken(msg.token, tid);
 }
 
@@ -255,7 +336,7 @@ function checkToken(token: string, tid: string): EngineProblem | undefined {
   return undefined;
 }
 
-function checkExpectKv(msg: ExpectKv, layout: KvLayout): EngineProblem | undefined {
+function checkExpectKv(msg: ExpectKv, groups: readonly KvGroup[]): EngineProblem | undefined {
   const tid = echoId(msg.transferId);
   const idProblem = checkTransferId(msg.transferId);
   if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
@@ -269,10 +350,9 @@ function checkExpectKv(msg: ExpectKv, layout: KvLayout): EngineProblem | undefin
       `prefix_tokens ${msg.prefixTokens} is above num_tokens ${msg.numTokens}`,
     );
   }
-  const need = Math.ceil(msg.numTokens / layout.blockSize);
-  const blocks = checkBlockIds(msg.blockIds, "block_ids", need, layout.numBlocks);
-  if (blocks) return problem("ERR_BAD_BLOCKS", tid, blocks);
-  if (!msg.hasSourceBlockIds && msg.sourceBlockIds.length > 0) {
+  const blocks = checkBlockLists(msg.groups, msg.blockIds, "block_ids", msg.numTokens, groups);
+  if (typeof blocks === "string") return problem("ERR_BAD_BLOCKS", tid, blocks);
+  if (!msg.hasSourceBlockIds && (msg.sourceBlockIds.length > 0 || msg.sourceGroups.length > 0)) {
     return problem(
       "ERR_BAD_BLOCKS",
       tid,
@@ -281,20 +361,35 @@ function checkExpectKv(msg: ExpectKv, layout: KvLayout): EngineProblem | undefin
   }
   if (msg.hasSourceBlockIds) {
     // P's layout is not known here: the sidecar checks the ids against it once it has it.
-    const src = checkBlockIds(msg.sourceBlockIds, "source_block_ids", 1, MAX_BLOCK_IDS);
-    if (src) return problem("ERR_BAD_BLOCKS", tid, src);
+    if (msg.sourceGroups.length === 0) {
+      const src = checkBlockIds(msg.sourceBlockIds, "source_block_ids", 1, MAX_BLOCK_IDS);
+      if (src) return problem("ERR_BAD_BLOCKS", tid, src);
+    } else {
+      if (msg.sourceBlockIds.length > 0)
+        return problem("ERR_BAD_BLOCKS", tid, "source_block_ids and source_groups are both given");
+      if (msg.sourceGroups.length !== groups.length)
+        return problem(
+          "ERR_BAD_BLOCKS",
+          tid,
+          `source_groups lists ${msg.sourceGroups.length} block lists, the engine registered ${groups.length} groups`,
+        );
+      for (const [g, l] of msg.sourceGroups.entries()) {
+        const src = checkBlockIds(l.blockIds, `source_groups[${g}].block_ids`, 1, MAX_BLOCK_IDS);
+        if (src) return problem("ERR_BAD_BLOCKS", tid, src);
+      }
+    }
   }
   return checkToken(msg.token, tid);
 }
 
 /**
- * Checks one engine message's fields. `layout` is the engine's registered layout (undefined
- * before `RegisterKvCache` was accepted): transfer messages need it. A registration is checked
+ * Checks one engine message's fields. `groups` are the engine's registered KV cache groups
+ * (undefined before `RegisterKvCache` was accepted): transfer messages need them. A registration is checked
  * with `checkRegisterKvCache`, which also converts it.
  */
 export function checkEngineMessage(
   msg: EngineToSidecar,
-  layout: KvLayout | undefined,
+  groups: readonly KvGroup[] | undefined,
 ): EngineProblem | undefined {
   const m = msg.msg;
   switch (m.case) {
@@ -303,18 +398,18 @@ export function checkEngineMessage(
       return r.ok ? undefined : r.problem;
     }
     case "prefillDone":
-      if (!layout) return notRegistered(m.value.transferId);
-      return checkPrefillDone(m.value, layout);
+      if (!groups) return notRegistered(m.value.transferId);
+      return checkPrefillDone(m.value, groups);
     case "expectKv":
-      if (!layout) return notRegistered(m.value.transferId);
-      return checkExpectKv(m.value, layout);
+      if (!groups) return notRegistered(m.value.transferId);
+      return checkExpectKv(m.value, groups);
     case "allocate":
       return checkAllocateKv(m.value);
     case "abort": {
       const tid = echoId(m.value.transferId);
       const idProblem = checkTransferId(m.value.transferId);
       if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
-      if (!layout) return notRegistered(m.value.transferId);
+      if (!groups) return notRegistered(m.value.transferId);
       return undefined;
     }
     case undefined:

@@ -7,12 +7,15 @@ import type { Logger } from "pino";
 
 import type { AgentMetadata } from "../gen/kvxfer/v1/peer_pb.js";
 import type { Agent, Endpoint, ErrorMode, Region, RemoteRegion } from "../native/index.js";
-import { pairLayouts, type KvLayout, type LayoutPairing } from "../plan/index.js";
+import { pairGroups, type GroupsPairing, type KvGroup, type KvLayout } from "../plan/index.js";
 import { ReplayWindow, newMacKey } from "./messages.js";
 
 /** The engine's registered KV cache: its layout, one agent per rank, and each rank's regions. */
 export interface RegisteredKv {
+  /** Group 0's layout (the only one of most engines). */
   readonly layout: KvLayout;
+  /** The engine's KV cache groups; every group's layout addresses the same regions. */
+  readonly groups: readonly KvGroup[];
   readonly agents: readonly Agent[];
   readonly regions: readonly (readonly Region[])[];
   /**
@@ -31,6 +34,8 @@ export class PeerState {
   readonly engineId: string;
   readonly epoch: bigint;
   readonly layout: KvLayout;
+  /** Its engine's KV cache groups (group 0's layout is `layout`). */
+  readonly groups: readonly KvGroup[];
   readonly sideChannel: string;
   private up = true;
   lastSeenMs: number;
@@ -57,11 +62,11 @@ export class PeerState {
   replay = new ReplayWindow();
   private readonly endpoints = new Map<string, Endpoint>();
   private readonly remotes = new Map<string, RemoteRegion>();
-  private paired: LayoutPairing | undefined;
+  private paired: GroupsPairing | undefined;
 
   constructor(
     readonly metadata: AgentMetadata,
-    layout: KvLayout,
+    groups: readonly KvGroup[],
     private readonly agents: readonly Agent[],
     private readonly errorMode: ErrorMode,
     private readonly log: Logger,
@@ -71,21 +76,22 @@ export class PeerState {
   ) {
     this.engineId = metadata.engineId;
     this.epoch = metadata.epoch;
-    this.layout = layout;
+    this.groups = groups;
+    this.layout = groups[0]!.layout;
     this.sideChannel = metadata.sideChannel;
     this.lastSeenMs = nowMs;
     this.lastUsedMs = nowMs;
   }
 
   /**
-   * P's layout paired with D's for planning (`pairLayouts`; one of the two is this peer's): worked
-   * out at the handshake, off any transfer's path, and kept while both layouts are the same
-   * objects (an engine that registers again brings a new layout, paired on first use).
+   * P's groups paired with D's for planning (`pairGroups`; one of the two is this peer's): worked
+   * out at the handshake, off any transfer's path, and kept while both sides' groups are the same
+   * objects (an engine that registers again brings new ones, paired on first use).
    */
-  pairing(src: KvLayout, dst: KvLayout): LayoutPairing {
+  pairing(src: readonly KvGroup[], dst: readonly KvGroup[]): GroupsPairing {
     const p = this.paired;
     if (p !== undefined && p.src === src && p.dst === dst) return p;
-    return (this.paired = pairLayouts(src, dst));
+    return (this.paired = pairGroups(src, dst));
   }
 
   get state(): "connected" | "failed" {

@@ -17,8 +17,18 @@ import {
 } from "../gen/kvxfer/v1/peer_pb.js";
 import { KvxferError } from "../errors.js";
 import type { Endpoint, ErrorMode, Notification } from "../native/index.js";
-import { findIncompatibility, type KvLayout } from "../plan/index.js";
-import { kvLayoutFromProto, kvLayoutToProto } from "../plan/layout-proto.js";
+import {
+  findGroupsIncompatibility,
+  type KvGroup,
+  type KvLayout,
+  PlanError,
+} from "../plan/index.js";
+import {
+  kvGroupsFromProto,
+  kvGroupsToProto,
+  kvLayoutFromProto,
+  kvLayoutToProto,
+} from "../plan/layout-proto.js";
 import {
   MAC_KEY_BYTES,
   PeerMessageError,
@@ -143,6 +153,9 @@ export class PeerTable {
       epoch: this.host.epoch,
       role: roleToProto(this.host.role),
       layout: kvLayoutToProto(kv.layout),
+      // One full group travels as the layout alone, as before groups existed.
+      groups:
+        kv.groups.length === 1 && kv.groups[0]!.kind === "full" ? [] : kvGroupsToProto(kv.groups),
       sideChannel: this.host.channel.address,
       ranks: kv.agents.map((a, rank) =>
         create(RankMetadataSchema, {
@@ -154,8 +167,8 @@ export class PeerTable {
     });
   }
 
-  /** Checks a peer's metadata; throws KvxferError naming the field. */
-  private static checkMetadata(md: AgentMetadata | undefined): KvLayout {
+  /** Checks a peer's metadata and returns its groups; throws KvxferError naming the field. */
+  private static checkMetadata(md: AgentMetadata | undefined): readonly KvGroup[] {
     if (md === undefined) throw new KvxferError("ERR_MALFORMED", "handshake carries no metadata");
     const idProblem = engineIdProblem(md.engineId, "metadata.engine_id");
     if (idProblem !== undefined) throw new KvxferError("ERR_MALFORMED", idProblem);
@@ -163,10 +176,13 @@ export class PeerTable {
     if (md.layout === undefined)
       throw new KvxferError("ERR_MALFORMED", "metadata.layout is missing");
     let layout: KvLayout;
+    let groups: readonly KvGroup[];
     try {
       layout = kvLayoutFromProto(md.layout);
+      groups = kvGroupsFromProto(md.groups, layout);
     } catch (err) {
-      throw new KvxferError("ERR_LAYOUT_INVALID", (err as Error).message);
+      const field = err instanceof PlanError ? `metadata.${err.field}: ` : "";
+      throw new KvxferError("ERR_LAYOUT_INVALID", field + (err as Error).message);
     }
     if (md.ranks.length !== layout.tpSize)
       throw new KvxferError(
@@ -182,7 +198,7 @@ export class PeerTable {
           `rank ${r} has ${rk.remoteKeys.length} keys for ${layout.regionBytes.length} regions`,
         );
     }
-    return layout;
+    return groups;
   }
 
   /** Prefill side: D introduces itself; we answer with our metadata. */
@@ -196,9 +212,9 @@ export class PeerTable {
   private answerHandshake(req: HandshakeRequest, identity: PeerIdentity): HandshakeResponse {
     const notNow = this.host.kvs.notAccepting();
     if (notNow !== undefined) return refusal(notNow.code, notNow.message);
-    let layout: KvLayout;
+    let groups: readonly KvGroup[];
     try {
-      layout = PeerTable.checkMetadata(req.metadata);
+      groups = PeerTable.checkMetadata(req.metadata);
     } catch (err) {
       const e = KvxferError.from(err);
       return refusal(e.code, e.message);
@@ -213,23 +229,23 @@ export class PeerTable {
     }
     if (req.macKey.length !== MAC_KEY_BYTES)
       return refusal("ERR_MALFORMED", `mac_key must be ${MAC_KEY_BYTES} bytes`);
-    const mismatch = findIncompatibility(this.host.kvs.kv!.layout, layout);
+    const mismatch = findGroupsIncompatibility(this.host.kvs.kv!.groups, groups);
     if (mismatch !== undefined)
       return refusal("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
     let peer: PeerState;
     try {
-      peer = this.adopt(md, layout);
+      peer = this.adopt(md, groups);
     } catch (err) {
       const e = KvxferError.from(err);
       return refusal(e.code, e.message);
     }
-    peer.pairing(this.host.kvs.kv!.layout, layout); // this side is P: it plans pushes to D
+    peer.pairing(this.host.kvs.kv!.groups, peer.groups); // this side is P: it plans pushes to D
     peer.setRecvKey(req.macKey);
     return create(HandshakeResponseSchema, { metadata: this.metadata(), macKey: peer.sendKey });
   }
 
   /** Installs a peer's metadata; a new epoch replaces the old peer and fails what it had. */
-  private adopt(md: AgentMetadata, layout: KvLayout): PeerState {
+  private adopt(md: AgentMetadata, groups: readonly KvGroup[]): PeerState {
     const old = this.peers.get(md.engineId);
     if (old !== undefined && old.epoch === md.epoch && old.state === "connected") {
       old.lastSeenMs = this.host.clock.now();
@@ -243,7 +259,7 @@ export class PeerTable {
     }
     const peer = new PeerState(
       md,
-      layout,
+      groups,
       this.host.kvs.kv!.agents,
       this.settings.errorMode,
       this.host.log,
@@ -292,7 +308,7 @@ export class PeerTable {
     );
     if (res.errorCode !== "")
       throw new KvxferError(res.errorCode, `handshake with ${address} refused: ${res.error}`);
-    const layout = PeerTable.checkMetadata(res.metadata);
+    const groups = PeerTable.checkMetadata(res.metadata);
     if (creds !== undefined && identity !== res.metadata!.engineId) {
       throw new KvxferError(
         "ERR_UNAUTHENTICATED",
@@ -301,11 +317,11 @@ export class PeerTable {
     }
     if (res.macKey.length !== MAC_KEY_BYTES)
       throw new KvxferError("ERR_MALFORMED", `handshake answer from ${address} has no mac_key`);
-    const mismatch = findIncompatibility(layout, this.host.kvs.kv!.layout);
+    const mismatch = findGroupsIncompatibility(groups, this.host.kvs.kv!.groups);
     if (mismatch !== undefined)
       throw new KvxferError("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
-    const peer = this.adopt(res.metadata!, layout);
-    peer.pairing(layout, this.host.kvs.kv!.layout); // this side is D: it plans reads from P
+    const peer = this.adopt(res.metadata!, groups);
+    peer.pairing(peer.groups, this.host.kvs.kv!.groups); // this side is D: it plans reads from P
     peer.sendKey = macKey;
     peer.setRecvKey(res.macKey);
     peer.dialedAddress = address;

@@ -36,3 +36,20 @@ export {
   planPaired,
   planTransfer,
 } from "./planner.js";
+export {
+  type BlockList,
+  type GroupsPairing,
+  type GroupsPlanRequest,
+  type KvGroup,
+  type KvGroupKind,
+  MAX_KV_GROUPS,
+  allBlockIds,
+  blockLists,
+  writtenBlocks,
+  findGroupsIncompatibility,
+  groupName,
+  groupProblem,
+  pairGroups,
+  planGroups,
+  singleGroup,
+} from "./groups.js";

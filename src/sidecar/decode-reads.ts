@@ -6,23 +6,23 @@
 import type { OpTrace } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 import type { PeerState } from "../peer/peer-state.js";
-import { descriptorsForSide, planPaired, type KvLayout, type TransferPlan } from "../plan/index.js";
+import { descriptorsForSide, planGroups, type KvGroup, type TransferPlan } from "../plan/index.js";
 import { transferError, type SideContext } from "./context.js";
 import type { DecodeTransfer } from "./decode-transfer.js";
 import { markPairSteps } from "./trace.js";
 
-/** The pairs D reads for `t` from `peer` into `layout` (this engine's), or why there is no plan. */
+/** The pairs D reads for `t` from `peer` into `groups` (this engine's), or why there is no plan. */
 export function planPull(
   peer: PeerState,
-  layout: KvLayout,
+  groups: readonly KvGroup[],
   t: DecodeTransfer,
 ): TransferPlan | KvxferError {
   try {
-    return planPaired(peer.pairing(peer.layout, layout), {
+    return planGroups(peer.pairing(peer.groups, groups), {
       numTokens: t.numTokens,
       prefixTokens: t.prefixTokens,
-      srcBlockIds: t.srcBlocks!,
-      dstBlockIds: t.dstBlocks,
+      src: t.srcLists!,
+      dst: t.dstLists,
     });
   } catch (err) {
     return transferError(err);

@@ -7,7 +7,7 @@ import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
 import type { Notification } from "../native/index.js";
 import type { KvxferError } from "../errors.js";
 import type { PeerState } from "../peer/peer-state.js";
-import type { LayoutPairing, TransferPlan } from "../plan/index.js";
+import type { BlockList, GroupsPairing, TransferPlan } from "../plan/index.js";
 import { DECODE_PHASE, type DecodeState } from "./decode-machine.js";
 import type { Timings } from "./timings.js";
 import type { TransferTrace } from "./trace.js";
@@ -37,7 +37,7 @@ export interface EventData {
   failure?: Failure;
   /** PEER_FOUND_*: the peer the handshake found; its rank pairs with us. */
   peer?: PeerState;
-  pairing?: LayoutPairing;
+  pairing?: GroupsPairing;
   /** PLANNED: the reads to post. */
   plan?: TransferPlan;
   /** READS_FAILED: the first read's error. */
@@ -55,10 +55,14 @@ export interface DecodeTransfer {
   readonly state: DecodeState;
   source: string;
   peer: PeerState | undefined;
+  /** Every block of D's lists (all groups): what D's engine holds for the transfer. */
   dstBlocks: number[];
+  /** D's block lists, one per group. */
+  dstLists: BlockList[];
   /** The blocks this transfer writes, claimed until its end (see `claims`). */
   written: number[];
-  srcBlocks: number[] | undefined;
+  /** P's block lists (pull), one per group. */
+  srcLists: BlockList[] | undefined;
   numTokens: number;
   prefixTokens: number;
   /** ExpectKv.token, presented to P. */

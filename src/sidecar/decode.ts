@@ -9,7 +9,14 @@ import { FailureReason, ReleaseReason, type ExpectKv } from "../gen/kvxfer/v1/en
 import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
 import { KvxferError } from "../errors.js";
 import type { PeerState } from "../peer/peer-state.js";
-import type { LayoutPairing, TransferPlan } from "../plan/index.js";
+import {
+  allBlockIds,
+  blockLists,
+  writtenBlocks,
+  type GroupsPairing,
+  type TransferPlan,
+} from "../plan/index.js";
+import { blockListToProto } from "../plan/layout-proto.js";
 import { BlockClaims } from "./claims.js";
 import type { SideContext } from "./context.js";
 import {
@@ -155,7 +162,10 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
           case: "pushReg",
           value: {
             transferId: t.id,
-            blockIds: t.dstBlocks,
+            // One group travels as block_ids alone, as before groups existed.
+            ...(t.dstLists.length === 1
+              ? { blockIds: t.dstLists[0]!.ids as number[] }
+              : { groups: t.dstLists.map(blockListToProto) }),
             numTokens: t.numTokens,
             prefixTokens: t.prefixTokens,
             leaseMs: ctx.settings.regLeaseMs,
@@ -250,9 +260,11 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       );
     }
     // The blocks this transfer writes (see `claims`); the engine's checks guarantee the count.
-    const bs = ctx.kvs.kv!.layout.blockSize;
-    const firstWritten = Math.floor(m.prefixTokens / bs);
-    const written = m.blockIds.slice(firstWritten, Math.ceil(m.numTokens / bs));
+    const groups = ctx.kvs.kv!.groups;
+    const dstLists = blockLists(m.groups, m.blockIds);
+    const written = writtenBlocks(groups, dstLists, m.prefixTokens, m.numTokens);
+    const firstWritten =
+      groups.length === 1 ? Math.floor(m.prefixTokens / groups[0]!.layout.blockSize) : 0;
     const clash = this.claims.clash(written, firstWritten, m.transferId);
     if (clash !== undefined) return ctx.engine.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
     const hasSrc = m.hasSourceBlockIds;
@@ -267,9 +279,10 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       state: "WAITING",
       source: m.source,
       peer: undefined,
-      dstBlocks: [...m.blockIds],
+      dstBlocks: allBlockIds(dstLists),
+      dstLists,
       written,
-      srcBlocks: hasSrc ? [...m.sourceBlockIds] : undefined,
+      srcLists: hasSrc ? blockLists(m.sourceGroups, m.sourceBlockIds) : undefined,
       numTokens: m.numTokens,
       prefixTokens: m.prefixTokens,
       token: m.token,
@@ -354,12 +367,12 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
 
   private async handshake(t: DecodeTransfer): Promise<void> {
     let peer: PeerState;
-    let pairing: LayoutPairing;
+    let pairing: GroupsPairing;
     try {
       peer = await this.resolvePeer(t.source);
       if (!isTerminal(t.state)) t.trace.mark("peer.resolved");
       // Made at the handshake (the same layouts): which P ranks hold this engine's heads.
-      pairing = peer.pairing(peer.layout, this.ctx.kvs.kv!.layout);
+      pairing = peer.pairing(peer.groups, this.ctx.kvs.kv!.groups);
     } catch (err) {
       const e = KvxferError.from(err);
       const reason =
@@ -373,7 +386,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   }
 
   /** CONNECT_*: the KV region still whole, the peer taken, (pull) the reads planned. */
-  private connect(t: DecodeTransfer, peer: PeerState, pairing: LayoutPairing): void {
+  private connect(t: DecodeTransfer, peer: PeerState, pairing: GroupsPairing): void {
     const kv = this.ctx.kvs.kv!;
     // A KV file that shrank would fault (SIGBUS) when P's writes or our reads reach it.
     const shrunk = kv.shrunk?.();
@@ -384,14 +397,12 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       return;
     }
     t.peer = peer;
-    for (const d of pairing.ranks) {
-      for (const s of d.sources) t.expectedPairs.add(`${s.srcRank}:${d.dstRank}`);
-    }
+    for (const p of pairing.rankPairs) t.expectedPairs.add(`${p.srcRank}:${p.dstRank}`);
     if (t.mode === "push") {
       this.on(t, "PUSH_READY");
       return;
     }
-    const plan = planPull(peer, kv.layout, t);
+    const plan = planPull(peer, kv.groups, t);
     if (plan instanceof KvxferError) {
       this.on(t, "PLAN_FAILED", {
         failure: failed(FailureReason.BAD_REQUEST, plan.code, plan.message),

@@ -15,6 +15,7 @@ import type { PrefillSide } from "./prefill.js";
 import type { SidecarLifecycle } from "./sidecar-lifecycle.js";
 import { monoUs } from "./trace.js";
 import type { SidecarRole, TransferMode } from "./view.js";
+import { allBlockIds, blockLists } from "../plan/index.js";
 
 /** What the dispatch hands messages to. */
 export interface EngineDispatchParts {
@@ -51,7 +52,7 @@ export class EngineDispatch {
         return;
       }
       // One place checks engine messages' fields; a problem costs only the message.
-      const problem = checkEngineMessage(msg, kvs.kv?.layout);
+      const problem = checkEngineMessage(msg, kvs.kv?.groups);
       if (problem !== undefined) {
         engine.refuse(problem.transferId, problem.code, problem.message);
         return;
@@ -63,7 +64,7 @@ export class EngineDispatch {
             case: "releaseBlocks",
             value: {
               transferId: msg.msg.value.transferId,
-              blockIds: msg.msg.value.blockIds,
+              blockIds: allBlockIds(blockLists(msg.msg.value.groups, msg.msg.value.blockIds)),
               reason: ReleaseReason.FAILED,
             },
           });

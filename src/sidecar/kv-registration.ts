@@ -273,7 +273,7 @@ export class KvRegistry implements KvGate {
     }
     const checked = checkRegisterKvCache(reg);
     if (!checked.ok) return fail(`${checked.problem.code}: ${checked.problem.message}`);
-    const { layout, ranks } = checked.cache;
+    const { layout, groups, ranks } = checked.cache;
     if (checked.cache.engineId !== this.host.engineId) {
       return fail(
         `ERR_BAD_ENGINE_ID: engine id '${checked.cache.engineId}' is not this sidecar's '${this.host.engineId}'`,
@@ -332,7 +332,7 @@ export class KvRegistry implements KvGate {
     for (const rank of owned) this.allocations.take(rank);
     this.allocations.freeAll();
     this.kvFiles = this.openKvFiles(reg, layout);
-    this.kv = { layout, agents, regions, shrunk: () => this.kvShrunk() };
+    this.kv = { layout, groups, agents, regions, shrunk: () => this.kvShrunk() };
     this.host.life.on("REGISTERED");
     this.mappedBytes += bytes;
     this.registration = { msg: reg, files: KvRegistry.fileIdentities(reg) };

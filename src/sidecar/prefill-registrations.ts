@@ -14,6 +14,7 @@ import {
   type PrefillTransfer,
   type PushRegistration,
 } from "./prefill-transfer.js";
+import { blockLists } from "../plan/index.js";
 
 /** A Failed that P sends D; `note`, when set, goes to P's last errors first. */
 export interface Refusal {
@@ -32,7 +33,7 @@ export function newRegistration(peer: PeerState, m: PushReg, now: number): PushR
   return {
     peer,
     token: m.token,
-    dstBlocks: [...m.blockIds],
+    dstLists: blockLists(m.groups, m.blockIds),
     numTokens: m.numTokens,
     prefixTokens: m.prefixTokens,
     leaseMs,

@@ -6,6 +6,7 @@
 import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
 import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
 import type { KvxferError } from "../errors.js";
+import type { BlockList } from "../plan/index.js";
 import type { Notification } from "../native/index.js";
 import { tokensEqual } from "../peer/messages.js";
 import type { SideContext } from "./context.js";
@@ -19,7 +20,8 @@ import type { TerminalKind, TransferInfo } from "./view.js";
 export interface PushRegistration {
   peer: PeerState;
   token: string;
-  dstBlocks: number[];
+  /** D's block lists, one per group. */
+  dstLists: BlockList[];
   numTokens: number;
   prefixTokens: number;
   leaseMs: number;
@@ -37,7 +39,10 @@ export interface PushRegistration {
 export interface PrefillTransfer {
   readonly id: string;
   readonly state: PrefillState;
+  /** Every block PrefillDone named (all groups), once it arrived: what P's engine holds for it. */
   blocks: number[] | undefined;
+  /** The same blocks as PrefillDone's lists, one per group. */
+  lists: BlockList[] | undefined;
   numTokens: number;
   /** The registration P writes for: chosen at PrefillDone by the token, or one after it. */
   reg: PushRegistration | undefined;
@@ -106,6 +111,7 @@ export function newPrefillTransfer(id: string): PrefillTransfer {
     id,
     state: "AWAITING_PREFILL",
     blocks: undefined,
+    lists: undefined,
     numTokens: 0,
     reg: undefined,
     pending: [],

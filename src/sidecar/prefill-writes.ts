@@ -5,7 +5,7 @@
  */
 import type { WritePart } from "../native/index.js";
 import { KvxferError } from "../errors.js";
-import { planPaired, type TransferPlan } from "../plan/index.js";
+import { planGroups, type TransferPlan } from "../plan/index.js";
 import { transferError, type SideContext } from "./context.js";
 import type { PrefillTransfer } from "./prefill-transfer.js";
 import { markPairSteps } from "./trace.js";
@@ -29,11 +29,11 @@ export function planPush(ctx: SideContext, t: PrefillTransfer): TransferPlan | K
         `D expects ${reg.numTokens} tokens, P prefilled ${t.numTokens}`,
       );
     }
-    return planPaired(peer.pairing(kv.layout, peer.layout), {
+    return planGroups(peer.pairing(kv.groups, peer.groups), {
       numTokens: t.numTokens,
       prefixTokens: reg.prefixTokens,
-      srcBlockIds: t.blocks!,
-      dstBlockIds: reg.dstBlocks,
+      src: t.lists!,
+      dst: reg.dstLists,
     });
   } catch (err) {
     const e = transferError(err);

@@ -51,6 +51,7 @@ import {
 import { planPush, postWrites } from "./prefill-writes.js";
 import { SideTable } from "./side-table.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
+import { allBlockIds, blockLists } from "../plan/index.js";
 
 export { PER_PEER_SHARE, type PrefillTransfer, type PushRegistration } from "./prefill-transfer.js";
 
@@ -279,7 +280,11 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     const s = ctx.settings;
     if (s.exclusivePrefillBlocks) {
       // Refused without a ReleaseBlocks: another live transfer holds these blocks.
-      const clash = this.claims.clash(m.blockIds, 0, m.transferId);
+      const clash = this.claims.clash(
+        allBlockIds(blockLists(m.groups, m.blockIds)),
+        0,
+        m.transferId,
+      );
       if (clash !== undefined) return ctx.engine.refuse(m.transferId, "ERR_BLOCKS_IN_USE", clash);
     }
     const existing = this.transfers.get(m.transferId);
@@ -295,7 +300,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         case: "releaseBlocks",
         value: {
           transferId: m.transferId,
-          blockIds: [...m.blockIds],
+          blockIds: allBlockIds(blockLists(m.groups, m.blockIds)),
           reason: ReleaseReason.FAILED,
         },
       });
@@ -310,7 +315,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
 
   /** PrefillDone's blocks, token and timings on `t`. */
   private takePrefill(t: PrefillTransfer, m: PrefillDone, receivedUs: number | undefined): void {
-    t.blocks = [...m.blockIds];
+    t.lists = blockLists(m.groups, m.blockIds);
+    t.blocks = allBlockIds(t.lists);
     if (this.ctx.settings.exclusivePrefillBlocks) this.claims.claim(t.blocks, t.id);
     t.numTokens = m.numTokens;
     t.token = m.token;
@@ -350,7 +356,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       );
       return;
     }
-    t.blocks = [...m.blockIds];
+    t.lists = blockLists(m.groups, m.blockIds);
+    t.blocks = allBlockIds(t.lists);
     t.token = m.token;
     this.ctx.engine.send({
       case: "releaseBlocks",

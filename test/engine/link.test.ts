@@ -35,7 +35,7 @@ import {
   type SidecarToEngine,
   SidecarToEngineSchema,
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
-import { type KvLayout, kvLayout } from "../../src/plan/index.js";
+import { type KvLayout, kvLayout, singleGroup } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import { until } from "../until.js";
 
@@ -340,7 +340,8 @@ describe("engine link", () => {
 });
 
 describe("engine message checks", () => {
-  const check = (m: EngineToSidecar, l: KvLayout | undefined = layout) => checkEngineMessage(m, l);
+  const check = (m: EngineToSidecar, l: KvLayout | undefined = layout) =>
+    checkEngineMessage(m, l && singleGroup(l));
   const prefill = (f: Partial<{ transferId: string; blockIds: number[]; numTokens: number }>) =>
     engineMessage(
       "prefillDone",
@@ -427,11 +428,13 @@ describe("engine message checks", () => {
       [create(EngineToSidecarSchema, {}), "ERR_MALFORMED", /no message/, layout],
     ];
     for (const [m, code, re, l] of cases) {
-      const p = checkEngineMessage(m, l);
+      const p = checkEngineMessage(m, l && singleGroup(l));
       expect(p?.code, `${m.msg.case}: ${re}`).toBe(code);
       expect(p?.message).toMatch(re);
     }
-    expect(checkEngineMessage(prefill({ numTokens: 0 }), layout)?.transferId).toBe("t");
+    expect(checkEngineMessage(prefill({ numTokens: 0 }), singleGroup(layout))?.transferId).toBe(
+      "t",
+    );
   });
 
   it("refuses bad registrations", () => {

@@ -14,7 +14,7 @@ import { AgentMetadataSchema, RankMetadataSchema } from "../../src/gen/kvxfer/v1
 import type { Agent, OpTrace, Region } from "../../src/native/index.js";
 import type { PeerBody } from "../../src/peer/messages.js";
 import type { PeerCredentials } from "../../src/peer/side-channel.js";
-import { kvLayout, type KvLayout } from "../../src/plan/index.js";
+import { kvLayout, singleGroup, type KvLayout } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import type { Clock } from "../../src/sidecar/clock.js";
 import type { EngineMessage, LifecycleSettings, SideContext } from "../../src/sidecar/context.js";
@@ -232,6 +232,7 @@ export interface Recorded {
 function fakeKv(layout: KvLayout, agent: FakeAgent): RegisteredKv {
   return {
     layout,
+    groups: singleGroup(layout),
     agents: Array.from({ length: layout.tpSize }, () => agent as unknown as Agent),
     regions: Array.from({ length: layout.tpSize }, () =>
       layout.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region),
@@ -316,7 +317,7 @@ export class FakeWorld {
   peer(engineId = "peer-0", layout: KvLayout = this.layout): PeerState {
     return new PeerState(
       peerMetadata(engineId, 7n, layout),
-      layout,
+      singleGroup(layout),
       this.ctx.kvs.kv!.agents,
       "none",
       this.ctx.log,

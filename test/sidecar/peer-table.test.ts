@@ -14,7 +14,7 @@ import {
   sealPeerMessage,
   type PeerBody,
 } from "../../src/peer/messages.js";
-import type { LayoutPairing } from "../../src/plan/index.js";
+import type { GroupsPairing } from "../../src/plan/index.js";
 import type { PeerState } from "../../src/peer/peer-state.js";
 import { MAX_PEERS } from "../../src/peer/peer-table.js";
 import { FakeWorld, PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
@@ -79,10 +79,10 @@ describe("PeerTable", () => {
     const { table, handshake, note } = setup();
     const { macKey } = handshake("d0", 7n);
     const peer = table.verify(note(macKey, { sender: "d0", epoch: 7n, seq: 1n }))!.peer;
-    const made = (peer as unknown as { paired?: LayoutPairing }).paired;
-    expect(made?.src).toBe(SMALL); // our layout (the world's engine registered SMALL)
-    expect(made?.dst).toBe(peer.layout);
-    expect(peer.pairing(SMALL, peer.layout)).toBe(made);
+    const made = (peer as unknown as { paired?: GroupsPairing }).paired;
+    expect(made?.src[0]!.layout).toBe(SMALL); // our layout (the world's engine registered SMALL)
+    expect(made?.dst).toBe(peer.groups);
+    expect(peer.pairing(made!.src, peer.groups)).toBe(made);
   });
 
   it("refuses what is stale or forged, whatever else it carries", () => {
@@ -209,11 +209,11 @@ describe("one peer's state", () => {
   it("pairs two layouts once, and again for another layout object (an engine registered again)", () => {
     const w = new FakeWorld();
     const peer = w.peer("p0");
-    const own = w.ctx.kvs.kv!.layout;
-    const first = peer.pairing(own, peer.layout);
-    expect(peer.pairing(own, peer.layout)).toBe(first);
-    const again = { ...own };
-    const second = peer.pairing(again, peer.layout);
+    const own = w.ctx.kvs.kv!.groups;
+    const first = peer.pairing(own, peer.groups);
+    expect(peer.pairing(own, peer.groups)).toBe(first);
+    const again = [...own];
+    const second = peer.pairing(again, peer.groups);
     expect(second).not.toBe(first);
     expect(second.src).toBe(again);
     expect(second).toEqual({ ...first, src: again });

@@ -16,7 +16,7 @@ import {
   XferDoneSchema,
 } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { newMacKey } from "../../src/peer/messages.js";
-import type { KvLayout } from "../../src/plan/index.js";
+import { singleGroup, type KvLayout } from "../../src/plan/index.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
 import {
@@ -163,8 +163,8 @@ describe("(b) a well-sealed P's notifications for pairs the transfer does not ex
       d.expectKv(expectKv("t1", false, "", [6, 7]), false);
       await settle();
       const expected = p
-        .pairing(pLayout, dLayout)
-        .ranks.flatMap((r) => r.sources.map((s) => `${s.srcRank}:${r.dstRank}`));
+        .pairing(singleGroup(pLayout), singleGroup(dLayout))
+        .rankPairs.map((r) => `${r.srcRank}:${r.dstRank}`);
       const done = (src: number, dst: number) =>
         create(XferDoneSchema, { transferId: "t1", srcRank: src, dstRank: dst, bytes: 100n });
       // Every pair the transfer does not expect, each on its own (right) agent pair, twice.

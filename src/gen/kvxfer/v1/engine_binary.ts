@@ -6,7 +6,7 @@ import { BinaryWriter, WireType } from "@bufbuild/protobuf/wire";
 import type { MessageInitShape } from "@bufbuild/protobuf";
 import { create, toBinary } from "@bufbuild/protobuf";
 import { AbortSchema, AllocatedSchema, AllocateKvSchema, EngineToSidecarSchema, ExpectKvSchema, KvFailedSchema, KvReadySchema, PrefillDoneSchema, RankKvCacheSchema, RefusedSchema, RegionFileSchema, RegisteredSchema, RegisterKvCacheSchema, ReleaseBlocksSchema, SidecarToEngineSchema } from "./engine_pb.js";
-import { writeKvLayout } from "./layout_binary.js";
+import { writeKvBlockList, writeKvCacheGroup, writeKvLayout } from "./layout_binary.js";
 
 /**
  * Writes kvxfer.v1.RegionFile's fields into `w`, as toBinary would.
@@ -140,6 +140,14 @@ export function writeRegisterKvCache(w: BinaryWriter, m: MessageInitShape<typeof
       w.join();
     }
   }
+  const groups = m.groups;
+  if (groups !== undefined && groups.length > 0) {
+    for (const v of groups) {
+      w.tag(4, WireType.LengthDelimited).fork();
+      writeKvCacheGroup(w, v);
+      w.join();
+    }
+  }
 }
 
 /**
@@ -177,6 +185,14 @@ export function writePrefillDone(w: BinaryWriter, m: MessageInitShape<typeof Pre
   const token = m.token;
   if (token !== undefined && token !== "") {
     w.tag(4, WireType.LengthDelimited).string(token);
+  }
+  const groups = m.groups;
+  if (groups !== undefined && groups.length > 0) {
+    for (const v of groups) {
+      w.tag(5, WireType.LengthDelimited).fork();
+      writeKvBlockList(w, v);
+      w.join();
+    }
   }
 }
 
@@ -233,6 +249,22 @@ export function writeExpectKv(w: BinaryWriter, m: MessageInitShape<typeof Expect
   const token = m.token;
   if (token !== undefined && token !== "") {
     w.tag(8, WireType.LengthDelimited).string(token);
+  }
+  const groups = m.groups;
+  if (groups !== undefined && groups.length > 0) {
+    for (const v of groups) {
+      w.tag(9, WireType.LengthDelimited).fork();
+      writeKvBlockList(w, v);
+      w.join();
+    }
+  }
+  const sourceGroups = m.sourceGroups;
+  if (sourceGroups !== undefined && sourceGroups.length > 0) {
+    for (const v of sourceGroups) {
+      w.tag(10, WireType.LengthDelimited).fork();
+      writeKvBlockList(w, v);
+      w.join();
+    }
   }
 }
 

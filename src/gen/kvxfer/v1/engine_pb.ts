@@ -4,7 +4,7 @@
 
 import type { GenEnum, GenFile, GenMessage } from "@bufbuild/protobuf/codegenv2";
 import { enumDesc, fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";
-import type { KvLayout } from "./layout_pb.js";
+import type { KvBlockList, KvCacheGroup, KvLayout } from "./layout_pb.js";
 import { file_kvxfer_v1_layout } from "./layout_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvxfer/v1/engine.proto.
  */
 export const file_kvxfer_v1_engine: GenFile = /*@__PURE__*/
-  fileDesc("ChZrdnhmZXIvdjEvZW5naW5lLnByb3RvEglrdnhmZXIudjEiigEKClJlZ2lvbkZpbGUSDAoEcGF0aBgBIAEoCRIOCgZvZmZzZXQYAiABKAQSDgoGbGVuZ3RoGAMgASgEEhQKB3NlZ21lbnQYBCABKA1IAIgBARIXCg9jdWRhX2lwY19oYW5kbGUYBSABKAwSEwoLY3VkYV9kZXZpY2UYBiABKA1CCgoIX3NlZ21lbnQiPAoKQWxsb2NhdGVLdhIMCgRyYW5rGAEgASgNEg8KB2xlbmd0aHMYAiADKAQSDwoHdHBfc2l6ZRgDIAEoDSJDCgtSYW5rS3ZDYWNoZRIMCgRyYW5rGAEgASgNEiYKB3JlZ2lvbnMYAiADKAsyFS5rdnhmZXIudjEuUmVnaW9uRmlsZSJwCg9SZWdpc3Rlckt2Q2FjaGUSEQoJZW5naW5lX2lkGAEgASgJEiMKBmxheW91dBgCIAEoCzITLmt2eGZlci52MS5LdkxheW91dBIlCgVyYW5rcxgDIAMoCzIWLmt2eGZlci52MS5SYW5rS3ZDYWNoZSJYCgtQcmVmaWxsRG9uZRITCgt0cmFuc2Zlcl9pZBgBIAEoCRIRCglibG9ja19pZHMYAiADKA0SEgoKbnVtX3Rva2VucxgDIAEoDRINCgV0b2tlbhgEIAEoCSK0AQoIRXhwZWN0S3YSEwoLdHJhbnNmZXJfaWQYASABKAkSDgoGc291cmNlGAIgASgJEhEKCWJsb2NrX2lkcxgDIAMoDRISCgpudW1fdG9rZW5zGAQgASgNEhUKDXByZWZpeF90b2tlbnMYBSABKA0SGAoQc291cmNlX2Jsb2NrX2lkcxgGIAMoDRIcChRoYXNfc291cmNlX2Jsb2NrX2lkcxgHIAEoCBINCgV0b2tlbhgIIAEoCSIcCgVBYm9ydBITCgt0cmFuc2Zlcl9pZBgBIAEoCSLwAQoPRW5naW5lVG9TaWRlY2FyEi4KCHJlZ2lzdGVyGAEgASgLMhoua3Z4ZmVyLnYxLlJlZ2lzdGVyS3ZDYWNoZUgAEi4KDHByZWZpbGxfZG9uZRgCIAEoCzIWLmt2eGZlci52MS5QcmVmaWxsRG9uZUgAEigKCWV4cGVjdF9rdhgDIAEoCzITLmt2eGZlci52MS5FeHBlY3RLdkgAEiEKBWFib3J0GAQgASgLMhAua3Z4ZmVyLnYxLkFib3J0SAASKQoIYWxsb2NhdGUYBSABKAsyFS5rdnhmZXIudjEuQWxsb2NhdGVLdkgAQgUKA21zZyIeCgdLdlJlYWR5EhMKC3RyYW5zZmVyX2lkGAEgASgJIloKCEt2RmFpbGVkEhMKC3RyYW5zZmVyX2lkGAEgASgJEigKBnJlYXNvbhgCIAEoDjIYLmt2eGZlci52MS5GYWlsdXJlUmVhc29uEg8KB21lc3NhZ2UYAyABKAkiYQoNUmVsZWFzZUJsb2NrcxITCgt0cmFuc2Zlcl9pZBgBIAEoCRIRCglibG9ja19pZHMYAiADKA0SKAoGcmVhc29uGAMgASgOMhgua3Z4ZmVyLnYxLlJlbGVhc2VSZWFzb24iTAoKUmVnaXN0ZXJlZBIKCgJvaxgBIAEoCBINCgVlcnJvchgCIAEoCRIUCgxzaWRlX2NoYW5uZWwYAyABKAkSDQoFZXBvY2gYBCABKAQiPQoHUmVmdXNlZBITCgt0cmFuc2Zlcl9pZBgBIAEoCRIMCgRjb2RlGAIgASgJEg8KB21lc3NhZ2UYAyABKAkiRgoJQWxsb2NhdGVkEgwKBHJhbmsYASABKA0SCgoCb2sYAiABKAgSDQoFZXJyb3IYAyABKAkSEAoIc2VnbWVudHMYBCADKA0inQIKD1NpZGVjYXJUb0VuZ2luZRIrCgpyZWdpc3RlcmVkGAEgASgLMhUua3Z4ZmVyLnYxLlJlZ2lzdGVyZWRIABImCghrdl9yZWFkeRgCIAEoCzISLmt2eGZlci52MS5LdlJlYWR5SAASKAoJa3ZfZmFpbGVkGAMgASgLMhMua3Z4ZmVyLnYxLkt2RmFpbGVkSAASMgoOcmVsZWFzZV9ibG9ja3MYBCABKAsyGC5rdnhmZXIudjEuUmVsZWFzZUJsb2Nrc0gAEiUKB3JlZnVzZWQYBSABKAsyEi5rdnhmZXIudjEuUmVmdXNlZEgAEikKCWFsbG9jYXRlZBgGIAEoCzIULmt2eGZlci52MS5BbGxvY2F0ZWRIAEIFCgNtc2cqzAIKDUZhaWx1cmVSZWFzb24SHgoaRkFJTFVSRV9SRUFTT05fVU5TUEVDSUZJRUQQABIaChZGQUlMVVJFX1JFQVNPTl9USU1FT1VUEAESHgoaRkFJTFVSRV9SRUFTT05fUEVFUl9GQUlMRUQQAhIaChZGQUlMVVJFX1JFQVNPTl9BQk9SVEVEEAMSHwobRkFJTFVSRV9SRUFTT05fSU5DT01QQVRJQkxFEAQSHgoaRkFJTFVSRV9SRUFTT05fQkFEX1JFUVVFU1QQBRIhCh1GQUlMVVJFX1JFQVNPTl9UUkFOU0ZFUl9FUlJPUhAGEiAKHEZBSUxVUkVfUkVBU09OX0xFQVNFX0VYUElSRUQQBxIeChpGQUlMVVJFX1JFQVNPTl9VTlJFQUNIQUJMRRAIEh0KGUZBSUxVUkVfUkVBU09OX09WRVJMT0FERUQQCSqiAQoNUmVsZWFzZVJlYXNvbhIeChpSRUxFQVNFX1JFQVNPTl9VTlNQRUNJRklFRBAAEh4KGlJFTEVBU0VfUkVBU09OX1RSQU5TRkVSUkVEEAESGgoWUkVMRUFTRV9SRUFTT05fRVhQSVJFRBACEhoKFlJFTEVBU0VfUkVBU09OX0FCT1JURUQQAxIZChVSRUxFQVNFX1JFQVNPTl9GQUlMRUQQBGIGcHJvdG8z", [file_kvxfer_v1_layout]);
+  fileDesc("ChZrdnhmZXIvdjEvZW5naW5lLnByb3RvEglrdnhmZXIudjEiigEKClJlZ2lvbkZpbGUSDAoEcGF0aBgBIAEoCRIOCgZvZmZzZXQYAiABKAQSDgoGbGVuZ3RoGAMgASgEEhQKB3NlZ21lbnQYBCABKA1IAIgBARIXCg9jdWRhX2lwY19oYW5kbGUYBSABKAwSEwoLY3VkYV9kZXZpY2UYBiABKA1CCgoIX3NlZ21lbnQiPAoKQWxsb2NhdGVLdhIMCgRyYW5rGAEgASgNEg8KB2xlbmd0aHMYAiADKAQSDwoHdHBfc2l6ZRgDIAEoDSJDCgtSYW5rS3ZDYWNoZRIMCgRyYW5rGAEgASgNEiYKB3JlZ2lvbnMYAiADKAsyFS5rdnhmZXIudjEuUmVnaW9uRmlsZSKZAQoPUmVnaXN0ZXJLdkNhY2hlEhEKCWVuZ2luZV9pZBgBIAEoCRIjCgZsYXlvdXQYAiABKAsyEy5rdnhmZXIudjEuS3ZMYXlvdXQSJQoFcmFua3MYAyADKAsyFi5rdnhmZXIudjEuUmFua0t2Q2FjaGUSJwoGZ3JvdXBzGAQgAygLMhcua3Z4ZmVyLnYxLkt2Q2FjaGVHcm91cCKAAQoLUHJlZmlsbERvbmUSEwoLdHJhbnNmZXJfaWQYASABKAkSEQoJYmxvY2tfaWRzGAIgAygNEhIKCm51bV90b2tlbnMYAyABKA0SDQoFdG9rZW4YBCABKAkSJgoGZ3JvdXBzGAUgAygLMhYua3Z4ZmVyLnYxLkt2QmxvY2tMaXN0IosCCghFeHBlY3RLdhITCgt0cmFuc2Zlcl9pZBgBIAEoCRIOCgZzb3VyY2UYAiABKAkSEQoJYmxvY2tfaWRzGAMgAygNEhIKCm51bV90b2tlbnMYBCABKA0SFQoNcHJlZml4X3Rva2VucxgFIAEoDRIYChBzb3VyY2VfYmxvY2tfaWRzGAYgAygNEhwKFGhhc19zb3VyY2VfYmxvY2tfaWRzGAcgASgIEg0KBXRva2VuGAggASgJEiYKBmdyb3VwcxgJIAMoCzIWLmt2eGZlci52MS5LdkJsb2NrTGlzdBItCg1zb3VyY2VfZ3JvdXBzGAogAygLMhYua3Z4ZmVyLnYxLkt2QmxvY2tMaXN0IhwKBUFib3J0EhMKC3RyYW5zZmVyX2lkGAEgASgJIvABCg9FbmdpbmVUb1NpZGVjYXISLgoIcmVnaXN0ZXIYASABKAsyGi5rdnhmZXIudjEuUmVnaXN0ZXJLdkNhY2hlSAASLgoMcHJlZmlsbF9kb25lGAIgASgLMhYua3Z4ZmVyLnYxLlByZWZpbGxEb25lSAASKAoJZXhwZWN0X2t2GAMgASgLMhMua3Z4ZmVyLnYxLkV4cGVjdEt2SAASIQoFYWJvcnQYBCABKAsyEC5rdnhmZXIudjEuQWJvcnRIABIpCghhbGxvY2F0ZRgFIAEoCzIVLmt2eGZlci52MS5BbGxvY2F0ZUt2SABCBQoDbXNnIh4KB0t2UmVhZHkSEwoLdHJhbnNmZXJfaWQYASABKAkiWgoIS3ZGYWlsZWQSEwoLdHJhbnNmZXJfaWQYASABKAkSKAoGcmVhc29uGAIgASgOMhgua3Z4ZmVyLnYxLkZhaWx1cmVSZWFzb24SDwoHbWVzc2FnZRgDIAEoCSJhCg1SZWxlYXNlQmxvY2tzEhMKC3RyYW5zZmVyX2lkGAEgASgJEhEKCWJsb2NrX2lkcxgCIAMoDRIoCgZyZWFzb24YAyABKA4yGC5rdnhmZXIudjEuUmVsZWFzZVJlYXNvbiJMCgpSZWdpc3RlcmVkEgoKAm9rGAEgASgIEg0KBWVycm9yGAIgASgJEhQKDHNpZGVfY2hhbm5lbBgDIAEoCRINCgVlcG9jaBgEIAEoBCI9CgdSZWZ1c2VkEhMKC3RyYW5zZmVyX2lkGAEgASgJEgwKBGNvZGUYAiABKAkSDwoHbWVzc2FnZRgDIAEoCSJGCglBbGxvY2F0ZWQSDAoEcmFuaxgBIAEoDRIKCgJvaxgCIAEoCBINCgVlcnJvchgDIAEoCRIQCghzZWdtZW50cxgEIAMoDSKdAgoPU2lkZWNhclRvRW5naW5lEisKCnJlZ2lzdGVyZWQYASABKAsyFS5rdnhmZXIudjEuUmVnaXN0ZXJlZEgAEiYKCGt2X3JlYWR5GAIgASgLMhIua3Z4ZmVyLnYxLkt2UmVhZHlIABIoCglrdl9mYWlsZWQYAyABKAsyEy5rdnhmZXIudjEuS3ZGYWlsZWRIABIyCg5yZWxlYXNlX2Jsb2NrcxgEIAEoCzIYLmt2eGZlci52MS5SZWxlYXNlQmxvY2tzSAASJQoHcmVmdXNlZBgFIAEoCzISLmt2eGZlci52MS5SZWZ1c2VkSAASKQoJYWxsb2NhdGVkGAYgASgLMhQua3Z4ZmVyLnYxLkFsbG9jYXRlZEgAQgUKA21zZyrMAgoNRmFpbHVyZVJlYXNvbhIeChpGQUlMVVJFX1JFQVNPTl9VTlNQRUNJRklFRBAAEhoKFkZBSUxVUkVfUkVBU09OX1RJTUVPVVQQARIeChpGQUlMVVJFX1JFQVNPTl9QRUVSX0ZBSUxFRBACEhoKFkZBSUxVUkVfUkVBU09OX0FCT1JURUQQAxIfChtGQUlMVVJFX1JFQVNPTl9JTkNPTVBBVElCTEUQBBIeChpGQUlMVVJFX1JFQVNPTl9CQURfUkVRVUVTVBAFEiEKHUZBSUxVUkVfUkVBU09OX1RSQU5TRkVSX0VSUk9SEAYSIAocRkFJTFVSRV9SRUFTT05fTEVBU0VfRVhQSVJFRBAHEh4KGkZBSUxVUkVfUkVBU09OX1VOUkVBQ0hBQkxFEAgSHQoZRkFJTFVSRV9SRUFTT05fT1ZFUkxPQURFRBAJKqIBCg1SZWxlYXNlUmVhc29uEh4KGlJFTEVBU0VfUkVBU09OX1VOU1BFQ0lGSUVEEAASHgoaUkVMRUFTRV9SRUFTT05fVFJBTlNGRVJSRUQQARIaChZSRUxFQVNFX1JFQVNPTl9FWFBJUkVEEAISGgoWUkVMRUFTRV9SRUFTT05fQUJPUlRFRBADEhkKFVJFTEVBU0VfUkVBU09OX0ZBSUxFRBAEYgZwcm90bzM", [file_kvxfer_v1_layout]);
 
 /**
  * One registered memory region of one rank: `length` bytes at `offset` of a
@@ -142,6 +142,8 @@ export type RegisterKvCache = Message<"kvxfer.v1.RegisterKvCache"> & {
   engineId: string;
 
   /**
+   * The layout of the engine's only group, or of groups[0] when `groups` is given.
+   *
    * @generated from field: kvxfer.v1.KvLayout layout = 2;
    */
   layout?: KvLayout | undefined;
@@ -150,6 +152,15 @@ export type RegisterKvCache = Message<"kvxfer.v1.RegisterKvCache"> & {
    * @generated from field: repeated kvxfer.v1.RankKvCache ranks = 3;
    */
   ranks: RankKvCache[];
+
+  /**
+   * The engine's KV cache groups (hybrid models), in the engine's group order; every group's
+   * layout addresses the same regions. None: one FULL group with `layout`. Given, every transfer
+   * message names one block list per group (PrefillDone.groups, ExpectKv.groups).
+   *
+   * @generated from field: repeated kvxfer.v1.KvCacheGroup groups = 4;
+   */
+  groups: KvCacheGroup[];
 };
 
 /**
@@ -190,6 +201,13 @@ export type PrefillDone = Message<"kvxfer.v1.PrefillDone"> & {
    * @generated from field: string token = 4;
    */
   token: string;
+
+  /**
+   * One block list per registered group, instead of `block_ids` (which must then be empty).
+   *
+   * @generated from field: repeated kvxfer.v1.KvBlockList groups = 5;
+   */
+  groups: KvBlockList[];
 };
 
 /**
@@ -252,6 +270,20 @@ export type ExpectKv = Message<"kvxfer.v1.ExpectKv"> & {
    * @generated from field: string token = 8;
    */
   token: string;
+
+  /**
+   * One block list per registered group, instead of `block_ids` (which must then be empty).
+   *
+   * @generated from field: repeated kvxfer.v1.KvBlockList groups = 9;
+   */
+  groups: KvBlockList[];
+
+  /**
+   * P's block lists per group (pull), instead of `source_block_ids`; with has_source_block_ids.
+   *
+   * @generated from field: repeated kvxfer.v1.KvBlockList source_groups = 10;
+   */
+  sourceGroups: KvBlockList[];
 };
 
 /**

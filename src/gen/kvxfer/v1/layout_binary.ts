@@ -5,7 +5,7 @@
 import { BinaryWriter, WireType } from "@bufbuild/protobuf/wire";
 import type { MessageInitShape } from "@bufbuild/protobuf";
 import { create, toBinary } from "@bufbuild/protobuf";
-import { KvLayoutSchema, KvRunOrderSchema, KvSlotAddressSchema } from "./layout_pb.js";
+import { KvBlockListSchema, KvCacheGroupSchema, KvLayoutSchema, KvRunOrderSchema, KvSlotAddressSchema } from "./layout_pb.js";
 
 /**
  * Writes kvxfer.v1.KvRunOrder's fields into `w`, as toBinary would.
@@ -162,6 +162,74 @@ export function kvLayoutToBinary(m: MessageInitShape<typeof KvLayoutSchema>): Ui
   } catch {
     // protobuf-es says which field is wrong.
     return toBinary(KvLayoutSchema, create(KvLayoutSchema, m));
+  }
+}
+
+/**
+ * Writes kvxfer.v1.KvCacheGroup's fields into `w`, as toBinary would.
+ */
+export function writeKvCacheGroup(w: BinaryWriter, m: MessageInitShape<typeof KvCacheGroupSchema>): void {
+  const kind = m.kind;
+  if (kind !== undefined && kind !== 0) {
+    w.tag(1, WireType.Varint).int32(kind);
+  }
+  const slidingWindow = m.slidingWindow;
+  if (slidingWindow !== undefined && slidingWindow !== 0) {
+    w.tag(2, WireType.Varint).uint32(slidingWindow);
+  }
+  const layout = m.layout;
+  if (layout !== undefined) {
+    w.tag(3, WireType.LengthDelimited).fork();
+    writeKvLayout(w, layout);
+    w.join();
+  }
+  const stateShape = m.stateShape;
+  if (stateShape !== undefined && stateShape !== "") {
+    w.tag(4, WireType.LengthDelimited).string(stateShape);
+  }
+}
+
+/**
+ * kvxfer.v1.KvCacheGroup as bytes: what `toBinary(KvCacheGroupSchema, create(KvCacheGroupSchema, m))` writes.
+ */
+export function kvCacheGroupToBinary(m: MessageInitShape<typeof KvCacheGroupSchema>): Uint8Array {
+  try {
+    const w = new BinaryWriter();
+    writeKvCacheGroup(w, m);
+    return w.finish();
+  } catch {
+    // protobuf-es says which field is wrong.
+    return toBinary(KvCacheGroupSchema, create(KvCacheGroupSchema, m));
+  }
+}
+
+/**
+ * Writes kvxfer.v1.KvBlockList's fields into `w`, as toBinary would.
+ */
+export function writeKvBlockList(w: BinaryWriter, m: MessageInitShape<typeof KvBlockListSchema>): void {
+  const firstBlock = m.firstBlock;
+  if (firstBlock !== undefined && firstBlock !== 0) {
+    w.tag(1, WireType.Varint).uint32(firstBlock);
+  }
+  const blockIds = m.blockIds;
+  if (blockIds !== undefined && blockIds.length > 0) {
+    w.tag(2, WireType.LengthDelimited).fork();
+    for (const v of blockIds) w.uint32(v);
+    w.join();
+  }
+}
+
+/**
+ * kvxfer.v1.KvBlockList as bytes: what `toBinary(KvBlockListSchema, create(KvBlockListSchema, m))` writes.
+ */
+export function kvBlockListToBinary(m: MessageInitShape<typeof KvBlockListSchema>): Uint8Array {
+  try {
+    const w = new BinaryWriter();
+    writeKvBlockList(w, m);
+    return w.finish();
+  } catch {
+    // protobuf-es says which field is wrong.
+    return toBinary(KvBlockListSchema, create(KvBlockListSchema, m));
   }
 }
 

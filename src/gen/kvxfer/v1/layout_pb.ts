@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvxfer/v1/layout.proto.
  */
 export const file_kvxfer_v1_layout: GenFile = /*@__PURE__*/
-  fileDesc("ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiMwoKS3ZSdW5PcmRlchIRCglkaW1fZ3JvdXAYASABKA0SEgoKdG9rZW5fdGlsZRgCIAEoDSIvCg1LdlNsb3RBZGRyZXNzEg4KBnJlZ2lvbhgBIAEoDRIOCgZvZmZzZXQYAiABKAQirQMKCEt2TGF5b3V0EhIKCm51bV9sYXllcnMYASABKA0SCwoDbWxhGAIgASgIEhYKDnRvdGFsX2t2X2hlYWRzGAMgASgNEhAKCGhlYWRfZGltGAQgASgNEg0KBWR0eXBlGAUgASgJEhMKC2R0eXBlX2J5dGVzGAYgASgNEhIKCmJsb2NrX3NpemUYByABKA0SEgoKbnVtX2Jsb2NrcxgIIAEoDRImCgVvcmRlchgJIAEoDjIXLmt2eGZlci52MS5LdkJsb2NrT3JkZXISDwoHdHBfc2l6ZRgKIAEoDRIPCgd0cF9yYW5rGAsgASgNEhQKDGJsb2NrX3N0cmlkZRgMIAEoBBInCgVzbG90cxgNIAMoCzIYLmt2eGZlci52MS5LdlNsb3RBZGRyZXNzEhQKDHJlZ2lvbl9ieXRlcxgOIAMoBBITCgtoZWFkX3N0cmlkZRgPIAEoBBIUCgx0b2tlbl9zdHJpZGUYECABKAQSFQoNb3BhcXVlX2Jsb2NrcxgRIAEoCBIpCgpydW5fb3JkZXJzGBIgAygLMhUua3Z4ZmVyLnYxLkt2UnVuT3JkZXIqXgoMS3ZCbG9ja09yZGVyEh4KGktWX0JMT0NLX09SREVSX1VOU1BFQ0lGSUVEEAASFgoSS1ZfQkxPQ0tfT1JERVJfSE5EEAESFgoSS1ZfQkxPQ0tfT1JERVJfTkhEEAJiBnByb3RvMw");
+  fileDesc("ChZrdnhmZXIvdjEvbGF5b3V0LnByb3RvEglrdnhmZXIudjEiMwoKS3ZSdW5PcmRlchIRCglkaW1fZ3JvdXAYASABKA0SEgoKdG9rZW5fdGlsZRgCIAEoDSIvCg1LdlNsb3RBZGRyZXNzEg4KBnJlZ2lvbhgBIAEoDRIOCgZvZmZzZXQYAiABKAQirQMKCEt2TGF5b3V0EhIKCm51bV9sYXllcnMYASABKA0SCwoDbWxhGAIgASgIEhYKDnRvdGFsX2t2X2hlYWRzGAMgASgNEhAKCGhlYWRfZGltGAQgASgNEg0KBWR0eXBlGAUgASgJEhMKC2R0eXBlX2J5dGVzGAYgASgNEhIKCmJsb2NrX3NpemUYByABKA0SEgoKbnVtX2Jsb2NrcxgIIAEoDRImCgVvcmRlchgJIAEoDjIXLmt2eGZlci52MS5LdkJsb2NrT3JkZXISDwoHdHBfc2l6ZRgKIAEoDRIPCgd0cF9yYW5rGAsgASgNEhQKDGJsb2NrX3N0cmlkZRgMIAEoBBInCgVzbG90cxgNIAMoCzIYLmt2eGZlci52MS5LdlNsb3RBZGRyZXNzEhQKDHJlZ2lvbl9ieXRlcxgOIAMoBBITCgtoZWFkX3N0cmlkZRgPIAEoBBIUCgx0b2tlbl9zdHJpZGUYECABKAQSFQoNb3BhcXVlX2Jsb2NrcxgRIAEoCBIpCgpydW5fb3JkZXJzGBIgAygLMhUua3Z4ZmVyLnYxLkt2UnVuT3JkZXIihgEKDEt2Q2FjaGVHcm91cBIkCgRraW5kGAEgASgOMhYua3Z4ZmVyLnYxLkt2R3JvdXBLaW5kEhYKDnNsaWRpbmdfd2luZG93GAIgASgNEiMKBmxheW91dBgDIAEoCzITLmt2eGZlci52MS5LdkxheW91dBITCgtzdGF0ZV9zaGFwZRgEIAEoCSI1CgtLdkJsb2NrTGlzdBITCgtmaXJzdF9ibG9jaxgBIAEoDRIRCglibG9ja19pZHMYAiADKA0qXgoMS3ZCbG9ja09yZGVyEh4KGktWX0JMT0NLX09SREVSX1VOU1BFQ0lGSUVEEAASFgoSS1ZfQkxPQ0tfT1JERVJfSE5EEAESFgoSS1ZfQkxPQ0tfT1JERVJfTkhEEAIqeAoLS3ZHcm91cEtpbmQSHQoZS1ZfR1JPVVBfS0lORF9VTlNQRUNJRklFRBAAEhYKEktWX0dST1VQX0tJTkRfRlVMTBABEhkKFUtWX0dST1VQX0tJTkRfU0xJRElORxACEhcKE0tWX0dST1VQX0tJTkRfU1RBVEUQA2IGcHJvdG8z");
 
 /**
  * How one (block, head) run of block_size tokens x head_dim elements of a K or V slot is ordered:
@@ -202,6 +202,72 @@ export const KvLayoutSchema: GenMessage<KvLayout> = /*@__PURE__*/
   messageDesc(file_kvxfer_v1_layout, 2);
 
 /**
+ * @generated from message kvxfer.v1.KvCacheGroup
+ */
+export type KvCacheGroup = Message<"kvxfer.v1.KvCacheGroup"> & {
+  /**
+   * @generated from field: kvxfer.v1.KvGroupKind kind = 1;
+   */
+  kind: KvGroupKind;
+
+  /**
+   * Tokens in the window (SLIDING only).
+   *
+   * @generated from field: uint32 sliding_window = 2;
+   */
+  slidingWindow: number;
+
+  /**
+   * The group's layout on one rank (tp_rank ignored, as RegisterKvCache.layout).
+   *
+   * @generated from field: kvxfer.v1.KvLayout layout = 3;
+   */
+  layout?: KvLayout | undefined;
+
+  /**
+   * STATE only: the state's tensors, e.g. "bfloat16[3,1024];float32[4,128,128]"; P and D must
+   * agree exactly (the bytes of one slot are the engine's own format).
+   *
+   * @generated from field: string state_shape = 4;
+   */
+  stateShape: string;
+};
+
+/**
+ * Describes the message kvxfer.v1.KvCacheGroup.
+ * Use `create(KvCacheGroupSchema)` to create a new message.
+ */
+export const KvCacheGroupSchema: GenMessage<KvCacheGroup> = /*@__PURE__*/
+  messageDesc(file_kvxfer_v1_layout, 3);
+
+/**
+ * One group's block table for one request: entry i is block index first_block + i (tokens
+ * (first_block + i) * block_size ..). Blocks before first_block are not held (a sliding window's
+ * null blocks) and nothing moves into or out of them. STATE groups list exactly one block: the
+ * slot holding the state.
+ *
+ * @generated from message kvxfer.v1.KvBlockList
+ */
+export type KvBlockList = Message<"kvxfer.v1.KvBlockList"> & {
+  /**
+   * @generated from field: uint32 first_block = 1;
+   */
+  firstBlock: number;
+
+  /**
+   * @generated from field: repeated uint32 block_ids = 2;
+   */
+  blockIds: number[];
+};
+
+/**
+ * Describes the message kvxfer.v1.KvBlockList.
+ * Use `create(KvBlockListSchema)` to create a new message.
+ */
+export const KvBlockListSchema: GenMessage<KvBlockList> = /*@__PURE__*/
+  messageDesc(file_kvxfer_v1_layout, 4);
+
+/**
  * Order of tokens and heads inside one block of one (layer, K|V) slot.
  *
  * @generated from enum kvxfer.v1.KvBlockOrder
@@ -232,4 +298,47 @@ export enum KvBlockOrder {
  */
 export const KvBlockOrderSchema: GenEnum<KvBlockOrder> = /*@__PURE__*/
   enumDesc(file_kvxfer_v1_layout, 0);
+
+/**
+ * What a KV cache group holds (vLLM's KV cache groups, hybrid models): each group has its own
+ * layout and its own block table per request (docs/planner.md#kv-cache-groups).
+ *
+ * @generated from enum kvxfer.v1.KvGroupKind
+ */
+export enum KvGroupKind {
+  /**
+   * @generated from enum value: KV_GROUP_KIND_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * Every token's KV (full attention, MLA: `KvLayout.mla`): every prompt block moves.
+   *
+   * @generated from enum value: KV_GROUP_KIND_FULL = 1;
+   */
+  FULL = 1,
+
+  /**
+   * Sliding-window attention over `KvCacheGroup.sliding_window` tokens: blocks that left the
+   * window are not held (the engine's null block); only the held tail moves.
+   *
+   * @generated from enum value: KV_GROUP_KIND_SLIDING = 2;
+   */
+  SLIDING = 2,
+
+  /**
+   * Recurrent state (Mamba, linear attention): one state per request, not per token. Its layout
+   * describes one state slot as a block of one token holding one latent of the state's bytes; a
+   * transfer moves the one slot each side names, the state after `num_tokens` tokens.
+   *
+   * @generated from enum value: KV_GROUP_KIND_STATE = 3;
+   */
+  STATE = 3,
+}
+
+/**
+ * Describes the enum kvxfer.v1.KvGroupKind.
+ */
+export const KvGroupKindSchema: GenEnum<KvGroupKind> = /*@__PURE__*/
+  enumDesc(file_kvxfer_v1_layout, 1);
 

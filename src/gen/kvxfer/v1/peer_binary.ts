@@ -6,7 +6,7 @@ import { BinaryWriter, WireType } from "@bufbuild/protobuf/wire";
 import type { MessageInitShape } from "@bufbuild/protobuf";
 import { create, toBinary } from "@bufbuild/protobuf";
 import { AbortAckSchema, AbortXferSchema, AgentMetadataSchema, FailedSchema, HandshakeRequestSchema, HandshakeResponseSchema, HeartbeatSchema, PeerMessageSchema, PushRegSchema, RankMetadataSchema, ReadAckSchema, ReadDoneSchema, SealedPeerMessageSchema, XferDoneSchema } from "./peer_pb.js";
-import { writeKvLayout } from "./layout_binary.js";
+import { writeKvBlockList, writeKvCacheGroup, writeKvLayout } from "./layout_binary.js";
 
 /**
  * Writes kvxfer.v1.RankMetadata's fields into `w`, as toBinary would.
@@ -75,6 +75,14 @@ export function writeAgentMetadata(w: BinaryWriter, m: MessageInitShape<typeof A
   const sideChannel = m.sideChannel;
   if (sideChannel !== undefined && sideChannel !== "") {
     w.tag(6, WireType.LengthDelimited).string(sideChannel);
+  }
+  const groups = m.groups;
+  if (groups !== undefined && groups.length > 0) {
+    for (const v of groups) {
+      w.tag(7, WireType.LengthDelimited).fork();
+      writeKvCacheGroup(w, v);
+      w.join();
+    }
   }
 }
 
@@ -193,6 +201,14 @@ export function writePushReg(w: BinaryWriter, m: MessageInitShape<typeof PushReg
   const token = m.token;
   if (token !== undefined && token !== "") {
     w.tag(6, WireType.LengthDelimited).string(token);
+  }
+  const groups = m.groups;
+  if (groups !== undefined && groups.length > 0) {
+    for (const v of groups) {
+      w.tag(7, WireType.LengthDelimited).fork();
+      writeKvBlockList(w, v);
+      w.join();
+    }
   }
 }
 

@@ -79,29 +79,33 @@ class RankKvCache(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RegionFile, _Mapping]]] = ...) -> None: ...
 
 class RegisterKvCache(_message.Message):
-    __slots__ = ("engine_id", "layout", "ranks")
+    __slots__ = ("engine_id", "layout", "ranks", "groups")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: _layout_pb2.KvLayout
     ranks: _containers.RepeatedCompositeFieldContainer[RankKvCache]
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_layout_pb2.KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankKvCache, _Mapping]]] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[_layout_pb2.KvCacheGroup]
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_layout_pb2.KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankKvCache, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[_layout_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("transfer_id", "block_ids", "num_tokens", "token")
+    __slots__ = ("transfer_id", "block_ids", "num_tokens", "token", "groups")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     token: str
-    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[_layout_pb2.KvBlockList]
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., token: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_layout_pb2.KvBlockList, _Mapping]]] = ...) -> None: ...
 
 class ExpectKv(_message.Message):
-    __slots__ = ("transfer_id", "source", "block_ids", "num_tokens", "prefix_tokens", "source_block_ids", "has_source_block_ids", "token")
+    __slots__ = ("transfer_id", "source", "block_ids", "num_tokens", "prefix_tokens", "source_block_ids", "has_source_block_ids", "token", "groups", "source_groups")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +114,8 @@ class ExpectKv(_message.Message):
     SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     source: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -118,7 +124,9 @@ class ExpectKv(_message.Message):
     source_block_ids: _containers.RepeatedScalarFieldContainer[int]
     has_source_block_ids: bool
     token: str
-    def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., has_source_block_ids: _Optional[bool] = ..., token: _Optional[str] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[_layout_pb2.KvBlockList]
+    source_groups: _containers.RepeatedCompositeFieldContainer[_layout_pb2.KvBlockList]
+    def __init__(self, transfer_id: _Optional[str] = ..., source: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., has_source_block_ids: _Optional[bool] = ..., token: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_layout_pb2.KvBlockList, _Mapping]]] = ..., source_groups: _Optional[_Iterable[_Union[_layout_pb2.KvBlockList, _Mapping]]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("transfer_id",)

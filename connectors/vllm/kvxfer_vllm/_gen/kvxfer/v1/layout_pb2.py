@@ -24,19 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/layout.proto\x12\tkvxfer.v1\"3\n\nKvRunOrder\x12\x11\n\tdim_group\x18\x01 \x01(\r\x12\x12\n\ntoken_tile\x18\x02 \x01(\r\"/\n\rKvSlotAddress\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\xad\x03\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x0b\n\x03mla\x18\x02 \x01(\x08\x12\x16\n\x0etotal_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x64type_bytes\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12&\n\x05order\x18\t \x01(\x0e\x32\x17.kvxfer.v1.KvBlockOrder\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07tp_rank\x18\x0b \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x0c \x01(\x04\x12\'\n\x05slots\x18\r \x03(\x0b\x32\x18.kvxfer.v1.KvSlotAddress\x12\x14\n\x0cregion_bytes\x18\x0e \x03(\x04\x12\x13\n\x0bhead_stride\x18\x0f \x01(\x04\x12\x14\n\x0ctoken_stride\x18\x10 \x01(\x04\x12\x15\n\ropaque_blocks\x18\x11 \x01(\x08\x12)\n\nrun_orders\x18\x12 \x03(\x0b\x32\x15.kvxfer.v1.KvRunOrder*^\n\x0cKvBlockOrder\x12\x1e\n\x1aKV_BLOCK_ORDER_UNSPECIFIED\x10\x00\x12\x16\n\x12KV_BLOCK_ORDER_HND\x10\x01\x12\x16\n\x12KV_BLOCK_ORDER_NHD\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/layout.proto\x12\tkvxfer.v1\"3\n\nKvRunOrder\x12\x11\n\tdim_group\x18\x01 \x01(\r\x12\x12\n\ntoken_tile\x18\x02 \x01(\r\"/\n\rKvSlotAddress\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\xad\x03\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x0b\n\x03mla\x18\x02 \x01(\x08\x12\x16\n\x0etotal_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x64type_bytes\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12&\n\x05order\x18\t \x01(\x0e\x32\x17.kvxfer.v1.KvBlockOrder\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07tp_rank\x18\x0b \x01(\r\x12\x14\n\x0c\x62lock_stride\x18\x0c \x01(\x04\x12\'\n\x05slots\x18\r \x03(\x0b\x32\x18.kvxfer.v1.KvSlotAddress\x12\x14\n\x0cregion_bytes\x18\x0e \x03(\x04\x12\x13\n\x0bhead_stride\x18\x0f \x01(\x04\x12\x14\n\x0ctoken_stride\x18\x10 \x01(\x04\x12\x15\n\ropaque_blocks\x18\x11 \x01(\x08\x12)\n\nrun_orders\x18\x12 \x03(\x0b\x32\x15.kvxfer.v1.KvRunOrder\"\x86\x01\n\x0cKvCacheGroup\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.kvxfer.v1.KvGroupKind\x12\x16\n\x0esliding_window\x18\x02 \x01(\r\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.kvxfer.v1.KvLayout\x12\x13\n\x0bstate_shape\x18\x04 \x01(\t\"5\n\x0bKvBlockList\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r*^\n\x0cKvBlockOrder\x12\x1e\n\x1aKV_BLOCK_ORDER_UNSPECIFIED\x10\x00\x12\x16\n\x12KV_BLOCK_ORDER_HND\x10\x01\x12\x16\n\x12KV_BLOCK_ORDER_NHD\x10\x02*x\n\x0bKvGroupKind\x12\x1d\n\x19KV_GROUP_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12KV_GROUP_KIND_FULL\x10\x01\x12\x19\n\x15KV_GROUP_KIND_SLIDING\x10\x02\x12\x17\n\x13KV_GROUP_KIND_STATE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxfer.v1.layout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVBLOCKORDER']._serialized_start=571
-  _globals['_KVBLOCKORDER']._serialized_end=665
+  _globals['_KVBLOCKORDER']._serialized_start=763
+  _globals['_KVBLOCKORDER']._serialized_end=857
+  _globals['_KVGROUPKIND']._serialized_start=859
+  _globals['_KVGROUPKIND']._serialized_end=979
   _globals['_KVRUNORDER']._serialized_start=37
   _globals['_KVRUNORDER']._serialized_end=88
   _globals['_KVSLOTADDRESS']._serialized_start=90
   _globals['_KVSLOTADDRESS']._serialized_end=137
   _globals['_KVLAYOUT']._serialized_start=140
   _globals['_KVLAYOUT']._serialized_end=569
+  _globals['_KVCACHEGROUP']._serialized_start=572
+  _globals['_KVCACHEGROUP']._serialized_end=706
+  _globals['_KVBLOCKLIST']._serialized_start=708
+  _globals['_KVBLOCKLIST']._serialized_end=761
 # @@protoc_insertion_point(module_scope)

@@ -12,9 +12,20 @@ class KvBlockOrder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_BLOCK_ORDER_UNSPECIFIED: _ClassVar[KvBlockOrder]
     KV_BLOCK_ORDER_HND: _ClassVar[KvBlockOrder]
     KV_BLOCK_ORDER_NHD: _ClassVar[KvBlockOrder]
+
+class KvGroupKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_GROUP_KIND_UNSPECIFIED: _ClassVar[KvGroupKind]
+    KV_GROUP_KIND_FULL: _ClassVar[KvGroupKind]
+    KV_GROUP_KIND_SLIDING: _ClassVar[KvGroupKind]
+    KV_GROUP_KIND_STATE: _ClassVar[KvGroupKind]
 KV_BLOCK_ORDER_UNSPECIFIED: KvBlockOrder
 KV_BLOCK_ORDER_HND: KvBlockOrder
 KV_BLOCK_ORDER_NHD: KvBlockOrder
+KV_GROUP_KIND_UNSPECIFIED: KvGroupKind
+KV_GROUP_KIND_FULL: KvGroupKind
+KV_GROUP_KIND_SLIDING: KvGroupKind
+KV_GROUP_KIND_STATE: KvGroupKind
 
 class KvRunOrder(_message.Message):
     __slots__ = ("dim_group", "token_tile")
@@ -71,3 +82,23 @@ class KvLayout(_message.Message):
     opaque_blocks: bool
     run_orders: _containers.RepeatedCompositeFieldContainer[KvRunOrder]
     def __init__(self, num_layers: _Optional[int] = ..., mla: _Optional[bool] = ..., total_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., order: _Optional[_Union[KvBlockOrder, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., block_stride: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[KvSlotAddress, _Mapping]]] = ..., region_bytes: _Optional[_Iterable[int]] = ..., head_stride: _Optional[int] = ..., token_stride: _Optional[int] = ..., opaque_blocks: _Optional[bool] = ..., run_orders: _Optional[_Iterable[_Union[KvRunOrder, _Mapping]]] = ...) -> None: ...
+
+class KvCacheGroup(_message.Message):
+    __slots__ = ("kind", "sliding_window", "layout", "state_shape")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    STATE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    kind: KvGroupKind
+    sliding_window: int
+    layout: KvLayout
+    state_shape: str
+    def __init__(self, kind: _Optional[_Union[KvGroupKind, str]] = ..., sliding_window: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., state_shape: _Optional[str] = ...) -> None: ...
+
+class KvBlockList(_message.Message):
+    __slots__ = ("first_block", "block_ids")
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...

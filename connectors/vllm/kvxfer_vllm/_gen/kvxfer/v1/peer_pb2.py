@@ -25,41 +25,41 @@ _sym_db = _symbol_database.Default()
 from kvxfer_vllm._gen.kvxfer.v1 import layout_pb2 as kvxfer_dot_v1_dot_layout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/layout.proto\"I\n\x0cRankMetadata\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0eworker_address\x18\x02 \x01(\x0c\x12\x13\n\x0bremote_keys\x18\x03 \x03(\x0c\"\xb3\x01\n\rAgentMetadata\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.kvxfer.v1.Role\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.kvxfer.v1.KvLayout\x12&\n\x05ranks\x18\x05 \x03(\x0b\x32\x17.kvxfer.v1.RankMetadata\x12\x14\n\x0cside_channel\x18\x06 \x01(\t\"g\n\x10HandshakeRequest\x12*\n\x08metadata\x18\x01 \x01(\x0b\x32\x18.kvxfer.v1.AgentMetadata\x12\x16\n\x0e\x65xpected_epoch\x18\x02 \x01(\x04\x12\x0f\n\x07mac_key\x18\x03 \x01(\x0c\"s\n\x11HandshakeResponse\x12*\n\x08metadata\x18\x01 \x01(\x0b\x32\x18.kvxfer.v1.AgentMetadata\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07mac_key\x18\x04 \x01(\x0c\"}\n\x07PushReg\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x15\n\rprefix_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\r\n\x05token\x18\x06 \x01(\t\"q\n\x08XferDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x1d\n\x15since_prefill_done_ms\x18\x05 \x01(\r\"=\n\x08ReadDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\t\"=\n\x07ReadAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04held\x18\x02 \x01(\x08\x12\x0f\n\x07unknown\x18\x03 \x01(\x08\"!\n\tHeartbeat\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\"?\n\tAbortXfer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\"\x1f\n\x08\x41\x62ortAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"K\n\x06\x46\x61iled\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\t\"\xae\x03\n\x0bPeerMessage\x12\x18\n\x10sender_engine_id\x18\x01 \x01(\t\x12\x14\n\x0csender_epoch\x18\x02 \x01(\x04\x12\x16\n\x0ereceiver_epoch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12&\n\x08push_reg\x18\n \x01(\x0b\x32\x12.kvxfer.v1.PushRegH\x00\x12(\n\txfer_done\x18\x0b \x01(\x0b\x32\x13.kvxfer.v1.XferDoneH\x00\x12(\n\tread_done\x18\x0c \x01(\x0b\x32\x13.kvxfer.v1.ReadDoneH\x00\x12&\n\x08read_ack\x18\r \x01(\x0b\x32\x12.kvxfer.v1.ReadAckH\x00\x12)\n\theartbeat\x18\x0e \x01(\x0b\x32\x14.kvxfer.v1.HeartbeatH\x00\x12%\n\x05\x61\x62ort\x18\x0f \x01(\x0b\x32\x14.kvxfer.v1.AbortXferH\x00\x12(\n\tabort_ack\x18\x10 \x01(\x0b\x32\x13.kvxfer.v1.AbortAckH\x00\x12#\n\x06\x66\x61iled\x18\x11 \x01(\x0b\x32\x11.kvxfer.v1.FailedH\x00\x42\x05\n\x03msg\"1\n\x11SealedPeerMessage\x12\x0f\n\x07message\x18\x01 \x01(\x0c\x12\x0b\n\x03mac\x18\x02 \x01(\x0c*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/layout.proto\"I\n\x0cRankMetadata\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0eworker_address\x18\x02 \x01(\x0c\x12\x13\n\x0bremote_keys\x18\x03 \x03(\x0c\"\xdc\x01\n\rAgentMetadata\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.kvxfer.v1.Role\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.kvxfer.v1.KvLayout\x12&\n\x05ranks\x18\x05 \x03(\x0b\x32\x17.kvxfer.v1.RankMetadata\x12\x14\n\x0cside_channel\x18\x06 \x01(\t\x12\'\n\x06groups\x18\x07 \x03(\x0b\x32\x17.kvxfer.v1.KvCacheGroup\"g\n\x10HandshakeRequest\x12*\n\x08metadata\x18\x01 \x01(\x0b\x32\x18.kvxfer.v1.AgentMetadata\x12\x16\n\x0e\x65xpected_epoch\x18\x02 \x01(\x04\x12\x0f\n\x07mac_key\x18\x03 \x01(\x0c\"s\n\x11HandshakeResponse\x12*\n\x08metadata\x18\x01 \x01(\x0b\x32\x18.kvxfer.v1.AgentMetadata\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07mac_key\x18\x04 \x01(\x0c\"\xa5\x01\n\x07PushReg\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x15\n\rprefix_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\r\n\x05token\x18\x06 \x01(\t\x12&\n\x06groups\x18\x07 \x03(\x0b\x32\x16.kvxfer.v1.KvBlockList\"q\n\x08XferDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x1d\n\x15since_prefill_done_ms\x18\x05 \x01(\r\"=\n\x08ReadDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\t\"=\n\x07ReadAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04held\x18\x02 \x01(\x08\x12\x0f\n\x07unknown\x18\x03 \x01(\x08\"!\n\tHeartbeat\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\"?\n\tAbortXfer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\"\x1f\n\x08\x41\x62ortAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"K\n\x06\x46\x61iled\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\t\"\xae\x03\n\x0bPeerMessage\x12\x18\n\x10sender_engine_id\x18\x01 \x01(\t\x12\x14\n\x0csender_epoch\x18\x02 \x01(\x04\x12\x16\n\x0ereceiver_epoch\x18\x03 \x01(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12&\n\x08push_reg\x18\n \x01(\x0b\x32\x12.kvxfer.v1.PushRegH\x00\x12(\n\txfer_done\x18\x0b \x01(\x0b\x32\x13.kvxfer.v1.XferDoneH\x00\x12(\n\tread_done\x18\x0c \x01(\x0b\x32\x13.kvxfer.v1.ReadDoneH\x00\x12&\n\x08read_ack\x18\r \x01(\x0b\x32\x12.kvxfer.v1.ReadAckH\x00\x12)\n\theartbeat\x18\x0e \x01(\x0b\x32\x14.kvxfer.v1.HeartbeatH\x00\x12%\n\x05\x61\x62ort\x18\x0f \x01(\x0b\x32\x14.kvxfer.v1.AbortXferH\x00\x12(\n\tabort_ack\x18\x10 \x01(\x0b\x32\x13.kvxfer.v1.AbortAckH\x00\x12#\n\x06\x66\x61iled\x18\x11 \x01(\x0b\x32\x11.kvxfer.v1.FailedH\x00\x42\x05\n\x03msg\"1\n\x11SealedPeerMessage\x12\x0f\n\x07message\x18\x01 \x01(\x0c\x12\x0b\n\x03mac\x18\x02 \x01(\x0c*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxfer.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1600
-  _globals['_ROLE']._serialized_end=1678
+  _globals['_ROLE']._serialized_start=1682
+  _globals['_ROLE']._serialized_end=1760
   _globals['_RANKMETADATA']._serialized_start=59
   _globals['_RANKMETADATA']._serialized_end=132
   _globals['_AGENTMETADATA']._serialized_start=135
-  _globals['_AGENTMETADATA']._serialized_end=314
-  _globals['_HANDSHAKEREQUEST']._serialized_start=316
-  _globals['_HANDSHAKEREQUEST']._serialized_end=419
-  _globals['_HANDSHAKERESPONSE']._serialized_start=421
-  _globals['_HANDSHAKERESPONSE']._serialized_end=536
-  _globals['_PUSHREG']._serialized_start=538
-  _globals['_PUSHREG']._serialized_end=663
-  _globals['_XFERDONE']._serialized_start=665
-  _globals['_XFERDONE']._serialized_end=778
-  _globals['_READDONE']._serialized_start=780
-  _globals['_READDONE']._serialized_end=841
-  _globals['_READACK']._serialized_start=843
-  _globals['_READACK']._serialized_end=904
-  _globals['_HEARTBEAT']._serialized_start=906
-  _globals['_HEARTBEAT']._serialized_end=939
-  _globals['_ABORTXFER']._serialized_start=941
-  _globals['_ABORTXFER']._serialized_end=1004
-  _globals['_ABORTACK']._serialized_start=1006
-  _globals['_ABORTACK']._serialized_end=1037
-  _globals['_FAILED']._serialized_start=1039
-  _globals['_FAILED']._serialized_end=1114
-  _globals['_PEERMESSAGE']._serialized_start=1117
-  _globals['_PEERMESSAGE']._serialized_end=1547
-  _globals['_SEALEDPEERMESSAGE']._serialized_start=1549
-  _globals['_SEALEDPEERMESSAGE']._serialized_end=1598
+  _globals['_AGENTMETADATA']._serialized_end=355
+  _globals['_HANDSHAKEREQUEST']._serialized_start=357
+  _globals['_HANDSHAKEREQUEST']._serialized_end=460
+  _globals['_HANDSHAKERESPONSE']._serialized_start=462
+  _globals['_HANDSHAKERESPONSE']._serialized_end=577
+  _globals['_PUSHREG']._serialized_start=580
+  _globals['_PUSHREG']._serialized_end=745
+  _globals['_XFERDONE']._serialized_start=747
+  _globals['_XFERDONE']._serialized_end=860
+  _globals['_READDONE']._serialized_start=862
+  _globals['_READDONE']._serialized_end=923
+  _globals['_READACK']._serialized_start=925
+  _globals['_READACK']._serialized_end=986
+  _globals['_HEARTBEAT']._serialized_start=988
+  _globals['_HEARTBEAT']._serialized_end=1021
+  _globals['_ABORTXFER']._serialized_start=1023
+  _globals['_ABORTXFER']._serialized_end=1086
+  _globals['_ABORTACK']._serialized_start=1088
+  _globals['_ABORTACK']._serialized_end=1119
+  _globals['_FAILED']._serialized_start=1121
+  _globals['_FAILED']._serialized_end=1196
+  _globals['_PEERMESSAGE']._serialized_start=1199
+  _globals['_PEERMESSAGE']._serialized_end=1629
+  _globals['_SEALEDPEERMESSAGE']._serialized_start=1631
+  _globals['_SEALEDPEERMESSAGE']._serialized_end=1680
 # @@protoc_insertion_point(module_scope)

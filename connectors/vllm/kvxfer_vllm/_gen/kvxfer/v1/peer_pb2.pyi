@@ -30,20 +30,22 @@ class RankMetadata(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., worker_address: _Optional[bytes] = ..., remote_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AgentMetadata(_message.Message):
-    __slots__ = ("engine_id", "epoch", "role", "layout", "ranks", "side_channel")
+    __slots__ = ("engine_id", "epoch", "role", "layout", "ranks", "side_channel", "groups")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: int
     role: Role
     layout: _layout_pb2.KvLayout
     ranks: _containers.RepeatedCompositeFieldContainer[RankMetadata]
     side_channel: str
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., layout: _Optional[_Union[_layout_pb2.KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMetadata, _Mapping]]] = ..., side_channel: _Optional[str] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[_layout_pb2.KvCacheGroup]
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., layout: _Optional[_Union[_layout_pb2.KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMetadata, _Mapping]]] = ..., side_channel: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_layout_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("metadata", "expected_epoch", "mac_key")
@@ -68,20 +70,22 @@ class HandshakeResponse(_message.Message):
     def __init__(self, metadata: _Optional[_Union[AgentMetadata, _Mapping]] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., mac_key: _Optional[bytes] = ...) -> None: ...
 
 class PushReg(_message.Message):
-    __slots__ = ("transfer_id", "block_ids", "num_tokens", "prefix_tokens", "lease_ms", "token")
+    __slots__ = ("transfer_id", "block_ids", "num_tokens", "prefix_tokens", "lease_ms", "token", "groups")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     prefix_tokens: int
     lease_ms: int
     token: str
-    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[_layout_pb2.KvBlockList]
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., token: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_layout_pb2.KvBlockList, _Mapping]]] = ...) -> None: ...
 
 class XferDone(_message.Message):
     __slots__ = ("transfer_id", "src_rank", "dst_rank", "bytes", "since_prefill_done_ms")
