@@ -101,7 +101,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     this.claims.release(t.written, t.id);
     const peer = t.peer?.engineId ?? "";
     if (kind === "KV_READY") {
-      ctx.engine.send({ case: "kvReady", value: { transferId: t.id } });
+      ctx.engine.send({ case: "kvReady", value: { transferId: t.id, bytes: BigInt(t.bytes) } });
       t.trace.mark("engine.kvReady sent");
       // Prefill done -> ready: for push P reports its side up to posting the writes (the data
       // time itself is not in it: the XferDone is sealed before the writes and travels with

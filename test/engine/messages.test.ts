@@ -13,7 +13,11 @@ const hex = (b: Uint8Array): string => Buffer.from(b).toString("hex");
 
 describe("engine link and event bytes", () => {
   it("KvReady as the previous release wrote it", () => {
-    const msg = sidecarMessage("kvReady", { $typeName: "kvxfer.v1.KvReady", transferId: "req-4" });
+    const msg = sidecarMessage("kvReady", {
+      $typeName: "kvxfer.v1.KvReady",
+      transferId: "req-4",
+      bytes: 0n,
+    });
     expect(hex(toBinary(SidecarToEngineSchema, msg))).toBe(GOLDEN.kvReady);
   });
 

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.platforms import current_platform
@@ -38,7 +39,8 @@ from . import timeline
 from .config import ConnectorConfig, load_config
 from .device import DeviceKv, TorchCuda
 from .errors import ConfigError, LayoutError
-from .layout import describe, expand_block_ids, packing_of
+from .groups import GroupSpec
+from .layout import DescribedLayout, describe, describe_state, expand_block_ids, group_message, packing_of
 from .messages import StepMessages
 from .registration import RegionEntry, region_files, registration, tensor_views
 from .scheduler import Scheduled, SchedulerLogic
@@ -92,8 +94,9 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
 
     side_channel: str
     epoch: int
-    #: kvxfer blocks per vLLM block (the attention backend's split), for P's answers.
-    blocks_per_block: int = 1
+    #: kvxfer blocks per vLLM block (the attention backend's split), for P's answers; one per KV
+    #: cache group for hybrid models.
+    blocks_per_block: int | list[int] = 1
 
 
 @dataclass
@@ -180,10 +183,55 @@ def _allow_amx_tiles() -> None:
                        "vLLM's AMX attention may fail with SIGILL")
 
 
-def _scheduled(out: SchedulerOutput | None, wanted: Container[str]) -> dict[str, Scheduled]:
+def _spec_kind(spec: Any) -> str:
+    """A vLLM KV cache spec's group kind for kvxfer (groups.py); ConfigError for one it cannot move.
+    Exact types: vLLM's subclasses (chunked-local, sink, RSWA attention, ...) keep other blocks."""
+    from vllm.v1 import kv_cache_interface as kci
+
+    kinds = {kci.FullAttentionSpec: "full", kci.MLAAttentionSpec: "full", kci.SlidingWindowSpec: "sliding",
+             kci.SlidingWindowMLASpec: "sliding", kci.MambaSpec: "state"}
+    kind = kinds.get(type(spec))
+    if kind is None:
+        raise ConfigError("ERR_CONFIG", f"kvxfer cannot move KV of a {type(spec).__name__} cache group "
+                                        "(it moves full, sliding-window and MLA attention, and Mamba / linear-attention state)")
+    return kind
+
+
+def _shape_name(spec: Any) -> str:
+    """A state's tensors by dtype and shape: ``bfloat16[3,1024];float32[4,128,128]``."""
+    return ";".join(f"{str(d).removeprefix('torch.')}[{','.join(map(str, sh))}]" for sh, d in zip(spec.shapes, spec.dtypes))
+
+
+def group_specs(kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
+    """The KV cache groups that take part in a transfer (vLLM's ``transfer_groups``), as numbers."""
+    out = []
+    for g in kv_cache_config.transfer_groups:
+        spec = g.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one type, by layer
+        if inner:
+            kinds = {_spec_kind(x) for x in inner.values()}
+            if len(kinds) != 1:
+                raise ConfigError("ERR_CONFIG", f"KV cache group of layers {g.layer_names} mixes {sorted(kinds)}")
+            first = next(iter(inner.values()))
+        else:
+            first = spec
+        kind = _spec_kind(first)
+        out.append(GroupSpec(
+            kind=kind,
+            block_size=spec.block_size,
+            layer_names=tuple(g.layer_names),
+            sliding_window=(getattr(first, "sliding_window", 0) or 0) if kind == "sliding" else 0,
+            state_shape=_shape_name(first) if kind == "state" else "",
+            speculative_blocks=getattr(first, "num_speculative_blocks", 0) if kind == "state" else 0,
+        ))
+    return out
+
+
+def _scheduled(out: SchedulerOutput | None, wanted: Container[str],
+               select: Any = tuple) -> dict[str, Scheduled]:
     """The ``wanted`` requests this step computes, as SchedulerLogic.build_step takes them (vLLM
     0.32's fields; an output without them gives none, and P's PrefillDone then waits for vLLM to
-    finish the request)."""
+    finish the request). ``select``: a step's per-group blocks -> the transfer groups' tables."""
     counts = getattr(out, "num_scheduled_tokens", None)
     new = getattr(out, "scheduled_new_reqs", None)
     cached = getattr(out, "scheduled_cached_reqs", None)
@@ -194,12 +242,13 @@ def _scheduled(out: SchedulerOutput | None, wanted: Container[str]) -> dict[str,
         if rid not in wanted:
             continue
         blocks = cached.new_block_ids[i]
-        got[rid] = Scheduled(cached.num_computed_tokens[i] + counts.get(rid, 0), list(blocks[0]) if blocks else [],
+        got[rid] = Scheduled(cached.num_computed_tokens[i] + counts.get(rid, 0),
+                             [list(b) for b in select(blocks)] if blocks else [],
                              replace=rid in cached.resumed_req_ids)
     return got
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
@@ -227,13 +276,16 @@ class KvxferConnector(KVConnectorBase_V1):
         #: for P's acknowledgement (journal/vllm.md, "The step P's PrefillDone waited for"). On a
         #: GPU the launch returns at once and the device hooks expect the step's kernels queued.
         self._send_at_bind = current_platform.device_type == "cpu"
+        #: The KV cache groups that move (hybrid models: several, each its own kind and layout).
+        self._groups = group_specs(kv_cache_config) if kv_cache_config is not None else []
+        self._hybrid = len(self._groups) > 1 or any(g.kind != "full" for g in self._groups)
         if role == KVConnectorRole.WORKER and current_platform.device_type == "cpu":
             _allow_amx_tiles()
         if role == KVConnectorRole.SCHEDULER:
             # P's PrefillDone when the forward that completes the prompt has run (wait_for_save), a
             # step before vLLM finishes the request: on a CPU engine that hook runs after the forward.
             self.scheduler = SchedulerLogic(engine_id=self.cfg.engine_id, tp_size=self.tp_size, advertise=self.cfg.advertise,
-                                            early_prefill_done=self._send_at_bind)
+                                            early_prefill_done=self._send_at_bind, groups=self._groups or None)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -283,18 +335,30 @@ class KvxferConnector(KVConnectorBase_V1):
         else:
             described_tensors = kv_caches
         views = tensor_views(described_tensors, self._files)
-        mc = self._vllm_config.model_config
-        described = describe(
-            views,
-            packing=packing_of(self._backend_name(list(kv_caches))),
-            head_size=mc.get_head_size(),
-            total_kv_heads=1 if mc.use_mla else mc.get_total_num_kv_heads(),
-            tp_size=self.tp_size,
-            tp_rank=0,
-            block_size=self._vllm_config.cache_config.block_size,
-            region_bytes=[f.nbytes for f in self._files.files],
-            cpu_isa=self._cpu_isa(list(kv_caches)),
-        )
+        region_bytes = [f.nbytes for f in self._files.files]
+        groups_msg: list[Any] | None = None
+        group_split: list[int] | None = None
+        if self._hybrid:
+            per_group = self._describe_groups(views, region_bytes)
+            described = per_group[0][1]
+            groups_msg = [group_message(g.kind, d, sliding_window=g.sliding_window, state_shape=g.state_shape)
+                          for g, d in per_group]
+            group_split = [d.blocks_per_block for _, d in per_group]
+            bytes_per_token = sum(_bytes_per_token(d.layout) for g, d in per_group if g.kind != "state")
+        else:
+            mc = self._vllm_config.model_config
+            described = describe(
+                views,
+                packing=packing_of(self._backend_name(list(kv_caches))),
+                head_size=mc.get_head_size(),
+                total_kv_heads=1 if mc.use_mla else mc.get_total_num_kv_heads(),
+                tp_size=self.tp_size,
+                tp_rank=0,
+                block_size=self._vllm_config.cache_config.block_size,
+                region_bytes=region_bytes,
+                cpu_isa=self._cpu_isa(list(kv_caches)),
+            )
+            bytes_per_token = _bytes_per_token(described.layout)
         log.info(
             "kvxfer: KV cache of %d layers, %s, block %d, head/token stride %d/%d, %d region(s) in %s",
             described.layout.num_layers, described.layout.dtype, described.layout.block_size,
@@ -305,10 +369,12 @@ class KvxferConnector(KVConnectorBase_V1):
         every_rank = self._gather(region_files(self._files))
         if self._rank != 0:
             return
-        bpb = self._blocks_per_block = described.blocks_per_block
+        bpb = described.blocks_per_block
+        self._blocks_per_block = group_split if group_split is not None else bpb
         host = self._host
         self.worker = WorkerLogic(
-            bytes_per_token=described.layout.tp_size * _bytes_per_token(described.layout),
+            bytes_per_token=described.layout.tp_size * bytes_per_token,
+            group_blocks_per_block=group_split,
             engine_id=self.cfg.engine_id,
             engine_socket=self.cfg.engine_socket,
             register_timeout_s=self.cfg.register_timeout_s,
@@ -320,8 +386,43 @@ class KvxferConnector(KVConnectorBase_V1):
                 host.to_host if host is not None else device_kv.before_prefill_done if device_kv is not None else None
             ),
         )
-        ans = self.worker.register(registration(self.cfg.engine_id, described, every_rank))
+        ans = self.worker.register(registration(self.cfg.engine_id, described, every_rank, groups_msg))
         log.info("kvxfer: registered with the sidecar (side channel %s, epoch %d)", ans.side_channel, ans.epoch)
+
+    def _describe_groups(self, views: list[Any], region_bytes: list[int]) -> list[tuple[GroupSpec, DescribedLayout]]:
+        """Each KV cache group's layout on this rank (hybrid models): attention groups as their
+        backend lays them out, state groups as raw state pages."""
+        by_name = {v.name: v for v in views}
+        mc = self._vllm_config.model_config
+        out = []
+        for g_index, g in enumerate(self._groups):
+            mine = [by_name[n] for n in g.layer_names if n in by_name]
+            if not mine:
+                raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"KV cache group {g_index} ({g.kind}) registered no tensors")
+            if g.kind == "state":
+                d = describe_state(mine, tp_size=self.tp_size, tp_rank=0, region_bytes=region_bytes)
+            else:
+                spec = self._group_attention_spec(g_index)
+                packing = packing_of(self._backend_name(list(g.layer_names)))
+                mla = packing == "latent"
+                d = describe(
+                    mine,
+                    packing=packing,
+                    head_size=spec.head_size,
+                    total_kv_heads=1 if mla else mc.get_total_num_kv_heads(),
+                    tp_size=self.tp_size,
+                    tp_rank=0,
+                    block_size=g.block_size,
+                    region_bytes=region_bytes,
+                    cpu_isa=self._cpu_isa(list(g.layer_names)),
+                )
+            out.append((g, d))
+        return out
+
+    def _group_attention_spec(self, g_index: int) -> Any:
+        spec = self._kv_cache_config.transfer_groups[g_index].kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)
+        return next(iter(inner.values())) if inner else spec
 
     def _backend_name(self, layer_names: list[str]) -> str:
         ctx = self._vllm_config.compilation_config.static_forward_context
@@ -443,10 +544,32 @@ class KvxferConnector(KVConnectorBase_V1):
             prompt_token_ids=request.prompt_token_ids,
         )
 
+    def _tables(self, block_ids: Any) -> list[list[int]]:
+        """vLLM's per-group blocks of a request -> the transfer groups' tables."""
+        if not block_ids:
+            return [[] for _ in self._groups] or [[]]
+        if self._groups:
+            return [list(t) for t in self._kv_cache_config.select_transfer_block_ids(block_ids)]
+        return [list(block_ids[0])]
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """D loads every group that moves (the request's own blocks, not a prefix store)."""
+        return self._kv_cache_config.transfer_group_ids if self._groups else (0,)
+
+    def on_new_request(self, request: Request) -> None:
+        """P, with state groups: the prompt's last token is D's to compute (groups.py)."""
+        assert self.scheduler is not None
+        backoff = self.scheduler.backoff
+        params = request.kv_transfer_params
+        if (not backoff or not params or not params.get("do_remote_decode") or params.get("_kvxfer_backed_off")
+                or request.num_prompt_tokens <= backoff or request.prompt_token_ids is None):
+            return
+        _drop_prompt_tail(request, backoff)
+        params["_kvxfer_backed_off"] = True
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        ids = blocks.get_block_ids()
-        block_ids = list(ids[0]) if ids else []
+        block_ids = self._tables(blocks.get_block_ids())
         sp = request.sampling_params
         self.scheduler.p_allocated(
             request.request_id,
@@ -469,7 +592,7 @@ class KvxferConnector(KVConnectorBase_V1):
         if timeline.enabled():
             self.scheduler.mark_admitted(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         wanted = self.scheduler.early_candidates
-        scheduled = _scheduled(scheduler_output, wanted) if wanted else None
+        scheduled = _scheduled(scheduler_output, wanted, self._tables) if wanted else None
         return KvxferConnectorMetadata(step=self.scheduler.build_step(scheduled), idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -477,6 +600,15 @@ class KvxferConnector(KVConnectorBase_V1):
         self.scheduler.on_worker_output(connector_output.finished_sending, connector_output.finished_recving)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Without the hybrid manager (``--disable-hybrid-kv-cache-manager``): one group."""
+        return self._finished(request, [list(block_ids)])
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """With the hybrid manager: one table per KV cache group (sliding windows already freed
+        what left the window)."""
+        return self._finished(request, self._tables(block_ids))
+
+    def _finished(self, request: Request, tables: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         assert self.scheduler is not None
@@ -484,10 +616,18 @@ class KvxferConnector(KVConnectorBase_V1):
             request.request_id,
             request.kv_transfer_params,
             finished_ok=request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED),
-            block_ids=list(block_ids),
+            block_ids=tables,
             num_computed_tokens=request.num_computed_tokens,
             token_ids=request.prompt_token_ids,
         )
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_work()
+
+
+def _drop_prompt_tail(request: Any, n: int) -> None:
+    """Removes the last ``n`` prompt tokens of a request vLLM has not scheduled yet (vLLM 0.32's
+    ``Request`` fields): P computes the rest and answers for that many tokens."""
+    del request.prompt_token_ids[-n:]
+    del request._all_token_ids[-n:]
+    request.num_prompt_tokens -= n

@@ -233,3 +233,70 @@ def expand_block_ids(block_ids: list[int], blocks_per_block: int) -> list[int]:
     if blocks_per_block == 1:
         return list(block_ids)
     return [b * blocks_per_block + j for b in block_ids for j in range(blocks_per_block)]
+
+
+def describe_state(
+    views: list[TensorView],
+    *,
+    tp_size: int,
+    tp_rank: int,
+    region_bytes: list[int],
+) -> DescribedLayout:
+    """The kvxfer layout of a state group (Mamba, linear attention) on one rank: each layer's view
+    is ``[blocks, 1, 1, bytes]`` of one state per block (vLLM's raw state pages: the state's
+    tensors, then padding up to the block stride). One slot per layer; a block of one token holding
+    one "latent" of the state's bytes, so a transfer moves a slot's state and nothing of its
+    padding. ``blocks_per_block`` is 1: vLLM never splits a state block."""
+    if not views:
+        raise LayoutError("ERR_LAYOUT_UNSUPPORTED", "a state group registered no tensors")
+    slots: list[layout_pb2.KvSlotAddress] = []
+    first = views[0]
+    shape: tuple[int, int, int] | None = None
+    for v in sorted(views, key=lambda v: (layer_index(v.name), v.name)):
+        where = f"layer {v.name}"
+        if len(v.shape) != 4 or v.shape[1:3] != (1, 1) or v.stride[3] != 1:
+            raise LayoutError("ERR_LAYOUT_UNSUPPORTED",
+                              f"{where}: expected a [blocks, 1, 1, bytes] state view, got shape {v.shape} strides {v.stride}")
+        this = (v.shape[0], v.shape[3] * v.itemsize, v.stride[0] * v.itemsize)
+        if shape is None:
+            shape = this
+        elif this != shape:
+            raise LayoutError("ERR_LAYOUT_UNSUPPORTED",
+                              f"{where}: blocks/bytes/stride {this} differ from layer {first.name}'s {shape}")
+        slots.append(layout_pb2.KvSlotAddress(region=v.region, offset=v.offset))
+    assert shape is not None
+    num_blocks, state_bytes, block_stride = shape
+    layout = layout_pb2.KvLayout(
+        num_layers=len(slots),
+        mla=True,
+        total_kv_heads=1,
+        head_dim=state_bytes,
+        dtype="uint8",
+        dtype_bytes=1,
+        block_size=1,
+        num_blocks=num_blocks,
+        order=layout_pb2.KV_BLOCK_ORDER_HND,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        block_stride=block_stride,
+        slots=slots,
+        region_bytes=region_bytes,
+    )
+    return DescribedLayout(layout=layout, layers=[v.name for v in views], blocks_per_block=1)
+
+
+GROUP_KIND_PB = {
+    "full": layout_pb2.KV_GROUP_KIND_FULL,
+    "sliding": layout_pb2.KV_GROUP_KIND_SLIDING,
+    "state": layout_pb2.KV_GROUP_KIND_STATE,
+}
+
+
+def group_message(kind: str, described: DescribedLayout, *, sliding_window: int = 0,
+                  state_shape: str = "") -> layout_pb2.KvCacheGroup:
+    """One group as ``RegisterKvCache.groups`` carries it (its layout's tp_rank 0)."""
+    g = layout_pb2.KvCacheGroup(kind=GROUP_KIND_PB[kind], sliding_window=sliding_window if kind == "sliding" else 0,
+                                state_shape=state_shape if kind == "state" else "")
+    g.layout.CopyFrom(described.layout)
+    g.layout.tp_rank = 0
+    return g

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .groups import BlockList
+
 
 @dataclass(frozen=True)
 class PrefillDoneMsg:
@@ -20,6 +22,9 @@ class PrefillDoneMsg:
     num_tokens: int
     #: The transfer's token: only a decode sidecar presenting it may take the KV.
     token: str = ""
+    #: Hybrid models: one list per KV cache group, in vLLM block ids (``block_ids`` is then every
+    #: block of them); None: ``block_ids`` is the one group's table.
+    groups: list[BlockList] | None = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,10 @@ class ExpectMsg:
     source_block_ids: list[int] | None
     #: The transfer's token, from P's answer or the router.
     token: str = ""
+    #: Hybrid models: D's lists per group, in vLLM block ids (as PrefillDoneMsg.groups).
+    groups: list[BlockList] | None = None
+    #: Hybrid models, pull: P's lists per group, in P's kvxfer blocks.
+    source_groups: list[BlockList] | None = None
 
 
 @dataclass(frozen=True)

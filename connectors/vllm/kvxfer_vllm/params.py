@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .groups import BlockList
+
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 MAX_ID_BYTES = 256
 
@@ -104,6 +106,10 @@ class RemotePrefill:
     token: str = ""
     #: P's digest of the tokens its blocks hold (``kvxfer_prompt_digest``); empty if P gave none.
     prompt_digest: str = ""
+    #: Hybrid models (pull): P's lists per KV cache group, in P's kvxfer blocks
+    #: (``remote_block_ids`` one list per group, ``kvxfer_first_blocks``); ``source_block_ids``
+    #: is then every block of them.
+    source_groups: list[BlockList] | None = None
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
@@ -114,24 +120,46 @@ def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
     return bool(params and params.get("do_remote_prefill"))
 
 
-def _flat_block_ids(value: Any) -> list[int]:
-    """``[1, 2]``, or vLLM's per-group form ``[[1, 2]]`` with one group."""
-    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], (list, tuple)):
-        value = value[0]
+def _ids(value: Any, field: str) -> list[int]:
     if not isinstance(value, (list, tuple)):
-        raise BadParams("remote_block_ids", f"must be a list of block ids, got {type(value).__name__}")
-    if value and isinstance(value[0], (list, tuple)):
-        raise BadParams("remote_block_ids", f"lists {len(value)} KV cache groups; kvxfer moves one")
+        raise BadParams(field, f"must be a list of block ids, got {type(value).__name__}")
     out: list[int] = []
     for i, b in enumerate(value):
         if isinstance(b, bool) or not isinstance(b, int) or b < 0 or b >= 1 << 32:
-            raise BadParams("remote_block_ids", f"[{i}] = {b!r} is not a block id")
+            raise BadParams(field, f"[{i}] = {b!r} is not a block id")
         out.append(b)
     return out
 
 
-def parse_remote_prefill(params: dict[str, Any], request_id: str) -> RemotePrefill:
-    """Reads D's params; raises BadParams naming the field at fault."""
+def _block_tables(value: Any) -> list[list[int]]:
+    """``[1, 2]`` (one group), or vLLM's per-group form ``[[1, 2], [3]]``."""
+    if not isinstance(value, (list, tuple)):
+        raise BadParams("remote_block_ids", f"must be a list of block ids, got {type(value).__name__}")
+    if value and isinstance(value[0], (list, tuple)):
+        return [_ids(t, f"remote_block_ids[{g}]") for g, t in enumerate(value)]
+    return [_ids(value, "remote_block_ids")]
+
+
+def _split(ids: list[int], n: int) -> list[int]:
+    return ids if n == 1 else [b * n + j for b in ids for j in range(n)]
+
+
+def _per_group(value: Any, field: str, groups: int, lo: int, hi: int, default: int) -> list[int]:
+    """An int for every group, or one per group."""
+    if value is None:
+        return [default] * groups
+    values = value if isinstance(value, (list, tuple)) else [value] * groups
+    if len(values) != groups:
+        raise BadParams(field, f"lists {len(values)} values for {groups} KV cache groups")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise BadParams(field, f"must be an integer {lo}..{hi}, got {v!r}")
+    return list(values)
+
+
+def parse_remote_prefill(params: dict[str, Any], request_id: str, num_groups: int = 1) -> RemotePrefill:
+    """Reads D's params; raises BadParams naming the field at fault. ``num_groups``: D's KV cache
+    groups, which P's block lists must match one for one."""
     host = params.get("remote_host")
     port = params.get("remote_port")
     if not isinstance(host, str) or not host:
@@ -142,12 +170,19 @@ def parse_remote_prefill(params: dict[str, Any], request_id: str) -> RemotePrefi
     if len(tid.encode()) > MAX_ID_BYTES:
         raise BadParams("transfer_id", f"is longer than {MAX_ID_BYTES} bytes")
     blocks = params.get("remote_block_ids")
-    source_blocks = _flat_block_ids(blocks) if blocks not in (None, (), []) else None
-    split = params.get("kvxfer_blocks_per_block", 1)
-    if isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= 1024:
-        raise BadParams("kvxfer_blocks_per_block", f"must be an integer 1..1024, got {split!r}")
-    if source_blocks is not None and split > 1:
-        source_blocks = [b * split + j for b in source_blocks for j in range(split)]
+    tables = _block_tables(blocks) if blocks not in (None, (), []) else None
+    n_groups = len(tables) if tables is not None else num_groups
+    if n_groups != num_groups:
+        raise BadParams("remote_block_ids", f"lists {n_groups} KV cache groups, this engine has {num_groups}")
+    split = _per_group(params.get("kvxfer_blocks_per_block", 1), "kvxfer_blocks_per_block", n_groups, 1, 1024, 1)
+    firsts = _per_group(params.get("kvxfer_first_blocks"), "kvxfer_first_blocks", n_groups, 0, (1 << 32) - 1, 0)
+    source_blocks: list[int] | None = None
+    source_groups: list[BlockList] | None = None
+    if tables is not None and (n_groups > 1 or "kvxfer_first_blocks" in params):
+        source_groups = [BlockList(f * k, _split(t, k)) for t, f, k in zip(tables, firsts, split)]
+        source_blocks = [b for g in source_groups for b in g.ids]
+    elif tables is not None:
+        source_blocks = _split(tables[0], split[0])
     n = params.get("remote_num_tokens")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise BadParams("remote_num_tokens", f"must be a token count, got {n!r}")
@@ -161,6 +196,7 @@ def parse_remote_prefill(params: dict[str, Any], request_id: str) -> RemotePrefi
         num_tokens=n or None,
         token=token_of(params),
         prompt_digest=digest,
+        source_groups=source_groups,
     )
 
 
@@ -175,15 +211,19 @@ def prefill_answer(
     engine_id: str,
     request_id: str,
     side_channel: str,
-    block_ids: list[int],
+    block_ids: list[int] | list[list[int]],
     num_tokens: int,
     tp_size: int,
-    blocks_per_block: int = 1,
+    blocks_per_block: int | list[int] = 1,
+    first_blocks: list[int] | None = None,
     token: str = "",
     digest: str = "",
 ) -> dict[str, Any]:
-    """What P returns for D (vLLM relays it in the response's ``kv_transfer_params``)."""
+    """What P returns for D (vLLM relays it in the response's ``kv_transfer_params``). Hybrid
+    models: ``block_ids`` one list per KV cache group, each starting at block index
+    ``first_blocks[g]`` (a sliding window's tail)."""
     host, port = split_host_port(side_channel)
+    extra: dict[str, Any] = {} if first_blocks is None else {"kvxfer_first_blocks": list(first_blocks)}
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -192,7 +232,7 @@ def prefill_answer(
         "remote_request_id": request_id,
         "remote_host": host,
         "remote_port": port,
-        "remote_block_ids": list(block_ids),
+        "remote_block_ids": [list(b) if isinstance(b, list) else b for b in block_ids],
         "remote_num_tokens": num_tokens,
         "tp_size": tp_size,
         "transfer_mode": "pull",
@@ -202,4 +242,5 @@ def prefill_answer(
         "kvxfer_token": token,
         # The tokens P's blocks hold: D checks its prompt against it before it reads.
         "kvxfer_prompt_digest": digest,
+        **extra,
     }

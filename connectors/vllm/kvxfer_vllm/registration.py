@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._gen.kvxfer.v1 import engine_pb2
+from ._gen.kvxfer.v1 import engine_pb2, layout_pb2
 from .layout import DescribedLayout, TensorView
 from .shm import SharedKv
 
@@ -44,11 +44,16 @@ def region_files(files: SharedKv) -> list[RegionEntry]:
 
 
 def registration(
-    engine_id: str, described: DescribedLayout, every_rank: list[list[RegionEntry]]
+    engine_id: str, described: DescribedLayout, every_rank: list[list[RegionEntry]],
+    groups: list[layout_pb2.KvCacheGroup] | None = None,
 ) -> engine_pb2.RegisterKvCache:
+    """The registration of every rank's regions. ``groups``: the engine's KV cache groups (hybrid
+    models, ``layout.group_message``); ``described`` is then group 0's layout."""
     layout = engine_pb2.RegisterKvCache(engine_id=engine_id)
     layout.layout.CopyFrom(described.layout)
     layout.layout.tp_rank = 0
+    for g in groups or ():
+        layout.groups.append(g)
     for rank, files in enumerate(every_rank):
         layout.ranks.append(
             engine_pb2.RankKvCache(

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import timeline
 from .bootstrap import BootstrapResolver, fill_source
+from .groups import BlockList, GroupSpec, flat_ids, prefill_backoff, transfer_lists
 from .messages import AbortMsg, ExpectMsg, GiveUpMsg, PrefillDoneMsg, StepMessages
 from .stats import TransferStats
 from .params import (
@@ -40,13 +41,26 @@ class _Waiting:
     sent: bool
 
 
+#: A request's block tables, one per KV cache group (vLLM's ``KVCacheBlocks.get_block_ids()``);
+#: a flat list of ids is one group's.
+Tables = list[list[int]]
+
+
+def as_tables(block_ids: Sequence[int] | Sequence[Sequence[int]]) -> Tables:
+    """``[1, 2]`` (one group) or ``[[1, 2], [3]]`` (one table per group) as tables."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return [list(t) for t in block_ids]  # type: ignore[arg-type]
+    return [list(block_ids)]  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class Scheduled:
     """A request a step computes: its tokens once the step's forward has run, and the blocks the
-    step gave it (``replace``: all its blocks, as after a preemption; else added to those it had)."""
+    step gave it, per group (``replace``: all its blocks, as after a preemption; else added to
+    those it had)."""
 
     tokens: int
-    new_blocks: Sequence[int] = ()
+    new_blocks: Sequence[int] | Sequence[Sequence[int]] = ()
     replace: bool = False
 
 
@@ -55,7 +69,7 @@ class _Candidate:
     """P: a request allocated in the step being built that ends with that step's forward."""
 
     params: dict[str, Any]
-    block_ids: list[int]
+    tables: Tables
     prompt: Sequence[int]
 
 
@@ -67,7 +81,7 @@ class _Early:
     transfer_id: str
     token: str
     digest: str
-    block_ids: list[int]
+    tables: Tables
     num_tokens: int
 
 
@@ -86,8 +100,16 @@ def _transfer_token(params: dict[str, Any]) -> str:
 
 class SchedulerLogic:
     def __init__(self, *, engine_id: str, tp_size: int, advertise: str = "",
-                 resolver: BootstrapResolver | None = None, early_prefill_done: bool = False) -> None:
+                 resolver: BootstrapResolver | None = None, early_prefill_done: bool = False,
+                 groups: Sequence[GroupSpec] | None = None) -> None:
         self.engine_id = engine_id
+        #: The engine's KV cache groups (hybrid models); None: one group of full attention, whose
+        #: blocks travel as a plain list.
+        self.groups = list(groups) if groups is not None and _hybrid(groups) else None
+        #: Prompt tokens P leaves to D (state groups, see groups.py); D expects that many fewer.
+        self.backoff = prefill_backoff(groups or ())
+        #: Sliding windows free blocks when vLLM finishes a request: no PrefillDone before that.
+        self._sliding = any(g.kind == "sliding" for g in self.groups or ())
         #: P: tell the sidecar of a prefill when the forward that completes it has run, not when vLLM
         #: has processed that step's output and run the next one (only where the forward has really
         #: run when the worker's after-forward hook is called: a CPU engine).
@@ -108,8 +130,9 @@ class SchedulerLogic:
         #: D: requests that finished (aborted) while their KV was coming: blocks held until sent.
         self._aborting: set[str] = set()
         self._warned: set[str] = set()
-        #: kvxfer blocks per vLLM block on this engine (from the worker's handshake metadata).
-        self.blocks_per_block = 1
+        #: kvxfer blocks per vLLM block on this engine (from the worker's handshake metadata), one
+        #: per group when there are several.
+        self.blocks_per_block: int | list[int] = 1
         #: D: the digest of each expecting request's prompt, from the check to ExpectKv.
         self._digests: dict[str, str] = {}
         #: D, timeline only: requests whose KV arrived, until a step computes them.
@@ -117,7 +140,7 @@ class SchedulerLogic:
         #: What this half counts for vLLM's metrics (prompt mismatches).
         self.stats = TransferStats()
 
-    def set_side_channel(self, address: str, blocks_per_block: int = 1) -> None:
+    def set_side_channel(self, address: str, blocks_per_block: int | list[int] = 1) -> None:
         """What the worker learned at registration: the sidecar's side channel (an ``advertise``
         setting wins) and how this engine's backend splits blocks."""
         if not self._advertise:
@@ -139,13 +162,13 @@ class SchedulerLogic:
         assert params is not None
         try:
             fill_source(params, self._resolver)
-            remote = parse_remote_prefill(params, request_id)
+            remote = parse_remote_prefill(params, request_id, len(self.groups or ()) or 1)
         except BadParams as err:
             if request_id not in self._warned:
                 self._warned.add(request_id)
                 log.warning("kvxfer: request %s computes its prompt locally: %s", request_id, err)
             return 0, False
-        total = min(remote.num_tokens or num_prompt_tokens, num_prompt_tokens)
+        total = self._expected_tokens(remote.num_tokens, num_prompt_tokens)
         if prompt_token_ids is not None:
             # The KV must be this prompt's: P says which tokens its blocks hold (pull), and the
             # token D presents is bound to D's prompt (push: P's sidecar compares).
@@ -165,11 +188,25 @@ class SchedulerLogic:
         count = total - num_computed
         return (count, True) if count > 0 else (0, False)
 
+    def _expected_tokens(self, remote: int | None, num_prompt_tokens: int) -> int:
+        """D: the prompt tokens whose KV comes from P: what P said it computed, at most the prompt
+        less the tokens P leaves to D (state groups)."""
+        cap = num_prompt_tokens - self.backoff if num_prompt_tokens > self.backoff else num_prompt_tokens
+        return min(remote or cap, cap)
+
+    def lists_of(self, tables: Tables, num_tokens: int) -> tuple[list[int], list[BlockList] | None]:
+        """A transfer's blocks as the messages carry them: the flat list, and (hybrid) one list per
+        group (groups.transfer_lists; ValueError when a table cannot be a transfer's)."""
+        if self.groups is None:
+            return list(tables[0]) if tables else [], None
+        lists = transfer_lists(self.groups, tables, num_tokens)
+        return flat_ids(lists), lists
+
     def after_alloc(
         self,
         request_id: str,
         params: dict[str, Any] | None,
-        block_ids: list[int],
+        block_ids: Sequence[int] | Sequence[Sequence[int]],
         num_external_tokens: int,
         num_prompt_tokens: int,
     ) -> None:
@@ -182,24 +219,31 @@ class SchedulerLogic:
         if num_external_tokens <= 0:
             return
         try:
-            remote = parse_remote_prefill(params, request_id)
+            remote = parse_remote_prefill(params, request_id, len(self.groups or ()) or 1)
         except BadParams:  # already reported by num_new_matched_tokens, which returned 0
             return
-        total = min(remote.num_tokens or num_prompt_tokens, num_prompt_tokens)
+        total = self._expected_tokens(remote.num_tokens, num_prompt_tokens)
         prefix = total - num_external_tokens
         if prefix < 0:
             log.error("kvxfer: request %s expects %d tokens but %d are external", request_id, total, num_external_tokens)
+            return
+        try:
+            flat, lists = self.lists_of(as_tables(block_ids), total)
+        except ValueError as err:
+            log.error("kvxfer: request %s: its blocks cannot take the KV: %s", request_id, err)
             return
         self._next.expect.append(
             ExpectMsg(
                 request_id=request_id,
                 transfer_id=remote.transfer_id,
-                block_ids=list(block_ids),
+                block_ids=flat,
                 num_tokens=total,
                 prefix_tokens=prefix,
                 source=remote.source,
                 source_block_ids=remote.source_block_ids,
                 token=bind_token(remote.token, digest),
+                groups=lists,
+                source_groups=remote.source_groups,
             )
         )
         self._waiting[request_id] = _Waiting(remote.transfer_id, sent=False)
@@ -211,7 +255,7 @@ class SchedulerLogic:
         self,
         request_id: str,
         params: dict[str, Any] | None,
-        block_ids: list[int],
+        block_ids: Sequence[int] | Sequence[Sequence[int]],
         prompt_token_ids: Sequence[int] | None,
         max_tokens: int | None,
     ) -> None:
@@ -219,11 +263,11 @@ class SchedulerLogic:
         holds). A request for remote decode that may generate one token ends with the step that
         completes its prompt: that step (``build_step`` follows it there) sends its PrefillDone
         when its forward has run, a step earlier than vLLM finishing the request would."""
-        if (not self._early_enabled or max_tokens != 1 or not wants_remote_decode(params)
+        if (not self._early_enabled or max_tokens != 1 or not wants_remote_decode(params) or self._sliding
                 or not block_ids or prompt_token_ids is None or not self.side_channel):
             return
         assert params is not None
-        self._candidates[request_id] = _Candidate(params, list(block_ids), prompt_token_ids)
+        self._candidates[request_id] = _Candidate(params, as_tables(block_ids), prompt_token_ids)
 
     @property
     def early_candidates(self) -> Set[str]:
@@ -238,10 +282,12 @@ class SchedulerLogic:
             s = scheduled.get(rid)
             if s is None:
                 continue
+            new = as_tables(s.new_blocks) if s.new_blocks else [[] for _ in c.tables]
             if s.replace:
-                c.block_ids = list(s.new_blocks)
+                c.tables = new
             else:
-                c.block_ids.extend(s.new_blocks)
+                for table, more in zip(c.tables, new):
+                    table.extend(more)
             n = len(c.prompt)
             if s.tokens < n:
                 continue  # a chunk of the prompt: its last one decides
@@ -254,9 +300,13 @@ class SchedulerLogic:
                 continue  # request_finished reports it and gives up
             tid = transfer_id_of(c.params, rid)
             digest = prompt_digest(c.prompt, n)
+            try:
+                flat, lists = self.lists_of(c.tables, n)
+            except ValueError:
+                continue  # request_finished tries again with vLLM's final tables
             self._next.prefill_done_after_forward.append(
-                PrefillDoneMsg(rid, tid, c.block_ids, n, bind_token(token, digest)))
-            self._early[rid] = _Early(tid, token, digest, c.block_ids, n)
+                PrefillDoneMsg(rid, tid, flat, n, bind_token(token, digest), groups=lists))
+            self._early[rid] = _Early(tid, token, digest, c.tables, n)
             self._holding.add(rid)
             timeline.mark("p.sched.early", tid, tokens=n)
 
@@ -268,13 +318,15 @@ class SchedulerLogic:
         params: dict[str, Any] | None,
         *,
         finished_ok: bool,
-        block_ids: list[int],
+        block_ids: Sequence[int] | Sequence[Sequence[int]],
         num_computed_tokens: int,
         token_ids: Sequence[int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """(delay freeing the blocks, kv_transfer_params for the response). ``token_ids``: the
         request's prompt; P's answer carries the digest of the part its blocks hold (the first
-        ``num_computed_tokens``, at most the prompt: what D's prompt is checked against)."""
+        ``num_computed_tokens``, at most the prompt: what D's prompt is checked against).
+        ``block_ids``: the request's blocks, or (hybrid) one table per group."""
+        tables = as_tables(block_ids)
         self._digests.pop(request_id, None)
         self._candidates.pop(request_id, None)
         waiting = self._waiting.pop(request_id, None)
@@ -292,21 +344,22 @@ class SchedulerLogic:
         if early is not None:
             # The sidecar has this request's PrefillDone (sent after its last forward): its blocks
             # stay held until the sidecar releases them, whatever happens to the request now.
-            if finished_ok and num_computed_tokens == early.num_tokens and list(block_ids) == early.block_ids:
+            if (finished_ok and num_computed_tokens == early.num_tokens
+                    and self._same_blocks(tables, early.tables, num_computed_tokens)):
                 timeline.mark("p.sched.finished", early.transfer_id, tokens=num_computed_tokens)
-                return True, self._answer(request_id, early.transfer_id, block_ids, num_computed_tokens,
+                return True, self._answer(request_id, early.transfer_id, tables, num_computed_tokens,
                                           early.token, early.digest)
             log.warning(
                 "kvxfer: request %s (transfer %s) ended %s after its PrefillDone was sent; no answer for D, "
                 "the sidecar releases the blocks when the transfer ends or expires", request_id,
                 early.transfer_id, "without finishing" if not finished_ok else
-                f"with {num_computed_tokens} tokens in {len(block_ids)} blocks, not the "
-                f"{early.num_tokens} in {len(early.block_ids)} sent")
+                f"with {num_computed_tokens} tokens in blocks {tables}, not the "
+                f"{early.num_tokens} in {early.tables} sent")
             return True, None
         if not wants_remote_decode(params):
             return False, None
         assert params is not None
-        if not finished_ok or not block_ids or num_computed_tokens <= 0:
+        if not finished_ok or not any(tables) or num_computed_tokens <= 0:
             self._give_up(request_id, params, "ended without KV" if finished_ok else "aborted")
             return False, None
         if not self.side_channel:
@@ -321,21 +374,36 @@ class SchedulerLogic:
             self._give_up(request_id, params, "bad kvxfer_token")
             return False, None
         digest = prompt_digest(token_ids, min(num_computed_tokens, len(token_ids))) if token_ids is not None else ""
+        try:
+            flat, lists = self.lists_of(tables, num_computed_tokens)
+        except ValueError as err:
+            log.error("kvxfer: request %s: its blocks cannot be sent: %s; D will compute it", request_id, err)
+            self._give_up(request_id, params, "unusable blocks")
+            return False, None
         self._next.prefill_done.append(
-            PrefillDoneMsg(request_id, tid, list(block_ids), num_computed_tokens, bind_token(token, digest))
+            PrefillDoneMsg(request_id, tid, flat, num_computed_tokens, bind_token(token, digest), groups=lists)
         )
         self._holding.add(request_id)
         timeline.mark("p.sched.finished", tid, tokens=num_computed_tokens)
-        return True, self._answer(request_id, tid, block_ids, num_computed_tokens, token, digest)
+        return True, self._answer(request_id, tid, tables, num_computed_tokens, token, digest)
 
-    def _answer(self, request_id: str, tid: str, block_ids: list[int], num_tokens: int, token: str,
+    def _same_blocks(self, a: Tables, b: Tables, num_tokens: int) -> bool:
+        """Whether two tables name the same blocks for a transfer of ``num_tokens`` tokens."""
+        try:
+            return self.lists_of(a, num_tokens) == self.lists_of(b, num_tokens)
+        except ValueError:
+            return False
+
+    def _answer(self, request_id: str, tid: str, tables: Tables, num_tokens: int, token: str,
                 digest: str) -> dict[str, Any]:
+        flat, lists = self.lists_of(tables, num_tokens)
         return prefill_answer(
             transfer_id=tid,
             engine_id=self.engine_id,
             request_id=request_id,
             side_channel=self.side_channel,
-            block_ids=block_ids,
+            block_ids=flat if lists is None else [lst.ids for lst in lists],
+            first_blocks=None if lists is None else [lst.first for lst in lists],
             num_tokens=num_tokens,
             tp_size=self.tp_size,
             blocks_per_block=self.blocks_per_block,
@@ -388,3 +456,8 @@ class SchedulerLogic:
     def has_pending_work(self) -> bool:
         """True while the engine must keep stepping so the workers can hear the sidecar."""
         return bool(self._next or self._holding or self._waiting or self._aborting)
+
+
+def _hybrid(groups: Sequence[GroupSpec]) -> bool:
+    """Whether an engine's groups need per-group lists (anything but one full-attention group)."""
+    return len(groups) != 1 or groups[0].kind != "full"

@@ -28,10 +28,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ._gen.kvxfer.v1 import engine_pb2
+from ._gen.kvxfer.v1 import engine_pb2, layout_pb2
 from . import timeline
 from .errors import LinkError, RegistrationError
 from .link import EngineLink
+from .groups import BlockList
+from .layout import expand_block_ids
 from .messages import PrefillDoneMsg, StepMessages
 from .stats import TransferStats
 
@@ -99,6 +101,7 @@ class WorkerLogic:
         sidecar_lost_timeout_s: float,
         max_frame_bytes: int,
         expand_blocks: Callable[[list[int]], list[int]] = list,
+        group_blocks_per_block: list[int] | None = None,
         on_kv_ready: Callable[[list[int]], None] | None = None,
         before_prefill_done: Callable[[list[int]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -108,6 +111,8 @@ class WorkerLogic:
         self.register_timeout_s = register_timeout_s
         self.lost_timeout_s = sidecar_lost_timeout_s
         self._expand = expand_blocks
+        #: Hybrid models: kvxfer blocks per vLLM block of each KV cache group.
+        self._group_split = group_blocks_per_block
         self._on_kv_ready = on_kv_ready
         self._before_prefill_done = before_prefill_done
         self._clock = clock
@@ -222,17 +227,25 @@ class WorkerLogic:
                     self._results.finished_recving.add(e.request_id)
                     self._results.failed_recving.add(e.request_id)
                     continue
-                self._d[e.transfer_id] = _D(e.request_id, self._expand(e.block_ids),
+                self._d[e.transfer_id] = _D(e.request_id, self._flat(e.block_ids, e.groups),
                                             tokens=e.num_tokens - e.prefix_tokens, started=self._clock())
             expect = engine_pb2.ExpectKv(
                 transfer_id=e.transfer_id,
                 source=e.source,
-                block_ids=self._expand(e.block_ids),
                 num_tokens=e.num_tokens,
                 prefix_tokens=e.prefix_tokens,
                 token=e.token,
             )
-            if e.source_block_ids is not None:
+            if e.groups is not None:
+                expect.groups.extend(self._lists(e.groups))
+            else:
+                expect.block_ids.extend(self._expand(e.block_ids))
+            if e.source_groups is not None:
+                # Already in P's kvxfer blocks (the scheduler split them as P's answer said).
+                expect.source_groups.extend(
+                    layout_pb2.KvBlockList(first_block=g.first, block_ids=g.ids) for g in e.source_groups)
+                expect.has_source_block_ids = True
+            elif e.source_block_ids is not None:
                 # Already in P's kvxfer blocks (the scheduler split them as P's answer said).
                 expect.source_block_ids.extend(e.source_block_ids)
                 expect.has_source_block_ids = True
@@ -258,7 +271,7 @@ class WorkerLogic:
                 continue
             if self._before_prefill_done is not None:
                 # Host-buffer mode: the blocks reach shared memory before the sidecar may read them.
-                self._before_prefill_done(self._expand(m.block_ids))
+                self._before_prefill_done(self._flat(m.block_ids, m.groups))
             with self._lock:
                 if m.transfer_id in self._p or m.transfer_id in self._d:
                     log.error("kvxfer: transfer id %s is already live here; request %s is not sent", m.transfer_id, m.request_id)
@@ -266,17 +279,29 @@ class WorkerLogic:
                     continue
                 self._p[m.transfer_id] = _P(m.request_id, m.num_tokens)
             log.debug("kvxfer: PrefillDone %s (%d blocks, %d tokens)", m.transfer_id, len(m.block_ids), m.num_tokens)
-            msg = engine_pb2.EngineToSidecar(
-                prefill_done=engine_pb2.PrefillDone(
-                    transfer_id=m.transfer_id,
-                    block_ids=self._expand(m.block_ids),
-                    num_tokens=m.num_tokens,
-                    token=m.token,
-                )
-            )
+            done = engine_pb2.PrefillDone(transfer_id=m.transfer_id, num_tokens=m.num_tokens, token=m.token)
+            if m.groups is not None:
+                done.groups.extend(self._lists(m.groups))
+            else:
+                done.block_ids.extend(self._expand(m.block_ids))
+            msg = engine_pb2.EngineToSidecar(prefill_done=done)
             timeline.mark("p.worker.sent", m.transfer_id)
             if not self._send(msg):
                 self._end_p(m.transfer_id, failed=True)
+
+    def _lists(self, groups: list[BlockList]) -> list[layout_pb2.KvBlockList]:
+        """vLLM's per-group lists in kvxfer blocks: each group split as its backend splits blocks."""
+        split = self._group_split or [1] * len(groups)
+        return [
+            layout_pb2.KvBlockList(first_block=g.first * k, block_ids=expand_block_ids(g.ids, k))
+            for g, k in zip(groups, split)
+        ]
+
+    def _flat(self, block_ids: list[int], groups: list[BlockList] | None) -> list[int]:
+        """Every kvxfer block of a transfer (what host-buffer mode copies)."""
+        if groups is None:
+            return self._expand(block_ids)
+        return [b for g in self._lists(groups) for b in g.block_ids]
 
     def take_results(self, idle_wait_s: float = 0.0) -> Results:
         """What finished since the last call (and the sidecar-lost bound, checked here).
@@ -351,9 +376,10 @@ class WorkerLogic:
             if d is not None:
                 self._finish_d(d, failed=True)
 
-    def _finish_d(self, d: _D, *, failed: bool) -> None:
+    def _finish_d(self, d: _D, *, failed: bool, landed: int = 0) -> None:
         """Under the lock. A request that ended meanwhile gets its blocks back (sent); otherwise
-        its load is done, failed or not."""
+        its load is done, failed or not. ``landed``: the bytes the sidecar says landed (KvReady;
+        0 from a sidecar that does not say: estimated from the tokens)."""
         if d.aborted:
             self._results.finished_sending.add(d.request_id)
             return
@@ -364,10 +390,10 @@ class WorkerLogic:
             self.stats.count("recomputed")
         else:
             self.stats.count("transfers")
-            self.stats.count("bytes", d.tokens * self.bytes_per_token)
+            self.stats.count("bytes", landed or d.tokens * self.bytes_per_token)
             self.stats.count("seconds", self._clock() - d.started)
 
-    def _ready_d(self, tid: str) -> None:
+    def _ready_d(self, tid: str, landed: int = 0) -> None:
         timeline.mark("d.worker.kv_ready", tid)
         with self._lock:
             d = self._d.get(tid)
@@ -380,7 +406,7 @@ class WorkerLogic:
         with self._lock:
             d = self._d.pop(tid, None)
             if d is not None:
-                self._finish_d(d, failed=False)
+                self._finish_d(d, failed=False, landed=landed)
 
     def _count_p_release(self, tid: str, reason: int) -> None:
         with self._lock:
@@ -432,7 +458,7 @@ class WorkerLogic:
         if kind == "registered":
             self._on_registered(msg.registered)
         elif kind == "kv_ready":
-            self._ready_d(msg.kv_ready.transfer_id)
+            self._ready_d(msg.kv_ready.transfer_id, msg.kv_ready.bytes)
         elif kind == "kv_failed":
             f = msg.kv_failed
             with self._lock:

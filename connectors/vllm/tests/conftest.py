@@ -6,6 +6,8 @@ after it (``leftovers`` checks).
 
 from __future__ import annotations
 
+import random
+
 import contextlib
 import itertools
 import os
@@ -95,8 +97,10 @@ def stop_deployment(front: list[Proc], sidecars: list[SidecarProc], shm: Path) -
 
 
 def prompt(n: int, seed: int) -> list[int]:
-    """``n`` token ids made from ``seed`` (no two seeds share a prefix: no prefix-cache hit)."""
-    return [3 + (i * 7919 + seed * 104729) % 500 for i in range(n)]
+    """``n`` token ids made from ``seed`` (two seeds share no prefix: no prefix-cache hit; the
+    former arithmetic gave seeds 1000 apart the same prompt)."""
+    rng = random.Random(seed)
+    return [3 + rng.randrange(500) for _ in range(n)]
 
 
 @dataclass

@@ -359,6 +359,10 @@ export function writeKvReady(w: BinaryWriter, m: MessageInitShape<typeof KvReady
   if (transferId !== undefined && transferId !== "") {
     w.tag(1, WireType.LengthDelimited).string(transferId);
   }
+  const bytes = m.bytes;
+  if (bytes !== undefined && bytes !== 0n) {
+    w.tag(2, WireType.Varint).uint64(bytes);
+  }
 }
 
 /**

@@ -149,10 +149,12 @@ class EngineToSidecar(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterKvCache, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillDone, _Mapping]] = ..., expect_kv: _Optional[_Union[ExpectKv, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., allocate: _Optional[_Union[AllocateKv, _Mapping]] = ...) -> None: ...
 
 class KvReady(_message.Message):
-    __slots__ = ("transfer_id",)
+    __slots__ = ("transfer_id", "bytes")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+    bytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class KvFailed(_message.Message):
     __slots__ = ("transfer_id", "reason", "message")
