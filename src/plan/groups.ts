@@ -120,16 +120,16 @@ export function findGroupsIncompatibility(
       );
     }
     if (p.kind === "state") {
-      if ((p.stateShape ?? "") !== (d.stateShape ?? "")) {
-        return incompatible(
-          `${field}.stateShape`,
-          `${name}: the state is ${p.stateShape ?? "?"} on P, ${d.stateShape ?? "?"} on D`,
-        );
-      }
       if (p.layout.tpSize !== d.layout.tpSize) {
         return incompatible(
           `${field}.tpSize`,
           `${name}: P has TP ${p.layout.tpSize}, D has TP ${d.layout.tpSize}; kvxfer moves recurrent state only between engines of one TP size (each rank's share of a state is the engine's own split)`,
+        );
+      }
+      if ((p.stateShape ?? "") !== (d.stateShape ?? "")) {
+        return incompatible(
+          `${field}.stateShape`,
+          `${name}: the state is ${p.stateShape ?? "?"} on P, ${d.stateShape ?? "?"} on D`,
         );
       }
     }

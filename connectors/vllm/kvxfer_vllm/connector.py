@@ -40,7 +40,7 @@ from .config import ConnectorConfig, load_config
 from .device import DeviceKv, TorchCuda
 from .errors import ConfigError, LayoutError
 from .groups import GroupSpec
-from .layout import DescribedLayout, describe, describe_state, expand_block_ids, group_message, packing_of
+from .layout import DescribedLayout, describe, describe_groups, expand_block_ids, group_message, packing_of
 from .messages import StepMessages
 from .registration import RegionEntry, region_files, registration, tensor_views
 from .scheduler import Scheduled, SchedulerLogic
@@ -390,34 +390,20 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("kvxfer: registered with the sidecar (side channel %s, epoch %d)", ans.side_channel, ans.epoch)
 
     def _describe_groups(self, views: list[Any], region_bytes: list[int]) -> list[tuple[GroupSpec, DescribedLayout]]:
-        """Each KV cache group's layout on this rank (hybrid models): attention groups as their
-        backend lays them out, state groups as raw state pages."""
-        by_name = {v.name: v for v in views}
-        mc = self._vllm_config.model_config
-        out = []
-        for g_index, g in enumerate(self._groups):
-            mine = [by_name[n] for n in g.layer_names if n in by_name]
-            if not mine:
-                raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"KV cache group {g_index} ({g.kind}) registered no tensors")
-            if g.kind == "state":
-                d = describe_state(mine, tp_size=self.tp_size, tp_rank=0, region_bytes=region_bytes)
-            else:
-                spec = self._group_attention_spec(g_index)
-                packing = packing_of(self._backend_name(list(g.layer_names)))
-                mla = packing == "latent"
-                d = describe(
-                    mine,
-                    packing=packing,
-                    head_size=spec.head_size,
-                    total_kv_heads=1 if mla else mc.get_total_num_kv_heads(),
-                    tp_size=self.tp_size,
-                    tp_rank=0,
-                    block_size=g.block_size,
-                    region_bytes=region_bytes,
-                    cpu_isa=self._cpu_isa(list(g.layer_names)),
-                )
-            out.append((g, d))
-        return out
+        """Each KV cache group's layout on this rank (layout.describe_groups)."""
+        attention = [g.kind != "state" for g in self._groups]
+        described = describe_groups(
+            self._groups,
+            views,
+            packings=[packing_of(self._backend_name(list(g.layer_names))) if a else None
+                      for g, a in zip(self._groups, attention)],
+            head_sizes=[self._group_attention_spec(i).head_size if a else 0 for i, a in enumerate(attention)],
+            total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
+            tp_size=self.tp_size,
+            region_bytes=region_bytes,
+            cpu_isas=[self._cpu_isa(list(g.layer_names)) if a else None for g, a in zip(self._groups, attention)],
+        )
+        return list(zip(self._groups, described))
 
     def _group_attention_spec(self, g_index: int) -> Any:
         spec = self._kv_cache_config.transfer_groups[g_index].kv_cache_spec

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from ._gen.kvxfer.v1 import layout_pb2
 from .errors import LayoutError
+from .groups import GroupSpec
 
 BACKEND_PACKING: dict[str, str] = {
     "CPU_ATTN": "kv_in_tokens",
@@ -300,3 +301,43 @@ def group_message(kind: str, described: DescribedLayout, *, sliding_window: int 
     g.layout.CopyFrom(described.layout)
     g.layout.tp_rank = 0
     return g
+
+
+def describe_groups(
+    groups: list[GroupSpec],
+    views: list[TensorView],
+    *,
+    packings: list[str | None],
+    head_sizes: list[int],
+    total_kv_heads: int,
+    tp_size: int,
+    region_bytes: list[int],
+    cpu_isas: list[str | None] | None = None,
+) -> list[DescribedLayout]:
+    """Each KV cache group's layout on one rank (hybrid models): attention groups as their
+    backend (``packings[g]``) lays them out, state groups as raw state pages. Groups overlay one
+    allocation (vLLM's hybrid manager), so a group's layout holds only its own layers' slots."""
+    by_name = {v.name: v for v in views}
+    out = []
+    for g, spec in enumerate(groups):
+        mine = [by_name[n] for n in spec.layer_names if n in by_name]
+        if not mine:
+            raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"KV cache group {g} ({spec.kind}) registered no tensors")
+        if spec.kind == "state":
+            out.append(describe_state(mine, tp_size=tp_size, tp_rank=0, region_bytes=region_bytes))
+            continue
+        packing = packings[g]
+        if packing is None:
+            raise LayoutError("ERR_LAYOUT_UNSUPPORTED", f"KV cache group {g} ({spec.kind}) has no attention backend")
+        out.append(describe(
+            mine,
+            packing=packing,
+            head_size=head_sizes[g],
+            total_kv_heads=1 if packing == "latent" else total_kv_heads,
+            tp_size=tp_size,
+            tp_rank=0,
+            block_size=spec.block_size,
+            region_bytes=region_bytes,
+            cpu_isa=(cpu_isas or [None] * len(groups))[g],
+        ))
+    return out

@@ -130,3 +130,93 @@ class KvEngine:
         for f in self.files:
             # Segments: detached here, the engine's tensors are not touched after close.
             f.detach() if isinstance(f, SharedKvSegments) else f.close()
+
+
+#: A hybrid model's groups for HybridKvEngine: (kind, layers) in group order.
+HYBRID_GROUPS = (("full", 1), ("sliding", 2), ("state", 1))
+
+
+class HybridKvEngine:
+    """All TP ranks of one engine of a hybrid model, as vLLM 0.32's hybrid KV cache manager lays
+    it out (vLLM's own ``allocate_kv_cache``): one allocation per rank that the groups overlay
+    (one block pool: a block id belongs to one group at a time), full-attention, sliding-window
+    and Mamba-state layers, the state page padded to the attention page. Registered with its groups
+    through ``WorkerLogic``, as the adapter registers a hybrid engine."""
+
+    def __init__(self, shm_dir: str, engine_id: str, *, backend: str, tp: int, block_size: int, num_blocks: int,
+                 groups: tuple[tuple[str, int], ...] = HYBRID_GROUPS, window: int = 64, heads: int = 2,
+                 head_size: int = 32) -> None:
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        from kvxfer_vllm.groups import GroupSpec
+        from kvxfer_vllm.layout import describe_groups, group_message
+
+        self.engine_id = engine_id
+        self.packing, layout = BACKENDS[backend]
+        per_rank = max(1, heads // tp)
+        full = FullAttentionSpec(block_size=block_size, num_kv_heads=per_rank, head_size=head_size, dtype=torch.bfloat16)
+        sw = SlidingWindowSpec(block_size=block_size, num_kv_heads=per_rank, head_size=head_size, dtype=torch.bfloat16,
+                               sliding_window=window)
+        page = full.page_size_bytes
+        # A state sharded over TP as vLLM shards GDN's: each rank holds its share of the heads.
+        state = MambaSpec(block_size=block_size, shapes=((3, 64 // tp), (2 // tp or 1, 16, 16)),
+                          dtypes=(torch.bfloat16, torch.float32), page_size_padded=page)
+        self.state_bytes = state.state_content_size_bytes
+        specs = {"full": full, "sliding": sw, "state": state}
+        self.group_layers: list[list[str]] = []
+        i = 0
+        for kind, n in groups:
+            self.group_layers.append([f"model.layers.{i + j}.{'mamba' if kind == 'state' else 'attn'}" for j in range(n)])
+            i += n
+        # vLLM's overlay: the j-th layer of every group shares the j-th layer slot of the allocation.
+        slots = max(n for _, n in groups)
+        size = page * num_blocks * slots
+        tensors = [KVCacheTensor(size=size, layers=layers, layer_stride=page * num_blocks, block_stride=page)
+                   for layers in self.group_layers]
+        cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                            kv_cache_groups=[KVCacheGroupSpec(list(layers), specs[kind])
+                                             for (kind, _), layers in zip(groups, self.group_layers)])
+        self.groups = [GroupSpec(kind, block_size, tuple(layers), sliding_window=window if kind == "sliding" else 0,
+                                 state_shape=f"tp{tp}" if kind == "state" else "")
+                       for (kind, _), layers in zip(groups, self.group_layers)]
+        self.files: list[SharedKv] = []
+        self.ranks: list[dict[str, torch.Tensor]] = []
+        for rank in range(tp):
+            files = SharedKvFiles(shm_dir, engine_id, rank)
+            with files.placement():
+                self.ranks.append(allocate_kv_cache(cfg, torch.device("cpu"), layout, [block_size] * len(groups)))
+            self.files.append(files)
+        described = describe_groups(
+            self.groups, tensor_views(self.ranks[0], self.files[0]),
+            packings=[None if k == "state" else self.packing for k, _ in groups],
+            head_sizes=[head_size] * len(groups), total_kv_heads=heads, tp_size=tp,
+            region_bytes=[f.nbytes for f in self.files[0].files], cpu_isas=["vec"] * len(groups))
+        self.described = described[0]
+        self.group_messages = [group_message(g.kind, d, sliding_window=g.sliding_window, state_shape=g.state_shape)
+                               for g, d in zip(self.groups, described)]
+        self.worker: WorkerLogic | None = None
+
+    def connect(self, socket: str) -> WorkerLogic:
+        self.worker = WorkerLogic(engine_id=self.engine_id, engine_socket=socket, register_timeout_s=20.0,
+                                  sidecar_lost_timeout_s=10.0, max_frame_bytes=16 << 20,
+                                  group_blocks_per_block=[1] * len(self.groups))
+        self.worker.register(registration(self.engine_id, self.described, [region_files(f) for f in self.files],
+                                          self.group_messages))
+        return self.worker
+
+    def raw(self, rank: int) -> torch.Tensor:
+        """The rank's whole allocation as bytes."""
+        return self.files[rank].files[0].tensor.view(torch.uint8)
+
+    def fill_random(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for r in range(len(self.ranks)):
+            raw = self.raw(r)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        for f in self.files:
+            f.close()
