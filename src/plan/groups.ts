@@ -399,6 +399,7 @@ export function writtenBlocks(
   numTokens: number,
 ): number[] {
   const out: number[] = [];
+  if (prefixTokens >= numTokens) return out;
   for (const [g, list] of lists.entries()) {
     const group = groups[g];
     if (group === undefined) continue;
