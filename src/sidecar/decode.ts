@@ -162,8 +162,8 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
           case: "pushReg",
           value: {
             transferId: t.id,
-            // One group travels as block_ids alone, as before groups existed.
-            ...(t.dstLists.length === 1
+            // One list from block 0 travels as block_ids alone, as before groups existed.
+            ...(t.dstLists.length === 1 && t.dstLists[0]!.first === 0
               ? { blockIds: t.dstLists[0]!.ids as number[] }
               : { groups: t.dstLists.map(blockListToProto) }),
             numTokens: t.numTokens,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import select
 import shutil
@@ -378,6 +379,14 @@ class VllmServer(Proc):
     def metric(self, name: str) -> float:
         """Sum of a Prometheus metric's samples on /metrics (0 when absent)."""
         return metric(f"{self.url}/metrics", name)
+
+    def kv_capacity(self) -> int:
+        """The KV cache size in tokens vLLM logged at start-up ("CPU KV cache size: N tokens", or
+        GPU's); ValueError when the log has none."""
+        m = re.search(r"KV cache size: ([\d,]+) tokens", self.tail(10**7))
+        if m is None:
+            raise ValueError(f"{self.log_path}: no 'KV cache size' line")
+        return int(m.group(1).replace(",", ""))
 
 
 def complete(url: str, model: str, prompt: list[int], max_tokens: int,

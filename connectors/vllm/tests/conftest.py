@@ -117,17 +117,20 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def pd_deployment(work: Path, block: int, extra: dict[str, Any]) -> Iterator[Deployment]:
-    """Starts a P/D deployment of a tiny model made here, with ``extra`` kv_connector_extra_config;
-    stops it at the end and checks it left nothing (``stop_deployment``)."""
-    model = make_tiny_model(str(work / "model"))
+def pd_deployment(work: Path, block: int, extra: dict[str, Any], model: str | None = None,
+                  max_model_len: int = 1024) -> Iterator[Deployment]:
+    """Starts a P/D deployment of a tiny model made here (or ``model``), with ``extra``
+    kv_connector_extra_config; stops it at the end and checks it left nothing (``stop_deployment``)."""
+    model = model or make_tiny_model(str(work / "model"))
     shm = Path("/dev/shm") / unique("kvxfer-e2e")
     shm.mkdir()
     p_sc = SidecarProc(unique("p"), "prefill", f"ipc:///tmp/{unique('kvxfer-e2e')}.sock", work)
     d_sc = SidecarProc(unique("d"), "decode", f"ipc:///tmp/{unique('kvxfer-e2e')}.sock", work)
     extra = {"sidecar_lost_timeout_s": 2.0, "register_timeout_s": 300.0, **extra}
-    p = VllmServer(EngineSpec(model, p_sc.engine_id, p_sc.socket, str(shm), block_size=block, cores="0", extra=extra), work)
-    d = VllmServer(EngineSpec(model, d_sc.engine_id, d_sc.socket, str(shm), block_size=block, cores="1", extra=extra), work)
+    p = VllmServer(EngineSpec(model, p_sc.engine_id, p_sc.socket, str(shm), block_size=block, cores="0", extra=extra,
+                              max_model_len=max_model_len), work)
+    d = VllmServer(EngineSpec(model, d_sc.engine_id, d_sc.socket, str(shm), block_size=block, cores="1", extra=extra,
+                              max_model_len=max_model_len), work)
     dep = None
     try:
         p.wait_ready()

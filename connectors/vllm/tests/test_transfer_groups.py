@@ -177,3 +177,20 @@ def test_block_sizes_differ_per_group(hybrid):
                     assert torch.equal(got.view(torch.int16), pv[name][pb, :, t % 32].view(torch.int16)), (name, t)
                 else:
                     assert not bool(got.view(torch.int16).any()), (name, t)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_an_engine_whose_only_group_is_a_sliding_window(hybrid, mode):
+    """Mistral-style: every layer slides. Its one list starts past block 0 (the window passed), in
+    a registration, a PushReg and P's answer alike."""
+    groups = (("sliding", 2),)
+    p_sc, p = hybrid("prefill", groups=groups)
+    d_sc, d = hybrid("decode", groups=groups)
+    p_w, d_w = p.connect(p_sc.socket), d.connect(d_sc.socket)
+    p.fill_random(9)
+    tokens = 200
+    p_lists = transfer_lists(p.groups, tables(p, tokens, list(range(1, 8)), 0), tokens)
+    d_lists = transfer_lists(d.groups, tables(d, tokens, list(range(10, 17)), 0), tokens)
+    assert p_lists[0].first == 4 and d_lists[0].first == 4
+    run(p_w, d_w, p_lists, d_lists, flat_ids(p_lists), flat_ids(d_lists), tokens, mode)
+    assert torch.equal(d.raw(0), expected_d(p, d, p_lists, d_lists, tokens))
