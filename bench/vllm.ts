@@ -7,6 +7,8 @@
 // [--lengths 32,256,1024,4096] [--concurrency 1,8] [--requests N] [--rounds N]
 // [--output-tokens N] [--modes pull,push] [--faults] [--quick]; here: [--json] [--install-peers] (pip-installs
 // the pinned peers, bench/peers/requirements.txt, into .venv first).
+// `--models` runs kvxfer_vllm_testing.models_bench instead: every model family through kvxfer and
+// NixlConnector ([--families ...] [--lengths 200,1000] [--requests 3] [--no-nixl]).
 // `--breakdown` runs kvxfer_vllm_testing.breakdown instead: where each kvxfer pull request's time
 // goes, hop by hop (router, both engines' connector, both sidecars' traces), per prompt length
 // ([--lengths 32,256,1024,4096] [--requests N] [--kv-memory file|segment] [--prefault false,true]
@@ -313,11 +315,14 @@ function stopWithParent(child: ChildProcess): () => void {
   };
 }
 
-/** `--breakdown`: kvxfer_vllm_testing.breakdown prints its table on stderr and its JSON on stdout. */
-function runBreakdown(args: string[]): Promise<void> {
+/**
+ * `--breakdown` and `--models`: a module of kvxfer_vllm_testing that prints its table on stderr
+ * and its JSON on stdout (breakdown.py, models_bench.py).
+ */
+function runModule(module: string, args: string[]): Promise<void> {
   const py = join(packageRoot(), ".venv", "bin", "python");
   return new Promise((resolve, reject) => {
-    const child = spawn(py, ["-m", "kvxfer_vllm_testing.breakdown", "--table", ...args], {
+    const child = spawn(py, ["-m", `kvxfer_vllm_testing.${module}`, ...args], {
       cwd: packageRoot(),
       env: { ...process.env, PYTHONPATH: pythonPath(packageRoot()) },
       stdio: ["ignore", "inherit", "inherit"],
@@ -327,13 +332,16 @@ function runBreakdown(args: string[]): Promise<void> {
     child.on("exit", (code) => {
       unhook();
       if (code === 0) resolve();
-      else reject(new Error(`kvxfer_vllm_testing.breakdown exited ${code}`));
+      else reject(new Error(`kvxfer_vllm_testing.${module} exited ${code}`));
     });
   });
 }
 
 export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchResult | void> {
-  if (argv.includes("--breakdown")) return runBreakdown(argv.filter((a) => a !== "--breakdown"));
+  if (argv.includes("--breakdown"))
+    return runModule("breakdown", ["--table", ...argv.filter((a) => a !== "--breakdown")]);
+  if (argv.includes("--models"))
+    return runModule("models_bench", argv.filter((a) => a !== "--models"));
   return runSuiteMain(
     "vllm",
     parseVllmArgs(argv),

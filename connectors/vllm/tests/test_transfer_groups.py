@@ -146,13 +146,15 @@ def test_mismatched_groups_are_refused_naming_them(hybrid):
     assert "groups[1].kind: group 1 is sliding on P, state on D" in errors, errors
 
 
-def test_block_sizes_differ_per_group(hybrid):
-    """P's blocks of 32 into D's of 64, full and sliding groups: D's window tail starts earlier
-    (bigger blocks); only tokens both sides hold move, and D's blocks before them stay empty."""
+@pytest.mark.parametrize("d_tp", [1, 2])
+def test_block_sizes_and_tp_differ_per_group(hybrid, d_tp):
+    """P's blocks of 32 into D's of 64, P TP 1 into D TP 1 or 2 (each D rank one of the two KV
+    heads), full and sliding groups: D's window tail starts earlier (bigger blocks); only tokens
+    both sides hold move, and D's blocks before them stay empty."""
     groups = (("full", 1), ("sliding", 1))
     # Plain rows (fused K|V cells), so a token's bytes can be read back token by token.
     p_sc, p = hybrid("prefill", block=32, groups=groups, backend="FLASH_ATTN")
-    d_sc, d = hybrid("decode", block=64, groups=groups, backend="FLASH_ATTN")
+    d_sc, d = hybrid("decode", block=64, groups=groups, backend="FLASH_ATTN", tp=d_tp)
     p_w, d_w = p.connect(p_sc.socket), d.connect(d_sc.socket)
     p.fill_random(5)
     tokens = 300
@@ -162,21 +164,21 @@ def test_block_sizes_differ_per_group(hybrid):
     assert p_lists[1].first * 32 > d_lists[1].first * 64  # D's tail starts earlier
     run(p_w, d_w, p_lists, d_lists, flat_ids(p_lists), flat_ids(d_lists), tokens, "pull")
     # Token by token, K and V of every head: D's block b holds tokens 64 b .. 64 b + 63.
-    pv = {n: t for n, t in p.ranks[0].items()}
-    dv = {n: t for n, t in d.ranks[0].items()}
-    for g, spec in enumerate(p.groups):
-        start = max(p_lists[g].first * 32, d_lists[g].first * 64)
+    pv = p.ranks[0]
+    heads = 2 // d_tp
+    for g in range(len(p.groups)):
+        pl, dl = p_lists[g], d_lists[g]
+        start = max(pl.first * 32, dl.first * 64)
         for name in p.group_layers[g]:
-            for t in range(tokens):
-                pb = p_lists[g].ids[t // 32 - p_lists[g].first] if t // 32 >= p_lists[g].first else None
-                db = d_lists[g].ids[t // 64 - d_lists[g].first] if t // 64 >= d_lists[g].first else None
-                if db is None:
-                    continue
-                got = dv[name][db, :, t % 64]
-                if t >= start:
-                    assert torch.equal(got.view(torch.int16), pv[name][pb, :, t % 32].view(torch.int16)), (name, t)
-                else:
-                    assert not bool(got.view(torch.int16).any()), (name, t)
+            for r in range(d_tp):
+                dv = d.ranks[r][name]
+                for t in range(dl.first * 64, tokens):
+                    got = dv[dl.ids[t // 64 - dl.first], :, t % 64].view(torch.int16)
+                    if t < start:
+                        assert not bool(got.any()), (name, r, t)
+                        continue
+                    want = pv[name][pl.ids[t // 32 - pl.first], r * heads:(r + 1) * heads, t % 32]
+                    assert torch.equal(got, want.view(torch.int16)), (name, r, t)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
