@@ -222,6 +222,18 @@ export const commands: readonly CommandSpec[] = [
         kind: FLAG,
         help: "instead: where each kvxfer pull request's time goes, hop by hop (router, connectors, sidecars)",
       },
+      {
+        name: "models",
+        kind: FLAG,
+        help: "instead: every model family (tiny random-weight models) through kvxfer and NixlConnector: bytes moved per request, TTFT, KV capacity, correctness",
+      },
+      {
+        name: "families",
+        kind: list("qwen3", "mistral-sw", "gemma3", "qwen3-next", "deepseek-v2", "mixtral", "gpt-oss", "mamba2"),
+        help: "--models: the families",
+        def: "all",
+      },
+      { name: "no-nixl", kind: FLAG, help: "--models: kvxfer and one engine only" },
       { name: "lengths", kind: { t: "ints" }, help: "prompt lengths", def: "32,256,1024,4096" },
       { name: "concurrency", kind: { t: "ints" }, help: "requests in flight", def: "1,8" },
       { name: "requests", kind: POS_INT, help: "requests per cell and round", def: "8" },

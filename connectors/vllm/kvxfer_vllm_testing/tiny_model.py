@@ -49,6 +49,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen3-next": ("linear attention (Gated DeltaNet state) and full attention (3:1), MoE", "Qwen3NextForCausalLM"),
     "deepseek-v2": ("MLA (latent 512 + rope 64), MoE", "DeepseekV2ForCausalLM"),
     "mixtral": ("full attention, MoE", "MixtralForCausalLM"),
+    "gpt-oss": ("sliding window and full attention (1:1), attention sinks, MoE", "GptOssForCausalLM"),
+    "mamba2": ("Mamba-2 state on every layer, no attention", "Mamba2ForCausalLM"),
 }
 
 
@@ -123,8 +125,18 @@ def _config(spec: TinyModelSpec):
         cfg = tf.DeepseekV2Config(**common, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
                                   qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, n_shared_experts=1,
                                   first_k_dense_replace=1, n_group=1, topk_group=1, **moe)
-    else:  # mixtral
+    elif f == "mixtral":
         cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    elif f == "gpt-oss":
+        # vLLM-CPU's attention with sinks takes 64-wide heads at the smallest.
+        common["head_dim"] = 64
+        cfg = tf.GptOssConfig(**common, sliding_window=spec.window, num_local_experts=4, num_experts_per_tok=2,
+                              layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                           for i in range(spec.layers)])
+    else:  # mamba2
+        cfg = tf.Mamba2Config(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                              num_heads=8, head_dim=32, state_size=16, n_groups=1, expand=2, bos_token_id=1,
+                              eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     return cfg, getattr(tf, FAMILIES[f][1])
 
 

@@ -197,3 +197,71 @@ def test_the_tiny_model_has_a_chat_template(model):
     ids = tok.apply_chat_template([{"role": "user", "content": "w1 w2"}, {"role": "user", "content": "w3"}])
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert list(ids) == [4, 5, 6]
+
+
+def hybrid_config() -> KVCacheConfig:
+    """vLLM's groups of a hybrid model: full attention, a sliding window of 64, a Mamba state."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    sw = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=64)
+    state = MambaSpec(block_size=32, shapes=((3, 64), (2, 16, 16)), dtypes=(torch.bfloat16, torch.float32),
+                      page_size_padded=full.page_size_bytes)
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.attn"], full), KVCacheGroupSpec(["model.layers.1.attn"], sw),
+        KVCacheGroupSpec(["model.layers.2.mamba"], state)])
+
+
+def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_names_every_groups_blocks(model):
+    """SupportsHMA: P's request_finished_all_groups gets one table per group; the sidecar gets the
+    full group's blocks, the window's tail without vLLM's null blocks, and the state's slot; P
+    stops one prompt token short (a state group), and D expects that many tokens."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    assert supports_hma(KvxferConnector)
+    c = KvxferConnector(vllm_config(model), KVConnectorRole.SCHEDULER, hybrid_config())
+    c.set_xfer_handshake_metadata({0: KvxferHandshakeMetadata(side_channel="127.0.0.1:4000", epoch=9,
+                                                              blocks_per_block=[1, 1, 1])})
+    assert c.get_loaded_kv_cache_group_ids(request("x", 4, {})) == (0, 1, 2)
+    r = request("cmpl-h-0-0badcafe", 200, {"do_remote_decode": True})
+    c.on_new_request(r)
+    assert r.num_prompt_tokens == 199 and len(r.prompt_token_ids) == 199  # the last token is D's
+    c.on_new_request(r)
+    assert r.num_prompt_tokens == 199  # once
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    r.num_computed_tokens = 199
+    full = list(range(1, 8))
+    window = [0, 0, 0, 0, 12, 13, 14]  # vLLM freed what left the window
+    delay, params = c.request_finished_all_groups(r, (full, window, [0, 30]))
+    assert delay and params["remote_num_tokens"] == 199
+    assert params["remote_block_ids"] == [full, [12, 13, 14], [30]] and params["kvxfer_first_blocks"] == [0, 4, 0]
+    (m,) = c.build_connector_meta(None).step.prefill_done  # type: ignore[arg-type]
+    assert [(g.first, g.ids) for g in m.groups] == [(0, full), (4, [12, 13, 14]), (0, [30])]
+    assert m.block_ids == [*full, 12, 13, 14, 30] and m.num_tokens == 199
+
+    # D, pull: P's answer as the router relays it; the same model, so one token fewer expected.
+    d = KvxferConnector(vllm_config(model, engine_id="d0"), KVConnectorRole.SCHEDULER, hybrid_config())
+    dr = request("cmpl-hd-0-0badcafe", 200, dict(params))
+    assert d.get_num_new_matched_tokens(dr, 0) == (199, True)
+    tables = ([KVCacheBlock(block_id=b) for b in range(20, 27)],
+              [KVCacheBlock(block_id=b) for b in (0, 0, 0, 0, 40, 41, 42)], [KVCacheBlock(block_id=50)])
+    d.update_state_after_alloc(dr, KVCacheBlocks(blocks=tables), 199)
+    (e,) = d.build_connector_meta(None).step.expect  # type: ignore[arg-type]
+    assert [(g.first, g.ids) for g in e.groups] == [(0, list(range(20, 27))), (4, [40, 41, 42]), (0, [50])]
+    assert [(g.first, g.ids) for g in e.source_groups] == [(0, full), (4, [12, 13, 14]), (0, [30])]
+    # Push: D registers before P answers; it knows the count from its own groups.
+    pr = request("cmpl-hp-0-0badcafe", 200, {"do_remote_prefill": True, "remote_host": "127.0.0.1",
+                                            "remote_port": 4000, "transfer_id": "tp"})
+    assert d.get_num_new_matched_tokens(pr, 0) == (199, True)
+
+
+def test_a_cache_group_kvxfer_cannot_move_is_refused_at_start_up(model):
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheGroupSpec
+
+    spec = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
+                                     attention_chunk_size=128)
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a.0.x"], spec)])
+    with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec cache group"):
+        KvxferConnector(vllm_config(model), KVConnectorRole.SCHEDULER, cfg)

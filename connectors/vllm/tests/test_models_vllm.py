@@ -35,7 +35,7 @@ from kvxfer_vllm_testing.tiny_model import TinyModelSpec, make_tiny_model
 MAX_TOKENS = 8
 LAYERS = 4
 WINDOW = 64
-ALL = ("qwen3", "mistral-sw", "gemma3", "qwen3-next", "deepseek-v2", "mixtral")
+ALL = ("qwen3", "mistral-sw", "gemma3", "qwen3-next", "deepseek-v2", "mixtral", "gpt-oss", "mamba2")
 FAMILIES = tuple(f for f in os.environ.get("KVXFER_MODEL_FAMILIES", "gemma3,qwen3-next").split(",") if f)
 assert set(FAMILIES) <= set(ALL), FAMILIES
 
@@ -53,6 +53,8 @@ class Shape:
     backoff: int = 0  # prompt tokens D computes itself
     lengths: tuple[int, ...] = (20, 70, 200)  # inside one block, past the window, far past it
     max_model_len: int = 1024
+    #: Bytes of one token of one attention layer: 2 KV heads x head dims x K and V x bfloat16.
+    token_bytes: int = 2 * 32 * 2 * 2
 
 
 SHAPES = {
@@ -65,9 +67,10 @@ SHAPES = {
     "qwen3-next": Shape(state=3, full=1, block=1056, state_bytes=3 * 1024 * 2 + 4 * 128 * 128 * 4, backoff=1,
                         lengths=(20, 200, 1057), max_model_len=2048),
     "deepseek-v2": Shape(mla=4, block=16),
+    "gpt-oss": Shape(sliding=2, full=2, token_bytes=2 * 64 * 2 * 2),
+    # Mamba-2's state: conv bfloat16[3, 256 + 2 x 16] + recurrent float32[8, 32, 16].
+    "mamba2": Shape(state=4, state_bytes=3 * 288 * 2 + 8 * 32 * 16 * 4, backoff=1, lengths=(20, 200)),
 }
-#: Bytes of one token of one attention layer: 2 KV heads x 32 dims x K and V x bfloat16.
-TOKEN_BYTES = 2 * 32 * 2 * 2
 #: MLA: a 576-element latent (512 + 64 rope) of bfloat16 per token.
 LATENT = 576 * 2
 
@@ -78,12 +81,12 @@ def expected_bytes(shape: Shape, n: int) -> int:
     b = shape.block
     blocks = math.ceil(moved / b)
     # CPU attention moves whole blocks (the last block's tail goes along).
-    total = shape.full * blocks * b * TOKEN_BYTES
+    total = shape.full * blocks * b * shape.token_bytes
     if shape.sliding:
         # The tail both sides hold: vLLM keeps the blocks of the last window - 1 tokens, kvxfer
         # names at most the last cdiv(window, block) + 1 of them.
         first = max(blocks - (math.ceil(WINDOW / b) + 1), max(0, moved - WINDOW + 1) // b)
-        total += shape.sliding * (blocks - first) * b * TOKEN_BYTES
+        total += shape.sliding * (blocks - first) * b * shape.token_bytes
     total += shape.mla * moved * LATENT  # MLA rows move token by token
     total += shape.state * shape.state_bytes
     return total
@@ -175,7 +178,7 @@ def check_one(name: str, dep, prompts, want, mode: str, n: int) -> None:
     if shape.sliding:
         # Never more than the window's blocks, whatever the prompt's length.
         assert moved <= (shape.full * math.ceil(n / shape.block)
-                         + shape.sliding * (math.ceil(WINDOW / shape.block) + 1)) * shape.block * TOKEN_BYTES
+                         + shape.sliding * (math.ceil(WINDOW / shape.block) + 1)) * shape.block * shape.token_bytes
     if shape.mla and mode == "pull":
         check_mla_difference(dep, params, n, got, want[(mode, n)])
     elif shape.mla:
