@@ -82,29 +82,48 @@ def run_family(name: str, lengths: list[int], requests: int, nixl: bool, work: P
             out.setdefault("outs", {})[n] = got[n]["outs"]
         row["systems"][system] = out
 
+    def failed(system: str, err: BaseException) -> None:
+        log(f"{name}: {system} failed: {err}")
+        row["systems"][system] = {"capacity": None, "ttft_ms": {}, "status": f"failed: {str(err)[:300]}"}
+
     log(f"{name}: kvxfer")
-    kv = KvxferPair(work, model, MAX_LEN)
     try:
-        moved = lambda: float(kv.p_sc.status()["bytesMoved"])  # noqa: E731
-        for system, which, ps in (("kvxfer-pull", "pull", prompts), ("kvxfer-push", "push", push_prompts)):
-            record(system, {n: _serve(kv, system, ps[n], moved) for n in lengths}, kv.p.kv_capacity(), which)
-        row["hybrid_manager_on"] = "Turning off hybrid kv cache manager" not in kv.p.tail(10**7)
-    finally:
-        kv.close()
+        kv = KvxferPair(work, model, MAX_LEN)
+    except Exception as err:  # noqa: BLE001 - a row, not the end of the run
+        failed("kvxfer-pull", err)
+    else:
+        try:
+            moved = lambda: float(kv.p_sc.status()["bytesMoved"])  # noqa: E731
+            for system, which, ps in (("kvxfer-pull", "pull", prompts), ("kvxfer-push", "push", push_prompts)):
+                try:
+                    record(system, {n: _serve(kv, system, ps[n], moved) for n in lengths}, kv.p.kv_capacity(), which)
+                except Exception as err:  # noqa: BLE001
+                    failed(system, err)
+            row["hybrid_manager_on"] = "Turning off hybrid kv cache manager" not in kv.p.tail(10**7)
+        finally:
+            kv.close()
     if nixl:
         log(f"{name}: NixlConnector")
-        nx = NixlPair(work, model, MAX_LEN, push=False, fixed=True)
         try:
-            url = f"{nx.d.url}/metrics"
-            moved = lambda: metric(url, "vllm:nixl_bytes_transferred_sum")  # noqa: E731
-            record("nixl-fixed", {n: _serve(nx, "nixl-fixed", prompts[n], moved) for n in lengths},
-                   nx.p.kv_capacity(), "pull")
-        finally:
-            nx.close()
+            nx = NixlPair(work, model, MAX_LEN, push=False, fixed=True)
+        except Exception as err:  # noqa: BLE001
+            failed("nixl-fixed", err)
+        else:
+            try:
+                url = f"{nx.d.url}/metrics"
+                moved = lambda: metric(url, "vllm:nixl_bytes_transferred_sum")  # noqa: E731
+                record("nixl-fixed", {n: _serve(nx, "nixl-fixed", prompts[n], moved) for n in lengths},
+                       nx.p.kv_capacity(), "pull")
+            except Exception as err:  # noqa: BLE001
+                failed("nixl-fixed", err)
+            finally:
+                nx.close()
         # Where kvxfer and NixlConnector both differ from one engine, whether they agree.
-        for n in lengths:
-            a, b = row["systems"]["kvxfer-pull"]["outs"][n], row["systems"]["nixl-fixed"]["outs"][n]
-            row.setdefault("kvxfer_pull_equals_nixl", {})[n] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+        pull, nx_row = row["systems"].get("kvxfer-pull", {}), row["systems"].get("nixl-fixed", {})
+        if "outs" in pull and "outs" in nx_row:
+            for n in lengths:
+                a, b = pull["outs"][n], nx_row["outs"][n]
+                row.setdefault("kvxfer_pull_equals_nixl", {})[n] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
     for s in row["systems"].values():
         s.pop("outs", None)
     return row
@@ -117,7 +136,7 @@ def table(rows: list[dict[str, Any]], lengths: list[int]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         for system, s in r["systems"].items():
-            cells = [r["family"], system, str(s["capacity"])]
+            cells = [r["family"], system + (f" ({s['status']})" if "status" in s else ""), str(s["capacity"])]
             for n in lengths:
                 b = s.get("bytes_per_request", {}).get(n)
                 cells += ["—" if b is None else f"{b:,}", str(s["ttft_ms"].get(n)), s.get("identical", {}).get(n, "—")]
@@ -139,19 +158,20 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     nixl = not args.no_nixl and peers_installed().get("nixl", {}).get("installed", False)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    rows = []
+    import vllm
+
+    rows: list[dict[str, Any]] = []
+    result = {"bench": "vllm-models", "started": started, "machine": f"{os.cpu_count()} cores, {platform.machine()}",
+              "vllm": vllm.__version__, "lengths": lengths, "requests": args.requests, "output_tokens": OUT,
+              "load_before": os.getloadavg(), "rows": rows}
+    out = REPO / "bench" / "results" / f"models-{started.replace(':', '')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvxfer-models-") as tmp:
         for f in families:
             rows.append(run_family(f, lengths, args.requests, nixl, Path(tmp)))
-    import vllm
-
-    result = {"bench": "vllm-models", "started": started, "machine": f"{os.cpu_count()} cores, {platform.machine()}",
-              "vllm": vllm.__version__, "lengths": lengths, "requests": args.requests, "output_tokens": OUT,
-              "load": os.getloadavg(), "rows": rows}
+            result["load_after"] = os.getloadavg()
+            out.write_text(json.dumps(result, indent=1))  # after every family: a cut run keeps what it had
     log(table(rows, lengths))
-    out = REPO / "bench" / "results" / f"models-{started.replace(':', '')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
     log(f"results: {out}")
     print(json.dumps(result))
 
