@@ -74,6 +74,8 @@ export interface ApiServer {
   readonly serving: boolean;
   /** Open WatchEvents streams. */
   readonly watchers: number;
+  /** AwaitTransfer calls waiting. */
+  readonly awaiting: number;
   /** Open connections (each holds one of its slots). */
   readonly connections: number;
   /**

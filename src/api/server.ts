@@ -130,6 +130,9 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
     get watchers() {
       return state.watches.size;
     },
+    get awaiting() {
+      return state.awaits.size;
+    },
     get connections() {
       return slots.inFlight;
     },

@@ -206,7 +206,7 @@ describe("side channel slots (mutual TLS only)", () => {
     // A real ClientHello, taken from a real client, then nothing.
     const hello = await new Promise<Buffer>((resolve) => {
       const grab = net.createServer((sock) =>
-        sock.once("data", (d) => {
+        sock.once("data", (d: Buffer) => {
           resolve(d);
           sock.destroy();
           grab.close();
