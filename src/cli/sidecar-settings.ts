@@ -92,8 +92,8 @@ export const SIDECAR_SETTINGS = {
   },
   "peer-keepalive-ms": {
     type: "string",
-    default: "30000",
-    help: "heartbeats go on this long after a peer's last transfer, so the next transfer needs no new handshake; 0: only while transfers are live",
+    default: "600000",
+    help: "heartbeats go on this long after a peer's last transfer, so the next transfer needs no new handshake (the authenticated channel stays up while the peer is in use); 0: only while transfers are live",
   },
   "abort-grace-ms": {
     type: "string",

@@ -32,7 +32,14 @@ import {
   type PeerBody,
 } from "./messages.js";
 import { PeerState, type KvSource, type PeerInfo, type RegisteredKv } from "./peer-state.js";
-import { handshake, refusal, type PeerCredentials, type PeerIdentity } from "./side-channel.js";
+import {
+  handshake,
+  refusal,
+  type HandshakeResult,
+  type PeerCredentials,
+  type PeerIdentity,
+  wasCut,
+} from "./side-channel.js";
 
 /** What the table reads the time with and sets its one-shot timers on (the sidecar's clock). */
 export interface PeerClock {
@@ -46,6 +53,11 @@ export type PeerRole = "prefill" | "decode" | "both";
 
 /** Peers known at once at most; an idle peer is forgotten after the tombstone time. */
 export const MAX_PEERS = 4096;
+/**
+ * With MAX_PEERS known, a new peer takes the place of an idle one (no live transfer, nothing in
+ * flight): the first such among this many of the least recently handshaken, checked in order.
+ */
+export const PEER_EVICTION_SCAN = 64;
 
 /** Peer events as the table emits them (the sidecar's event outbox). */
 export interface PeerEventPort {
@@ -234,12 +246,18 @@ export class PeerTable {
     if (old !== undefined && old.epoch === md.epoch && old.state === "connected") {
       old.lastSeenMs = this.host.clock.now();
       old.lastUsedMs = old.lastSeenMs; // it handshakes to transfer
+      // The least recently handshaken first (an eviction looks there).
+      this.peers.delete(md.engineId);
+      this.peers.set(md.engineId, old);
       return old;
     }
     if (old !== undefined)
       this.drop(old, old.epoch === md.epoch ? "peer failed" : "peer restarted (new epoch)");
-    if (this.peers.size >= MAX_PEERS) {
-      throw new KvxferError("ERR_OVERLOADED", `${MAX_PEERS} peers known; refusing another`);
+    if (this.peers.size >= MAX_PEERS && !this.evictIdle()) {
+      throw new KvxferError(
+        "ERR_OVERLOADED",
+        `${MAX_PEERS} peers known, none idle among the ${PEER_EVICTION_SCAN} least recent; refusing another`,
+      );
     }
     const peer = new PeerState(
       md,
@@ -255,7 +273,35 @@ export class PeerTable {
     return peer;
   }
 
-  /** Decode side: the peer at `address`, from the cache while it is fresh, else by handshake. */
+  /**
+   * Forgets the first idle peer (no live transfer, no read or write in flight) among the
+   * PEER_EVICTION_SCAN least recently handshaken; false when none of them is idle.
+   */
+  private evictIdle(): boolean {
+    let n = 0;
+    for (const peer of this.peers.values()) {
+      if (n++ >= PEER_EVICTION_SCAN) break;
+      if (this.host.sides.liveWith(peer) || this.host.sides.busyWith(peer)) continue;
+      this.forget(peer);
+      this.host.log.info({ peer: peer.engineId }, "idle peer forgotten to make room");
+      return true;
+    }
+    return false;
+  }
+
+  private forget(peer: PeerState): void {
+    this.peers.delete(peer.engineId);
+    if (this.byAddress.get(peer.dialedAddress) === peer.engineId)
+      this.byAddress.delete(peer.dialedAddress);
+    peer.close();
+  }
+
+  /**
+   * Decode side: the peer at `address`, from the cache while it is fresh, else by handshake.
+   * A handshake that fails while the cached peer is still connected and was heard from within
+   * the peer timeout leaves the cached one in use: the authenticated channel stays up while
+   * the peer is known, and a side channel an attacker keeps busy costs no transfer.
+   */
   resolve(address: string): Promise<PeerState> {
     const known = this.byAddress.get(address);
     const cached = known === undefined ? undefined : this.peers.get(known);
@@ -269,10 +315,48 @@ export class PeerTable {
     }
     let pending = this.handshakes.get(address);
     if (pending === undefined) {
-      pending = this.dial(address, cached).finally(() => this.handshakes.delete(address));
+      pending = this.dial(address, cached)
+        .catch((err: unknown) => {
+          if (
+            cached !== undefined &&
+            cached.state === "connected" &&
+            this.peers.get(cached.engineId) === cached &&
+            this.host.clock.now() - cached.lastSeenMs < this.settings.peerTimeoutMs
+          ) {
+            this.host.log.warn(
+              { err, peer: cached.engineId, address },
+              "handshake failed; the known peer is still heard from and stays in use",
+            );
+            cached.lastUsedMs = this.host.clock.now();
+            return cached;
+          }
+          throw err;
+        })
+        .finally(() => this.handshakes.delete(address));
       this.handshakes.set(address, pending);
     }
     return pending;
+  }
+
+  /**
+   * One handshake answer from `address`, trying again while the handshake timeout lasts when the
+   * connection was cut before any answer (a side channel under attack displaces connections:
+   * a new one may well get through). A refusal, or a failed TLS handshake, is final.
+   */
+  private async answer(address: string, req: HandshakeRequest): Promise<HandshakeResult> {
+    const { handshakeTimeoutMs } = this.settings;
+    const creds = this.settings.peerCredentials;
+    const started = Date.now();
+    for (let attempt = 0; ; attempt++) {
+      const left = handshakeTimeoutMs - (Date.now() - started);
+      try {
+        return await handshake(address, req, Math.max(1, left), creds);
+      } catch (err) {
+        const waitMs = Math.min(25 << attempt, 400);
+        if (!wasCut(err) || Date.now() - started + waitMs >= handshakeTimeoutMs) throw err;
+        await new Promise((r) => setTimeout(r, waitMs));
+      }
+    }
   }
 
   private async dial(address: string, cached: PeerState | undefined): Promise<PeerState> {
@@ -284,12 +368,7 @@ export class PeerTable {
       macKey,
     });
     const creds = this.settings.peerCredentials;
-    const { response: res, peer: identity } = await handshake(
-      address,
-      req,
-      this.settings.handshakeTimeoutMs,
-      creds,
-    );
+    const { response: res, peer: identity } = await this.answer(address, req);
     if (res.errorCode !== "")
       throw new KvxferError(res.errorCode, `handshake with ${address} refused: ${res.error}`);
     const layout = PeerTable.checkMetadata(res.metadata);
@@ -461,10 +540,7 @@ export class PeerTable {
         this.drop(peer, `silent for ${now - peer.lastSeenMs} ms`);
       } else if (now - peer.lastSeenMs > this.settings.tombstoneMs) {
         // Idle and unheard of for long: forget it (a new transfer handshakes again).
-        this.peers.delete(peer.engineId);
-        if (this.byAddress.get(peer.dialedAddress) === peer.engineId)
-          this.byAddress.delete(peer.dialedAddress);
-        peer.close();
+        this.forget(peer);
       }
     }
   }

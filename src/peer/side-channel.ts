@@ -480,6 +480,18 @@ export function refusal(code: string, message: string): HandshakeResponse {
   return create(HandshakeResponseSchema, { errorCode: code, error: message });
 }
 
+/** Handshake failures where the connection was cut before any answer (see `wasCut`). */
+const cuts = new WeakSet<Error>();
+
+/**
+ * True when `err` is a handshake whose connection was closed or reset before any answer came:
+ * the side channel may have displaced it to make room, and another try may get through (a
+ * refused connection, a refusal or a failed TLS handshake is not one).
+ */
+export function wasCut(err: unknown): boolean {
+  return err instanceof Error && cuts.has(err);
+}
+
 /** A handshake answer and who gave it (the engine id in its certificate, if authenticated). */
 export interface HandshakeResult {
   readonly response: HandshakeResponse;
@@ -564,18 +576,21 @@ export async function handshake(
       const tlsFailure =
         creds !== undefined &&
         /certificate|alert|handshake|SSL|TLS|self.signed|unable to verify/i.test(err.message);
-      finish(
-        new KvxferError(
-          tlsFailure ? "ERR_UNAUTHENTICATED" : "ERR_UNREACHABLE",
-          tlsFailure
-            ? `side channel ${address} refused mutual TLS: ${err.message}`
-            : `side channel ${address}: ${err.message}`,
-          { cause: err },
-        ),
+      const e = new KvxferError(
+        tlsFailure ? "ERR_UNAUTHENTICATED" : "ERR_UNREACHABLE",
+        tlsFailure
+          ? `side channel ${address} refused mutual TLS: ${err.message}`
+          : `side channel ${address}: ${err.message}`,
+        { cause: err },
       );
+      const errno = (err as NodeJS.ErrnoException).code;
+      if (!tlsFailure && (errno === "ECONNRESET" || errno === "EPIPE")) cuts.add(e);
+      finish(e);
     });
-    socket.on("close", () =>
-      finish(new KvxferError("ERR_UNREACHABLE", `side channel ${address} closed with no answer`)),
-    );
+    socket.on("close", () => {
+      const e = new KvxferError("ERR_UNREACHABLE", `side channel ${address} closed with no answer`);
+      cuts.add(e);
+      finish(e);
+    });
   });
 }

@@ -110,7 +110,7 @@ export function resolveOptions(options: SidecarOptions): ResolvedOptions {
     transferTimeoutMs: options.transferTimeoutMs ?? 60_000,
     heartbeatMs: options.heartbeatMs ?? 1000,
     peerTimeoutMs: options.peerTimeoutMs ?? 5000,
-    peerKeepaliveMs: options.peerKeepaliveMs ?? 30_000,
+    peerKeepaliveMs: options.peerKeepaliveMs ?? 600_000,
     abortGraceMs: options.abortGraceMs ?? 2000,
     handshakeTimeoutMs: options.handshakeTimeoutMs ?? 5000,
     tombstoneMs: options.tombstoneMs ?? 60_000,

@@ -166,7 +166,7 @@ describe("PeerTable", () => {
     expect(downs).toHaveLength(2);
   });
 
-  it(`the peer cap: the ${MAX_PEERS + 1}th engine's handshake is refused ERR_OVERLOADED`, () => {
+  it(`the peer cap: the ${MAX_PEERS + 1}th engine's handshake is refused ERR_OVERLOADED while every known peer is busy`, () => {
     const { table, handshake } = setup();
     for (let i = 0; i < MAX_PEERS; i++) expect(handshake(`d${i}`, 7n).res.errorCode).toBe("");
     const { res } = handshake("one-too-many", 7n);
@@ -174,6 +174,33 @@ describe("PeerTable", () => {
     expect(table.list()).toHaveLength(MAX_PEERS);
     // A known peer re-handshaking at its epoch is not a new one.
     expect(handshake("d0", 7n).res.errorCode).toBe("");
+  });
+
+  it(`the peer cap: a new engine takes the place of the least recently handshaken idle peer (issue 48: more identities cannot lock a new peer out)`, () => {
+    const world = new PeerTableWorld();
+    const { table } = world;
+    const hs = (engineId: string) =>
+      table.onHandshake(
+        create(HandshakeRequestSchema, {
+          metadata: peerMetadata(engineId, 7n),
+          macKey: newMacKey(),
+        }),
+        undefined,
+      );
+    for (let i = 0; i < MAX_PEERS; i++) expect(hs(`d${i}`).errorCode).toBe("");
+    world.live = false;
+    // d0 handshakes again: it is now the most recent; d1 is the least recent idle one.
+    expect(hs("d0").errorCode).toBe("");
+    expect(hs("newcomer").errorCode).toBe("");
+    const ids = new Set(table.list().map((p) => p.engineId));
+    expect(ids.size).toBe(MAX_PEERS);
+    expect(ids.has("newcomer")).toBe(true);
+    expect(ids.has("d0")).toBe(true);
+    expect(ids.has("d1")).toBe(false);
+    expect(world.events.filter((e) => e.startsWith("PEER_DOWN"))).toEqual([]); // forgotten, not failed
+    // Reads or writes in flight keep a peer too.
+    world.busy = true;
+    expect(hs("another").errorCode).toBe("ERR_OVERLOADED");
   });
 
   it("an endpoint failure drops the peer it leads to", () => {
