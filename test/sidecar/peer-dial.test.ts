@@ -242,8 +242,12 @@ describe("D resolves P over the side channel", () => {
       await new Promise<void>((r) => front.close(() => r()));
     }
     // Nobody listening: refused at once, not retried for the whole timeout.
+    const gone = net.createServer();
+    await new Promise<void>((r) => gone.listen(0, "127.0.0.1", () => r()));
+    const nobody = `127.0.0.1:${(gone.address() as net.AddressInfo).port}`;
+    await new Promise<void>((r) => gone.close(() => r()));
     const t0 = Date.now();
-    await expect(d.table.resolve(via)).rejects.toMatchObject({ code: "ERR_UNREACHABLE" });
+    await expect(d.table.resolve(nobody)).rejects.toMatchObject({ code: "ERR_UNREACHABLE" });
     expect(Date.now() - t0).toBeLessThan(500);
   });
 
