@@ -47,8 +47,6 @@ export class PeerState {
   private recvKey: Uint8Array = new Uint8Array(0);
   /** The key before that: notifications sealed before a re-handshake may still be in flight. */
   private prevRecvKey: Uint8Array = new Uint8Array(0);
-  /** P: entries its PushRegs created that wait for PrefillDone (its share, checked in O(1)). */
-  named = 0;
   /** Its notifications processed per second, at most (Sidecar's peerMessagesPerSec). */
   readonly budget = new MessageBudget();
   /** Sequence number of our last notification to it. */

@@ -70,6 +70,11 @@ export class Sweeper {
       );
     }
     peers.expire(now);
+    const displaced = prefill.takeDisplaced();
+    if (displaced > 0)
+      this.parts.errors.note(
+        `${displaced} registrations before prefill displaced to make room (ERR_OVERLOADED; the engine holding the most loses its oldest)`,
+      );
     for (const [engineId, n] of peers.overBudget())
       this.parts.errors.note(
         `${n} notifications from '${engineId}' dropped: over ${this.parts.messagesPerSec}/s (ERR_OVERLOADED)`,

@@ -215,8 +215,10 @@ export const SETTINGS: LifecycleSettings = {
   abortGraceMs: 200,
   tombstoneMs: 10_000,
   maxTransfers: 2,
-  // Each peer's share of P's table (by default maxTransfers / 8) is tested on its own.
+  // Each peer's share of P's registrations before PrefillDone, and the pool they are kept in
+  // (each by default maxTransfers / 8), are tested on their own.
   maxPerPeer: 1000,
+  maxUnconfirmed: 1000,
   exclusivePrefillBlocks: false,
 };
 
