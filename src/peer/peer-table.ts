@@ -111,6 +111,16 @@ export interface PeerTableSettings {
   readonly peerCredentials: PeerCredentials | undefined;
   /** Fault the pages of a peer's region that UCX maps into this process in at import. */
   readonly prefault?: boolean;
+  /**
+   * Notifications of one peer processed per second at most (burst: two seconds' worth; absent:
+   * no limit). Charged before the MAC is checked: past it a message costs a parse and a lookup.
+   */
+  readonly peerMessagesPerSec?: number;
+}
+
+/** What a notification costs of its sender's budget: one, and one more per 4 KiB it carries. */
+export function messageCost(bytes: number): number {
+  return 1 + Math.floor(bytes / 4096);
 }
 
 /** A notification that passed every check, from `peer`'s agent `fromRank`. */
@@ -494,6 +504,11 @@ export class PeerTable {
       );
       return undefined;
     }
+    // Its sender's share of our work, before the MAC (the costly check): past its budget a
+    // message goes unprocessed, whoever sealed it (counted, reported by the sweep).
+    const rate = this.settings.peerMessagesPerSec;
+    if (rate !== undefined && !peer.budget.take(host.clock.now(), rate, messageCost(n.data.length)))
+      return undefined;
     // It must be sealed with the key that engine gave us in its handshake, and new.
     if (!peer.verifies(m.verify)) {
       host.errors.note(

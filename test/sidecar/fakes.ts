@@ -414,6 +414,7 @@ export class PeerTableWorld {
       role?: "prefill" | "decode" | "both";
       layout?: KvLayout;
       peerCredentials?: PeerCredentials;
+      peerMessagesPerSec?: number;
     } = {},
   ) {
     const kv = fakeKv(o.layout ?? SMALL, this.agent);
@@ -455,6 +456,7 @@ export class PeerTableWorld {
         tombstoneMs: 60_000,
         abortGraceMs: 200,
         peerCredentials: o.peerCredentials,
+        ...(o.peerMessagesPerSec !== undefined ? { peerMessagesPerSec: o.peerMessagesPerSec } : {}),
       },
     );
   }

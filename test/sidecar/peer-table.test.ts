@@ -16,7 +16,7 @@ import {
 } from "../../src/peer/messages.js";
 import type { LayoutPairing } from "../../src/plan/index.js";
 import type { PeerState } from "../../src/peer/peer-state.js";
-import { MAX_PEERS } from "../../src/peer/peer-table.js";
+import { MAX_PEERS, messageCost } from "../../src/peer/peer-table.js";
 import { FakeWorld, PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 
 const OUR_EPOCH = PeerTableWorld.EPOCH;
@@ -201,6 +201,55 @@ describe("PeerTable", () => {
     // Reads or writes in flight keep a peer too.
     world.busy = true;
     expect(hs("another").errorCode).toBe("ERR_OVERLOADED");
+  });
+
+  it("issue 48: the sender's budget is charged before the MAC: past it, forged notifications cost a parse and a lookup, and are counted, not checked", () => {
+    const world = new PeerTableWorld({ peerMessagesPerSec: 100 });
+    const { table, errors, clock } = world;
+    const macKey = newMacKey();
+    expect(
+      table.onHandshake(
+        create(HandshakeRequestSchema, { metadata: peerMetadata("d0", 7n), macKey }),
+        undefined,
+      ).errorCode,
+    ).toBe("");
+    const forged = (seq: bigint): Notification =>
+      ({
+        peer: agentName("d0", 7n, 0),
+        data: sealPeerMessage(
+          newMacKey(), // not d0's key
+          encodePeerMessage(
+            "d0",
+            7n,
+            OUR_EPOCH,
+            { case: "heartbeat", value: { transferIds: [] } },
+            seq,
+          ),
+        ),
+      }) as Notification;
+    for (let i = 1; i <= 5000; i++) expect(table.verify(forged(BigInt(i)))).toBeUndefined();
+    // The burst (two seconds' worth) was checked and refused by name; the rest only counted.
+    expect(errors.filter((e) => e.includes("bad MAC"))).toHaveLength(200);
+    expect(table.overBudget()).toEqual([["d0", 4800]]);
+    // The budget refills: d0's own notifications count again (a big one costs more).
+    clock.advance(1000);
+    const real = (seq: bigint, ids: string[]): Notification =>
+      ({
+        peer: agentName("d0", 7n, 0),
+        data: sealPeerMessage(
+          macKey,
+          encodePeerMessage(
+            "d0",
+            7n,
+            OUR_EPOCH,
+            { case: "heartbeat", value: { transferIds: ids } },
+            seq,
+          ),
+        ),
+      }) as Notification;
+    expect(table.verify(real(9001n, ["t1"]))?.peer.engineId).toBe("d0");
+    expect(messageCost(100)).toBe(1);
+    expect(messageCost(4096 * 3)).toBe(4);
   });
 
   it("an endpoint failure drops the peer it leads to", () => {
