@@ -31,7 +31,13 @@ import {
   type OpenedPeerMessage,
   type PeerBody,
 } from "./messages.js";
-import { PeerState, type KvSource, type PeerInfo, type RegisteredKv } from "./peer-state.js";
+import {
+  MessageBudget,
+  PeerState,
+  type KvSource,
+  type PeerInfo,
+  type RegisteredKv,
+} from "./peer-state.js";
 import {
   handshake,
   refusal,
@@ -112,11 +118,42 @@ export interface PeerTableSettings {
   /** Fault the pages of a peer's region that UCX maps into this process in at import. */
   readonly prefault?: boolean;
   /**
-   * Notifications of one peer processed per second at most (burst: two seconds' worth; absent:
-   * no limit). Charged before the MAC is checked: past it a message costs a parse and a lookup.
+   * Notifications processed per second at most, every peer together, shared equally between
+   * the peers that sent any in this second or the one before (one peer alone gets all of it;
+   * burst: two seconds' worth; absent: no limit). More identities get no more of the sidecar's
+   * work, only smaller shares each. Charged before the MAC is checked: past it a message costs
+   * a parse and a lookup.
    */
   readonly peerMessagesPerSec?: number;
 }
+
+/**
+ * How many peers sent notifications lately: those of the current second and of the one before,
+ * whichever is more (O(1) per message: each peer remembers its last second).
+ */
+export class ActiveSenders {
+  private second = -1;
+  private current = 0;
+  private previous = 0;
+
+  /** `peer` sends at `nowMs`: the number of peers sending lately (at least 1). */
+  note(peer: PeerState, nowMs: number): number {
+    const s = Math.floor(nowMs / 1000);
+    if (s !== this.second) {
+      this.previous = s === this.second + 1 ? this.current : 0;
+      this.current = 0;
+      this.second = s;
+    }
+    if (peer.activeSecond !== s) {
+      peer.activeSecond = s;
+      this.current++;
+    }
+    return Math.max(1, this.current, this.previous);
+  }
+}
+
+/** Notifications per second from agents that are no connected peer, all together. */
+export const STRANGERS_PER_SEC = 100;
 
 /** What a notification costs of its sender's budget: one, and one more per 4 KiB it carries. */
 export function messageCost(bytes: number): number {
@@ -145,6 +182,9 @@ export class PeerTable {
   /** Side channel address -> engine id, for the D side's cache. */
   private readonly byAddress = new Map<string, string>();
   private readonly handshakes = new Map<string, Promise<PeerState>>();
+  private readonly senders = new ActiveSenders();
+  /** Notifications from agents that are no connected peer, all together (admit). */
+  private readonly strangers = new MessageBudget();
   private closed = false;
 
   constructor(
@@ -325,13 +365,17 @@ export class PeerTable {
     }
     let pending = this.handshakes.get(address);
     if (pending === undefined) {
+      // Heard from within the peer timeout when the handshake began (a handshake can take as
+      // long as the timeout itself, P's heartbeats delayed behind a flood meanwhile).
+      const heard = cached?.lastSeenMs ?? -Infinity;
+      const fresh = this.host.clock.now() - heard < this.settings.peerTimeoutMs;
       pending = this.dial(address, cached)
         .catch((err: unknown) => {
           if (
             cached !== undefined &&
             cached.state === "connected" &&
             this.peers.get(cached.engineId) === cached &&
-            this.host.clock.now() - cached.lastSeenMs < this.settings.peerTimeoutMs
+            fresh
           ) {
             this.host.log.warn(
               { err, peer: cached.engineId, address },
@@ -469,6 +513,25 @@ export class PeerTable {
   }
 
   /**
+   * The first check of a notification, before anything of it is parsed (O(1)): the sender its
+   * agent name claims is charged its size against its share of the sidecar's work (`admit`
+   * false: over it, dropped unprocessed and counted). A sender that is no connected peer shares
+   * a small allowance with every other such (its messages are refused anyway; a few are kept
+   * for the error lines). What it costs a forger: this, not a parse or a MAC.
+   */
+  admit(n: Notification): boolean {
+    const rate = this.settings.peerMessagesPerSec;
+    if (rate === undefined) return true;
+    const now = this.host.clock.now();
+    const cost = messageCost(n.data.length);
+    const from = parseAgentName(n.peer);
+    const peer = from === undefined ? undefined : this.peers.get(from.engineId);
+    if (peer === undefined || peer.state !== "connected")
+      return this.strangers.take(now, STRANGERS_PER_SEC, cost);
+    return peer.budget.take(now, rate / this.senders.note(peer, now), cost);
+  }
+
+  /**
    * Opens one notification and checks it: a known peer at the epoch we hold, naming us at ours,
    * from an agent of that peer, sealed with its key, not seen before. Undefined (and an error
    * noted) when any check fails.
@@ -504,16 +567,14 @@ export class PeerTable {
       );
       return undefined;
     }
-    // Its sender's share of our work, before the MAC (the costly check): past its budget a
-    // message goes unprocessed, whoever sealed it (counted, reported by the sweep).
-    const rate = this.settings.peerMessagesPerSec;
-    if (rate !== undefined && !peer.budget.take(host.clock.now(), rate, messageCost(n.data.length)))
-      return undefined;
-    // It must be sealed with the key that engine gave us in its handshake, and new.
+    // It must be sealed with the key that engine gave us in its handshake, and new. The first
+    // refusal is noted at once, the rest counted and reported by the sweep (badMacReport): a
+    // forger pays for its messages, not for our error lines.
     if (!peer.verifies(m.verify)) {
-      host.errors.note(
-        `peer message from '${m.senderEngineId}' refused: ERR_UNAUTHENTICATED (bad MAC)`,
-      );
+      if (peer.badMacs++ === 0)
+        host.errors.note(
+          `peer message from '${m.senderEngineId}' refused: ERR_UNAUTHENTICATED (bad MAC)`,
+        );
       return undefined;
     }
     if (!peer.replay.accept(m.seq)) {
@@ -560,12 +621,27 @@ export class PeerTable {
     }
   }
 
-  /** Peers whose messages were dropped over budget since the last call, with how many. */
+  /**
+   * Peers whose messages were dropped over budget since the last call, with how many ("" for
+   * senders that are no connected peer).
+   */
   overBudget(): [string, number][] {
     const out: [string, number][] = [];
+    const strangers = this.strangers.dropped();
+    if (strangers > 0) out.push(["", strangers]);
     for (const p of this.peers.values()) {
       const n = p.budget.dropped();
       if (n > 0) out.push([p.engineId, n]);
+    }
+    return out;
+  }
+
+  /** Peers with more than one bad-MAC notification since the last call: how many more. */
+  badMacReport(): [string, number][] {
+    const out: [string, number][] = [];
+    for (const p of this.peers.values()) {
+      if (p.badMacs > 1) out.push([p.engineId, p.badMacs - 1]);
+      p.badMacs = 0;
     }
     return out;
   }

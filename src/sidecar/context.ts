@@ -47,6 +47,8 @@ export interface LifecycleSettings {
   readonly maxUnconfirmed?: number;
   /** P: the lease of a registration before P's engine names its id (default 5 000 ms). */
   readonly unconfirmedLeaseMs?: number;
+  /** Heartbeat period between peers (default 1 000 ms): a peer unheard of for two is silent. */
+  readonly heartbeatMs?: number;
   /** P refuses a PrefillDone listing a block a live transfer holds. */
   readonly exclusivePrefillBlocks: boolean;
 }

@@ -668,7 +668,17 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     const live = [...t.pending.values()].filter((r) => r.withdrawn === undefined);
     for (const r of live) {
       if (now < r.deadline) continue;
-      this.failTo(r.peer, t.id, "ERR_TIMEOUT", "no prefill before the registration lease ran out");
+      // A decode engine heard from lately is told; one silent for two heartbeats is gone (or
+      // cut off): nothing is sent to it (the peer table drops it; it registers again if it
+      // comes back). Sends to a dead peer never complete (measured over shared memory:
+      // thousands of them kept P's progress thread at 50-90% of a core for 30 s and more).
+      if (now - r.peer.lastSeenMs < 2 * (this.ctx.settings.heartbeatMs ?? 1000))
+        this.failTo(
+          r.peer,
+          t.id,
+          "ERR_TIMEOUT",
+          "no prefill before the registration lease ran out",
+        );
       this.on(t, "REG_EXPIRED", { withdrawn: r, reason: "registration lease expired" });
     }
     if (live.length === 0) {

@@ -315,8 +315,12 @@ export class FakeWorld {
   }
 
   /** A peer engine with SMALL's layout, reached through this world's agent. */
+  /**
+   * A peer engine as the peer table holds it. It is heard from all the time (its lastSeenMs is
+   * now, as for a peer that heartbeats), until `silent(peer)`.
+   */
   peer(engineId = "peer-0", layout: KvLayout = this.layout): PeerState {
-    return new PeerState(
+    const peer = new PeerState(
       peerMetadata(engineId, 7n, layout),
       layout,
       this.ctx.kvs.kv!.agents,
@@ -325,6 +329,18 @@ export class FakeWorld {
       this.clock.now(),
       false,
     );
+    const clock = this.clock;
+    let heardAt: number | undefined;
+    Object.defineProperty(peer, "lastSeenMs", {
+      get: () => heardAt ?? clock.now(),
+      set: (v: number) => (heardAt = v),
+    });
+    return peer;
+  }
+
+  /** `peer` is heard from no more (its lastSeenMs stays at now). */
+  silent(peer: PeerState): void {
+    peer.lastSeenMs = this.clock.now();
   }
 
   /** The cases of the engine messages sent for `transferId`, in order. */

@@ -373,6 +373,17 @@ describe("issue 48: registrations no engine has named live apart, shared fairly"
     expect(p.unconfirmedCount()).toBe(2);
   });
 
+  it("a registration whose decode engine is silent for two heartbeats expires without a word to it (a crowd of dead insiders costs P no sends that cannot complete); a live one is told", () => {
+    const { w, p, d, thief } = setup({ unconfirmedLeaseMs: 3000, heartbeatMs: 1000 });
+    p.pushReg(thief, pushReg("gone", "x", 10_000));
+    p.pushReg(d, pushReg("alive", "y", 10_000));
+    w.silent(thief);
+    w.clock.advance(3000);
+    p.expire(w.clock.now());
+    expect(w.toPeer.filter((m) => m.peer === "thief")).toEqual([]);
+    expect(w.peerSaid("alive")).toEqual(["failed:ERR_TIMEOUT"]);
+  });
+
   it("an engine's Abort before PrefillDone tells the live registrations, not a withdrawn one", () => {
     const { w, p, d, thief } = setup();
     p.pushReg(thief, pushReg("t1", "x"));

@@ -16,7 +16,12 @@ import {
 } from "../../src/peer/messages.js";
 import type { LayoutPairing } from "../../src/plan/index.js";
 import type { PeerState } from "../../src/peer/peer-state.js";
-import { MAX_PEERS, messageCost } from "../../src/peer/peer-table.js";
+import {
+  ActiveSenders,
+  MAX_PEERS,
+  STRANGERS_PER_SEC,
+  messageCost,
+} from "../../src/peer/peer-table.js";
 import { FakeWorld, PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 
 const OUR_EPOCH = PeerTableWorld.EPOCH;
@@ -227,9 +232,14 @@ describe("PeerTable", () => {
           ),
         ),
       }) as Notification;
-    for (let i = 1; i <= 5000; i++) expect(table.verify(forged(BigInt(i)))).toBeUndefined();
-    // The burst (two seconds' worth) was checked and refused by name; the rest only counted.
-    expect(errors.filter((e) => e.includes("bad MAC"))).toHaveLength(200);
+    // admit() first (as the dispatch does), verify() only for what it admits.
+    const check = (n: Notification) => (table.admit(n) ? table.verify(n) : undefined);
+    for (let i = 1; i <= 5000; i++) expect(check(forged(BigInt(i)))).toBeUndefined();
+    // The burst (two seconds' worth) was checked and refused (the first by name at once, the
+    // others counted for the sweep's report); the rest only counted against the budget.
+    expect(errors.filter((e) => e.includes("bad MAC"))).toHaveLength(1);
+    expect(table.badMacReport()).toEqual([["d0", 199]]);
+    expect(table.badMacReport()).toEqual([]);
     expect(table.overBudget()).toEqual([["d0", 4800]]);
     // The budget refills: d0's own notifications count again (a big one costs more).
     clock.advance(1000);
@@ -247,8 +257,55 @@ describe("PeerTable", () => {
           ),
         ),
       }) as Notification;
-    expect(table.verify(real(9001n, ["t1"]))?.peer.engineId).toBe("d0");
+    expect(check(real(9001n, ["t1"]))?.peer.engineId).toBe("d0");
+    // A sender that is no peer shares a small allowance with every other such.
+    const stranger = (i: number) =>
+      ({ peer: agentName("nobody", 1n, 0), data: new Uint8Array(10 + i) }) as Notification;
+    let strangers = 0;
+    for (let i = 0; i < 1000; i++) if (table.admit(stranger(i))) strangers++;
+    expect(strangers).toBe(2 * STRANGERS_PER_SEC);
+    expect(table.admit({ peer: "garbage", data: new Uint8Array(1) } as Notification)).toBe(false);
+    expect(table.overBudget()).toEqual([["", 801]]);
     expect(messageCost(100)).toBe(1);
+    // The budget is every peer's together: a second sender halves each one's share.
+    const s = new ActiveSenders();
+    const [a, b] = [{ activeSecond: -1 }, { activeSecond: -1 }] as unknown as PeerState[];
+    expect(s.note(a!, 1000)).toBe(1);
+    expect(s.note(b!, 1500)).toBe(2);
+    expect(s.note(a!, 2100)).toBe(2); // the second before still had two
+    expect(s.note(a!, 3100)).toBe(1); // b silent for a whole second
+    expect(s.note(b!, 9000)).toBe(1); // a gap: nobody before
+    const c = new PeerTableWorld({ peerMessagesPerSec: 100 });
+    const keys = ["e0", "e1"].map((id) => {
+      const k = newMacKey();
+      c.table.onHandshake(
+        create(HandshakeRequestSchema, { metadata: peerMetadata(id, 7n), macKey: k }),
+        undefined,
+      );
+      return k;
+    });
+    const from = (id: string, key: Uint8Array, seq: bigint): Notification =>
+      ({
+        peer: agentName(id, 7n, 0),
+        data: sealPeerMessage(
+          key,
+          encodePeerMessage(
+            id,
+            7n,
+            OUR_EPOCH,
+            { case: "heartbeat", value: { transferIds: [] } },
+            seq,
+          ),
+        ),
+      }) as Notification;
+    let passed = 0;
+    for (let i = 1; i <= 300; i++) {
+      if (c.table.admit(from("e0", keys[0]!, BigInt(i)))) passed++;
+      if (c.table.admit(from("e1", keys[1]!, BigInt(i)))) passed++;
+    }
+    // Two peers, 100/s together (a burst of two seconds): about 200, not 400.
+    expect(passed).toBeLessThanOrEqual(300);
+    expect(passed).toBeGreaterThanOrEqual(150);
     expect(messageCost(4096 * 3)).toBe(4);
   });
 
