@@ -357,11 +357,14 @@ export class SideChannelServer {
     const refuse = (why: string): void => {
       clearTimeout(timer);
       socket.destroy();
-      this.onRefused?.("ERR_UNAUTHENTICATED", `side channel: ${why} from ${socket.remoteAddress}`);
+      this.onRefused?.(
+        "ERR_UNAUTHENTICATED",
+        `TLS handshake failed: ${why} from ${socket.remoteAddress}`,
+      );
     };
     const onData = (data: Buffer): void => {
       buf = buf.length === 0 ? data : Buffer.concat([buf, data]);
-      if (buf[0] !== 0x16) return refuse("not a TLS handshake");
+      if (buf[0] !== 0x16) return refuse("the first record is not a TLS handshake");
       if (buf.length < 5) return;
       const want = 5 + buf.readUInt16BE(3);
       if (want > MAX_HELLO_RECORD) return refuse(`a first TLS record of ${want} bytes`);
