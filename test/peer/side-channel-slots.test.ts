@@ -235,7 +235,11 @@ describe("side channel slots (mutual TLS only)", () => {
     const ms = await stalled.closed;
     expect(ms).toBeGreaterThanOrEqual(850);
     expect(ms).toBeLessThan(1800);
-    expect(refusedLog.some((l) => l.includes("TLS handshake failed: the first record is not a TLS handshake from"))).toBe(true);
+    expect(
+      refusedLog.some((l) =>
+        l.includes("TLS handshake failed: the first record is not a TLS handshake from"),
+      ),
+    ).toBe(true);
   }, 20_000);
 
   it("authenticated connections that idle hold their own pool, a few per identity; another engine's handshake is answered; they close at the request deadline", async () => {
