@@ -524,8 +524,9 @@ export class PeerTable {
     if (rate === undefined) return true;
     const now = this.host.clock.now();
     const cost = messageCost(n.data.length);
-    const from = parseAgentName(n.peer);
-    const peer = from === undefined ? undefined : this.peers.get(from.engineId);
+    // The engine id the agent name claims (`<engineId>#<epoch>#<rank>`; engine ids hold no '#').
+    const hash = n.peer.indexOf("#");
+    const peer = hash < 0 ? undefined : this.peers.get(n.peer.slice(0, hash));
     if (peer === undefined || peer.state !== "connected")
       return this.strangers.take(now, STRANGERS_PER_SEC, cost);
     return peer.budget.take(now, rate / this.senders.note(peer, now), cost);
