@@ -2,6 +2,8 @@
  * What the gRPC services share: request checks, status mapping, and `ApiState` (the sidecar's
  * view and event log, the settings, the open calls).
  */
+import type { PeerCertificate } from "node:tls";
+
 import * as grpc from "@grpc/grpc-js";
 import { create } from "@bufbuild/protobuf";
 import { pino, type Logger } from "pino";
@@ -136,6 +138,11 @@ export class ApiState {
   readonly watches = new Set<ActiveWatch>();
   readonly awaits = new Set<ActiveAwait>();
   readonly healthWatches = new Set<HealthWatch>();
+  /** Told of every call as its handler starts (the server's connection slots). */
+  callSeen: (call: {
+    getPeer(): string;
+    getAuthContext(): { sslPeerCertificate?: PeerCertificate };
+  }) => void = () => undefined;
   /** Each event is encoded once, whatever the number of watchers. */
   private readonly encoded = new WeakMap<SidecarEvent, Uint8Array>();
 

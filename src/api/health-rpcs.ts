@@ -37,6 +37,7 @@ export class HealthRpcs {
     call: grpc.ServerUnaryCall<HealthCheckRequest, unknown>,
     cb: grpc.sendUnaryData<unknown>,
   ): void {
+    this.s.callSeen(call);
     const status = this.status(call.request.service);
     if (status === undefined)
       return cb(fail(grpc.status.NOT_FOUND, `unknown service '${call.request.service}'`));
@@ -44,6 +45,7 @@ export class HealthRpcs {
   }
 
   watch(call: HealthWatch): void {
+    this.s.callSeen(call);
     if (this.s.closing)
       return void call.emit("error", fail(grpc.status.UNAVAILABLE, "shutting down"));
     const client = callClient(call);

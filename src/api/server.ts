@@ -66,11 +66,13 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
   );
   /** Accepted connections by "address:port", as grpc-js names a call's peer. */
   const byPeer = new Map<string, net.Socket>();
-  const establishOnCall: grpc.ServerInterceptor = (_method, call) => {
+  // Every handler reports its call here (ApiState.callSeen): the connection establishes itself
+  // with its first call. (An interceptor would do the same, at the cost of one more layer on
+  // every message of every call.)
+  state.callSeen = (call) => {
     const socket = byPeer.get(call.getPeer());
     if (socket !== undefined && !slots.isEstablished(socket))
       slots.establish(socket, callClient(call).group);
-    return new grpc.ServerInterceptingCall(call);
   };
 
   const server = new grpc.Server({
@@ -81,7 +83,6 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
     "grpc.max_connection_idle_ms": opts.maxConnectionIdleMs ?? 60_000,
     // Streams one connection may hold open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).
     "grpc.max_concurrent_streams": opts.maxStreamsPerConnection ?? 128,
-    interceptors: [establishOnCall],
   });
   server.addService(asServiceDefinition(sidecarService), sidecar.handlers());
   server.addService(asServiceDefinition(healthService), health.handlers());

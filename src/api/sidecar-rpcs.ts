@@ -56,6 +56,7 @@ export class SidecarRpcs {
     call: grpc.ServerUnaryCall<unknown, GetStatusResponse>,
     cb: grpc.sendUnaryData<GetStatusResponse>,
   ): void {
+    this.s.callSeen(call);
     const { view, events, watches } = this.s;
     try {
       const status = view.status();
@@ -77,6 +78,7 @@ export class SidecarRpcs {
     call: grpc.ServerUnaryCall<ListTransfersRequest, ListTransfersResponse>,
     cb: grpc.sendUnaryData<ListTransfersResponse>,
   ): void {
+    this.s.callSeen(call);
     try {
       const req = call.request;
       const states = namesFromProto(transferStates, req.states, "transfer state");
@@ -104,6 +106,7 @@ export class SidecarRpcs {
   }
 
   watchEvents(call: ActiveWatch["call"]): void {
+    this.s.callSeen(call);
     const { s } = this;
     const { events, watches } = s;
     const req = call.request;
@@ -198,6 +201,7 @@ export class SidecarRpcs {
     call: grpc.ServerUnaryCall<AwaitTransferRequest, unknown>,
     cb: grpc.sendUnaryData<unknown>,
   ): void {
+    this.s.callSeen(call);
     const { s } = this;
     const req = call.request;
     let side: TransferSide | undefined;
