@@ -72,7 +72,8 @@ export const ERROR_CODES = {
   ERR_BAD_REQUEST: "simulated engine: a control request with a missing or ill-typed field",
   ERR_BAD_SOURCE: "ExpectKv's source (P's side channel) is empty or too long",
   ERR_BAD_TOKENS: "token counts that are zero, inconsistent, or differ between P and D",
-  ERR_BAD_TRANSFER_ID: "a transfer id that is empty or too long",
+  ERR_BAD_TRANSFER_ID:
+    "a transfer id that is empty, too long, or holds a character outside printable ASCII other than space (U+0021..U+007E)",
   ERR_BAD_TRANSFER_TOKEN:
     "a transfer token that is too long, or not the one the transfer was given",
   ERR_BIND: "the engine link cannot bind its endpoint",
@@ -125,7 +126,8 @@ export const ERROR_CODES = {
   ERR_NO_SUCH_SEGMENT: "a SysV shared-memory segment id that does not exist",
   ERR_OUT_OF_BOUNDS: "a range that leaves its region, or a file shorter than offset + length",
   ERR_OUT_OF_RANGE: "a sequence number outside the event log (too new, or events dropped)",
-  ERR_OVERLOADED: "a capacity limit is reached (live transfers, peers, handshakes in flight)",
+  ERR_OVERLOADED:
+    "a capacity limit is reached (live transfers, peers, registrations before prefill, notifications)",
   ERR_PEER_DOWN: "the peer sidecar went down while the transfer was live",
   ERR_PLAN_INVALID: "a transfer request that does not fit the layouts",
   ERR_REGION_CHANGED: "a KV region file was replaced between its check and its open",

@@ -2,6 +2,8 @@
  * What the gRPC services share: request checks, status mapping, and `ApiState` (the sidecar's
  * view and event log, the settings, the open calls).
  */
+import type { PeerCertificate } from "node:tls";
+
 import * as grpc from "@grpc/grpc-js";
 import { create } from "@bufbuild/protobuf";
 import { pino, type Logger } from "pino";
@@ -16,6 +18,7 @@ import { transferIdCharProblem } from "../peer/messages.js";
 import type { EventLog, EventSubscription } from "../sidecar/event-log.js";
 import type { SidecarEvent, SidecarView } from "../sidecar/view.js";
 import { type EnumMap, encodeEventResponse, eventInit } from "./convert.js";
+import { CallShares } from "./call-shares.js";
 import type { ApiServerOptions } from "./server-options.js";
 
 const MAX_TRANSFER_ID = 512;
@@ -49,11 +52,7 @@ export function toStatus(err: unknown): ServiceError {
   return fail(grpc.status.INTERNAL, err instanceof Error ? err.message : String(err));
 }
 
-/** A call's client address from grpc-js's peer string ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"). */
-export function clientOf(peer: string): string {
-  const m = /^(?:ipv4:|ipv6:)?\[?(.*?)\]?:\d+$/.exec(peer);
-  return (m?.[1] ?? peer).replace(/^::ffff:/, "");
-}
+export { clientOf } from "./call-shares.js";
 
 /** Enum numbers from a request as names; `what` ("event kind") names an unknown one. */
 export function namesFromProto<N extends string>(
@@ -103,9 +102,18 @@ export interface ActiveWatch {
   sub: EventSubscription | undefined;
   lastSentSeq: number;
   paused: boolean;
+  /** Ends the stream (set once it is being served); displacement ends it with a status. */
+  end?: (status: ServiceError | undefined) => void;
 }
 
 export type HealthWatch = grpc.ServerWritableStream<HealthCheckRequest, unknown>;
+
+/** An AwaitTransfer waiting: cancelled at close, or to make room for another client. */
+export interface ActiveAwait {
+  readonly abort: AbortController;
+  /** Why it was displaced (set before `abort`): it answers RESOURCE_EXHAUSTED with this. */
+  displaced?: string;
+}
 
 /** What the RPC groups share: the sidecar's view and log, the settings, and the open calls. */
 export class ApiState {
@@ -116,16 +124,25 @@ export class ApiState {
   readonly progressIntervalMs: number;
   readonly maxWatchers: number;
   readonly maxWatchersPerClient: number;
-  /** Open WatchEvents streams per client address (O(1) cap check). */
-  readonly watchersByClient = new Map<string, number>();
+  /** Open WatchEvents streams, shared between clients (O(1) checks; call-shares.ts). */
+  readonly watchShares: CallShares<ActiveWatch>;
+  /** Waiting AwaitTransfer calls, shared between clients. */
+  readonly awaitShares: CallShares<ActiveAwait>;
+  /** Open Health Watch streams, shared between clients. */
+  readonly healthShares: CallShares<HealthWatch>;
   readonly watchBufferLimit: number | undefined;
   /** The epoch never changes during a sidecar's life; watchers check it on resume. */
   readonly epoch: bigint;
   serving: boolean;
   closing = false;
   readonly watches = new Set<ActiveWatch>();
-  readonly awaits = new Set<AbortController>();
+  readonly awaits = new Set<ActiveAwait>();
   readonly healthWatches = new Set<HealthWatch>();
+  /** Told of every call as its handler starts (the server's connection slots). */
+  callSeen: (call: {
+    getPeer(): string;
+    getAuthContext(): { sslPeerCertificate?: PeerCertificate };
+  }) => void = () => undefined;
   /** Each event is encoded once, whatever the number of watchers. */
   private readonly encoded = new WeakMap<SidecarEvent, Uint8Array>();
 
@@ -138,6 +155,23 @@ export class ApiState {
     this.maxWatchers = opts.maxWatchers ?? 1_000;
     this.maxWatchersPerClient =
       opts.maxWatchersPerClient ?? Math.max(1, Math.floor(this.maxWatchers / 4));
+    this.watchShares = new CallShares(
+      "WatchEvents streams",
+      this.maxWatchers,
+      this.maxWatchersPerClient,
+    );
+    const maxAwaits = opts.maxAwaits ?? 8_192;
+    this.awaitShares = new CallShares(
+      "AwaitTransfer calls",
+      maxAwaits,
+      opts.maxAwaitsPerClient ?? Math.max(1, Math.floor(maxAwaits / 4)),
+    );
+    const maxHealth = opts.maxHealthWatches ?? 1_000;
+    this.healthShares = new CallShares(
+      "Health Watch streams",
+      maxHealth,
+      Math.max(1, Math.floor(maxHealth / 4)),
+    );
     this.watchBufferLimit = opts.watchBufferLimit;
     this.epoch = opts.view.status().epoch;
     this.serving = opts.serving ?? true;

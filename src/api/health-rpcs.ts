@@ -8,6 +8,7 @@ import {
 } from "../gen/grpc/health/v1/health_pb.js";
 import { SIDECAR_SERVICE_NAME } from "./service.js";
 import { ApiState, fail, type HealthWatch } from "./api-state.js";
+import { callClient } from "./call-shares.js";
 
 /** grpc.health.v1.Health: Check and Watch, and the serving state they report. */
 export class HealthRpcs {
@@ -36,6 +37,7 @@ export class HealthRpcs {
     call: grpc.ServerUnaryCall<HealthCheckRequest, unknown>,
     cb: grpc.sendUnaryData<unknown>,
   ): void {
+    this.s.callSeen(call);
     const status = this.status(call.request.service);
     if (status === undefined)
       return cb(fail(grpc.status.NOT_FOUND, `unknown service '${call.request.service}'`));
@@ -43,11 +45,29 @@ export class HealthRpcs {
   }
 
   watch(call: HealthWatch): void {
+    this.s.callSeen(call);
     if (this.s.closing)
       return void call.emit("error", fail(grpc.status.UNAVAILABLE, "shutting down"));
+    const client = callClient(call);
+    const room = this.s.healthShares.admit(call, client);
+    if ("refused" in room)
+      return void call.emit("error", fail(grpc.status.RESOURCE_EXHAUSTED, room.refused));
+    if (room.displaced !== undefined) {
+      this.s.healthWatches.delete(room.displaced);
+      room.displaced.emit(
+        "error",
+        fail(
+          grpc.status.RESOURCE_EXHAUSTED,
+          `displaced: every Health Watch stream is taken and this client holds the most; ${client.name} needed one`,
+        ),
+      );
+    }
     this.s.healthWatches.add(call);
     this.answer(call);
-    const done = (): void => void this.s.healthWatches.delete(call);
+    const done = (): void => {
+      this.s.healthWatches.delete(call);
+      this.s.healthShares.delete(call);
+    };
     call.on("cancelled", done);
     call.on("error", done);
   }
@@ -61,7 +81,10 @@ export class HealthRpcs {
 
   /** Ends every Health/Watch stream (server stopping). */
   endAll(): void {
-    for (const call of this.s.healthWatches) call.end();
+    for (const call of this.s.healthWatches) {
+      this.s.healthShares.delete(call);
+      call.end();
+    }
     this.s.healthWatches.clear();
   }
 }

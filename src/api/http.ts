@@ -6,15 +6,24 @@
 import * as http from "node:http";
 import type { AddressInfo, Socket } from "node:net";
 
-import { ConnectionSlots, type SlotLimits } from "../peer/side-channel.js";
+import { ConnectionSlots, type SlotLimits } from "../peer/connection-slots.js";
 
 /**
- * An HTTP endpoint's connections (metrics, bootstrap): a scraper or a router needs one or two,
- * so a few per source are enough. No deadline per connection (it could cut a router's request
- * on a kept-alive connection): Node's own timers close what holds a slot without a request
- * (HttpLimits).
+ * An HTTP endpoint's connections (metrics, bootstrap, the readiness probe): opening until their
+ * first request arrives, established (kept alive) after it, each pool with its own room. Nobody
+ * is refused at accept: past the room, the oldest connection of the largest address group is
+ * displaced (a scraper's idle kept-alive connections go before a probe that comes from another
+ * address is kept waiting), and one address keeps at most 8 kept-alive connections (its own
+ * oldest goes). No deadline per connection (it could cut a router's request on a kept-alive
+ * connection): Node's own timers close what holds a slot without a request (HttpLimits).
  */
-export const HTTP_SLOTS: SlotLimits = { inFlight: 64, perSource: 8, deadlineMs: 0 };
+export const HTTP_SLOTS: SlotLimits = {
+  opening: 64,
+  established: 64,
+  perGroup: 8,
+  establishMs: 10_000,
+  deadlineMs: 0,
+};
 
 /** How long a request may take to arrive whole, and an idle kept-alive connection to stay. */
 export interface HttpLimits {
@@ -89,9 +98,13 @@ export async function serveGets(
       }
     },
   );
-  // Connections past the caps are closed at accept (before any byte is read).
+  // Every connection takes an opening slot at accept (before any byte is read), an established
+  // one with its first request.
   const slots = new ConnectionSlots(limits.slots);
   server.on("connection", (socket: Socket) => slots.admit(socket));
+  server.on("request", (req: http.IncomingMessage) => {
+    if (!slots.establish(req.socket)) req.socket.destroy();
+  });
   // A connection silent this long is closed (a trickling one, by headersTimeout above).
   server.setTimeout(limits.requestMs);
   await new Promise<void>((resolve, reject) => {

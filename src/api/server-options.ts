@@ -35,15 +35,30 @@ export interface ApiServerOptions {
    * other clients (routers). Default maxWatchers / 4.
    */
   readonly maxWatchersPerClient?: number;
-  /** Connections at once, and from one client address. Default 256 and 32. */
+  /**
+   * Most AwaitTransfer calls waiting at once (default 8 192), and from one client (its mutual
+   * TLS identity, else its address group; default a quarter). When all are taken, a client with
+   * fewer takes the place of the largest one's oldest (RESOURCE_EXHAUSTED to it).
+   */
+  readonly maxAwaits?: number;
+  readonly maxAwaitsPerClient?: number;
+  /** Most Health Watch streams at once (default 1 000; a quarter per client). */
+  readonly maxHealthWatches?: number;
+  /**
+   * Connections at once before their first call, and after it (each pool; default 256); one
+   * client's (identity or address group) connections with calls, at most (default 32). Nobody
+   * is refused at accept: past the room, the oldest of the largest group is closed.
+   */
   readonly maxConnections?: number;
   readonly maxConnectionsPerClient?: number;
+  /** Concurrent streams on one HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS; default 128). */
+  readonly maxStreamsPerConnection?: number;
   /**
    * A connection with no call for this long is closed (GOAWAY; a client reconnects when it
    * next calls). Default 60 000.
    */
   readonly maxConnectionIdleMs?: number;
-  /** A connection that sends no byte for this long after accept is closed. Default 10 000. */
+  /** A connection that makes no call this long after accept is closed. Default 10 000. */
   readonly silentConnectionMs?: number;
   /**
    * Health at start. Default true; the sidecar starts NOT_SERVING and turns SERVING once its
@@ -59,6 +74,8 @@ export interface ApiServer {
   readonly serving: boolean;
   /** Open WatchEvents streams. */
   readonly watchers: number;
+  /** AwaitTransfer calls waiting. */
+  readonly awaiting: number;
   /** Open connections (each holds one of its slots). */
   readonly connections: number;
   /**

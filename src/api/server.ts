@@ -6,7 +6,8 @@
 import * as net from "node:net";
 import * as grpc from "@grpc/grpc-js";
 import { KvxferError } from "../errors.js";
-import { ConnectionSlots } from "../peer/side-channel.js";
+import { ConnectionSlots } from "../peer/connection-slots.js";
+import { callClient } from "./call-shares.js";
 import { splitHostPort } from "./http.js";
 import { asServiceDefinition, healthService, sidecarService } from "./service.js";
 import { ApiState } from "./api-state.js";
@@ -47,12 +48,41 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
   const sidecar = new SidecarRpcs(state);
   const health = new HealthRpcs(state);
 
+  // Our own listener: every connection takes a slot before grpc-js sees it (grpc-js has no
+  // connection cap of its own): an opening one at accept, an established one (under its
+  // client's identity, or its address group) with its first call. Nobody is refused at accept;
+  // past the room the oldest connection of the largest group is closed (connection-slots.ts).
+  const perClient = opts.maxConnectionsPerClient ?? 32;
+  const slots = new ConnectionSlots(
+    {
+      opening: opts.maxConnections ?? 256,
+      established: opts.maxConnections ?? 256,
+      perGroup: perClient,
+      // No call within this long: not a gRPC client (its slot goes back).
+      establishMs: opts.silentConnectionMs ?? 10_000,
+      deadlineMs: 0,
+    },
+    (code, message) => log.warn({ code }, `gRPC: ${message}`),
+  );
+  /** Accepted connections by "address:port", as grpc-js names a call's peer. */
+  const byPeer = new Map<string, net.Socket>();
+  // Every handler reports its call here (ApiState.callSeen): the connection establishes itself
+  // with its first call. (An interceptor would do the same, at the cost of one more layer on
+  // every message of every call.)
+  state.callSeen = (call) => {
+    const socket = byPeer.get(call.getPeer());
+    if (socket !== undefined && !slots.isEstablished(socket))
+      slots.establish(socket, callClient(call).group);
+  };
+
   const server = new grpc.Server({
     // Requests are small; anything large is a mistake or an attack.
     "grpc.max_receive_message_length": 1 << 20,
     "grpc.keepalive_time_ms": 30_000,
     "grpc.keepalive_timeout_ms": 10_000,
     "grpc.max_connection_idle_ms": opts.maxConnectionIdleMs ?? 60_000,
+    // Streams one connection may hold open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).
+    "grpc.max_concurrent_streams": opts.maxStreamsPerConnection ?? 128,
   });
   server.addService(asServiceDefinition(sidecarService), sidecar.handlers());
   server.addService(asServiceDefinition(healthService), health.handlers());
@@ -64,22 +94,17 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
       "ERR_INVALID_ARGUMENT",
       `gRPC address must be host:port, got '${address}'`,
     );
-  // Our own listener: every connection takes a slot (a cap, a cap per client address) before
-  // grpc-js sees it; grpc-js has no connection cap of its own.
-  const slots = new ConnectionSlots(
-    {
-      inFlight: opts.maxConnections ?? 256,
-      perSource: opts.maxConnectionsPerClient ?? 32,
-      deadlineMs: 0,
-      // No HTTP/2 preface within this long: not a gRPC client (a silent one gives its slot back).
-      silentMs: opts.silentConnectionMs ?? 10_000,
-    },
-    (code, message) => log.warn({ code }, `gRPC: ${message}`),
-  );
   const injector = server.createConnectionInjector(serverCredentials(opts.tls));
   // No Nagle: events are small and latency is what a router waits on.
   const tcp = net.createServer({ noDelay: true }, (socket) => {
-    if (slots.admit(socket)) injector.injectConnection(socket);
+    slots.admit(socket);
+    if (socket.destroyed) return;
+    const key = `${socket.remoteAddress}:${socket.remotePort}`;
+    byPeer.set(key, socket);
+    socket.once("close", () => {
+      if (byPeer.get(key) === socket) byPeer.delete(key);
+    });
+    injector.injectConnection(socket);
   });
   await new Promise<void>((resolve, reject) => {
     tcp.once("error", reject);
@@ -105,6 +130,9 @@ export async function startApiServer(opts: ApiServerOptions): Promise<ApiServer>
     },
     get watchers() {
       return state.watches.size;
+    },
+    get awaiting() {
+      return state.awaits.size;
     },
     get connections() {
       return slots.inFlight;

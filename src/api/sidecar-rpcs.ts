@@ -21,11 +21,12 @@ import {
   transferStates,
   transferToProto,
 } from "./convert.js";
+import { callClient } from "./call-shares.js";
 import {
+  type ActiveAwait,
   type ActiveWatch,
   ApiState,
   checkTransferId,
-  clientOf,
   deadlineMs,
   DEFAULT_LIST_LIMIT,
   fail,
@@ -55,6 +56,7 @@ export class SidecarRpcs {
     call: grpc.ServerUnaryCall<unknown, GetStatusResponse>,
     cb: grpc.sendUnaryData<GetStatusResponse>,
   ): void {
+    this.s.callSeen(call);
     const { view, events, watches } = this.s;
     try {
       const status = view.status();
@@ -76,6 +78,7 @@ export class SidecarRpcs {
     call: grpc.ServerUnaryCall<ListTransfersRequest, ListTransfersResponse>,
     cb: grpc.sendUnaryData<ListTransfersResponse>,
   ): void {
+    this.s.callSeen(call);
     try {
       const req = call.request;
       const states = namesFromProto(transferStates, req.states, "transfer state");
@@ -103,17 +106,14 @@ export class SidecarRpcs {
   }
 
   watchEvents(call: ActiveWatch["call"]): void {
+    this.s.callSeen(call);
     const { s } = this;
     const { events, watches } = s;
     const req = call.request;
     const w: ActiveWatch = { call, sub: undefined, lastSentSeq: 0, paused: false };
-    const client = clientOf(call.getPeer());
-    const byClient = s.watchersByClient;
     const release = (): void => {
       if (!watches.delete(w)) return;
-      const n = (byClient.get(client) ?? 1) - 1;
-      if (n <= 0) byClient.delete(client);
-      else byClient.set(client, n);
+      s.watchShares.delete(w);
     };
     const finish = (status: ServiceError | undefined): void => {
       if (!watches.has(w)) return;
@@ -123,6 +123,7 @@ export class SidecarRpcs {
       if (status === undefined) call.end();
       else call.emit("error", status);
     };
+    w.end = finish;
     const send = (msg: WatchEventsResponse | Uint8Array): void => {
       if (!call.write(msg)) {
         w.paused = true;
@@ -131,17 +132,6 @@ export class SidecarRpcs {
     };
     try {
       if (s.closing) throw new KvxferError("ERR_CLOSED", "the sidecar is shutting down");
-      if (watches.size >= s.maxWatchers)
-        throw new KvxferError(
-          "ERR_TOO_MANY_WAITERS",
-          `${watches.size} watchers already (most ${s.maxWatchers})`,
-        );
-      const mine = byClient.get(client) ?? 0;
-      if (mine >= s.maxWatchersPerClient)
-        throw new KvxferError(
-          "ERR_TOO_MANY_WAITERS",
-          `${mine} watchers from ${client} already (most ${s.maxWatchersPerClient} per client; the rest are kept for others)`,
-        );
       const kinds = namesFromProto(eventKinds, req.kinds, "event kind");
       if (req.transferIds.length > MAX_FILTER_IDS)
         throw new KvxferError(
@@ -158,8 +148,17 @@ export class SidecarRpcs {
           ),
         );
       const afterSeq = req.liveOnly ? events.lastSeq : seqFromProto(req.afterSeq, "after_seq");
+      // Room for it: another client's oldest stream may make room (it ends RESOURCE_EXHAUSTED).
+      const client = callClient(call);
+      const room = s.watchShares.admit(w, client);
+      if ("refused" in room) throw new KvxferError("ERR_TOO_MANY_WAITERS", room.refused);
+      room.displaced?.end?.(
+        fail(
+          grpc.status.RESOURCE_EXHAUSTED,
+          `displaced: every WatchEvents stream (${s.maxWatchers}) is taken and this client holds the most; ${client.name} needed one`,
+        ),
+      );
       watches.add(w);
-      byClient.set(client, mine + 1);
       w.sub = events.subscribe(
         afterSeq,
         {
@@ -202,6 +201,7 @@ export class SidecarRpcs {
     call: grpc.ServerUnaryCall<AwaitTransferRequest, unknown>,
     cb: grpc.sendUnaryData<unknown>,
   ): void {
+    this.s.callSeen(call);
     const { s } = this;
     const req = call.request;
     let side: TransferSide | undefined;
@@ -219,7 +219,15 @@ export class SidecarRpcs {
     const callDeadline = deadlineMs(call);
     const capped = Date.now() + s.maxAwaitMs;
     const abort = new AbortController();
-    s.awaits.add(abort);
+    const a: ActiveAwait = { abort };
+    const client = callClient(call);
+    const room = s.awaitShares.admit(a, client);
+    if ("refused" in room) return cb(fail(grpc.status.RESOURCE_EXHAUSTED, room.refused));
+    if (room.displaced !== undefined) {
+      room.displaced.displaced = `displaced: every AwaitTransfer slot is taken and this client holds the most; ${client.name} needed one`;
+      room.displaced.abort.abort();
+    }
+    s.awaits.add(a);
     call.on("cancelled", () => abort.abort());
     s.events
       .waitFor(req.transferId, {
@@ -235,6 +243,8 @@ export class SidecarRpcs {
             return;
           }
           if (call.cancelled) return;
+          if (a.displaced !== undefined)
+            return cb(fail(grpc.status.RESOURCE_EXHAUSTED, a.displaced));
           if (s.closing) return cb(fail(grpc.status.UNAVAILABLE, "the sidecar is shutting down"));
           cb(
             fail(
@@ -247,7 +257,10 @@ export class SidecarRpcs {
         },
         (err: unknown) => cb(toStatus(err)),
       )
-      .finally(() => s.awaits.delete(abort));
+      .finally(() => {
+        s.awaits.delete(a);
+        s.awaitShares.delete(a);
+      });
   }
 
   /**
@@ -275,6 +288,6 @@ export class SidecarRpcs {
       w.sub?.close();
       if (!w.call.cancelled) w.call.emit("error", shutdown);
     }
-    for (const a of this.s.awaits) a.abort();
+    for (const a of this.s.awaits) a.abort.abort();
   }
 }

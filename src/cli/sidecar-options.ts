@@ -109,6 +109,10 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     ...(s["max-per-peer"] === ""
       ? {}
       : { maxPerPeer: positiveInt("max-per-peer", s["max-per-peer"]) }),
+    ...(s["max-unconfirmed"] === ""
+      ? {}
+      : { maxUnconfirmed: positiveInt("max-unconfirmed", s["max-unconfirmed"]) }),
+    unconfirmedLeaseMs: positiveInt("unconfirmed-lease-ms", s["unconfirmed-lease-ms"]),
     peerMessagesPerSec: positiveInt("peer-messages-per-sec", s["peer-messages-per-sec"]),
     tombstoneMs: positiveInt("tombstone-ms", s["tombstone-ms"]),
     kvDir: kvDirectory(s["kv-dir"]),

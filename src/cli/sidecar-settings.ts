@@ -92,8 +92,8 @@ export const SIDECAR_SETTINGS = {
   },
   "peer-keepalive-ms": {
     type: "string",
-    default: "30000",
-    help: "heartbeats go on this long after a peer's last transfer, so the next transfer needs no new handshake; 0: only while transfers are live",
+    default: "600000",
+    help: "heartbeats go on this long after a peer's last transfer, so the next transfer needs no new handshake (the authenticated channel stays up while the peer is in use); 0: only while transfers are live",
   },
   "abort-grace-ms": {
     type: "string",
@@ -104,7 +104,17 @@ export const SIDECAR_SETTINGS = {
   "max-per-peer": {
     type: "string",
     default: "",
-    help: "P: transfers one decode engine may open by PushReg before PrefillDone (default max-transfers / 8)",
+    help: "P: registrations one decode engine may keep by PushReg before PrefillDone (default max-transfers / 8)",
+  },
+  "max-unconfirmed": {
+    type: "string",
+    default: "",
+    help: "P: registrations kept before PrefillDone, every decode engine together, apart from the transfer table; when full the engine holding the most loses its oldest (default max-transfers / 8)",
+  },
+  "unconfirmed-lease-ms": {
+    type: "string",
+    default: "5000",
+    help: "P: a registration for an id P's engine has not named lives this long unless D's heartbeats renew it",
   },
   "peer-messages-per-sec": {
     type: "string",

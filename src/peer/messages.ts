@@ -153,18 +153,22 @@ export class ReplayWindow {
 }
 
 /**
- * Characters a transfer id may not hold: control characters (NUL, newline, escape, C1), format
- * characters (bidi overrides, zero-width), line and paragraph separators, lone surrogates. Ids
- * reach logs, `kvxfer watch` and the router's output as they are.
+ * The characters a transfer id may hold: printable ASCII other than the space, U+0021..U+007E
+ * (issue 48). Ids reach logs, `kvxfer watch`, ListTransfers and the router's output as they are,
+ * so two ids that look alike must be the same id: no space, no-break space or ideographic
+ * space, no control or format character (bidi overrides, zero-width), no combining mark, no
+ * homoglyph of another script, no private-use or unassigned code point. vLLM's request ids and
+ * the routers' ids (prefixes, UUIDs, addresses) are all of this set.
  */
-const UNPRINTABLE = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Cs}]/u;
+export const TRANSFER_ID_RULE = "printable characters of ASCII other than space (U+0021..U+007E)";
+const NOT_ALLOWED = /[^\x21-\x7e]/u;
 
 /** The one rule for a transfer id's characters (engine link, peers, gRPC): why not, or undefined. */
 export function transferIdCharProblem(id: string, field = "transfer id"): string | undefined {
-  const m = UNPRINTABLE.exec(id);
+  const m = NOT_ALLOWED.exec(id);
   if (m === null) return undefined;
   const cp = m[0].codePointAt(0)!.toString(16).toUpperCase().padStart(4, "0");
-  return `${field} holds U+${cp} at index ${m.index}: only printable characters`;
+  return `${field} holds U+${cp} at index ${m.index}: only ${TRANSFER_ID_RULE}`;
 }
 
 /**

@@ -52,10 +52,12 @@ export class PeerState {
   private recvKey: Uint8Array = new Uint8Array(0);
   /** The key before that: notifications sealed before a re-handshake may still be in flight. */
   private prevRecvKey: Uint8Array = new Uint8Array(0);
-  /** P: entries its PushRegs created that wait for PrefillDone (its share, checked in O(1)). */
-  named = 0;
   /** Its notifications processed per second, at most (Sidecar's peerMessagesPerSec). */
   readonly budget = new MessageBudget();
+  /** Notifications claiming to be its whose MAC did not check, since the last report. */
+  badMacs = 0;
+  /** The last second (ms / 1000) it sent a notification in (PeerTable's count of senders). */
+  activeSecond = -1;
   /** Sequence number of our last notification to it. */
   sendSeq = 0n;
   /** Sequence numbers of its notifications seen (replays are refused). */

@@ -41,8 +41,21 @@ import {
   type OpenedPeerMessage,
   type PeerBody,
 } from "./messages.js";
-import { PeerState, type KvSource, type PeerInfo, type RegisteredKv } from "./peer-state.js";
-import { handshake, refusal, type PeerCredentials, type PeerIdentity } from "./side-channel.js";
+import {
+  MessageBudget,
+  PeerState,
+  type KvSource,
+  type PeerInfo,
+  type RegisteredKv,
+} from "./peer-state.js";
+import {
+  handshake,
+  refusal,
+  type HandshakeResult,
+  type PeerCredentials,
+  type PeerIdentity,
+  wasCut,
+} from "./side-channel.js";
 
 /** What the table reads the time with and sets its one-shot timers on (the sidecar's clock). */
 export interface PeerClock {
@@ -56,6 +69,11 @@ export type PeerRole = "prefill" | "decode" | "both";
 
 /** Peers known at once at most; an idle peer is forgotten after the tombstone time. */
 export const MAX_PEERS = 4096;
+/**
+ * With MAX_PEERS known, a new peer takes the place of an idle one (no live transfer, nothing in
+ * flight): the first such among this many of the least recently handshaken, checked in order.
+ */
+export const PEER_EVICTION_SCAN = 64;
 
 /** Peer events as the table emits them (the sidecar's event outbox). */
 export interface PeerEventPort {
@@ -109,6 +127,47 @@ export interface PeerTableSettings {
   readonly peerCredentials: PeerCredentials | undefined;
   /** Fault the pages of a peer's region that UCX maps into this process in at import. */
   readonly prefault?: boolean;
+  /**
+   * Notifications processed per second at most, every peer together, shared equally between
+   * the peers that sent any in this second or the one before (one peer alone gets all of it;
+   * burst: two seconds' worth; absent: no limit). More identities get no more of the sidecar's
+   * work, only smaller shares each. Charged before the MAC is checked: past it a message costs
+   * a parse and a lookup.
+   */
+  readonly peerMessagesPerSec?: number;
+}
+
+/**
+ * How many peers sent notifications lately: those of the current second and of the one before,
+ * whichever is more (O(1) per message: each peer remembers its last second).
+ */
+export class ActiveSenders {
+  private second = -1;
+  private current = 0;
+  private previous = 0;
+
+  /** `peer` sends at `nowMs`: the number of peers sending lately (at least 1). */
+  note(peer: PeerState, nowMs: number): number {
+    const s = Math.floor(nowMs / 1000);
+    if (s !== this.second) {
+      this.previous = s === this.second + 1 ? this.current : 0;
+      this.current = 0;
+      this.second = s;
+    }
+    if (peer.activeSecond !== s) {
+      peer.activeSecond = s;
+      this.current++;
+    }
+    return Math.max(1, this.current, this.previous);
+  }
+}
+
+/** Notifications per second from agents that are no connected peer, all together. */
+export const STRANGERS_PER_SEC = 100;
+
+/** What a notification costs of its sender's budget: one, and one more per 4 KiB it carries. */
+export function messageCost(bytes: number): number {
+  return 1 + Math.floor(bytes / 4096);
 }
 
 /** A notification that passed every check, from `peer`'s agent `fromRank`. */
@@ -133,6 +192,9 @@ export class PeerTable {
   /** Side channel address -> engine id, for the D side's cache. */
   private readonly byAddress = new Map<string, string>();
   private readonly handshakes = new Map<string, Promise<PeerState>>();
+  private readonly senders = new ActiveSenders();
+  /** Notifications from agents that are no connected peer, all together (admit). */
+  private readonly strangers = new MessageBudget();
   private closed = false;
 
   constructor(
@@ -250,12 +312,18 @@ export class PeerTable {
     if (old !== undefined && old.epoch === md.epoch && old.state === "connected") {
       old.lastSeenMs = this.host.clock.now();
       old.lastUsedMs = old.lastSeenMs; // it handshakes to transfer
+      // The least recently handshaken first (an eviction looks there).
+      this.peers.delete(md.engineId);
+      this.peers.set(md.engineId, old);
       return old;
     }
     if (old !== undefined)
       this.drop(old, old.epoch === md.epoch ? "peer failed" : "peer restarted (new epoch)");
-    if (this.peers.size >= MAX_PEERS) {
-      throw new KvxferError("ERR_OVERLOADED", `${MAX_PEERS} peers known; refusing another`);
+    if (this.peers.size >= MAX_PEERS && !this.evictIdle()) {
+      throw new KvxferError(
+        "ERR_OVERLOADED",
+        `${MAX_PEERS} peers known, none idle among the ${PEER_EVICTION_SCAN} least recent; refusing another`,
+      );
     }
     const peer = new PeerState(
       md,
@@ -271,7 +339,35 @@ export class PeerTable {
     return peer;
   }
 
-  /** Decode side: the peer at `address`, from the cache while it is fresh, else by handshake. */
+  /**
+   * Forgets the first idle peer (no live transfer, no read or write in flight) among the
+   * PEER_EVICTION_SCAN least recently handshaken; false when none of them is idle.
+   */
+  private evictIdle(): boolean {
+    let n = 0;
+    for (const peer of this.peers.values()) {
+      if (n++ >= PEER_EVICTION_SCAN) break;
+      if (this.host.sides.liveWith(peer) || this.host.sides.busyWith(peer)) continue;
+      this.forget(peer);
+      this.host.log.info({ peer: peer.engineId }, "idle peer forgotten to make room");
+      return true;
+    }
+    return false;
+  }
+
+  private forget(peer: PeerState): void {
+    this.peers.delete(peer.engineId);
+    if (this.byAddress.get(peer.dialedAddress) === peer.engineId)
+      this.byAddress.delete(peer.dialedAddress);
+    peer.close();
+  }
+
+  /**
+   * Decode side: the peer at `address`, from the cache while it is fresh, else by handshake.
+   * A handshake that fails while the cached peer is still connected and was heard from within
+   * the peer timeout leaves the cached one in use: the authenticated channel stays up while
+   * the peer is known, and a side channel an attacker keeps busy costs no transfer.
+   */
   resolve(address: string): Promise<PeerState> {
     const known = this.byAddress.get(address);
     const cached = known === undefined ? undefined : this.peers.get(known);
@@ -285,10 +381,52 @@ export class PeerTable {
     }
     let pending = this.handshakes.get(address);
     if (pending === undefined) {
-      pending = this.dial(address, cached).finally(() => this.handshakes.delete(address));
+      // Heard from within the peer timeout when the handshake began (a handshake can take as
+      // long as the timeout itself, P's heartbeats delayed behind a flood meanwhile).
+      const heard = cached?.lastSeenMs ?? -Infinity;
+      const fresh = this.host.clock.now() - heard < this.settings.peerTimeoutMs;
+      pending = this.dial(address, cached)
+        .catch((err: unknown) => {
+          if (
+            cached !== undefined &&
+            cached.state === "connected" &&
+            this.peers.get(cached.engineId) === cached &&
+            fresh
+          ) {
+            this.host.log.warn(
+              { err, peer: cached.engineId, address },
+              "handshake failed; the known peer is still heard from and stays in use",
+            );
+            cached.lastUsedMs = this.host.clock.now();
+            return cached;
+          }
+          throw err;
+        })
+        .finally(() => this.handshakes.delete(address));
       this.handshakes.set(address, pending);
     }
     return pending;
+  }
+
+  /**
+   * One handshake answer from `address`, trying again while the handshake timeout lasts when the
+   * connection was cut before any answer (a side channel under attack displaces connections:
+   * a new one may well get through). A refusal, or a failed TLS handshake, is final.
+   */
+  private async answer(address: string, req: HandshakeRequest): Promise<HandshakeResult> {
+    const { handshakeTimeoutMs } = this.settings;
+    const creds = this.settings.peerCredentials;
+    const started = Date.now();
+    for (let attempt = 0; ; attempt++) {
+      const left = handshakeTimeoutMs - (Date.now() - started);
+      try {
+        return await handshake(address, req, Math.max(1, left), creds);
+      } catch (err) {
+        const waitMs = Math.min(25 << attempt, 400);
+        if (!wasCut(err) || Date.now() - started + waitMs >= handshakeTimeoutMs) throw err;
+        await new Promise((r) => setTimeout(r, waitMs));
+      }
+    }
   }
 
   private async dial(address: string, cached: PeerState | undefined): Promise<PeerState> {
@@ -300,12 +438,7 @@ export class PeerTable {
       macKey,
     });
     const creds = this.settings.peerCredentials;
-    const { response: res, peer: identity } = await handshake(
-      address,
-      req,
-      this.settings.handshakeTimeoutMs,
-      creds,
-    );
+    const { response: res, peer: identity } = await this.answer(address, req);
     if (res.errorCode !== "")
       throw new KvxferError(res.errorCode, `handshake with ${address} refused: ${res.error}`);
     const groups = PeerTable.checkMetadata(res.metadata);
@@ -396,6 +529,26 @@ export class PeerTable {
   }
 
   /**
+   * The first check of a notification, before anything of it is parsed (O(1)): the sender its
+   * agent name claims is charged its size against its share of the sidecar's work (`admit`
+   * false: over it, dropped unprocessed and counted). A sender that is no connected peer shares
+   * a small allowance with every other such (its messages are refused anyway; a few are kept
+   * for the error lines). What it costs a forger: this, not a parse or a MAC.
+   */
+  admit(n: Notification): boolean {
+    const rate = this.settings.peerMessagesPerSec;
+    if (rate === undefined) return true;
+    const now = this.host.clock.now();
+    const cost = messageCost(n.data.length);
+    // The engine id the agent name claims (`<engineId>#<epoch>#<rank>`; engine ids hold no '#').
+    const hash = n.peer.indexOf("#");
+    const peer = hash < 0 ? undefined : this.peers.get(n.peer.slice(0, hash));
+    if (peer === undefined || peer.state !== "connected")
+      return this.strangers.take(now, STRANGERS_PER_SEC, cost);
+    return peer.budget.take(now, rate / this.senders.note(peer, now), cost);
+  }
+
+  /**
    * Opens one notification and checks it: a known peer at the epoch we hold, naming us at ours,
    * from an agent of that peer, sealed with its key, not seen before. Undefined (and an error
    * noted) when any check fails.
@@ -431,11 +584,14 @@ export class PeerTable {
       );
       return undefined;
     }
-    // It must be sealed with the key that engine gave us in its handshake, and new.
+    // It must be sealed with the key that engine gave us in its handshake, and new. The first
+    // refusal is noted at once, the rest counted and reported by the sweep (badMacReport): a
+    // forger pays for its messages, not for our error lines.
     if (!peer.verifies(m.verify)) {
-      host.errors.note(
-        `peer message from '${m.senderEngineId}' refused: ERR_UNAUTHENTICATED (bad MAC)`,
-      );
+      if (peer.badMacs++ === 0)
+        host.errors.note(
+          `peer message from '${m.senderEngineId}' refused: ERR_UNAUTHENTICATED (bad MAC)`,
+        );
       return undefined;
     }
     if (!peer.replay.accept(m.seq)) {
@@ -477,20 +633,32 @@ export class PeerTable {
         this.drop(peer, `silent for ${now - peer.lastSeenMs} ms`);
       } else if (now - peer.lastSeenMs > this.settings.tombstoneMs) {
         // Idle and unheard of for long: forget it (a new transfer handshakes again).
-        this.peers.delete(peer.engineId);
-        if (this.byAddress.get(peer.dialedAddress) === peer.engineId)
-          this.byAddress.delete(peer.dialedAddress);
-        peer.close();
+        this.forget(peer);
       }
     }
   }
 
-  /** Peers whose messages were dropped over budget since the last call, with how many. */
+  /**
+   * Peers whose messages were dropped over budget since the last call, with how many ("" for
+   * senders that are no connected peer).
+   */
   overBudget(): [string, number][] {
     const out: [string, number][] = [];
+    const strangers = this.strangers.dropped();
+    if (strangers > 0) out.push(["", strangers]);
     for (const p of this.peers.values()) {
       const n = p.budget.dropped();
       if (n > 0) out.push([p.engineId, n]);
+    }
+    return out;
+  }
+
+  /** Peers with more than one bad-MAC notification since the last call: how many more. */
+  badMacReport(): [string, number][] {
+    const out: [string, number][] = [];
+    for (const p of this.peers.values()) {
+      if (p.badMacs > 1) out.push([p.engineId, p.badMacs - 1]);
+      p.badMacs = 0;
     }
     return out;
   }

@@ -24,22 +24,38 @@ import {
   type HandshakeResponse,
 } from "../gen/kvxfer/v1/peer_pb.js";
 import { KvxferError } from "../errors.js";
+import { ConnectionSlots } from "./connection-slots.js";
 
 /** Largest handshake frame accepted (metadata of 8 ranks with many regions fits easily). */
 export const MAX_HANDSHAKE_BYTES = 4 << 20;
-/** Handshake connections served at once; more are closed at accept. */
-export const MAX_HANDSHAKES_IN_FLIGHT = 64;
 /**
- * Handshake connections from one source address at once: one address fills at most this many of
- * the MAX_HANDSHAKES_IN_FLIGHT slots, so the rest stay free for other peers.
+ * Connections that have not authenticated yet, held at once (all sources together). Past it a
+ * newcomer takes the place of the oldest one of the largest address group (ConnectionSlots):
+ * nobody is refused at accept, and an attacker loses its own connections first.
  */
-export const MAX_HANDSHAKES_PER_SOURCE = 8;
+export const OPENING_HANDSHAKES = 128;
+/** Authenticated connections (TLS finished) waiting for their request, held at once. */
+export const AUTHENTICATED_HANDSHAKES = 256;
+/** Authenticated connections of one engine identity at once: its own oldest makes room. */
+export const HANDSHAKES_PER_IDENTITY = 4;
+/**
+ * A connection must have sent a complete first TLS record (its ClientHello; without TLS, the
+ * request's 4-byte length) this long after accept, or it is closed: a real peer sends it in its
+ * first round trip, so what sends nothing useful holds a slot for at most this long.
+ */
+export const HELLO_DEADLINE_MS = 2_000;
+/** The TLS handshake must have finished (without TLS: the whole request arrived) by then. */
+export const AUTH_DEADLINE_MS = 5_000;
+/** After TLS, the request must arrive within this long. */
+export const REQUEST_DEADLINE_MS = 2_000;
 /**
  * Every connection is closed this long after it was accepted, whatever it sent or sends (TLS,
  * the request, our answer): a hard deadline, not an idle timer (one byte every few seconds
  * keeps nothing open), and a destroy, not Node's handshakeTimeout (which only reports).
  */
 export const HANDSHAKE_DEADLINE_MS = 10_000;
+/** Largest first TLS record accepted as a ClientHello (2^14 bytes of plaintext, and some). */
+const MAX_HELLO_RECORD = (1 << 14) + 2048;
 
 /** The sidecar's credentials for its peers (PEM). */
 export interface PeerCredentials {
@@ -214,97 +230,26 @@ function frame(body: Uint8Array): Buffer {
   return Buffer.concat([head, body]);
 }
 
-/** The address a slot is counted under (an IPv4 peer seen on an IPv6 socket as itself). */
-export function sourceOf(socket: net.Socket): string {
-  return (socket.remoteAddress ?? "?").replace(/^::ffff:/, "");
-}
-
-export interface SlotLimits {
-  /** Connections held at once, all sources together. */
-  readonly inFlight: number;
-  /** Connections one source address holds at once: the rest stay free for others. */
-  readonly perSource: number;
-  /** Each connection is destroyed this long after accept, whatever it sends (0: never). */
+/** Where the side channel's deadlines and pools differ from the defaults (tests). */
+export interface SideChannelLimits {
+  readonly opening: number;
+  readonly authenticated: number;
+  readonly perIdentity: number;
+  readonly helloMs: number;
+  readonly authMs: number;
+  readonly requestMs: number;
   readonly deadlineMs: number;
-  /**
-   * A connection that has sent no byte this long after accept is destroyed (0 or absent:
-   * never). Read from the socket's byte count: no listener is added to its data.
-   */
-  readonly silentMs?: number;
-}
-
-/**
- * Connection slots of one listening socket: a global cap, a cap per source address and a hard
- * deadline per connection, each checked in O(1) at accept. The side channel, the gRPC API and
- * the HTTP endpoints (metrics, bootstrap) each hold one.
- */
-export class ConnectionSlots {
-  private readonly sockets = new Set<net.Socket>();
-  private readonly perSource = new Map<string, number>();
-
-  constructor(
-    readonly limits: SlotLimits,
-    /** Told about each connection closed at accept (code, message). */
-    private readonly onRefused?: (code: string, message: string) => void,
-  ) {}
-
-  /** Connections holding a slot now. */
-  get inFlight(): number {
-    return this.sockets.size;
-  }
-
-  /**
-   * Gives an accepted connection a slot until it closes (destroying it at the deadline), or
-   * destroys it at once when every slot, or its source's share, is taken; returns which.
-   */
-  admit(socket: net.Socket): boolean {
-    const src = sourceOf(socket);
-    const fromSrc = this.perSource.get(src) ?? 0;
-    const { inFlight, perSource, deadlineMs } = this.limits;
-    if (this.sockets.size >= inFlight || fromSrc >= perSource) {
-      socket.destroy();
-      this.onRefused?.(
-        "ERR_OVERLOADED",
-        fromSrc >= perSource
-          ? `${perSource} connections from ${src} already; one more was closed`
-          : `${inFlight} connections already; one from ${src} was closed`,
-      );
-      return false;
-    }
-    this.sockets.add(socket);
-    this.perSource.set(src, fromSrc + 1);
-    const deadline = deadlineMs > 0 ? setTimeout(() => socket.destroy(), deadlineMs) : undefined;
-    deadline?.unref();
-    const silentMs = this.limits.silentMs ?? 0;
-    const silent =
-      silentMs > 0
-        ? setTimeout(() => {
-            if (socket.bytesRead === 0) socket.destroy();
-          }, silentMs)
-        : undefined;
-    silent?.unref();
-    socket.once("close", () => {
-      clearTimeout(deadline);
-      clearTimeout(silent);
-      this.sockets.delete(socket);
-      const n = (this.perSource.get(src) ?? 1) - 1;
-      if (n <= 0) this.perSource.delete(src);
-      else this.perSource.set(src, n);
-    });
-    socket.on("error", () => socket.destroy());
-    return true;
-  }
-
-  /** Destroys every connection holding a slot. */
-  destroyAll(): void {
-    for (const s of this.sockets) s.destroy();
-  }
 }
 
 export class SideChannelServer {
   private server: net.Server | undefined;
+  /** With credentials: TLS over the connections it is handed (never listens itself). */
+  private tlsServer: tls.Server | undefined;
   /** Accepted connections (the TCP socket under TLS), each holding one slot until it closes. */
   private readonly slots: ConnectionSlots;
+  private readonly limits: SideChannelLimits;
+  /** TCP connections handed to TLS, by their remote address and port, until TLS finishes. */
+  private readonly inTls = new Map<string, net.Socket>();
   private closed = false;
   /** "host:port" actually bound (port 0 resolved). */
   address = "";
@@ -315,13 +260,24 @@ export class SideChannelServer {
     /** Told about connections refused before they reach the handler (malformed, too large, TLS). */
     private readonly onRefused?: (code: string, message: string) => void,
     private readonly creds?: PeerCredentials,
-    limits: Partial<SlotLimits> = {},
+    limits: Partial<SideChannelLimits> = {},
   ) {
+    this.limits = {
+      opening: limits.opening ?? OPENING_HANDSHAKES,
+      authenticated: limits.authenticated ?? AUTHENTICATED_HANDSHAKES,
+      perIdentity: limits.perIdentity ?? HANDSHAKES_PER_IDENTITY,
+      helloMs: limits.helloMs ?? HELLO_DEADLINE_MS,
+      authMs: limits.authMs ?? AUTH_DEADLINE_MS,
+      requestMs: limits.requestMs ?? REQUEST_DEADLINE_MS,
+      deadlineMs: limits.deadlineMs ?? HANDSHAKE_DEADLINE_MS,
+    };
     this.slots = new ConnectionSlots(
       {
-        inFlight: limits.inFlight ?? MAX_HANDSHAKES_IN_FLIGHT,
-        perSource: limits.perSource ?? MAX_HANDSHAKES_PER_SOURCE,
-        deadlineMs: limits.deadlineMs ?? HANDSHAKE_DEADLINE_MS,
+        opening: this.limits.opening,
+        established: this.limits.authenticated,
+        perGroup: this.limits.perIdentity,
+        establishMs: this.limits.authMs,
+        deadlineMs: this.limits.deadlineMs,
       },
       (code, message) => {
         if (!this.closed) this.onRefused?.(code, `side channel: ${message}`);
@@ -334,40 +290,46 @@ export class SideChannelServer {
     return this.slots.inFlight;
   }
 
+  /** Connections holding an opening slot, and an authenticated one (tests). */
+  get slotCounts(): { opening: number; authenticated: number } {
+    return { opening: this.slots.openingCount, authenticated: this.slots.establishedCount };
+  }
+
   get authenticated(): boolean {
     return this.creds !== undefined;
   }
 
   async bind(address: string): Promise<string> {
     const { host, port } = parseAddress(address);
-    const onConnection = (socket: net.Socket): void => this.serve(socket);
-    const server =
-      this.creds === undefined
-        ? net.createServer()
-        : tls.createServer(
-            {
-              cert: this.creds.cert,
-              key: this.creds.key,
-              ca: this.creds.ca,
-              requestCert: true,
-              rejectUnauthorized: true,
-              minVersion: "TLSv1.3",
-              handshakeTimeout: this.slots.limits.deadlineMs,
-            },
-            onConnection,
-          );
-    // Every TCP connection (under TLS too: this runs at accept, before any TLS byte) takes a
-    // slot, or is closed at once.
-    server.on("connection", (socket: net.Socket) => {
+    const creds = this.creds;
+    if (creds !== undefined) {
+      const tlsServer = tls.createServer(
+        {
+          cert: creds.cert,
+          key: creds.key,
+          ca: creds.ca,
+          requestCert: true,
+          rejectUnauthorized: true,
+          minVersion: "TLSv1.3",
+          handshakeTimeout: this.limits.authMs,
+        },
+        (socket) => this.onSecure(socket),
+      );
+      tlsServer.on("tlsClientError", (err: Error) => {
+        // A peer without this cluster's credentials, or not speaking TLS at all.
+        this.onRefused?.("ERR_UNAUTHENTICATED", `TLS handshake failed: ${err.message}`);
+      });
+      this.tlsServer = tlsServer;
+    }
+    // Every TCP connection takes an opening slot at accept (under TLS too: before any TLS byte).
+    const server = net.createServer((socket: net.Socket) => {
       if (this.closed) {
         socket.destroy();
         return;
       }
-      if (this.slots.admit(socket) && this.creds === undefined) this.serve(socket);
-    });
-    server.on("tlsClientError", (err: Error) => {
-      // A peer without this cluster's credentials, or not speaking TLS at all.
-      this.onRefused?.("ERR_UNAUTHENTICATED", `TLS handshake failed: ${err.message}`);
+      this.slots.admit(socket);
+      if (creds === undefined) this.serve(socket);
+      else this.awaitHello(socket);
     });
     this.server = server;
     await new Promise<void>((resolve, reject) => {
@@ -383,7 +345,62 @@ export class SideChannelServer {
     return this.address;
   }
 
-  private serve(socket: net.Socket): void {
+  /**
+   * Reads the connection's first TLS record (its ClientHello) before TLS starts: a connection
+   * that has not sent it whole within helloMs is closed; one that sends something else is
+   * closed at once. Then TLS takes the connection with the bytes read (unshifted).
+   */
+  private awaitHello(socket: net.Socket): void {
+    let buf: Buffer = Buffer.alloc(0);
+    const timer = setTimeout(() => socket.destroy(), this.limits.helloMs);
+    timer.unref();
+    const refuse = (why: string): void => {
+      clearTimeout(timer);
+      socket.destroy();
+      this.onRefused?.(
+        "ERR_UNAUTHENTICATED",
+        `TLS handshake failed: ${why} from ${socket.remoteAddress}`,
+      );
+    };
+    const onData = (data: Buffer): void => {
+      buf = buf.length === 0 ? data : Buffer.concat([buf, data]);
+      if (buf[0] !== 0x16) return refuse("the first record is not a TLS handshake");
+      if (buf.length < 5) return;
+      const want = 5 + buf.readUInt16BE(3);
+      if (want > MAX_HELLO_RECORD) return refuse(`a first TLS record of ${want} bytes`);
+      if (buf.length < want) return;
+      clearTimeout(timer);
+      socket.off("data", onData);
+      socket.pause();
+      socket.unshift(buf);
+      if (this.closed || socket.destroyed) return void socket.destroy();
+      const key = `${socket.remoteAddress}|${socket.remotePort}`;
+      this.inTls.set(key, socket);
+      socket.once("close", () => {
+        if (this.inTls.get(key) === socket) this.inTls.delete(key);
+      });
+      this.tlsServer!.emit("connection", socket);
+    };
+    socket.on("data", onData);
+  }
+
+  /** TLS finished: the connection takes an authenticated slot under its engine id, then serves. */
+  private onSecure(socket: tls.TLSSocket): void {
+    const key = `${socket.remoteAddress}|${socket.remotePort}`;
+    const raw = this.inTls.get(key);
+    this.inTls.delete(key);
+    const identity = certificateIdentity(socket.getPeerCertificate());
+    if (raw === undefined || this.closed || !this.slots.establish(raw, `id:${identity}`)) {
+      socket.destroy();
+      return;
+    }
+    const timer = setTimeout(() => socket.destroy(), this.limits.requestMs);
+    timer.unref();
+    socket.once("close", () => clearTimeout(timer));
+    this.serve(socket, () => clearTimeout(timer));
+  }
+
+  private serve(socket: net.Socket, requestRead?: () => void): void {
     if (this.closed) {
       socket.destroy();
       return;
@@ -396,6 +413,15 @@ export class SideChannelServer {
         this.reply(socket, refusal("ERR_UNAUTHENTICATED", "client certificate names no engine"));
         return;
       }
+    } else {
+      // Without TLS: the request's length must come within helloMs (AUTH_DEADLINE_MS bounds
+      // the whole request: the slot's establish deadline, as such a connection never
+      // establishes itself).
+      const hello = setTimeout(() => {
+        if (socket.bytesRead < 4) socket.destroy();
+      }, this.limits.helloMs);
+      hello.unref();
+      socket.once("close", () => clearTimeout(hello));
     }
     const reader = new FrameReader(MAX_HANDSHAKE_BYTES);
     let answered = false;
@@ -404,6 +430,7 @@ export class SideChannelServer {
       const body = reader.push(data);
       if (body === undefined) return;
       answered = true;
+      requestRead?.();
       socket.pause();
       if (body === "too-large") {
         this.reply(
@@ -454,6 +481,18 @@ export class SideChannelServer {
 
 export function refusal(code: string, message: string): HandshakeResponse {
   return create(HandshakeResponseSchema, { errorCode: code, error: message });
+}
+
+/** Handshake failures where the connection was cut before any answer (see `wasCut`). */
+const cuts = new WeakSet<Error>();
+
+/**
+ * True when `err` is a handshake whose connection was closed or reset before any answer came:
+ * the side channel may have displaced it to make room, and another try may get through (a
+ * refused connection, a refusal or a failed TLS handshake is not one).
+ */
+export function wasCut(err: unknown): boolean {
+  return err instanceof Error && cuts.has(err);
 }
 
 /** A handshake answer and who gave it (the engine id in its certificate, if authenticated). */
@@ -540,18 +579,21 @@ export async function handshake(
       const tlsFailure =
         creds !== undefined &&
         /certificate|alert|handshake|SSL|TLS|self.signed|unable to verify/i.test(err.message);
-      finish(
-        new KvxferError(
-          tlsFailure ? "ERR_UNAUTHENTICATED" : "ERR_UNREACHABLE",
-          tlsFailure
-            ? `side channel ${address} refused mutual TLS: ${err.message}`
-            : `side channel ${address}: ${err.message}`,
-          { cause: err },
-        ),
+      const e = new KvxferError(
+        tlsFailure ? "ERR_UNAUTHENTICATED" : "ERR_UNREACHABLE",
+        tlsFailure
+          ? `side channel ${address} refused mutual TLS: ${err.message}`
+          : `side channel ${address}: ${err.message}`,
+        { cause: err },
       );
+      const errno = (err as NodeJS.ErrnoException).code;
+      if (!tlsFailure && (errno === "ECONNRESET" || errno === "EPIPE")) cuts.add(e);
+      finish(e);
     });
-    socket.on("close", () =>
-      finish(new KvxferError("ERR_UNREACHABLE", `side channel ${address} closed with no answer`)),
-    );
+    socket.on("close", () => {
+      const e = new KvxferError("ERR_UNREACHABLE", `side channel ${address} closed with no answer`);
+      cuts.add(e);
+      finish(e);
+    });
   });
 }

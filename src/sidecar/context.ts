@@ -34,10 +34,21 @@ export interface LifecycleSettings {
   /** Live transfers per side at most. */
   readonly maxTransfers: number;
   /**
-   * P: transfers one decode engine may create by PushReg before PrefillDone (default
-   * maxTransfers / 8): a flooding peer fills its own share, never the table.
+   * P: registrations one decode engine may keep by PushReg before PrefillDone (default
+   * maxTransfers / 8).
    */
   readonly maxPerPeer?: number;
+  /**
+   * P: registrations kept before PrefillDone, every decode engine together (default
+   * maxTransfers / 8). Apart from the table: a real PrefillDone never finds its room taken by
+   * entries no engine asked for. When full, a newcomer takes the place of the oldest
+   * registration of the engine holding the most (that engine is told).
+   */
+  readonly maxUnconfirmed?: number;
+  /** P: the lease of a registration before P's engine names its id (default 5 000 ms). */
+  readonly unconfirmedLeaseMs?: number;
+  /** Heartbeat period between peers (default 1 000 ms): a peer unheard of for two is silent. */
+  readonly heartbeatMs?: number;
   /** P refuses a PrefillDone listing a block a live transfer holds. */
   readonly exclusivePrefillBlocks: boolean;
 }

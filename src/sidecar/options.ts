@@ -52,8 +52,12 @@ export interface SidecarOptions {
   tombstoneMs?: number;
   /** Live transfers per side at most. */
   maxTransfers?: number;
-  /** P: transfers one decode engine may create by PushReg before PrefillDone (default maxTransfers / 8). */
+  /** P: registrations one decode engine may keep by PushReg before PrefillDone (default maxTransfers / 8). */
   maxPerPeer?: number;
+  /** P: registrations kept before PrefillDone, all decode engines together (default maxTransfers / 8). */
+  maxUnconfirmed?: number;
+  /** P: the lease of a registration before P's engine names its id (default 5 000 ms). */
+  unconfirmedLeaseMs?: number;
   /** Notifications of one peer processed per second at most (burst: two seconds' worth). */
   peerMessagesPerSec?: number;
   /**
@@ -110,12 +114,15 @@ export function resolveOptions(options: SidecarOptions): ResolvedOptions {
     transferTimeoutMs: options.transferTimeoutMs ?? 60_000,
     heartbeatMs: options.heartbeatMs ?? 1000,
     peerTimeoutMs: options.peerTimeoutMs ?? 5000,
-    peerKeepaliveMs: options.peerKeepaliveMs ?? 30_000,
+    peerKeepaliveMs: options.peerKeepaliveMs ?? 600_000,
     abortGraceMs: options.abortGraceMs ?? 2000,
     handshakeTimeoutMs: options.handshakeTimeoutMs ?? 5000,
     tombstoneMs: options.tombstoneMs ?? 60_000,
     maxTransfers: options.maxTransfers ?? 65_536,
     maxPerPeer: options.maxPerPeer ?? Math.max(1, Math.floor((options.maxTransfers ?? 65_536) / 8)),
+    maxUnconfirmed:
+      options.maxUnconfirmed ?? Math.max(1, Math.floor((options.maxTransfers ?? 65_536) / 8)),
+    unconfirmedLeaseMs: options.unconfirmedLeaseMs ?? 5_000,
     peerMessagesPerSec: options.peerMessagesPerSec ?? 20_000,
     kvDir: options.kvDir ?? "/dev/shm",
     maxRegistrationBytes: options.maxRegistrationBytes ?? Number.MAX_SAFE_INTEGER,

@@ -18,13 +18,17 @@ import type { TerminalKind, TransferInfo } from "./view.js";
 
 /** D's push registration: where P writes, under D's lease. */
 export interface PushRegistration {
+  readonly transferId: string;
   peer: PeerState;
   token: string;
   /** D's block lists, one per group. */
   dstLists: BlockList[];
   numTokens: number;
   prefixTokens: number;
+  /** Its lease now: short before PrefillDone (an id P's engine has not named), D's after. */
   leaseMs: number;
+  /** The lease D asked for (clamped): it holds once P's engine names the id. */
+  requestedLeaseMs: number;
   /** No write for it may start after this (renewed by its D's heartbeats). */
   deadline: number;
   /**
@@ -47,12 +51,12 @@ export interface PrefillTransfer {
   /** The registration P writes for: chosen at PrefillDone by the token, or one after it. */
   reg: PushRegistration | undefined;
   /**
-   * Before PrefillDone, every registration (at most MAX_PENDING_REGISTRATIONS, one per decode
-   * engine), withdrawn ones included: the token picks one at PrefillDone.
+   * Before PrefillDone, every registration (one per decode engine, in the order they came),
+   * withdrawn ones included: the token picks one at PrefillDone. Not capped per transfer: each
+   * counts in P's pool of registrations no engine has named (PrefillSide), so insiders who
+   * register first for a known id take no place the real decode engine needs.
    */
-  pending: PushRegistration[];
-  /** The decode engine whose PushReg created this entry, until PrefillDone (its share, O(1)). */
-  namedBy: PeerState | undefined;
+  pending: Map<PeerState, PushRegistration>;
   /** PrefillDone.token: only a D presenting it may register, confirm, abort or fail the transfer. */
   token: string;
   /** Lease of held blocks (HELD), of a registration waiting for prefill (AWAITING_PREFILL), or the tombstone's end. */
@@ -99,10 +103,7 @@ export interface EventData {
 /** Timestamps of the notification that carried a peer message (trace). */
 export type Arrival = Pick<Notification, "receivedUs" | "deliveredUs">;
 
-/** Registrations kept before PrefillDone for one transfer, at most (one per decode engine). */
-export const MAX_PENDING_REGISTRATIONS = 5;
-
-/** Entries one decode engine may create by PushReg before PrefillDone: this share of maxTransfers. */
+/** Registrations one decode engine may keep before PrefillDone: this share of maxTransfers. */
 export const PER_PEER_SHARE = 8;
 
 /** A new entry: nothing known yet. */
@@ -114,8 +115,7 @@ export function newPrefillTransfer(id: string): PrefillTransfer {
     lists: undefined,
     numTokens: 0,
     reg: undefined,
-    pending: [],
-    namedBy: undefined,
+    pending: new Map(),
     token: "",
     deadline: 0,
     regDeadline: 0,
@@ -130,29 +130,31 @@ export function newPrefillTransfer(id: string): PrefillTransfer {
   };
 }
 
-/** The entry no longer counts against the peer whose PushReg created it. */
-export function unname(t: PrefillTransfer): void {
-  if (t.namedBy === undefined) return;
-  t.namedBy.named--;
-  t.namedBy = undefined;
-}
-
 /**
  * A WAITING entry's deadline: its first live registration's, or (all withdrawn) the time its
- * withdrawals are remembered for a late PrefillDone. At most MAX_PENDING_REGISTRATIONS.
+ * withdrawals are remembered for a late PrefillDone. One pass over its registrations: made when
+ * one is withdrawn or at its deadline, not at each renewal (a renewal only moves a registration's
+ * deadline later, so an entry's deadline may come early: EXPIRE_REGS then finds none due and
+ * makes it again).
  */
 export function rearm(t: PrefillTransfer, now: number, leaseMs: number): void {
   let next = Infinity;
-  for (const r of t.pending) if (r.withdrawn === undefined) next = Math.min(next, r.deadline);
+  let first: PushRegistration | undefined;
+  for (const r of t.pending.values()) {
+    if (r.withdrawn !== undefined) continue;
+    first ??= r;
+    next = Math.min(next, r.deadline);
+  }
   t.deadline = next === Infinity ? now + leaseMs : next;
-  const first = t.pending.find((r) => r.withdrawn === undefined) ?? t.pending[0];
+  first ??= t.pending.values().next().value;
   t.peer = first?.peer.engineId ?? "";
 }
 
-/** `peer`'s live registration kept before PrefillDone, if any. */
+/** `peer`'s live registration kept before PrefillDone, if any (O(1)). */
 export function pendingOf(t: PrefillTransfer, peer: PeerState): PushRegistration | undefined {
   if (t.blocks !== undefined) return undefined;
-  return t.pending.find((r) => r.peer === peer && r.withdrawn === undefined);
+  const r = t.pending.get(peer);
+  return r?.withdrawn === undefined ? r : undefined;
 }
 
 /**
@@ -173,9 +175,8 @@ export function settleRegistrations(
   ctx: SideContext,
   t: PrefillTransfer,
 ): PushRegistration | undefined {
-  const all = t.pending;
-  t.pending = [];
-  unname(t);
+  const all = [...t.pending.values()];
+  t.pending = new Map();
   // A live registration with the token first (the same D again after a restart, say), else a
   // withdrawn one: then the transfer ends as its D asked.
   const matches = all.filter((r) => tokensEqual(r.token, t.token));
@@ -196,6 +197,9 @@ export function settleRegistrations(
     t.mode = chosen === undefined ? "" : "push";
     return chosen;
   }
+  // P's engine named the id: D's next renewal extends it by the lease D asked for. Not its
+  // deadline now: D counts P's lease from its own last renewal, and P never writes past that.
+  chosen.leaseMs = chosen.requestedLeaseMs;
   t.reg = chosen;
   t.peer = chosen.peer.engineId;
   t.mode = "push";

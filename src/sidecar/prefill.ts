@@ -25,14 +25,18 @@ import {
   type PrefillEvent,
   type PrefillState,
 } from "./prefill-machine.js";
+import { FairPool } from "../peer/fair-pool.js";
 import {
+  DISPLACED,
   checkRegistration,
   endedRefusal,
   keepAside,
   newRegistration,
+  poolRefusal,
   readTokenRefusal,
   refuseNewEntry,
   takenRefusal,
+  unconfirmedCap,
   type Refusal,
 } from "./prefill-registrations.js";
 import {
@@ -42,11 +46,11 @@ import {
   rearm,
   releaseReason,
   settleRegistrations,
-  unname,
   prefillInfo,
   type Arrival,
   type EventData,
   type PrefillTransfer,
+  type PushRegistration,
 } from "./prefill-transfer.js";
 import { planPush, postWrites } from "./prefill-writes.js";
 import { SideTable } from "./side-table.js";
@@ -67,9 +71,84 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   private readonly givenUp = new Map<string, number>();
   /** The sidecar is stopping: no new registration is kept (drain()). */
   private draining = false;
+  /**
+   * Every registration kept before PrefillDone (ids P's engine has not named), by decode
+   * engine: bounded apart from the table (a real PrefillDone never finds room taken by them),
+   * and shared fairly: when full, a newcomer takes the place of the oldest registration of the
+   * engine holding the most, which is told (DISPLACED). More identities do not fill it against
+   * a real decode engine: it is displaced only once every engine holds as few as it does.
+   */
+  private readonly unconfirmed: FairPool<PushRegistration>;
+  /** Entries waiting for PrefillDone (AWAITING_PREFILL): not counted against the table's cap. */
+  private readonly awaiting = new Set<PrefillTransfer>();
+  /** Registrations displaced since the sweep last asked (takeDisplaced). */
+  private displaced = 0;
 
   constructor(ctx: SideContext) {
     super(ctx, "prefill", PREFILL_INITIAL, PREFILL_NEXT);
+    this.unconfirmed = new FairPool(unconfirmedCap(ctx.settings));
+  }
+
+  /** Registrations `peer` keeps before PrefillDone (tests, status). */
+  registrationsOf(peer: PeerState): number {
+    return this.unconfirmed.count(peer.engineId);
+  }
+
+  /** Registrations kept before PrefillDone, all decode engines together. */
+  unconfirmedCount(): number {
+    return this.unconfirmed.size;
+  }
+
+  /**
+   * Room for `reg` in the unconfirmed pool: past its engine's share, or in a full pool where its
+   * engine holds as many as any, refused; otherwise taken, displacing the oldest registration
+   * of the engine holding the most when full.
+   */
+  private admit(reg: PushRegistration, into?: PrefillTransfer): Refusal | undefined {
+    const pool = this.unconfirmed;
+    const id = reg.peer.engineId;
+    const victim = pool.full ? pool.victimFor(id, false) : undefined;
+    const no = poolRefusal(
+      reg.peer,
+      reg.transferId,
+      pool.count(id),
+      pool.full && victim === undefined,
+      this.ctx.settings,
+    );
+    if (no !== undefined) return no;
+    if (victim !== undefined) this.displace(victim, into);
+    pool.add(reg, id);
+    return undefined;
+  }
+
+  /**
+   * `reg` gives its place up: its engine is told; an entry left with none goes (unless it is
+   * `into`, the entry the newcomer joins).
+   */
+  private displace(reg: PushRegistration, into: PrefillTransfer | undefined): void {
+    // Every registration in the pool is one its waiting entry keeps (they leave both together).
+    this.unconfirmed.delete(reg);
+    const t = this.transfers.get(reg.transferId)!;
+    t.pending.delete(reg.peer);
+    if (t.pending.size === 0 && t !== into) {
+      this.awaiting.delete(t);
+      this.forget(t);
+    } else this.rearm(t);
+    if (reg.withdrawn === undefined)
+      this.failTo(reg.peer, reg.transferId, DISPLACED.code, DISPLACED.message);
+    this.displaced++;
+  }
+
+  takeDisplaced(): number {
+    const n = this.displaced;
+    this.displaced = 0;
+    return n;
+  }
+
+  /** `t` no longer waits for PrefillDone: its registrations leave the unconfirmed pool. */
+  private confirmOrEnd(t: PrefillTransfer): void {
+    if (!this.awaiting.delete(t)) return;
+    for (const r of t.pending.values()) this.unconfirmed.delete(r);
   }
 
   protected enter(t: PrefillTransfer, to: PrefillState): void {
@@ -93,7 +172,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
   }
 
   protected exit(t: PrefillTransfer, kind: PrefillState & TerminalKind): void {
-    unname(t);
+    this.confirmOrEnd(t);
     if (t.blocks !== undefined) {
       if (this.ctx.settings.exclusivePrefillBlocks) this.claims.release(t.blocks, t.id);
       this.ctx.engine.send({
@@ -162,10 +241,18 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       case "REFUSE_ENDED":
         return this.refuse(d.peer!, t.id, endedRefusal(t));
       case "KEEP_ASIDE": {
-        const no = keepAside(t, d.reg!);
-        if (no !== undefined) return this.refuse(d.reg!.peer, t.id, no);
+        const reg = d.reg!;
+        const mine = t.pending.get(reg.peer);
+        if (mine === undefined) {
+          const no = this.admit(reg, t);
+          if (no !== undefined) return this.refuse(reg.peer, t.id, no);
+        } else {
+          // Its own withdrawn registration, made again: it takes that one's place.
+          this.unconfirmed.delete(mine);
+          this.unconfirmed.add(reg, reg.peer.engineId);
+        }
+        keepAside(t, reg);
         t.trace.mark("peer.pushReg kept aside", d.receivedUs);
-        this.rearm(t);
         return;
       }
       case "TAKE_REG": {
@@ -244,9 +331,9 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         t.deadline = d.now! + ctx.settings.leaseMs;
         return;
       case "RENEW_PENDING": {
+        // Later only: the entry's deadline may now come early, and is made again then.
         const r = pendingOf(t, d.peer!)!;
         r.deadline = d.now! + r.leaseMs;
-        this.rearm(t);
         return;
       }
       case "EXPIRE_REGS":
@@ -268,8 +355,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
 
   /** Every registration kept aside, not withdrawn, hears Failed. */
   private tellPending(t: PrefillTransfer, code: string, message: string): void {
-    for (const r of t.pending.filter((x) => x.withdrawn === undefined))
-      this.failTo(r.peer, t.id, code, message);
+    for (const r of t.pending.values())
+      if (r.withdrawn === undefined) this.failTo(r.peer, t.id, code, message);
   }
 
   // --- the engine ----------------------------------------------------------------
@@ -294,7 +381,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       this.on(existing, "PREFILL_DONE", { prefill: m, receivedUs, shrunk });
       return;
     }
-    if (this.atCapacity()) {
+    // Entries waiting for PrefillDone are not counted: they never take a real transfer's room.
+    if (this.live() - this.awaiting.size >= s.maxTransfers) {
       // The engine gets its blocks back at once: nobody will read them.
       ctx.engine.send({
         case: "releaseBlocks",
@@ -332,6 +420,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     shrunk: string | undefined,
   ): void {
     this.takePrefill(t, m, receivedUs);
+    this.confirmOrEnd(t);
     const reg = settleRegistrations(this.ctx, t);
     if (shrunk !== undefined) this.on(t, "REGION_BROKEN", { reg, shrunk });
     else if (reg?.withdrawn !== undefined) {
@@ -395,18 +484,17 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       this.on(existing, "PUSH_REG", { peer, pushReg: m, receivedUs });
       return;
     }
-    const no = refuseNewEntry(peer, m, {
+    const no = refuseNewEntry(m, {
       givenUp: this.givenUp.has(m.transferId),
       draining: this.draining,
-      full: this.atCapacity(),
-      settings: ctx.settings,
     });
     if (no !== undefined) return this.refuse(peer, m.transferId, no);
-    const reg = newRegistration(peer, m, ctx.clock.now());
+    const reg = newRegistration(peer, m, ctx.clock.now(), ctx.settings);
+    const full = this.admit(reg);
+    if (full !== undefined) return this.refuse(peer, m.transferId, full);
     const t = newPrefillTransfer(m.transferId);
-    t.pending = [reg];
-    t.namedBy = peer;
-    peer.named++;
+    t.pending.set(peer, reg);
+    this.awaiting.add(t);
     t.peer = peer.engineId;
     t.mode = "push";
     t.t.registeredMs = ctx.clock.now();
@@ -425,7 +513,10 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     const no = checkRegistration(t, peer, m, this.draining);
     if (no === "again") return; // the same engine's registration again: idempotent
     if (no !== undefined) return this.refuse(peer, t.id, no);
-    this.on(t, "REG_OK", { peer, reg: newRegistration(peer, m, this.ctx.clock.now()), receivedUs });
+    // Before PrefillDone the id is not named yet: the short lease.
+    const unconfirmed = t.blocks === undefined ? this.ctx.settings : undefined;
+    const reg = newRegistration(peer, m, this.ctx.clock.now(), unconfirmed);
+    this.on(t, "REG_OK", { peer, reg, receivedUs });
   }
 
   private rearm(t: PrefillTransfer): void {
@@ -563,7 +654,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       if (isTerminal(t.state)) continue;
       if (t.reg !== undefined) out.add(t.reg.peer);
       else if (t.blocks === undefined)
-        for (const r of t.pending) if (r.withdrawn === undefined) out.add(r.peer);
+        for (const r of t.pending.values()) if (r.withdrawn === undefined) out.add(r.peer);
     }
     return out;
   }
@@ -581,16 +672,26 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
    * longer worth remembering: P's engine never gave blocks for it, so no event.
    */
   private expireRegs(t: PrefillTransfer, now: number): void {
-    const live = t.pending.filter((r) => r.withdrawn === undefined);
+    const live = [...t.pending.values()].filter((r) => r.withdrawn === undefined);
     for (const r of live) {
       if (now < r.deadline) continue;
-      this.failTo(r.peer, t.id, "ERR_TIMEOUT", "no prefill before the registration lease ran out");
+      // A decode engine heard from lately is told; one silent for two heartbeats is gone (or
+      // cut off): nothing is sent to it (the peer table drops it; it registers again if it
+      // comes back). Sends to a dead peer never complete (measured over shared memory:
+      // thousands of them kept P's progress thread at 50-90% of a core for 30 s and more).
+      if (now - r.peer.lastSeenMs < 2 * (this.ctx.settings.heartbeatMs ?? 1000))
+        this.failTo(
+          r.peer,
+          t.id,
+          "ERR_TIMEOUT",
+          "no prefill before the registration lease ran out",
+        );
       this.on(t, "REG_EXPIRED", { withdrawn: r, reason: "registration lease expired" });
     }
     if (live.length === 0) {
-      unname(t);
+      this.confirmOrEnd(t);
       this.forget(t);
-    }
+    } else this.rearm(t); // renewals moved deadlines later (RENEW_PENDING)
   }
 
   /** Transfers whose blocks P holds under a lease (HELD, or AWAITING_PREFILL). */

@@ -11,7 +11,7 @@ import type { ErrorPort } from "./context.js";
 import type { DecodeSide } from "./decode.js";
 import type { KvRegistry } from "./kv-registration.js";
 import type { TransferMetrics } from "./metrics.js";
-import type { PeerDispatch } from "./peer-dispatch.js";
+import { MAX_QUEUED_NOTIFICATIONS, type PeerDispatch } from "./peer-dispatch.js";
 import type { PrefillSide } from "./prefill.js";
 
 /** What the sweep visits. */
@@ -70,9 +70,25 @@ export class Sweeper {
       );
     }
     peers.expire(now);
+    const displaced = prefill.takeDisplaced();
+    if (displaced > 0)
+      this.parts.errors.note(
+        `${displaced} registrations before prefill displaced to make room (ERR_OVERLOADED; the engine holding the most loses its oldest)`,
+      );
+    for (const [engineId, n] of peers.badMacReport())
+      this.parts.errors.note(
+        `${n} more notifications claiming '${engineId}' refused: ERR_UNAUTHENTICATED (bad MAC)`,
+      );
     for (const [engineId, n] of peers.overBudget())
       this.parts.errors.note(
-        `${n} notifications from '${engineId}' dropped: over ${this.parts.messagesPerSec}/s (ERR_OVERLOADED)`,
+        engineId === ""
+          ? `${n} notifications from agents that are no connected peer dropped (ERR_OVERLOADED)`
+          : `${n} notifications from '${engineId}' dropped: over its share of ${this.parts.messagesPerSec}/s (ERR_OVERLOADED)`,
+      );
+    const behind = this.parts.peerIn.takeBehind();
+    if (behind > 0)
+      this.parts.errors.note(
+        `${behind} notifications dropped: ${MAX_QUEUED_NOTIFICATIONS} were waiting to be processed (ERR_OVERLOADED)`,
       );
   }
 }

@@ -14,6 +14,7 @@ import { MetricsRegistry, startMetricsServer } from "../../src/api/metrics.js";
 import { type ApiServer, startApiServer } from "../../src/api/server.js";
 import { EventLog } from "../../src/sidecar/event-log.js";
 import { FixtureSidecar } from "./fixtures.js";
+import { RawGrpc, type RawCall } from "./raw-grpc.js";
 import { until } from "../until.js";
 
 const cleanup: (() => Promise<void> | void)[] = [];
@@ -34,6 +35,23 @@ async function api(opts: Partial<Parameters<typeof startApiServer>[0]> = {}): Pr
     () => server.close(500),
   );
   return server;
+}
+
+async function apiWithView(opts: Partial<Parameters<typeof startApiServer>[0]> = {}) {
+  const events = new EventLog({ capacity: 100 });
+  const view = new FixtureSidecar(events);
+  const server = await startApiServer({ view, events, address: "127.0.0.1:0", ...opts });
+  cleanup.push(
+    () => events.close(),
+    () => server.close(500),
+  );
+  return { server, view };
+}
+
+async function raw(port: number, from: string): Promise<RawGrpc> {
+  const c = await RawGrpc.connect(port, from);
+  cleanup.push(() => c.close());
+  return c;
 }
 
 function client(address: string): SidecarClient {
@@ -90,21 +108,60 @@ describe("gRPC: watchers and connections per client", () => {
     expect(server.watchers).toBe(4);
   });
 
-  it("1,000 streams from one client (the default caps): the router's own watch still opens", async () => {
-    const server = await api();
-    const hog = client(`127.0.0.1:${server.port}`);
-    const watches = Array.from({ length: 1000 }, () => hog.watch({}, () => undefined));
-    for (const w of watches) cleanup.push(() => w.cancel());
-    await until(() => server.watchers >= 250, 10_000, "the hog's share");
-    const refused = await Promise.all(watches.slice(-10).map(opened));
-    expect(refused).toEqual(Array(10).fill(grpc.status.RESOURCE_EXHAUSTED));
-    expect(server.watchers).toBe(250);
-    const mine = client(`[::1]:${server.port}`).watch({}, () => undefined);
+  it("4 addresses x 250 WatchEvents streams fill the 1,000 (default caps): a router's watch opens, in the place of the largest client's oldest", async () => {
+    const server = await api({ address: "127.0.0.1:0" });
+    const calls: RawCall[] = [];
+    // 250 streams per address over two connections (at most 128 streams on one).
+    for (let a = 0; a < 4; a++)
+      for (let c = 0; c < 2; c++) {
+        const conn = await raw(server.port, `127.0.0.${2 + a}`);
+        for (let i = 0; i < 125; i++) calls.push(conn.watch());
+      }
+    await Promise.all(calls.map((c) => c.firstMessage));
+    expect(server.watchers).toBe(1000);
+    // One more from an attacker address: refused (its client holds as many as any).
+    const more = (await raw(server.port, "127.0.0.2")).watch();
+    expect(await more.status).toBe(grpc.status.RESOURCE_EXHAUSTED);
+    const mine = client(server.address).watch({}, () => undefined);
     cleanup.push(() => mine.cancel());
     expect(await opened(mine)).toBe("open");
+    // The oldest stream of 127.0.0.2 (the first of the largest groups) made room.
+    expect(await calls[0]!.status).toBe(grpc.status.RESOURCE_EXHAUSTED);
+    expect(server.watchers).toBe(1000);
   }, 30_000);
 
-  it("a connection that sends no byte gives its slot back (10 s; 500 ms here); a watching client's connection stays", async () => {
+  it("AwaitTransfer: a client waits on at most its share; when every slot is taken a router's call takes the largest client's oldest, and is answered", async () => {
+    const fixture = await apiWithView({ maxAwaits: 40, maxAwaitsPerClient: 10 });
+    const { server, view } = fixture;
+    const conns: RawGrpc[] = [];
+    for (let a = 0; a < 4; a++) conns.push(await raw(server.port, `127.0.0.${2 + a}`));
+    // 12 from the first address: 10 wait, 2 refused at once.
+    const first = Array.from({ length: 12 }, (_, i) => conns[0]!.await(`t-${i}`));
+    const refusedAtOnce = await Promise.all(first.slice(10).map((c) => c.status));
+    expect(refusedAtOnce).toEqual([8, 8]); // RESOURCE_EXHAUSTED
+    const rest = conns
+      .slice(1)
+      .flatMap((c, a) => Array.from({ length: 10 }, (_, i) => c.await(`u-${a}-${i}`)));
+    await until(() => server.awaiting === 40, 5000, "40 awaits waiting");
+    view.start("router-transfer");
+    const waiting = client(server.address).awaitTransfer("router-transfer", 5000);
+    expect(await first[0]!.status).toBe(grpc.status.RESOURCE_EXHAUSTED);
+    expect(server.awaiting).toBe(40);
+    view.end("router-transfer", "KV_READY");
+    expect((await waiting).kind).toBe("KV_READY");
+    for (const c of rest) c.cancel();
+  }, 20_000);
+
+  it("one connection holds at most 128 streams at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)", async () => {
+    const server = await api({ address: "127.0.0.1:0" });
+    const conn = await raw(server.port, "127.0.0.2");
+    for (let i = 0; i < 200; i++) conn.await(`s-${i}`);
+    await until(() => server.awaiting === 128, 5000, "128 awaits");
+    await new Promise((r) => setTimeout(r, 300));
+    expect(server.awaiting).toBe(128);
+  }, 20_000);
+
+  it("a connection that makes no call gives its slot back (10 s; 500 ms here); a watching client's connection stays", async () => {
     const server = await api({ address: "127.0.0.1:0", silentConnectionMs: 500 });
     const c = client(server.address);
     const w = c.watch({}, () => undefined);
@@ -114,27 +171,52 @@ describe("gRPC: watchers and connections per client", () => {
     const t0 = Date.now();
     await silent;
     expect(Date.now() - t0).toBeLessThan(3000);
-    await new Promise((r) => setTimeout(r, 1000));
+    // An HTTP/2 connection that never calls is closed too.
+    const h2 = await raw(server.port, "127.0.0.3");
+    await h2.closed;
+    await new Promise((r) => setTimeout(r, 300));
     expect(server.watchers).toBe(1);
     expect(server.connections).toBe(1);
   });
 
-  it("connections past a client's share are closed at accept; another client's calls are answered", async () => {
+  it("8 addresses x 32 connections, each with a call, fill the connections: a router's new connection and call take the largest group's oldest", async () => {
+    const server = await api({ address: "127.0.0.1:0" });
+    const conns: RawGrpc[] = [];
+    for (let a = 0; a < 8; a++)
+      for (let i = 0; i < 32; i++) {
+        const c = await raw(server.port, `127.0.0.${2 + a}`);
+        await c.watch().firstMessage;
+        conns.push(c);
+      }
+    expect(server.connections).toBe(256);
+    // Silent raw connections on top: they take opening slots, not these.
+    await rawConnections(server.port, "127.0.1.1", 50);
+    expect((await client(server.address).getStatus()).engineId).toBe("decode-0");
+    await conns[0]!.closed;
+  }, 60_000);
+
+  it("one client's connections with calls stop at its share (its own oldest goes); another client's calls are answered", async () => {
     const server = await api({ address: "127.0.0.1:0", maxConnectionsPerClient: 4 });
-    const closed = await rawConnections(server.port, "127.0.0.2", 20);
-    await Promise.all(closed.slice(4));
+    const conns: RawGrpc[] = [];
+    for (let i = 0; i < 6; i++) {
+      const c = await raw(server.port, "127.0.0.2");
+      await c.watch().firstMessage;
+      conns.push(c);
+    }
+    await conns[0]!.closed;
+    await conns[1]!.closed;
     expect(server.connections).toBe(4);
     expect((await client(server.address).getStatus()).engineId).toBe("decode-0");
   });
 });
 
 describe("metrics endpoint: connections", () => {
-  it("1,100 idle connections from one address hold 8 slots; a scrape from another address is answered", async () => {
+  it("1,100 idle connections from one address hold at most the 64 opening slots; a scrape from another address is answered", async () => {
     const m = await startMetricsServer({ registry: new MetricsRegistry(), address: "127.0.0.1:0" });
     cleanup.push(() => m.close());
     const closed = await rawConnections(m.port, "127.0.0.2", 1100);
-    await Promise.all(closed.slice(8));
-    expect(m.connections()).toBe(8);
+    await Promise.all(closed.slice(0, 1100 - 64));
+    expect(m.connections()).toBe(64);
     const res = await fetch(`http://127.0.0.1:${m.port}/metrics`);
     expect(res.status).toBe(200);
   }, 60_000);

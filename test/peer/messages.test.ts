@@ -61,10 +61,12 @@ describe("parsePeerMessage", () => {
     expect(() => parse("x".repeat(256))).not.toThrow();
     expect(() => parse("x".repeat(257))).toThrow(/transfer id must be 1..256 bytes/);
     expect(() => parse("")).toThrow(/transfer id must be/);
-    // 86 three-byte characters: 258 bytes in 86 units (read by protobuf-es, not ASCII).
+    // 86 three-byte characters: 258 bytes in 86 units (read by protobuf-es, not ASCII), refused
+    // by their length before their characters.
     expect(() => parse("€".repeat(86))).toThrow(/transfer id must be 1..256 bytes/);
-    expect(() => parse("€".repeat(85))).not.toThrow();
-    // Printable characters only (issue 31): control, format and separator characters are refused.
+    expect(() => parse("€".repeat(85))).toThrow(/U\+20AC at index 0/);
+    // Printable ASCII other than space only (issues 31 and 48): control, format, separator,
+    // space, combining, homoglyph, private-use and unassigned characters are refused by name.
     for (const [id, cp] of [
       ["a\u0000", "0000"],
       ["line\nbreak", "000A"],
@@ -72,9 +74,20 @@ describe("parsePeerMessage", () => {
       ["c1\u0085", "0085"],
       ["bidi\u202e", "202E"],
       ["sep\u2028", "2028"],
+      ["req 42", "0020"],
+      ["req\u00a042", "00A0"], // no-break space
+      ["req\u300042", "3000"], // ideographic space
+      ["re\u0301q-42", "0301"], // combining acute accent
+      ["r\u0435q-42", "0435"], // Cyrillic e, looks like "req-42"
+      ["req-\ue00042", "E000"], // private use
+      ["req-\u{e0001}", "E0001"], // a tag character
+      ["req-\u{10ffff}", "10FFFF"], // unassigned
+      ["cmpl-é", "00E9"],
     ] as const)
-      expect(() => parse(id), id).toThrow(new RegExp(`U\\+${cp} at index \\d+: only printable`));
-    expect(() => parse("cmpl-3f2a_0.é-漢字 ok")).not.toThrow();
+      expect(() => parse(id), id).toThrow(
+        new RegExp(`U\\+${cp} at index \\d+: only printable characters of ASCII other than space`),
+      );
+    expect(() => parse("cmpl-3f2a_0.x~!#$%&'()*+,/:;<=>?@[\\]^`{|}\"ok")).not.toThrow();
   });
 
   it("reads another layout than protobuf-es writes (the body before the sender)", () => {

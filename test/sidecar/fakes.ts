@@ -215,8 +215,10 @@ export const SETTINGS: LifecycleSettings = {
   abortGraceMs: 200,
   tombstoneMs: 10_000,
   maxTransfers: 2,
-  // Each peer's share of P's table (by default maxTransfers / 8) is tested on its own.
+  // Each peer's share of P's registrations before PrefillDone, and the pool they are kept in
+  // (each by default maxTransfers / 8), are tested on their own.
   maxPerPeer: 1000,
+  maxUnconfirmed: 1000,
   exclusivePrefillBlocks: false,
 };
 
@@ -314,8 +316,12 @@ export class FakeWorld {
   }
 
   /** A peer engine with SMALL's layout, reached through this world's agent. */
+  /**
+   * A peer engine as the peer table holds it. It is heard from all the time (its lastSeenMs is
+   * now, as for a peer that heartbeats), until `silent(peer)`.
+   */
   peer(engineId = "peer-0", layout: KvLayout = this.layout): PeerState {
-    return new PeerState(
+    const peer = new PeerState(
       peerMetadata(engineId, 7n, layout),
       singleGroup(layout),
       this.ctx.kvs.kv!.agents,
@@ -324,6 +330,18 @@ export class FakeWorld {
       this.clock.now(),
       false,
     );
+    const clock = this.clock;
+    let heardAt: number | undefined;
+    Object.defineProperty(peer, "lastSeenMs", {
+      get: () => heardAt ?? clock.now(),
+      set: (v: number) => (heardAt = v),
+    });
+    return peer;
+  }
+
+  /** `peer` is heard from no more (its lastSeenMs stays at now). */
+  silent(peer: PeerState): void {
+    peer.lastSeenMs = this.clock.now();
   }
 
   /** The cases of the engine messages sent for `transferId`, in order. */
@@ -413,6 +431,7 @@ export class PeerTableWorld {
       role?: "prefill" | "decode" | "both";
       layout?: KvLayout;
       peerCredentials?: PeerCredentials;
+      peerMessagesPerSec?: number;
     } = {},
   ) {
     const kv = fakeKv(o.layout ?? SMALL, this.agent);
@@ -454,6 +473,7 @@ export class PeerTableWorld {
         tombstoneMs: 60_000,
         abortGraceMs: 200,
         peerCredentials: o.peerCredentials,
+        ...(o.peerMessagesPerSec !== undefined ? { peerMessagesPerSec: o.peerMessagesPerSec } : {}),
       },
     );
   }

@@ -111,16 +111,29 @@ describe("an insider that knows only the transfer's id", () => {
     expect(w.errors.filter((e) => e.includes("ERR_BAD_TRANSFER_TOKEN"))).toEqual([]);
   });
 
-  it("withdrawn registrations give their places up; five live ones fill a transfer's list", () => {
-    const { w, p } = setup();
-    const peers = ["a", "b", "c", "d", "e", "f"].map((n) => w.peer(n));
-    for (const x of peers.slice(0, 5)) p.pushReg(x, pushReg("t1", "x"));
-    p.pushReg(peers[5]!, pushReg("t1", "x"));
-    expect(w.peerSaid("t1")).toEqual(["failed:ERR_DUPLICATE"]);
-    p.peerAbort(peers[0]!, "t1", "x");
-    p.pushReg(peers[5]!, pushReg("t1", "x"));
-    expect(w.peerSaid("t1")).toEqual(["failed:ERR_DUPLICATE", "abortAck"]);
-    expect(p.livePeers().size).toBe(5);
+  it("issue 48: five insiders (or any number) register first for a known id; the real D's push is kept, not refused ERR_DUPLICATE, and written", async () => {
+    const { w, p, state, d } = setup();
+    w.agent.autoLand = true;
+    const insiders = Array.from({ length: 12 }, (_, k) => w.peer(`insider-${k}`));
+    for (const x of insiders) p.pushReg(x, pushReg("t1", `guess-${x.engineId}`));
+    p.pushReg(d, pushReg("t1", "real"));
+    expect(w.peerSaid("t1")).toEqual([]);
+    expect(p.livePeers().size).toBe(13);
+    // One withdraws and registers again: it takes its own place back, nothing more.
+    p.peerAbort(insiders[0]!, "t1", "");
+    p.pushReg(insiders[0]!, pushReg("t1", "again"));
+    expect(p.registrationsOf(insiders[0]!)).toBe(1);
+    p.prefillDone(prefillDone("t1", "real"));
+    await settle();
+    expect(state("t1")).toBe("RELEASED");
+    expect(p.infoOf("t1")!.peer).toBe("real-d");
+    const codes = new Set(
+      w.toPeer
+        .filter((m) => m.peer.startsWith("insider-") && m.body.case === "failed")
+        .map((m) => (m.body.value as { code: string }).code),
+    );
+    expect([...codes]).toEqual(["ERR_BAD_TRANSFER_TOKEN"]);
+    expect(p.unconfirmedCount()).toBe(0);
   });
 });
 
@@ -130,7 +143,7 @@ describe("a flooding insider", () => {
     const share = 64 / PER_PEER_SHARE;
     for (let i = 0; i < 1000; i++) p.pushReg(thief, pushReg(`flood-${i}`, "x"));
     expect(p.live()).toBe(share);
-    expect(thief.named).toBe(share);
+    expect(p.registrationsOf(thief)).toBe(share);
     const refusedCodes = new Set(
       w.toPeer
         .filter((m) => m.peer === "thief")
@@ -151,31 +164,38 @@ describe("a flooding insider", () => {
     p.expire(w.clock.now());
     w.clock.advance(SETTINGS.leaseMs);
     p.expire(w.clock.now());
-    expect(thief.named).toBe(0);
+    expect(p.registrationsOf(thief)).toBe(0);
     expect(p.live()).toBe(0);
     // A PrefillDone for a flooded id takes the entry over: no longer the flooder's share.
     p.pushReg(thief, pushReg("taken", "x"));
     p.prefillDone(prefillDone("taken", "other", [10, 11]));
-    expect(thief.named).toBe(0);
+    expect(p.registrationsOf(thief)).toBe(0);
     expect(state("taken")).toBe("HELD");
   });
 
-  it("every cap is O(1): 40,000 refused PushRegs against a full 65,536 table take well under a second", () => {
-    const { w, p, thief } = setup({ maxTransfers: 65_536, maxPerPeer: undefined });
-    const share = 65_536 / PER_PEER_SHARE;
-    // Eight engines fill the table, one share each (the thief is one of them).
+  it("every cap is O(1): 40,000 PushRegs refused or displacing against a full pool of 8,192 take well under a second", () => {
+    const { w, p, thief } = setup({
+      maxTransfers: 65_536,
+      maxPerPeer: undefined,
+      maxUnconfirmed: undefined,
+    });
+    const pool = 65_536 / PER_PEER_SHARE;
+    // Eight engines fill the pool of registrations before prefill (the thief is one of them).
     const fillers = [thief, ...Array.from({ length: 7 }, (_, k) => w.peer(`filler-${k}`))];
     for (const [k, x] of fillers.entries())
-      for (let i = 0; i < share; i++) p.pushReg(x, pushReg(`f${k}-${i}`, "x"));
-    expect(p.live()).toBe(65_536);
+      for (let i = 0; i < pool / 8; i++) p.pushReg(x, pushReg(`f${k}-${i}`, "x"));
+    expect(p.unconfirmedCount()).toBe(pool);
     const latecomer = w.peer("latecomer");
     const t0 = performance.now();
-    for (let i = 0; i < 20_000; i++) p.pushReg(thief, pushReg(`more${i}`, "x")); // its share
-    for (let i = 0; i < 20_000; i++) p.pushReg(latecomer, pushReg(`late${i}`, "x")); // the table
+    for (let i = 0; i < 20_000; i++) p.pushReg(thief, pushReg(`more${i}`, "x")); // refused
+    for (let i = 0; i < 20_000; i++) p.pushReg(latecomer, pushReg(`late${i}`, "x")); // displaces
     const ms = performance.now() - t0;
     // A scan of the table per message (the cap check before issue 31) takes many seconds here.
     expect(ms).toBeLessThan(1000);
-    expect(p.live()).toBe(65_536);
+    expect(p.unconfirmedCount()).toBe(pool);
+    // Nine engines now share it about evenly; nobody holds more than its fair part plus one.
+    for (const x of [...fillers, latecomer])
+      expect(p.registrationsOf(x)).toBeLessThanOrEqual(Math.ceil(pool / 9) + 1);
     expect(w.toPeer.at(-1)!.body).toMatchObject({ value: { code: "ERR_OVERLOADED" } });
   });
 
@@ -246,5 +266,134 @@ describe("the same token on a withdrawn and a live registration", () => {
     await settle();
     expect(state("t1")).toBe("RELEASED");
     expect(p.infoOf("t1")!.peer).toBe("d-restarted");
+  });
+});
+
+describe("issue 48: registrations no engine has named live apart, shared fairly", () => {
+  it("eight colluding insiders, each within its share, fill only the pool of registrations before prefill: every real PrefillDone is served; a real D's registration takes the largest insider's oldest place, and that insider is told", async () => {
+    // maxTransfers 512: the pool (and each engine's share) is 64.
+    const { w, p, state, d } = setup({
+      maxTransfers: 512,
+      maxPerPeer: undefined,
+      maxUnconfirmed: undefined,
+    });
+    w.agent.autoLand = true;
+    const insiders = Array.from({ length: 8 }, (_, k) => w.peer(`colluder-${k}`));
+    for (const [k, x] of insiders.entries())
+      for (let i = 0; i < 64; i++) p.pushReg(x, pushReg(`c${k}-${i}`, "x"));
+    expect(p.unconfirmedCount()).toBe(64);
+    for (const x of insiders) expect(p.registrationsOf(x)).toBe(8);
+    // The table is apart: 512 real prefills are all taken.
+    for (let i = 0; i < 512; i++) p.prefillDone(prefillDone(`real-${i}`, "t", [i % 32]));
+    expect(w.refused).toEqual([]);
+    p.prefillDone(prefillDone("one-too-many", "t", [1]));
+    expect(w.refused).toEqual([{ transferId: "one-too-many", code: "ERR_OVERLOADED" }]);
+    // A real push registered before its prefill: it displaces the first largest group's oldest.
+    const oldest = "c0-56"; // colluder-0's oldest still kept (each newcomer displaced the largest)
+    expect(state(oldest)).toBe("WAITING");
+    p.pushReg(d, pushReg("real-push", "tok"));
+    expect(state("real-push")).toBe("WAITING");
+    expect(state(oldest)).toBeUndefined(); // its entry had no other registration: gone
+    expect(w.peerSaid(oldest)).toEqual(["failed:ERR_OVERLOADED"]);
+    expect(
+      (w.toPeer.filter((m) => m.peer === "colluder-0").at(-1)!.body.value as { message: string })
+        .message,
+    ).toMatch(/^registration displaced/);
+    expect(p.unconfirmedCount()).toBe(64);
+    // The sweep notes the displacements once.
+    expect(p.takeDisplaced()).toBeGreaterThan(0);
+    expect(p.takeDisplaced()).toBe(0);
+    p.abort("real-0"); // room for the real prefill
+    p.prefillDone(prefillDone("real-push", "tok"));
+    await settle();
+    expect(state("real-push")).toBe("RELEASED");
+  });
+
+  it("a registration before PrefillDone lives the short lease unless renewed; once P's engine names the id, D's renewals extend it by the lease D asked for", async () => {
+    const { w, p, state, d } = setup({ unconfirmedLeaseMs: 300 });
+    p.pushReg(d, pushReg("t1", "tok", 10_000));
+    p.pushReg(d, pushReg("t2", "tok", 10_000));
+    w.clock.advance(299);
+    p.renewLeases(d, ["t1"]);
+    p.expire(w.clock.now()); // early for t1 (renewed): its deadline is made again
+    expect([state("t1"), state("t2")]).toEqual(["WAITING", "WAITING"]);
+    w.clock.advance(1);
+    p.expire(w.clock.now());
+    expect(w.peerSaid("t2")).toEqual(["failed:ERR_TIMEOUT"]);
+    expect(state("t1")).toBe("WAITING");
+    // Named by P's engine: the registration is written to; a renewal now extends by 10 s.
+    p.prefillDone(prefillDone("t1", "tok"));
+    expect(state("t1")).toBe("MOVING");
+    w.clock.advance(200);
+    p.renewLeases(d, ["t1"]);
+    w.clock.advance(5000); // past the short lease, within D's
+    w.agent.landAll();
+    await settle();
+    expect(state("t1")).toBe("RELEASED");
+  });
+
+  it("a displaced registration leaves the others of its transfer waiting; the last one's entry goes, unless it is the entry the newcomer joins; a withdrawn one goes without a word", () => {
+    const { w, p, state } = setup({ maxUnconfirmed: 3 });
+    const [a, b, c] = [w.peer("a"), w.peer("b"), w.peer("c")];
+    p.pushReg(a, pushReg("x", "1"));
+    p.pushReg(a, pushReg("y", "1"));
+    p.pushReg(b, pushReg("x", "2")); // joins a's entry: the pool is full (3)
+    // c's registration displaces a's oldest (x): b's registration for x remains.
+    p.pushReg(c, pushReg("z", "3"));
+    expect(state("x")).toBe("WAITING");
+    expect(p.infoOf("x")!.peer).toBe("b");
+    expect(w.peerSaid("x")).toEqual(["failed:ERR_OVERLOADED"]);
+    // b withdraws x; then a's registration for x (a holds 1, as many as b and c): refused.
+    p.peerAbort(b, "x", "");
+    p.pushReg(a, pushReg("x", "1"));
+    expect(w.peerSaid("x").at(-1)).toBe("failed:ERR_OVERLOADED");
+    // Groups of one each now, in the order they came to one: b, a, c. A fourth engine joins y:
+    // b's withdrawn registration goes without a word, and x (nothing left) with it.
+    const e = w.peer("e");
+    const toB = w.toPeer.filter((m) => m.peer === "b").length;
+    p.pushReg(e, pushReg("y", "4"));
+    expect(w.toPeer.filter((m) => m.peer === "b").length).toBe(toB);
+    expect(state("x")).toBeUndefined();
+    expect(state("y")).toBe("WAITING");
+    // A fifth: a's registration for y goes (a is told); y waits on with e's.
+    const f = w.peer("f");
+    p.pushReg(f, pushReg("v", "5"));
+    expect(w.peerSaid("y")).toEqual(["failed:ERR_OVERLOADED"]);
+    expect(state("y")).toBe("WAITING");
+    expect(p.infoOf("y")!.peer).toBe("e");
+    // A sixth joins z, whose only registration (c's) is the one to go: z stays, now g's.
+    const g = w.peer("g");
+    p.pushReg(g, pushReg("z", "6"));
+    expect(w.peerSaid("z")).toEqual(["failed:ERR_OVERLOADED"]);
+    expect(state("z")).toBe("WAITING");
+    expect(p.livePeers()).toEqual(new Set([e, f, g]));
+    // The engine gives up on y: its registrations leave the pool with it.
+    p.abort("y");
+    expect(w.peerSaid("y").at(-1)).toBe("failed:ERR_ABORTED");
+    expect(p.unconfirmedCount()).toBe(2);
+  });
+
+  it("a registration whose decode engine is silent for two heartbeats expires without a word to it (a crowd of dead insiders costs P no sends that cannot complete); a live one is told", () => {
+    const { w, p, d, thief } = setup({ unconfirmedLeaseMs: 3000, heartbeatMs: 1000 });
+    p.pushReg(thief, pushReg("gone", "x", 10_000));
+    p.pushReg(d, pushReg("alive", "y", 10_000));
+    w.silent(thief);
+    w.clock.advance(3000);
+    p.expire(w.clock.now());
+    expect(w.toPeer.filter((m) => m.peer === "thief")).toEqual([]);
+    expect(w.peerSaid("alive")).toEqual(["failed:ERR_TIMEOUT"]);
+  });
+
+  it("an engine's Abort before PrefillDone tells the live registrations, not a withdrawn one", () => {
+    const { w, p, d, thief } = setup();
+    p.pushReg(thief, pushReg("t1", "x"));
+    p.peerAbort(thief, "t1", "");
+    p.pushReg(d, pushReg("t1", "real"));
+    p.abort("t1");
+    expect(w.toPeer.filter((m) => m.peer === "thief").map((m) => m.body.case)).toEqual([
+      "abortAck",
+    ]);
+    expect(w.peerSaid("t1").at(-1)).toBe("failed:ERR_ABORTED");
+    expect(p.unconfirmedCount()).toBe(0);
   });
 });

@@ -3,6 +3,8 @@
 // the test wants. What D installs, what it caches and for how long, one handshake for many
 // callers, the key it keeps across a re-handshake, each refusal of a bad answer by name, and the
 // rest of the table's bookkeeping (drop, abandon, expire, send) with the manual clock.
+import * as net from "node:net";
+
 import { create } from "@bufbuild/protobuf";
 import { pino } from "pino";
 import { afterAll, afterEach, describe, expect, it } from "vitest";
@@ -26,7 +28,7 @@ import {
 import { SideChannelServer, refusal, type PeerCredentials } from "../../src/peer/side-channel.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import type { PeerState } from "../../src/peer/peer-state.js";
-import { MAX_PEERS } from "../../src/peer/peer-table.js";
+import { MAX_PEERS, PEER_EVICTION_SCAN } from "../../src/peer/peer-table.js";
 import { Pki } from "../../sim/pki.js";
 import { PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 import { credentials } from "./multiprocess/rogue-peer.js";
@@ -200,6 +202,53 @@ describe("D resolves P over the side channel", () => {
     expect(d.table.list().map((x) => [x.engineId, x.sideChannel, x.state])).toEqual([
       ["p0", "127.0.0.1:2", "connected"],
     ]);
+  });
+
+  it("a failed re-handshake leaves a peer heard from within the peer timeout in use; past it, the failure is the caller's", async () => {
+    const { d, address, requests } = await pair();
+    const peer = await d.table.resolve(address);
+    await Promise.all(servers.splice(0).map((s) => s.close())); // P's side channel is gone
+    d.clock.advance(3000); // stale for the cache (2 heartbeats), within the peer timeout (5 s)
+    expect(await d.table.resolve(address)).toBe(peer);
+    expect(requests).toHaveLength(1);
+    d.clock.advance(2000); // now past the peer timeout
+    await expect(d.table.resolve(address)).rejects.toMatchObject({ code: "ERR_UNREACHABLE" });
+    // A peer dropped meanwhile is not used either.
+    d.clock.advance(-5000);
+    d.table.drop(peer, "test");
+    await expect(d.table.resolve(address)).rejects.toMatchObject({ code: "ERR_UNREACHABLE" });
+  });
+
+  it("a handshake whose connection is cut before any answer is tried again within the timeout (a busy side channel displaces connections); a refused connection is not", async () => {
+    const { d, address, requests } = await pair();
+    const [host, port] = [address.split(":")[0]!, Number(address.split(":")[1])];
+    // A front that cuts the first two connections at once and passes the next ones through.
+    let seen = 0;
+    const front = net.createServer((sock) => {
+      if (++seen <= 2) return void sock.destroy();
+      const up = net.connect({ host, port });
+      sock.pipe(up).pipe(sock);
+      up.on("error", () => sock.destroy());
+      sock.on("error", () => up.destroy());
+    });
+    await new Promise<void>((r) => front.listen(0, "127.0.0.1", () => r()));
+    const via = `127.0.0.1:${(front.address() as net.AddressInfo).port}`;
+    try {
+      const peer = await d.table.resolve(via);
+      expect(peer.engineId).toBe("p0");
+      expect(seen).toBe(3);
+      expect(requests).toHaveLength(1);
+    } finally {
+      await new Promise<void>((r) => front.close(() => r()));
+    }
+    // Nobody listening: refused at once, not retried for the whole timeout.
+    const gone = net.createServer();
+    await new Promise<void>((r) => gone.listen(0, "127.0.0.1", () => r()));
+    const nobody = `127.0.0.1:${(gone.address() as net.AddressInfo).port}`;
+    await new Promise<void>((r) => gone.close(() => r()));
+    const t0 = Date.now();
+    await expect(d.table.resolve(nobody)).rejects.toMatchObject({ code: "ERR_UNREACHABLE" });
+    expect(Date.now() - t0).toBeLessThan(500);
   });
 
   it("P being full refuses with its own code, and D installs nothing", async () => {
@@ -498,7 +547,7 @@ describe("the peer table's words and edges", () => {
     for (let i = 0; i < MAX_PEERS; i++) introduce(w, `d${i}`, 7n);
     const res = introduce(w, "more", 7n);
     expect(`${res.errorCode}: ${res.error}`).toBe(
-      `ERR_OVERLOADED: ${MAX_PEERS} peers known; refusing another`,
+      `ERR_OVERLOADED: ${MAX_PEERS} peers known, none idle among the ${PEER_EVICTION_SCAN} least recent; refusing another`,
     );
   });
 

@@ -16,7 +16,12 @@ import {
 } from "../../src/peer/messages.js";
 import type { GroupsPairing } from "../../src/plan/index.js";
 import type { PeerState } from "../../src/peer/peer-state.js";
-import { MAX_PEERS } from "../../src/peer/peer-table.js";
+import {
+  ActiveSenders,
+  MAX_PEERS,
+  STRANGERS_PER_SEC,
+  messageCost,
+} from "../../src/peer/peer-table.js";
 import { FakeWorld, PeerTableWorld, SMALL, peerMetadata, smallTp } from "./fakes.js";
 
 const OUR_EPOCH = PeerTableWorld.EPOCH;
@@ -166,7 +171,7 @@ describe("PeerTable", () => {
     expect(downs).toHaveLength(2);
   });
 
-  it(`the peer cap: the ${MAX_PEERS + 1}th engine's handshake is refused ERR_OVERLOADED`, () => {
+  it(`the peer cap: the ${MAX_PEERS + 1}th engine's handshake is refused ERR_OVERLOADED while every known peer is busy`, () => {
     const { table, handshake } = setup();
     for (let i = 0; i < MAX_PEERS; i++) expect(handshake(`d${i}`, 7n).res.errorCode).toBe("");
     const { res } = handshake("one-too-many", 7n);
@@ -174,6 +179,134 @@ describe("PeerTable", () => {
     expect(table.list()).toHaveLength(MAX_PEERS);
     // A known peer re-handshaking at its epoch is not a new one.
     expect(handshake("d0", 7n).res.errorCode).toBe("");
+  });
+
+  it(`the peer cap: a new engine takes the place of the least recently handshaken idle peer (issue 48: more identities cannot lock a new peer out)`, () => {
+    const world = new PeerTableWorld();
+    const { table } = world;
+    const hs = (engineId: string) =>
+      table.onHandshake(
+        create(HandshakeRequestSchema, {
+          metadata: peerMetadata(engineId, 7n),
+          macKey: newMacKey(),
+        }),
+        undefined,
+      );
+    for (let i = 0; i < MAX_PEERS; i++) expect(hs(`d${i}`).errorCode).toBe("");
+    world.live = false;
+    // d0 handshakes again: it is now the most recent; d1 is the least recent idle one.
+    expect(hs("d0").errorCode).toBe("");
+    expect(hs("newcomer").errorCode).toBe("");
+    const ids = new Set(table.list().map((p) => p.engineId));
+    expect(ids.size).toBe(MAX_PEERS);
+    expect(ids.has("newcomer")).toBe(true);
+    expect(ids.has("d0")).toBe(true);
+    expect(ids.has("d1")).toBe(false);
+    expect(world.events.filter((e) => e.startsWith("PEER_DOWN"))).toEqual([]); // forgotten, not failed
+    // Reads or writes in flight keep a peer too.
+    world.busy = true;
+    expect(hs("another").errorCode).toBe("ERR_OVERLOADED");
+  });
+
+  it("issue 48: the sender's budget is charged before the MAC: past it, forged notifications cost a parse and a lookup, and are counted, not checked", () => {
+    const world = new PeerTableWorld({ peerMessagesPerSec: 100 });
+    const { table, errors, clock } = world;
+    const macKey = newMacKey();
+    expect(
+      table.onHandshake(
+        create(HandshakeRequestSchema, { metadata: peerMetadata("d0", 7n), macKey }),
+        undefined,
+      ).errorCode,
+    ).toBe("");
+    const forged = (seq: bigint): Notification =>
+      ({
+        peer: agentName("d0", 7n, 0),
+        data: sealPeerMessage(
+          newMacKey(), // not d0's key
+          encodePeerMessage(
+            "d0",
+            7n,
+            OUR_EPOCH,
+            { case: "heartbeat", value: { transferIds: [] } },
+            seq,
+          ),
+        ),
+      }) as Notification;
+    // admit() first (as the dispatch does), verify() only for what it admits.
+    const check = (n: Notification) => (table.admit(n) ? table.verify(n) : undefined);
+    for (let i = 1; i <= 5000; i++) expect(check(forged(BigInt(i)))).toBeUndefined();
+    // The burst (two seconds' worth) was checked and refused (the first by name at once, the
+    // others counted for the sweep's report); the rest only counted against the budget.
+    expect(errors.filter((e) => e.includes("bad MAC"))).toHaveLength(1);
+    expect(table.badMacReport()).toEqual([["d0", 199]]);
+    expect(table.badMacReport()).toEqual([]);
+    expect(table.overBudget()).toEqual([["d0", 4800]]);
+    // The budget refills: d0's own notifications count again (a big one costs more).
+    clock.advance(1000);
+    const real = (seq: bigint, ids: string[]): Notification =>
+      ({
+        peer: agentName("d0", 7n, 0),
+        data: sealPeerMessage(
+          macKey,
+          encodePeerMessage(
+            "d0",
+            7n,
+            OUR_EPOCH,
+            { case: "heartbeat", value: { transferIds: ids } },
+            seq,
+          ),
+        ),
+      }) as Notification;
+    expect(check(real(9001n, ["t1"]))?.peer.engineId).toBe("d0");
+    // A sender that is no peer shares a small allowance with every other such.
+    const stranger = (i: number) =>
+      ({ peer: agentName("nobody", 1n, 0), data: new Uint8Array(10 + i) }) as Notification;
+    let strangers = 0;
+    for (let i = 0; i < 1000; i++) if (table.admit(stranger(i))) strangers++;
+    expect(strangers).toBe(2 * STRANGERS_PER_SEC);
+    expect(table.admit({ peer: "garbage", data: new Uint8Array(1) } as Notification)).toBe(false);
+    expect(table.overBudget()).toEqual([["", 801]]);
+    expect(messageCost(100)).toBe(1);
+    // The budget is every peer's together: a second sender halves each one's share.
+    const s = new ActiveSenders();
+    const [a, b] = [{ activeSecond: -1 }, { activeSecond: -1 }] as unknown as PeerState[];
+    expect(s.note(a!, 1000)).toBe(1);
+    expect(s.note(b!, 1500)).toBe(2);
+    expect(s.note(a!, 2100)).toBe(2); // the second before still had two
+    expect(s.note(a!, 3100)).toBe(1); // b silent for a whole second
+    expect(s.note(b!, 9000)).toBe(1); // a gap: nobody before
+    const c = new PeerTableWorld({ peerMessagesPerSec: 100 });
+    const keys = ["e0", "e1"].map((id) => {
+      const k = newMacKey();
+      c.table.onHandshake(
+        create(HandshakeRequestSchema, { metadata: peerMetadata(id, 7n), macKey: k }),
+        undefined,
+      );
+      return k;
+    });
+    const from = (id: string, key: Uint8Array, seq: bigint): Notification =>
+      ({
+        peer: agentName(id, 7n, 0),
+        data: sealPeerMessage(
+          key,
+          encodePeerMessage(
+            id,
+            7n,
+            OUR_EPOCH,
+            { case: "heartbeat", value: { transferIds: [] } },
+            seq,
+          ),
+        ),
+      }) as Notification;
+    let passed = 0;
+    for (let i = 1; i <= 300; i++) {
+      if (c.table.admit(from("e0", keys[0]!, BigInt(i)))) passed++;
+      if (c.table.admit(from("e1", keys[1]!, BigInt(i)))) passed++;
+    }
+    // Two peers, 100/s together (a burst of two seconds): about 200, not 400.
+    expect(passed).toBeLessThanOrEqual(300);
+    expect(passed).toBeGreaterThanOrEqual(150);
+    expect(messageCost(4096 * 3)).toBe(4);
   });
 
   it("an endpoint failure drops the peer it leads to", () => {

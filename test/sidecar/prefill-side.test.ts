@@ -471,13 +471,22 @@ describe("PrefillSide: what it reports", () => {
 });
 
 describe("PrefillSide: the edges", () => {
-  it("the transfer cap also refuses a registration: D hears ERR_OVERLOADED, P records nothing", () => {
-    const { w, p, d, state } = setup(); // maxTransfers 2
+  it("registrations before PrefillDone live apart from the table: a full table keeps them, a full pool refuses them (D hears ERR_OVERLOADED, P records nothing)", () => {
+    const { w, p, d, state } = setup({ maxUnconfirmed: 1 }); // maxTransfers 2
     p.prefillDone(prefillDone("a", "", [0, 1]));
     p.prefillDone(prefillDone("b", "", [2, 3]));
     p.pushReg(d, pushReg("c"));
-    expect(w.peerSaid("c")).toEqual(["failed:ERR_OVERLOADED"]);
-    expect(state("c")).toBeUndefined();
+    expect(w.peerSaid("c")).toEqual([]);
+    expect(state("c")).toBe("WAITING");
+    p.pushReg(d, pushReg("c2"));
+    expect(w.peerSaid("c2")).toEqual(["failed:ERR_OVERLOADED"]);
+    expect(state("c2")).toBeUndefined();
+    expect(w.toPeer.at(-1)?.body.value).toMatchObject({
+      message: "1 registrations wait for prefill on P, and yours are as many as any engine's",
+    });
+    // The waiting one does not take the room of a real PrefillDone, nor is it taken by one.
+    p.prefillDone(prefillDone("c", "", [4, 5]));
+    expect(state("c")).toBe("MOVING");
     // A registration for a transfer P already has is no new transfer: not refused by the cap.
     p.pushReg(d, pushReg("a"));
     expect(w.peerSaid("a")).toEqual([]);
@@ -689,11 +698,13 @@ describe("PrefillSide: the words it ends and refuses with", () => {
     p.prefillDone(prefillDone("t1", "tok", [0, 1]));
     expect(w.refused.at(-1)).toEqual({ transferId: "t1", code: "ERR_DUPLICATE" });
     p.prefillDone(prefillDone("t2", "", [2, 3]));
+    // t0 waits for PrefillDone: it takes none of the table's room (issue 48).
     p.prefillDone(prefillDone("t3", "", [4, 5]));
-    expect(w.refused.at(-1)).toEqual({ transferId: "t3", code: "ERR_OVERLOADED" });
+    p.prefillDone(prefillDone("t4", "", [6, 7]));
+    expect(w.refused.at(-1)).toEqual({ transferId: "t4", code: "ERR_OVERLOADED" });
     expect(w.engine.at(-1)).toMatchObject({
       case: "releaseBlocks",
-      value: { transferId: "t3", blockIds: [4, 5], reason: ReleaseReason.FAILED },
+      value: { transferId: "t4", blockIds: [6, 7], reason: ReleaseReason.FAILED },
     });
     // A registration for a transfer that ended: refused with how it ended.
     w.agent.landAll();
@@ -883,11 +894,9 @@ describe("PrefillSide: races the multi-process tests leave to chance", () => {
       "ERR_DUPLICATE: PrefillDone for transfer 'a' already received",
       "ERR_OVERLOADED: 2 transfers live",
     ]);
+    // A registration before PrefillDone is not refused by the table's cap (issue 48).
     p.pushReg(w.peer("d9"), pushReg("d"));
-    expect(w.toPeer.at(-1)?.body.value).toMatchObject({
-      code: "ERR_OVERLOADED",
-      message: "2 transfers live on P",
-    });
+    expect(w.peerSaid("d")).toEqual([]);
     p.pushReg(d, { ...pushReg("a"), numTokens: 40 });
     expect(w.toPeer.at(-1)?.body.value).toMatchObject({
       code: "ERR_BAD_TOKENS",

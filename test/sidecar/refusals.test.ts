@@ -61,23 +61,24 @@ describe("P's refusals", () => {
     p.pushReg(d1!, pushReg("t1", "right"));
     p.pushReg(d1!, pushReg("t1", "right")); // the same engine again: idempotent
     for (const d of [d2!, d3!, d4!]) p.pushReg(d, pushReg("t1", "other"));
-    p.pushReg(d5!, pushReg("t1", "late")); // a sixth engine: at most 4 wait beside the first
+    p.pushReg(d5!, pushReg("t1", "late")); // a sixth engine: kept too (no cap per transfer)
     const by = (peer: string) =>
       w.toPeer.filter((m) => m.peer === peer).map((m) => (m.body.value as { code?: string }).code);
-    expect(by("d5")).toEqual(["ERR_DUPLICATE"]);
+    expect(by("d5")).toEqual([]);
     p.peerAbort(d4!, "t1", ""); // a waiting registration withdrawn: acknowledged
     expect(w.toPeer.filter((m) => m.peer === "d4").map((m) => m.body.case)).toEqual(["abortAck"]);
     p.prefillDone(prefillDone("t1", "right"));
     await settle();
     expect(p.list()[0]!.state).toBe("RELEASED");
     expect(p.list()[0]!.peer).toBe("d1");
-    // The trace shows the first registration and each one kept aside (d1 to d4; d1's repeat
-    // and the refused d5 leave none).
+    // The trace shows the first registration and each one kept aside (d1 to d5; d1's repeat
+    // leaves none).
     const hops = p.list()[0]!.trace.map((h) => h.hop);
     expect(hops.filter((h) => h === "peer.pushReg")).toHaveLength(1);
-    expect(hops.filter((h) => h === "peer.pushReg kept aside")).toHaveLength(4);
+    expect(hops.filter((h) => h === "peer.pushReg kept aside")).toHaveLength(5);
     expect(by("d0")).toEqual(["ERR_BAD_TRANSFER_TOKEN"]);
     expect(by("d2")).toEqual(["ERR_BAD_TRANSFER_TOKEN"]);
+    expect(by("d5")).toEqual(["ERR_BAD_TRANSFER_TOKEN"]);
     expect(by("d1")).toEqual([]);
   });
 

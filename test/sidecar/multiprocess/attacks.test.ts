@@ -8,7 +8,7 @@ import * as net from "node:net";
 
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
-import { HANDSHAKE_DEADLINE_MS, MAX_HANDSHAKES_IN_FLIGHT } from "../../../src/peer/side-channel.js";
+import { HANDSHAKE_DEADLINE_MS, HELLO_DEADLINE_MS } from "../../../src/peer/side-channel.js";
 import { SidecarClient } from "../../../src/api/client.js";
 import { simKvFilePath } from "../../../sim/engine-input.js";
 import { sharedPki } from "../../../sim/pki.js";
@@ -49,7 +49,7 @@ describe("cheap attacks (multi-process, authenticated)", () => {
     await pair?.close();
   });
 
-  it("1: 64 silent connections and a trickling one fill no slot a new peer needs; a fresh D handshakes and verifies; all close at the deadline", async () => {
+  it("1: 64 silent connections and a trickling one fill no slot a new peer needs; a fresh D handshakes and verifies; all close at the hello deadline", async () => {
     const port = Number(p.sideChannel.split(":").at(-1));
     const rssBefore = rssKiB(p.sidecar.child.pid!);
     const t0 = Date.now();
@@ -62,7 +62,7 @@ describe("cheap attacks (multi-process, authenticated)", () => {
       sockets.push(s);
       return s;
     };
-    for (let i = 0; i < MAX_HANDSHAKES_IN_FLIGHT; i++) open("127.0.0.2");
+    for (let i = 0; i < 64; i++) open("127.0.0.2");
     const trickle = open("127.0.0.3");
     trickle.write(Buffer.from([0x16, 0x03, 0x01, 0x02, 0x00])); // a TLS record header, then drips
     const drip = setInterval(() => trickle.write(Buffer.from([0])), 1000);
@@ -77,11 +77,10 @@ describe("cheap attacks (multi-process, authenticated)", () => {
         HANDSHAKE_DEADLINE_MS,
       );
       const rssDuring = rssKiB(p.sidecar.child.pid!);
-      // Every attacker connection is closed by P at the deadline, the trickling one included.
+      // Every attacker connection is closed by P at the hello deadline (issue 48: no complete
+      // ClientHello within 2 s), the trickling one included.
       const times = await Promise.all(closedAt);
-      const held = times.filter((ms) => ms > 1000);
-      expect(held.length, "the ones holding a slot: the source's share and the trickler").toBe(9);
-      for (const ms of held) expect(ms).toBeLessThan(HANDSHAKE_DEADLINE_MS + 3000);
+      for (const ms of times) expect(ms).toBeLessThan(HELLO_DEADLINE_MS + 3000);
       const recovered = Date.now() - t0;
       await goodTransfer(p, d, "after-slots");
       const rssAfter = rssKiB(p.sidecar.child.pid!);
