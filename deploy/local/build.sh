@@ -80,7 +80,8 @@ staging=${K8S_VERSION/#v1./v0.}
     || { tail -20 "$log" >&2; fail "go install github.com/coredns/coredns@$COREDNS_VERSION failed (log: $log)"; }
   echo "kvxfer cluster (build): coredns ($(( $(date +%s) - t0 )) s)"
 )
-"$BIN/kubectl" version --client 2>/dev/null | grep -q "$K8S_VERSION" || fail "$BIN/kubectl does not report $K8S_VERSION"
+reported=$("$BIN/kubectl" version --client 2>/dev/null || true)
+case $reported in *"$K8S_VERSION"*) ;; *) fail "$BIN/kubectl does not report $K8S_VERSION: $reported" ;; esac
 echo "$want" >"$stamp"
 # The build cache is only needed to build again; the module downloads stay (a rebuild after a
 # version change reuses most of them).

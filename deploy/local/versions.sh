@@ -19,3 +19,6 @@ API_SERVICE_IP=198.19.192.1
 # Names of what the cluster creates on the host, prefixed so that nothing of anyone else's is touched.
 NAME_PREFIX=kvxfer-k8s
 POD_BRIDGE=kvx-cni0
+# Debian's docker client (20.10, as its daemon; it builds with BuildKit without a buildx plugin),
+# whatever other `docker` the PATH has first.
+DOCKER=/usr/bin/docker
