@@ -161,7 +161,12 @@ export function parseSimVllmArgs(argv: readonly string[]): SimVllmConfig {
     advertise,
     registerTimeoutMs: optSeconds(extra, "register_timeout_s", what) ?? 60_000,
     sidecarLostMs: optSeconds(extra, "sidecar_lost_timeout_s", what) ?? 10_000,
-    prefillUsPerToken: intFlag(values["sim-prefill-us-per-token"], "sim-prefill-us-per-token", 20, 0),
+    prefillUsPerToken: intFlag(
+      values["sim-prefill-us-per-token"],
+      "sim-prefill-us-per-token",
+      20,
+      0,
+    ),
     decodeMsPerToken: intFlag(values["sim-decode-ms-per-token"], "sim-decode-ms-per-token", 2, 0),
     kvWaitMs: intFlag(values["sim-kv-wait-ms"], "sim-kv-wait-ms", 90_000),
     drainMs: intFlag(values["sim-drain-ms"], "sim-drain-ms", 3000, 0),

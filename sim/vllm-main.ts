@@ -22,7 +22,8 @@ async function main(argv: readonly string[]): Promise<number> {
   try {
     cfg = parseSimVllmArgs(argv);
   } catch (err) {
-    const usage = err instanceof UsageError || (err as { code?: string }).code?.startsWith("ERR_PARSE_ARGS");
+    const usage =
+      err instanceof UsageError || (err as { code?: string }).code?.startsWith("ERR_PARSE_ARGS");
     process.stderr.write(`kvxfer sim-vllm: ${(err as Error).message}\n`);
     if (usage) process.stderr.write(`${SIM_VLLM_USAGE}\n`);
     return 2;

@@ -70,13 +70,23 @@ export function transferIdOf(p: Params, requestId: string): string {
 /** P's view of a request it prefills for another engine. */
 export interface RemoteDecode {
   readonly transferId: string;
-  /** The router's token, or one P made (returned in the answer). */
+  /** The router's token, or one P made (returned in the answer), or "" (below). */
   readonly token: string;
 }
 
+/**
+ * As the connector does: the router's token when it gave one; none when the router named the
+ * transfer itself (vllm-router's mooncake mode tells D at the same time, so D cannot learn a token
+ * P makes: the transfer binds to the first authenticated D that registers); else a fresh one,
+ * which reaches D in P's answer.
+ */
 export function parseRemoteDecode(p: Params, requestId: string): RemoteDecode {
   const given = tokenOf(p);
-  return { transferId: transferIdOf(p, requestId), token: given !== "" ? given : newToken() };
+  const named = typeof p["transfer_id"] === "string" && p["transfer_id"] !== "";
+  return {
+    transferId: transferIdOf(p, requestId),
+    token: given !== "" ? given : named ? "" : newToken(),
+  };
 }
 
 /** D's view of where its KV comes from. */
@@ -113,7 +123,10 @@ export function parseRemotePrefill(p: Params, requestId: string): RemotePrefill 
   let bootstrap: RemotePrefill["bootstrap"];
   if (typeof host === "string" && host !== "") {
     if (typeof port !== "number" || !Number.isInteger(port) || port < 1 || port > 65535)
-      throw new BadParams("remote_port", `must be P's sidecar side channel port, got ${JSON.stringify(port)}`);
+      throw new BadParams(
+        "remote_port",
+        `must be P's sidecar side channel port, got ${JSON.stringify(port)}`,
+      );
     source = host.includes(":") ? `[${host}]:${port}` : `${host}:${port}`;
   } else {
     const url = p["remote_bootstrap_addr"];
@@ -131,15 +144,23 @@ export function parseRemotePrefill(p: Params, requestId: string): RemotePrefill 
       : blockIds(raw);
   const split = p["kvxfer_blocks_per_block"] ?? 1;
   if (typeof split !== "number" || !Number.isInteger(split) || split < 1 || split > 1024)
-    throw new BadParams("kvxfer_blocks_per_block", `must be an integer 1..1024, got ${JSON.stringify(split)}`);
+    throw new BadParams(
+      "kvxfer_blocks_per_block",
+      `must be an integer 1..1024, got ${JSON.stringify(split)}`,
+    );
   if (sourceBlockIds !== undefined && split > 1)
-    sourceBlockIds = sourceBlockIds.flatMap((b) => Array.from({ length: split }, (_, j) => b * split + j));
+    sourceBlockIds = sourceBlockIds.flatMap((b) =>
+      Array.from({ length: split }, (_, j) => b * split + j),
+    );
   const n = p["remote_num_tokens"];
   if (n !== undefined && n !== null && (typeof n !== "number" || !Number.isInteger(n) || n < 0))
     throw new BadParams("remote_num_tokens", `must be a token count, got ${JSON.stringify(n)}`);
   const digest = p["kvxfer_prompt_digest"] ?? "";
   if (typeof digest !== "string" || (digest !== "" && !/^[0-9a-f]{32}$/.test(digest)))
-    throw new BadParams("kvxfer_prompt_digest", `must be ${DIGEST_HEX} hex digits, got ${JSON.stringify(digest)}`);
+    throw new BadParams(
+      "kvxfer_prompt_digest",
+      `must be ${DIGEST_HEX} hex digits, got ${JSON.stringify(digest)}`,
+    );
   return {
     transferId,
     source,

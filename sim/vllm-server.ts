@@ -164,6 +164,8 @@ export class SimVllmServer {
       checkAfterMs: 0,
       blockWaitMs: 30_000,
       logLevel: c.logLevel,
+      // PID 1 of a container after every restart: the files need another name than the last one's.
+      fileTag: `${process.pid}-${randomUUID().slice(0, 8)}`,
     };
   }
 
@@ -236,13 +238,15 @@ export class SimVllmServer {
       this.draining = true;
       const end = Date.now() + deadlineMs;
       this.lastRequestAt = Date.now();
-      while (Date.now() < end && Date.now() - this.lastRequestAt < this.cfg.drainMs) await sleep(100);
+      while (Date.now() < end && Date.now() - this.lastRequestAt < this.cfg.drainMs)
+        await sleep(100);
       const closed = new Promise<void>((r) => (this.server ? this.server.close(() => r()) : r()));
       this.server?.closeIdleConnections();
       while (this.inFlight > 0 && Date.now() < end) await sleep(50);
       this.server?.closeAllConnections();
       await closed;
-      for (const [tid, w] of this.waiters) w({ event: "failed", transferId: tid, reason: "ENGINE_STOPPING" });
+      for (const [tid, w] of this.waiters)
+        w({ event: "failed", transferId: tid, reason: "ENGINE_STOPPING" });
       this.waiters.clear();
       await this.engine?.stop();
       this.log.info({ left: this.inFlight }, "stopped");
@@ -288,7 +292,9 @@ export class SimVllmServer {
           this.lastRequestAt = Date.now();
         }
       } else {
-        send(404, { error: { message: `no route ${req.method} ${path}`, type: "NotFoundError", code: 404 } });
+        send(404, {
+          error: { message: `no route ${req.method} ${path}`, type: "NotFoundError", code: 404 },
+        });
       }
     } catch (err) {
       const status = err instanceof HttpError ? err.status : err instanceof BadParams ? 400 : 500;
@@ -306,8 +312,10 @@ export class SimVllmServer {
   }
 
   private async complete(body: Record<string, unknown>): Promise<Record<string, unknown>> {
-    if (this.engine === undefined) throw new HttpError(503, "the engine has not registered with its sidecar yet");
-    if (body["stream"] === true) throw new HttpError(400, "stream is not supported by the simulated engine");
+    if (this.engine === undefined)
+      throw new HttpError(503, "the engine has not registered with its sidecar yet");
+    if (body["stream"] === true)
+      throw new HttpError(400, "stream is not supported by the simulated engine");
     const model = body["model"];
     if (model !== undefined && model !== this.cfg.servedModelName && model !== this.cfg.model)
       throw new HttpError(404, `the model '${String(model)}' does not exist`);
@@ -321,7 +329,10 @@ export class SimVllmServer {
         `the prompt (${prompt.length} tokens) and max_tokens (${maxTokens}) exceed max_model_len ${this.cfg.maxModelLen}`,
       );
     const params = body["kv_transfer_params"] as Params | undefined;
-    if (params !== undefined && (typeof params !== "object" || params === null || Array.isArray(params)))
+    if (
+      params !== undefined &&
+      (typeof params !== "object" || params === null || Array.isArray(params))
+    )
       throw new HttpError(400, "kv_transfer_params must be an object");
     const requestId = `cmpl-${randomUUID()}`;
     let report: KvReport;
@@ -334,7 +345,9 @@ export class SimVllmServer {
       report = await this.decodeFromRemote(params!, requestId, prompt);
       await sleep(this.cfg.decodeMsPerToken * maxTokens);
     } else {
-      await sleep((this.cfg.prefillUsPerToken * prompt.length) / 1000 + this.cfg.decodeMsPerToken * maxTokens);
+      await sleep(
+        (this.cfg.prefillUsPerToken * prompt.length) / 1000 + this.cfg.decodeMsPerToken * maxTokens,
+      );
       report = { role: "local", kv: "local" };
     }
     this.count(report.kv);
@@ -354,7 +367,11 @@ export class SimVllmServer {
           stop_reason: null,
         },
       ],
-      usage: { prompt_tokens: prompt.length, completion_tokens: n, total_tokens: prompt.length + n },
+      usage: {
+        prompt_tokens: prompt.length,
+        completion_tokens: n,
+        total_tokens: prompt.length + n,
+      },
       ...(answerParams !== undefined ? { kv_transfer_params: answerParams } : {}),
       kvxfer: { engineId: this.cfg.engineId, ...report },
     };
@@ -391,7 +408,11 @@ export class SimVllmServer {
     };
   }
 
-  private async decodeFromRemote(params: Params, requestId: string, prompt: number[]): Promise<KvReport> {
+  private async decodeFromRemote(
+    params: Params,
+    requestId: string,
+    prompt: number[],
+  ): Promise<KvReport> {
     const r = parseRemotePrefill(params, requestId);
     const digest = promptDigest(prompt);
     const recompute = async (reason: string): Promise<KvReport> => {
@@ -442,7 +463,11 @@ export class SimVllmServer {
         mismatches: Number(ev["mismatches"]),
       };
       // Wrong bytes would be a wrong answer from a real engine: say so, loudly.
-      if (ev["ok"] !== true) throw new HttpError(500, `KV of ${r.transferId} failed verification: ${JSON.stringify(ev)}`);
+      if (ev["ok"] !== true)
+        throw new HttpError(
+          500,
+          `KV of ${r.transferId} failed verification: ${JSON.stringify(ev)}`,
+        );
       return report;
     }
     if (ev["event"] === "timeout") {
@@ -455,7 +480,8 @@ export class SimVllmServer {
   /** P's side channel from its bootstrap URL (`GET /query`, the P sidecar's --bootstrap). */
   private async bootstrapSideChannel(url: string, engineId: string): Promise<string> {
     const base = url.replace(/\/+$/, "");
-    if (!/^https?:\/\/[^/]+$/.test(base)) throw new Error(`remote_bootstrap_addr must be http(s)://host:port, got '${url}'`);
+    if (!/^https?:\/\/[^/]+$/.test(base))
+      throw new Error(`remote_bootstrap_addr must be http(s)://host:port, got '${url}'`);
     let hit = this.bootstrapCache.get(base);
     if (hit === undefined || hit.until < Date.now()) {
       const res = await fetch(`${base}/query`, { signal: AbortSignal.timeout(2000) });
@@ -464,7 +490,10 @@ export class SimVllmServer {
       this.bootstrapCache.set(base, hit);
     }
     for (const entry of Object.values(hit.answer as Record<string, unknown>)) {
-      const e = entry as { engine_id?: unknown; worker_addr?: Record<string, Record<string, unknown>> };
+      const e = entry as {
+        engine_id?: unknown;
+        worker_addr?: Record<string, Record<string, unknown>>;
+      };
       if (e?.engine_id !== engineId) continue;
       const address = e.worker_addr?.["0"]?.["0"];
       if (typeof address === "string" && address.includes(":")) return address;
@@ -495,7 +524,8 @@ async function readJson(req: IncomingMessage): Promise<Record<string, unknown>> 
   let size = 0;
   for await (const chunk of req) {
     size += (chunk as Buffer).length;
-    if (size > MAX_BODY_BYTES) throw new HttpError(413, `request body above ${MAX_BODY_BYTES} bytes`);
+    if (size > MAX_BODY_BYTES)
+      throw new HttpError(413, `request body above ${MAX_BODY_BYTES} bytes`);
     chunks.push(chunk as Buffer);
   }
   let body: unknown;

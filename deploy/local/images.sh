@@ -25,10 +25,15 @@ want=("$@")
 [ ${#want[@]} -gt 0 ] || want=("${ALL[@]}")
 
 bash deploy/local/docker.sh start
+# The machine's CA bundle, for the build steps that download over HTTPS (an egress proxy's CA
+# where there is one); the images keep their own.
+CA_BUNDLE=${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}
+secret=()
+[ -f "$CA_BUNDLE" ] && secret=(--secret "id=ca,src=$CA_BUNDLE")
 build() { # build NAME ARGS...: BuildKit, host network (the daemon has no NAT of its own)
   local name=$1; shift
   local t0; t0=$(date +%s)
-  DOCKER_BUILDKIT=1 "$DOCKER" build --network host --progress plain "$@" >".tools/image-$name.log" 2>&1 \
+  DOCKER_BUILDKIT=1 "$DOCKER" build --network host --progress plain "${secret[@]}" "$@" >".tools/image-$name.log" 2>&1 \
     || { tail -30 ".tools/image-$name.log" >&2; fail "building $name failed (log: .tools/image-$name.log)"; }
   echo "kvxfer images: $name ($(( $(date +%s) - t0 )) s)"
 }
