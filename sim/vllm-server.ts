@@ -171,8 +171,19 @@ export class SimVllmServer {
 
   private onEngineEvent(ev: Record<string, unknown>): void {
     const tid = ev["transferId"];
-    if (typeof tid !== "string") return;
-    if (ev["event"] === "verified" || (ev["event"] === "failed" && ev["known"] !== false)) {
+    if (typeof tid !== "string" || tid === "") return;
+    if (ev["event"] === "refused") {
+      // The sidecar refused the transfer's message (e.g. ERR_DRAINING while its pod stops): it
+      // started nothing, so the blocks come back here at once, as the connector frees them; D
+      // computes the prompt itself.
+      this.count("refused");
+      void this.engine?.handle({ op: "drop", transferId: tid }).catch(() => undefined);
+    }
+    if (
+      ev["event"] === "verified" ||
+      ev["event"] === "refused" ||
+      (ev["event"] === "failed" && ev["known"] !== false)
+    ) {
       const w = this.waiters.get(tid);
       if (w) {
         this.waiters.delete(tid);
@@ -474,6 +485,8 @@ export class SimVllmServer {
       await this.engine!.handle({ op: "abort", transferId: r.transferId }).catch(() => undefined);
       return recompute(`ERR_KV_TIMEOUT: no KvReady within ${this.cfg.kvWaitMs} ms`);
     }
+    if (ev["event"] === "refused")
+      return recompute(`${String(ev["code"])}: ${String(ev["message"] ?? "")}`);
     return recompute(`${String(ev["reason"])}: ${String(ev["message"] ?? "")}`.trim());
   }
 

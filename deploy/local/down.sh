@@ -56,6 +56,19 @@ for pid in $(pgrep -f "containerd-shim-runc-v2 -namespace k8s.io .*-address $RUN
 done
 # 4. Network: kube-proxy's rules, the pods' namespaces, the bridge, the route, the FORWARD accepts.
 [ -x "$BIN/kube-proxy" ] && "$BIN/kube-proxy" --cleanup >/dev/null 2>&1
+# The kubelet's own chains (KUBE-FIREWALL, which INPUT and OUTPUT jump to; the canaries; the hint),
+# in both families; kube-proxy --cleanup leaves them.
+for ipt in iptables ip6tables; do
+  command -v "$ipt" >/dev/null || continue
+  for base in INPUT OUTPUT; do
+    while "$ipt" -t filter -D "$base" -j KUBE-FIREWALL 2>/dev/null; do :; done
+  done
+  for table in filter nat mangle; do
+    for chain in KUBE-FIREWALL KUBE-KUBELET-CANARY KUBE-IPTABLES-HINT; do
+      "$ipt" -t "$table" -F "$chain" 2>/dev/null && "$ipt" -t "$table" -X "$chain" 2>/dev/null
+    done
+  done
+done
 for ns in "$RUN"/containerd/netns/*; do
   [ -e "$ns" ] || continue
   umount "$ns" 2>/dev/null; rm -f "$ns"
