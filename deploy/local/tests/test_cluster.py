@@ -52,6 +52,7 @@ READY_BOUND_S = 180
 POD_CIDR, SERVICE_CIDR = "198.19.160.0/20", "198.19.192.0/20"
 LENGTHS = [17, 64, 100, 250, 513]
 TIMINGS: dict[str, float] = {}
+COUNTS: dict[str, int] = {}
 
 
 def kubectl(*args: str, timeout: float = 120, check: bool = True) -> str:
@@ -85,6 +86,7 @@ def cluster(docker_daemon):
         TIMINGS["cluster down"] = time.monotonic() - t0
         print("\n" + out.stdout + out.stderr)
         print("cluster test timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMINGS.items()))
+        print("cluster test requests: " + ", ".join(f"{k} {v}" for k, v in COUNTS.items()))
 
 
 @pytest.fixture(scope="module")
@@ -284,8 +286,8 @@ def test_prefill_pod_deleted_mid_load_recovers(release):
     time.sleep(3)
     results = load.stop()
     outcomes = check_results(results, "prefill pod deleted")
-    TIMINGS["prefill deletion: requests"] = len(results)
-    TIMINGS["prefill deletion: recomputed"] = outcomes.get("recomputed", 0)
+    COUNTS["prefill deletion: requests"] = len(results)
+    COUNTS["prefill deletion: recomputed"] = outcomes.get("recomputed", 0)
     # The new pod serves: a burst with every P in turn.
     sent = engine_stats(victim)["outcomes"].get("sent", 0)
     check_results(Load(router_url(), concurrency=2, count=8).run().wait(), "after the prefill pod came back")
@@ -303,8 +305,8 @@ def test_rolling_upgrade_of_decode_without_a_failed_request(release):
     time.sleep(3)
     results = load.stop()
     outcomes = check_results(results, "decode rolling upgrade")
-    TIMINGS["decode upgrade: requests"] = len(results)
-    TIMINGS["decode upgrade: recomputed"] = outcomes.get("recomputed", 0)
+    COUNTS["decode upgrade: requests"] = len(results)
+    COUNTS["decode upgrade: recomputed"] = outcomes.get("recomputed", 0)
     assert wait_for("all Ready", 60, all_ready)
     assert wait_for("every block back", 60, blocks_back)
 
