@@ -9,7 +9,6 @@
 import { pino } from "pino";
 
 import { stderrSink } from "../src/sidecar/log-sink.js";
-import { UsageError } from "./engine-input.js";
 import { parseSimVllmArgs, SIM_VLLM_USAGE } from "./vllm-args.js";
 import { SimVllmServer } from "./vllm-server.js";
 
@@ -22,10 +21,8 @@ async function main(argv: readonly string[]): Promise<number> {
   try {
     cfg = parseSimVllmArgs(argv);
   } catch (err) {
-    const usage =
-      err instanceof UsageError || (err as { code?: string }).code?.startsWith("ERR_PARSE_ARGS");
-    process.stderr.write(`kvxfer sim-vllm: ${(err as Error).message}\n`);
-    if (usage) process.stderr.write(`${SIM_VLLM_USAGE}\n`);
+    // A flag parseArgs does not know (its own errors) or a value refused here (UsageError).
+    process.stderr.write(`kvxfer sim-vllm: ${(err as Error).message}\n${SIM_VLLM_USAGE}\n`);
     return 2;
   }
   const log = pino(
