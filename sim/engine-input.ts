@@ -57,6 +57,13 @@ export interface SimEngineConfig {
   /** How long a request waits for free blocks before ERR_NO_BLOCKS (0: refused at once). */
   readonly blockWaitMs: number;
   readonly logLevel: string;
+  /**
+   * What names this process's KV files besides the engine id (default: the pid). An engine that
+   * runs as PID 1 of its container has the same pid after every restart, and its predecessor's
+   * files stay until the pod goes: the simulated engine behind vLLM's command line adds a random
+   * part.
+   */
+  readonly fileTag?: string;
 }
 
 export const SIM_ENGINE_USAGE = `usage: kvxfer sim-engine --engine-id ID --role prefill|decode|both [options]
@@ -201,7 +208,7 @@ export function parseSimEngineArgs(argv: readonly string[]): SimEngineConfig {
 export function simKvFilePath(
   shmDir: string,
   engineId: string,
-  pid: number,
+  pid: number | string,
   rank: number,
   region: number,
 ): string {

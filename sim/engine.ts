@@ -191,7 +191,13 @@ export class SimEngine {
       this.files.push(paths);
       this.regions.push(regions);
       for (let g = 0; g < L.regionBytes.length; g++) {
-        const path = simKvFilePath(this.cfg.shmDir, this.cfg.engineId, process.pid, r, g);
+        const path = simKvFilePath(
+          this.cfg.shmDir,
+          this.cfg.engineId,
+          this.cfg.fileTag ?? process.pid,
+          r,
+          g,
+        );
         const fd = openSync(path, "wx", 0o600);
         paths.push(path);
         try {

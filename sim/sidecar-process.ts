@@ -24,7 +24,10 @@ export function cliScript(): string {
 export interface SidecarReady {
   engineId: string;
   epoch: string;
+  /** What peers dial: --advertise when given, else the bound address. */
   sideChannel: string;
+  /** The bound side channel, when --advertise names another address. */
+  listen?: string;
   engineSocket: string;
   grpc?: string;
   metrics?: string;

@@ -67,6 +67,7 @@ export const ERROR_CODES = {
   ERR_BAD_BLOCKS: "block ids that do not fit the layout or the token count",
   ERR_BAD_ENGINE_ID: "an engine id that is malformed, or not this sidecar's",
   ERR_BAD_LAYOUT: "RegisterKvCache carries a layout that fails validation",
+  ERR_BAD_PARAMS: "simulated engine behind vLLM's command line: kv_transfer_params it cannot use",
   ERR_BAD_REGIONS: "RegisterKvCache's ranks or region files do not match the layout",
   ERR_BAD_REMOTE_KEY: "a remote key that is not a kvxfer remote key",
   ERR_BAD_REQUEST: "simulated engine: a control request with a missing or ill-typed field",
@@ -78,6 +79,8 @@ export const ERROR_CODES = {
     "a transfer token that is too long, or not the one the transfer was given",
   ERR_BIND: "the engine link cannot bind its endpoint",
   ERR_BLOCKS_IN_USE: "blocks that a live transfer already holds",
+  ERR_BOOTSTRAP:
+    "simulated engine behind vLLM's command line: P's bootstrap URL did not name its sidecar",
   ERR_BUSY: "a prepared transfer posted again while its last post is still in flight",
   ERR_CLOSED:
     "the object is closed or shutting down (agent, handle, engine link, event log, server)",
@@ -101,6 +104,8 @@ export const ERROR_CODES = {
   ERR_INVALID_ARGUMENT: "an argument or request field is wrong (type, empty, unknown name, limit)",
   ERR_INVALID_LENGTH: "a zero, negative or non-integer length",
   ERR_INVALID_OFFSET: "a negative, non-integer or NaN offset",
+  ERR_KV_TIMEOUT:
+    "simulated engine behind vLLM's command line: no KvReady or KvFailed within --sim-kv-wait-ms",
   ERR_LAYOUT_INCOMPATIBLE: "two valid layouts cannot exchange KV",
   ERR_LAYOUT_INVALID: "a layout is malformed on its own",
   ERR_LEASE_EXPIRED: "P's lease on the blocks ran out before D was done",
@@ -130,6 +135,7 @@ export const ERROR_CODES = {
     "a capacity limit is reached (live transfers, peers, registrations before prefill, notifications)",
   ERR_PEER_DOWN: "the peer sidecar went down while the transfer was live",
   ERR_PLAN_INVALID: "a transfer request that does not fit the layouts",
+  ERR_PROMPT_MISMATCH: "P's KV is for another prompt than D's (kvxfer_prompt_digest)",
   ERR_REGION_CHANGED: "a KV region file was replaced between its check and its open",
   ERR_REGION_NOT_REGULAR: "a KV region path that is not a regular file with one link",
   ERR_REGION_OUTSIDE: "a KV region path that is relative, has '..', or is not under --kv-dir",

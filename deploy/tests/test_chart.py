@@ -116,6 +116,13 @@ def test_each_deployment_is_valid_kubernetes_and_wired_together(case):
     router = containers(one(docs, "Deployment", "kv-kvxfer-pd-router"))["router"]
     args = router["args"]
     assert arg(router, "--kv-connector") == {"pull": "nixl", "push": "mooncake"}[mode]
+    # The router's own readiness (vllm-router's /health is 503 while any one engine is down, which
+    # would take the router out of its Service with one engine pod: deploy/local/tests shows it).
+    assert router["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert router["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    # It listens only once every engine is healthy: liveness waits for that (up to 10 min).
+    startup = router["startupProbe"]
+    assert startup["httpGet"]["path"] == "/liveness" and startup["periodSeconds"] * startup["failureThreshold"] >= 600
     # Every engine pod by its stable name, P with its bootstrap port in push mode.
     prefills = [args[i + 1:i + (3 if mode == "push" else 2)] for i, a in enumerate(args) if a == "--prefill"]
     decodes = [args[i + 1] for i, a in enumerate(args) if a == "--decode"]

@@ -1,5 +1,6 @@
 // HMAC-SHA256 under one key, computed by the OpenSSL that Node itself carries (the addon
-// resolves libcrypto's symbols against the node binary; its headers come with Node's). The key
+// resolves libcrypto's symbols against the node binary; its headers come with Node's: see
+// KVXFER_NODE_INCLUDE in CMakeLists.txt). The key
 // is set up once (EVP_MAC_init); each message then costs a copy of that context, one update and
 // one final. Peer notifications are sealed and verified with it (src/peer/messages.ts):
 // node:crypto's createHmac sets the key up again for every message, which measured 2-4x the

@@ -77,7 +77,11 @@ export async function runSidecar(argv: string[]): Promise<number> {
       event: "ready",
       engineId: running.sidecar.engineId,
       epoch: String(running.sidecar.epoch),
-      sideChannel: running.sidecar.sideChannelAddress,
+      // What peers and routers dial (--advertise when given, e.g. the pod's IP), and the address
+      // bound when it is another one (0.0.0.0:7600 in a pod).
+      sideChannel:
+        settings.advertise !== "" ? settings.advertise : running.sidecar.sideChannelAddress,
+      ...(settings.advertise !== "" ? { listen: running.sidecar.sideChannelAddress } : {}),
       engineSocket: running.link.endpoint,
       grpc: running.api.address,
       ucx: running.sidecar.ucxStatus(),

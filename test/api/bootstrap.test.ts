@@ -77,6 +77,9 @@ describe("--bootstrap", () => {
     ]);
     started.push(sc);
     const ready = await sc.ready;
+    // The ready line names what peers dial, and what was bound.
+    expect(ready.sideChannel).toBe("10.1.2.3:7600");
+    expect(ready.listen).toMatch(/^0\.0\.0\.0:[1-9][0-9]*$/);
     const res = await fetch(`http://${ready.bootstrap}/query`, {
       signal: AbortSignal.timeout(5000),
     });
