@@ -229,7 +229,16 @@ export const commands: readonly CommandSpec[] = [
       },
       {
         name: "families",
-        kind: list("qwen3", "mistral-sw", "gemma3", "qwen3-next", "deepseek-v2", "mixtral", "gpt-oss", "mamba2"),
+        kind: list(
+          "qwen3",
+          "mistral-sw",
+          "gemma3",
+          "qwen3-next",
+          "deepseek-v2",
+          "mixtral",
+          "gpt-oss",
+          "mamba2",
+        ),
         help: "--models: the families",
         def: "all",
       },

@@ -341,7 +341,10 @@ export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchR
   if (argv.includes("--breakdown"))
     return runModule("breakdown", ["--table", ...argv.filter((a) => a !== "--breakdown")]);
   if (argv.includes("--models"))
-    return runModule("models_bench", argv.filter((a) => a !== "--models"));
+    return runModule(
+      "models_bench",
+      argv.filter((a) => a !== "--models"),
+    );
   return runSuiteMain(
     "vllm",
     parseVllmArgs(argv),
