@@ -14,7 +14,7 @@ import { AgentMetadataSchema, RankMetadataSchema } from "../../src/gen/kvxfer/v1
 import type { Agent, OpTrace, Region } from "../../src/native/index.js";
 import type { PeerBody } from "../../src/peer/messages.js";
 import type { PeerCredentials } from "../../src/peer/side-channel.js";
-import { kvLayout, singleGroup, type KvLayout } from "../../src/plan/index.js";
+import { kvLayout, singleGroup, type KvGroup, type KvLayout } from "../../src/plan/index.js";
 import { kvLayoutToProto } from "../../src/plan/layout-proto.js";
 import type { Clock } from "../../src/sidecar/clock.js";
 import type { EngineMessage, LifecycleSettings, SideContext } from "../../src/sidecar/context.js";
@@ -231,10 +231,14 @@ export interface Recorded {
 
 /** `layout`'s registered KV: one fake agent serving every rank (its operations are recorded
  * together), and regions whose remote keys are all `[5]`. */
-function fakeKv(layout: KvLayout, agent: FakeAgent): RegisteredKv {
+function fakeKv(
+  layout: KvLayout,
+  agent: FakeAgent,
+  groups: readonly KvGroup[] = singleGroup(layout),
+): RegisteredKv {
   return {
     layout,
-    groups: singleGroup(layout),
+    groups,
     agents: Array.from({ length: layout.tpSize }, () => agent as unknown as Agent),
     regions: Array.from({ length: layout.tpSize }, () =>
       layout.regionBytes.map(() => ({ remoteKey: () => new Uint8Array([5]) }) as Region),
@@ -432,9 +436,11 @@ export class PeerTableWorld {
       layout?: KvLayout;
       peerCredentials?: PeerCredentials;
       peerMessagesPerSec?: number;
+      /** The engine's KV cache groups (default: one full group of `layout`). */
+      groups?: readonly KvGroup[];
     } = {},
   ) {
-    const kv = fakeKv(o.layout ?? SMALL, this.agent);
+    const kv = fakeKv(o.layout ?? SMALL, this.agent, o.groups);
     const world = this;
     this.table = new PeerTable(
       {

@@ -14,7 +14,9 @@ import {
   sealPeerMessage,
   type PeerBody,
 } from "../../src/peer/messages.js";
-import type { GroupsPairing } from "../../src/plan/index.js";
+import { KvGroupKind } from "../../src/gen/kvxfer/v1/layout_pb.js";
+import type { GroupsPairing, KvGroup } from "../../src/plan/index.js";
+import { kvGroupsToProto } from "../../src/plan/layout-proto.js";
 import type { PeerState } from "../../src/peer/peer-state.js";
 import {
   ActiveSenders,
@@ -88,6 +90,49 @@ describe("PeerTable", () => {
     expect(made?.src[0]!.layout).toBe(SMALL); // our layout (the world's engine registered SMALL)
     expect(made?.dst).toBe(peer.groups);
     expect(peer.pairing(made!.src, peer.groups)).toBe(made);
+  });
+
+  it("a hybrid engine's metadata carries its groups; a peer's groups are checked, the bad field named", () => {
+    const groups: KvGroup[] = [
+      { kind: "full", layout: SMALL },
+      { kind: "sliding", slidingWindow: 64, layout: SMALL },
+    ];
+    const world = new PeerTableWorld({ groups });
+    const hs = (metadata: ReturnType<typeof peerMetadata>) =>
+      world.table.onHandshake(
+        create(HandshakeRequestSchema, { metadata, macKey: newMacKey() }),
+        undefined,
+      );
+    // D's groups as they travel.
+    const theirs = peerMetadata("d0", 7n);
+    theirs.groups = kvGroupsToProto(groups);
+    const ours = hs(theirs);
+    expect(ours.errorCode).toBe("");
+    expect(ours.metadata?.groups.map((g) => [g.kind, g.slidingWindow])).toEqual([
+      [KvGroupKind.FULL, 0],
+      [KvGroupKind.SLIDING, 64],
+    ]);
+    // A D of one full group cannot take a hybrid P's KV; a group of a kind nobody knows is
+    // refused by its field.
+    const single = hs(peerMetadata("d1", 7n));
+    expect(single.errorCode).toBe("ERR_LAYOUT_INCOMPATIBLE");
+    expect(single.error).toContain("groups");
+    theirs.engineId = "d2";
+    theirs.groups[1]!.kind = 9 as KvGroupKind;
+    const bad = hs(theirs);
+    expect(bad.errorCode).toBe("ERR_LAYOUT_INVALID");
+    expect(bad.error).toContain("metadata.groups[1].kind");
+    expect(world.events).toEqual(["PEER_UP d0"]);
+  });
+
+  it("a table given no notification budget admits every notification", () => {
+    const { table, handshake, note } = setup();
+    const { macKey } = handshake("d0", 7n);
+    for (let i = 1; i <= 1000; i++) {
+      const n = note(macKey, { sender: "d0", epoch: 7n, seq: BigInt(i) });
+      expect(table.admit(n)).toBe(true);
+      expect(table.verify(n)?.peer.engineId).toBe("d0");
+    }
   });
 
   it("refuses what is stale or forged, whatever else it carries", () => {
