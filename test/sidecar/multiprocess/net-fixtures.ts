@@ -100,7 +100,10 @@ export async function attempt(
     } else {
       await Promise.all([
         p.engine.prefill(transferId, o.tokens, 0, o.timeoutMs, token),
-        d.engine.expect({ transferId, tokens: o.tokens, source: p.sideChannel, token }, o.timeoutMs),
+        d.engine.expect(
+          { transferId, tokens: o.tokens, source: p.sideChannel, token },
+          o.timeoutMs,
+        ),
       ]);
     }
     const ev = await verdict;
