@@ -156,6 +156,33 @@ describe.skipIf(support.missing !== undefined)(
       expect(ok.got).toBe(1024);
     }, 20_000);
 
+    it.skipIf(support.delayMissing !== undefined)(
+      `the NFQUEUE delay line: 20 ms each way is seen in a round trip, and gone once removed${support.delayMissing !== undefined ? ` (skipped: ${support.delayMissing})` : ""}`,
+      async () => {
+        const clean = await send(net, "p", dSink(), 1, 5_000);
+        await net.delay("p", 20, 2);
+        await net.delay("d", 20, 2);
+        try {
+          expect(net.faults()).toEqual(["delay:d", "delay:p"]);
+          const slow = await send(net, "p", dSink(), 1, 5_000);
+          // connect, then data and the reply: at least two round trips of 2 x (20 - 2) ms.
+          expect(slow.ms! - clean.ms!).toBeGreaterThanOrEqual(65);
+          // Bulk flows through the line too, every byte.
+          const bulk = await send(net, "p", dSink(), 4 << 20, 20_000);
+          expect(bulk.got).toBe(4 << 20);
+          console.log(
+            `[harness] delay line 20 ms each way: 1 byte in ${slow.ms} ms (clean ${clean.ms} ms), 4 MiB in ${bulk.ms} ms`,
+          );
+        } finally {
+          net.undelay();
+        }
+        const after = await send(net, "p", dSink(), 1, 5_000);
+        expect(after.ms!).toBeLessThan(clean.ms! + 60);
+        expect(net.faults()).toEqual([]);
+      },
+      40_000,
+    );
+
     it.skipIf(support.netemMissing !== undefined)(
       `netem: 20 ms delay each way is seen in a round trip${support.netemMissing !== undefined ? ` (skipped: ${support.netemMissing})` : ""}`,
       async () => {

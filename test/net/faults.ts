@@ -8,6 +8,9 @@
  *   our own on the receiving end's INPUT (`-m statistic --mode random --probability p`, DROP),
  *   so what is lost is lost on the wire, and the sender's sockets see nothing locally;
  * - link down: `ip link set … down` on one end;
+ * - delay and jitter (and so reordering): `nfq-delay.c`, a delay line of our own that an
+ *   iptables NFQUEUE rule on the receiving end feeds (for kernels without netem; needs
+ *   libnetfilter-queue-dev and cc, else skipped by name: `delayMissing`);
  * - delay, jitter, duplication, reordering, corruption: `netem` where the kernel has it; a
  *   kernel without it (these machines: "Specified qdisc kind is unknown") skips those cases by
  *   name (`netemMissing`), never counts them as passing.
@@ -20,7 +23,11 @@
  * veth ends, qdiscs and iptables rules with it) and is safe to call twice; a harness left by a
  * killed run of the same tag is removed before a new one is made.
  */
-import { execFileSync } from "node:child_process";
+import { execFileSync, spawn, type ChildProcess } from "node:child_process";
+import { existsSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
 
 export type Side = "p" | "d";
 
@@ -43,6 +50,29 @@ export interface FaultSupport {
   missing: string | undefined;
   /** Why netem cases are skipped here, or undefined when the kernel has netem. */
   netemMissing: string | undefined;
+  /** Why the NFQUEUE delay line cannot run here (no compiler or libnetfilter_queue), or undefined. */
+  delayMissing: string | undefined;
+}
+
+let delayBinary: string | undefined;
+
+/** The delay line, compiled once per process into the temp directory; throws why not. */
+export function nfqDelayBinary(): string {
+  if (delayBinary !== undefined) return delayBinary;
+  const source = join(dirname(fileURLToPath(import.meta.url)), "nfq-delay.c");
+  const out = join(tmpdir(), `kx52-nfq-delay-${process.pid}`);
+  if (!existsSync("/usr/include/libnetfilter_queue/libnetfilter_queue.h"))
+    throw new Error("no libnetfilter_queue headers (apt-get install libnetfilter-queue-dev)");
+  run("cc", ["-O2", "-o", out, source, "-lnetfilter_queue", "-lnfnetlink"], 60_000);
+  process.on("exit", () => {
+    try {
+      execFileSync("rm", ["-f", out]);
+    } catch {
+      // gone
+    }
+  });
+  delayBinary = out;
+  return out;
 }
 
 let support: FaultSupport | undefined;
@@ -104,7 +134,15 @@ export function faultSupport(): FaultSupport {
       }
     }
   }
-  support = { missing, netemMissing };
+  let delayMissing: string | undefined = missing;
+  if (missing === undefined) {
+    try {
+      nfqDelayBinary();
+    } catch (err) {
+      delayMissing = `no NFQUEUE delay line: ${(err as Error).message.split("\n")[0]}`;
+    }
+  }
+  support = { missing, netemMissing, delayMissing };
   return support;
 }
 
@@ -146,6 +184,8 @@ export class FaultNet {
   private destroyed = false;
   /** Faults applied now, by name (for logs and for `heal`). */
   private readonly applied = new Set<string>();
+  /** The delay lines running, by the side whose arriving packets they hold. */
+  private readonly delayLines = new Map<Side, ChildProcess>();
 
   /**
    * `tag`: a few letters naming the test file; `octet` (1-250): the /24s this harness uses
@@ -213,9 +253,12 @@ export class FaultNet {
           "gro",
           "off",
         ]);
-      // Our chain, hooked first in INPUT for the data device only.
-      this.ipt(h === p ? "p" : "d", ["-N", "kx52-in"]);
-      this.ipt(h === p ? "p" : "d", ["-I", "INPUT", "1", "-i", h.dev, "-j", "kx52-in"]);
+      // Our chains, hooked first in INPUT for the data device only: drops, then the delay line.
+      const side = h === p ? "p" : "d";
+      this.ipt(side, ["-N", "kx52-in"]);
+      this.ipt(side, ["-N", "kx52-dl"]);
+      this.ipt(side, ["-I", "INPUT", "1", "-i", h.dev, "-j", "kx52-dl"]);
+      this.ipt(side, ["-I", "INPUT", "1", "-i", h.dev, "-j", "kx52-in"]);
     }
     // Management links: this namespace <-> each host, /30 each.
     const mg: [HostEnd, string, string][] = [
@@ -295,6 +338,58 @@ export class FaultNet {
     run("ip", ["-n", h.ns, "link", "set", h.dev, up ? "up" : "down"]);
     if (up) this.applied.delete(`down:${side}`);
     else this.applied.add(`down:${side}`);
+  }
+
+  /**
+   * Holds every packet arriving at `side` on the data link `delayMs` ± up to `jitterMs` (so one
+   * way: call it for both sides for a round trip's worth), with the NFQUEUE delay line. Resolves
+   * once the line is running and the rule in place. Throws when `faultSupport().delayMissing`.
+   */
+  async delay(side: Side, delayMs: number, jitterMs = 0): Promise<void> {
+    const why = faultSupport().delayMissing;
+    if (why !== undefined) throw new Error(`delay: ${why}`);
+    this.undelay(side);
+    const h = this.hosts[side];
+    const queue = String(52);
+    const child = spawn(
+      h.prefix[0]!,
+      [...h.prefix.slice(1), nfqDelayBinary(), queue, String(delayMs), String(jitterMs)],
+      { stdio: ["ignore", "pipe", "pipe"] },
+    );
+    this.delayLines.set(side, child);
+    let err = "";
+    child.stderr!.on("data", (d: Buffer) => (err += d.toString()));
+    await new Promise<void>((resolve, reject) => {
+      const t = setTimeout(
+        () => reject(new Error(`delay line in ${side} not ready: ${err}`)),
+        10_000,
+      );
+      child.stdout!.once("data", () => {
+        clearTimeout(t);
+        resolve();
+      });
+      child.once("exit", (code) => {
+        clearTimeout(t);
+        reject(new Error(`delay line in ${side} exited ${code}: ${err}`));
+      });
+    });
+    // --queue-bypass: were the line gone, packets pass instead of being dropped.
+    this.ipt(side, ["-A", "kx52-dl", "-j", "NFQUEUE", "--queue-num", queue, "--queue-bypass"]);
+    this.applied.add(`delay:${side}`);
+  }
+
+  /** Ends the delay line at `side` (both when omitted): the rule first, then the process. */
+  undelay(side?: Side): void {
+    for (const s of side === undefined ? (["p", "d"] as const) : [side]) {
+      try {
+        this.ipt(s, ["-F", "kx52-dl"]);
+      } catch {
+        // the namespace is gone
+      }
+      this.delayLines.get(s)?.kill("SIGTERM");
+      this.delayLines.delete(s);
+      this.applied.delete(`delay:${s}`);
+    }
   }
 
   /**
@@ -391,6 +486,8 @@ export class FaultNet {
   destroy(): void {
     if (this.destroyed) return;
     this.destroyed = true;
+    for (const c of this.delayLines.values()) c.kill("SIGKILL");
+    this.delayLines.clear();
     this.remove();
     this.applied.clear();
   }
