@@ -138,6 +138,49 @@ describe.skipIf(support.missing !== undefined)(
       180_000,
     );
 
+    // Delay and jitter with the harness's NFQUEUE delay line (this kernel has no netem): the
+    // same 16 transfers on the clean link, then with 5 ms +- 1 ms each way (jitter reorders).
+    // Correct, but slow: UCX over TCP moved ~25-35 Mbit/s per endpoint pair at a 10 ms round
+    // trip here (measured with 16 x 2 MiB: 0.65-1.1 s clean, 9-10 s delayed, with or without
+    // jitter; plain TCP through the same delay line: 200 Mbit/s). Not fixed yet: the latency
+    // target of issue 52 is printed, not asserted (docs/operations.md, "Network faults").
+    it.skipIf(support.delayMissing !== undefined)(
+      `5 ms +- 1 ms each way, 16 x 512 KiB in flight (pull and push): every transfer verified, no peer declared dead${support.delayMissing !== undefined ? ` (skipped: ${support.delayMissing})` : ""}`,
+      async () => {
+        pair = await startNetPair(net, {
+          sidecarArgs: ["--peer-timeout-ms", "2000", "--heartbeat-ms", "500"],
+        });
+        const tokens = (512 << 10) / BYTES_PER_TOKEN;
+        const round = (tag: string): Promise<Outcome[]> =>
+          Promise.all(
+            Array.from({ length: 16 }, (_, i) =>
+              attempt(pair!, `${tag}-${i}`, { tokens, pull: i % 2 === 0, timeoutMs: 30_000 }),
+            ),
+          );
+        await round("delay-warm");
+        const clean = await round("delay-clean");
+        await net.delay("p", 5, 1);
+        await net.delay("d", 5, 1);
+        const slow = await round("delay-5ms");
+        net.undelay();
+        const q = (outs: Outcome[], f: number): number => {
+          const ms = outs.map((o) => o.ms).sort((a, b) => a - b);
+          return ms[Math.min(ms.length - 1, Math.floor(f * ms.length))]!;
+        };
+        const downs = [...pair.p.events, ...pair.d.events].filter((e) => e.kind === "PEER_DOWN");
+        console.log(
+          `[net delay] 16 x 512 KiB, KV ready p50 / p99: clean ${q(clean, 0.5)} / ${q(clean, 0.99)} ms, ` +
+            `5 ms +- 1 ms each way ${q(slow, 0.5)} / ${q(slow, 0.99)} ms; ${summary(slow)}; PEER_DOWN ${downs.length}`,
+        );
+        expect(clean.filter((o) => o.outcome !== "verified")).toEqual([]);
+        expect(slow.filter((o) => o.outcome !== "verified")).toEqual([]);
+        expect(downs).toEqual([]);
+        await pair.p.allBlocksFree(10_000);
+        await pair.d.allBlocksFree(10_000);
+      },
+      90_000,
+    );
+
     it("1% loss each way, 8 x 2 MiB in flight (pull and push): every transfer verified, no peer declared dead", async () => {
       pair = await startNetPair(net, {
         sidecarArgs: ["--peer-timeout-ms", "2000", "--heartbeat-ms", "500"],
