@@ -3,15 +3,15 @@
  * declared it down (silence, endpoint failure), whose end P never heard of, because D sends
  * nothing to a peer it dropped. Across a partition both sides see silence: D fails its
  * transfers, and P would keep a pull's blocks until its lease ran out (measured before this:
- * 231-266 of P's 320 blocks still held 15 s after a 15 s partition healed), and a push's blocks
- * on D waited out P's registration lease for an AbortAck that could not come.
+ * 231-266 of P's 320 blocks still held 15 s after a 15 s partition healed).
  *
  * So D keeps one Abort per such transfer, by P's side channel address, and dials P again every
  * `retryMs` until a handshake gets through (the link healed) or P's leases have surely run out
  * anyway (`ttlMs`: then there is nothing left to free). Through the new handshake, P at the same
- * epoch gets every Abort: a held pull's blocks go back to P's engine at once, and P's AbortAck
- * ends a push's drain on D (decode.ts takes it from the same engine at the same epoch). A P
- * with a new epoch restarted: it holds nothing of the old one's, and the notes go.
+ * epoch gets every Abort: a held pull's blocks go back to P's engine at once. (P's AbortAck does
+ * not end a push's drain on D: P's writes were abandoned, not cancelled, and may still land
+ * from the old connection; decode.ts.) A P with a new epoch restarted: it holds nothing of the
+ * old one's, and the notes go.
  *
  * Bounded (invariant 5): at most `cap` notes, each gone by its deadline; the sweep visits all.
  */

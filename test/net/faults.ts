@@ -449,6 +449,23 @@ export class FaultNet {
     return n;
   }
 
+  /**
+   * Bytes the TCP sockets on `side`'s data address still have to send (Send-Q, from `ss`): after
+   * a heal, what the old connections queued during the partition is still delivered, seconds
+   * later, as TCP's backed-off retransmissions resume.
+   */
+  unsent(side: Side): number {
+    const h = this.hosts[side];
+    const out = run("ip", ["netns", "exec", h.ns, "ss", "-tnH", "state", "established"]);
+    let n = 0;
+    for (const line of out.split("\n")) {
+      const f = line.trim().split(/\s+/);
+      // Recv-Q Send-Q Local:Port Peer:Port (state filtered, so no State column).
+      if (f.length >= 4 && f[2]!.startsWith(`${h.address}:`)) n += Number(f[1]) || 0;
+    }
+    return n;
+  }
+
   /** True while both namespaces exist. */
   exists(): boolean {
     const list = run("ip", ["netns", "list"]);

@@ -1045,7 +1045,7 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
     d.peerDown(p, "silent for 2000 ms");
   }
 
-  it("tells P, once a handshake gets through, of each transfer it gave up on; P's AbortAck from the same engine and epoch ends the push's drain at once", async () => {
+  it("tells P, once a handshake gets through, of each transfer it gave up on; the push's drain still waits out P's registration lease", async () => {
     const o = world();
     const { w, d, answers, dialed, state, again } = o;
     await dropped(o);
@@ -1076,10 +1076,13 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
       reason: "peer down: silent for 2000 ms",
       token: "tok-pull",
     });
-    // Another epoch's AbortAck is not this one's; the same engine and epoch's is.
+    // The AbortAck of P through the new handshake does not end the push's drain (P's abandoned
+    // writes may still land from the old connection): the registration lease does.
     d.abortAck(again(8n), "push");
-    expect(state("push")).toBe("DRAINING");
     d.abortAck(again(), "push");
+    expect(state("push")).toBe("DRAINING");
+    w.clock.advance(8_000 + SETTINGS.abortGraceMs - 3_000); // regLeaseMs + grace, from the drop
+    d.expire(w.clock.now());
     expect(state("push")).toBe("FAILED");
     expect(w.eventsOf("push")).toEqual(["FAILED"]);
     // Nothing owed any more: no more dials.
