@@ -24,7 +24,8 @@
  * killed run of the same tag is removed before a new one is made.
  */
 import { execFileSync, spawn, type ChildProcess } from "node:child_process";
-import { existsSync } from "node:fs";
+import { createHash } from "node:crypto";
+import { existsSync, readFileSync, renameSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { dirname, join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -56,21 +57,23 @@ export interface FaultSupport {
 
 let delayBinary: string | undefined;
 
-/** The delay line, compiled once per process into the temp directory; throws why not. */
+/**
+ * The delay line, compiled into the temp directory under the hash of its source (one small
+ * file, reused by every later run of the same source); throws why it cannot be.
+ */
 export function nfqDelayBinary(): string {
   if (delayBinary !== undefined) return delayBinary;
   const source = join(dirname(fileURLToPath(import.meta.url)), "nfq-delay.c");
-  const out = join(tmpdir(), `kx52-nfq-delay-${process.pid}`);
-  if (!existsSync("/usr/include/libnetfilter_queue/libnetfilter_queue.h"))
-    throw new Error("no libnetfilter_queue headers (apt-get install libnetfilter-queue-dev)");
-  run("cc", ["-O2", "-o", out, source, "-lnetfilter_queue", "-lnfnetlink"], 60_000);
-  process.on("exit", () => {
-    try {
-      execFileSync("rm", ["-f", out]);
-    } catch {
-      // gone
-    }
-  });
+  const hash = createHash("sha256").update(readFileSync(source)).digest("hex").slice(0, 16);
+  const out = join(tmpdir(), `kx52-nfq-delay-${hash}`);
+  if (!existsSync(out)) {
+    if (!existsSync("/usr/include/libnetfilter_queue/libnetfilter_queue.h"))
+      throw new Error("no libnetfilter_queue headers (apt-get install libnetfilter-queue-dev)");
+    // Built beside it and renamed: a run at the same time never sees half a binary.
+    const partial = `${out}.${process.pid}`;
+    run("cc", ["-O2", "-o", partial, source, "-lnetfilter_queue", "-lnfnetlink"], 60_000);
+    renameSync(partial, out);
+  }
   delayBinary = out;
   return out;
 }
