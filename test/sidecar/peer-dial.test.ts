@@ -433,7 +433,8 @@ describe("dropping a peer", () => {
     w.clock.advance(199); // abortGraceMs is 200
     expect(w.agent.abandoned).toBe(0);
     w.clock.advance(1);
-    expect(w.agent.abandoned).toBe(1);
+    // The data endpoint and the control endpoint (made with the peer).
+    expect(w.agent.abandoned).toBe(2);
   });
 
   it("abandons nothing when nothing is in flight, or when the table has closed meanwhile", () => {
@@ -596,11 +597,13 @@ describe("the peer table's words and edges", () => {
     const peer = peerOf(w, "d0");
     peer.remote(0, 1, 1);
     expect(w.agent.connects).toEqual([
+      // The control endpoint, made with the peer, to rank 0; then rank 1's data endpoint.
+      { address: new Uint8Array([9, 0]), options: { errorMode: "none" } },
       { address: new Uint8Array([9, 1]), options: { errorMode: "none" } },
     ]);
     expect(w.agent.imported).toEqual([new Uint8Array([7, 1])]);
     w.table.drop(peer, "gone");
-    expect(w.agent.closed).toBe(2); // the remote and the endpoint
+    expect(w.agent.closed).toBe(3); // the remote and both endpoints
   });
 
   it("an idle peer is forgotten only past the tombstone time, and its address with it", async () => {

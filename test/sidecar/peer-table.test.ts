@@ -420,4 +420,18 @@ describe("one peer's state", () => {
     expect(() => peer.endpoint(2, 0)).toThrow("peer p0: no rank pair 2 -> 0");
     expect(() => peer.remote(0, 1, 99)).toThrow("peer p0: rank 1 has no region 99");
   });
+
+  it("makes the control endpoint (rank 0 to rank 0, apart from the data's) once, again only after a close; names a peer without rank 0", () => {
+    const w = new FakeWorld({}, smallTp(2));
+    const peer = w.peer("p0");
+    const control = peer.controlEndpoint();
+    expect(peer.controlEndpoint()).toBe(control);
+    expect(peer.endpoint(0, 0)).not.toBe(control);
+    expect(peer.owns(control)).toBe(true);
+    (control as { state: string }).state = "closed";
+    expect(peer.controlEndpoint()).not.toBe(control);
+    peer.metadata.ranks = peer.metadata.ranks.filter((r) => r.rank !== 0);
+    (peer.controlEndpoint() as { state: string }).state = "closed";
+    expect(() => peer.controlEndpoint()).toThrow("peer p0: no rank 0 for control messages");
+  });
 });

@@ -79,6 +79,10 @@ export interface NodeOptions {
   logLevel?: string;
   /** Runs once the sidecar is ready, before the engine starts (e.g. registrations of its own). */
   beforeEngine?: (socket: string, ready: SidecarReady) => Promise<void>;
+  /** UCX transports (default shm,self). */
+  transports?: string;
+  /** A command the sidecar runs under (a network namespace: `ip netns exec <ns>`). */
+  prefix?: string[];
 }
 
 /** One engine with its sidecar, a gRPC client, and every event of the sidecar (WatchEvents from seq 0). */
@@ -99,6 +103,7 @@ export class KvNode {
     readonly engine: SimEngineProcess,
     public client: SidecarClient,
     private readonly sidecarArgs: string[],
+    private readonly spawnOptions: { prefix?: string[] } = {},
   ) {}
 
   static async start(o: NodeOptions): Promise<KvNode> {
@@ -117,12 +122,13 @@ export class KvNode {
       "--mode",
       o.mode ?? "auto",
       "--transports",
-      "shm,self",
+      o.transports ?? "shm,self",
       "--log-level",
       o.logLevel ?? "warn",
       ...(o.sidecarArgs ?? []),
     ];
-    const sidecar = new SidecarProcess(sidecarArgs);
+    const spawnOptions = o.prefix !== undefined ? { prefix: o.prefix } : {};
+    const sidecar = new SidecarProcess(sidecarArgs, spawnOptions);
     let ready: SidecarReady;
     try {
       ready = await sidecar.ready;
@@ -145,7 +151,17 @@ export class KvNode {
       throw err;
     }
     const client = new SidecarClient(ready.grpc!);
-    const node = new KvNode(o.role, engineId, socket, sidecar, ready, engine, client, sidecarArgs);
+    const node = new KvNode(
+      o.role,
+      engineId,
+      socket,
+      sidecar,
+      ready,
+      engine,
+      client,
+      sidecarArgs,
+      spawnOptions,
+    );
     // From seq 0: the sidecar replays what it retained, so no event is missed.
     node.watch = client.watch({}, (ev) => node.events.push(ev));
     return node;
@@ -165,7 +181,7 @@ export class KvNode {
     this.earlierEvents.push(this.events);
     this.events = [];
     if (downMs > 0) await sleep(downMs);
-    const sidecar = new SidecarProcess(this.sidecarArgs);
+    const sidecar = new SidecarProcess(this.sidecarArgs, this.spawnOptions);
     this.sidecar = sidecar;
     this.ready = await sidecar.ready;
     this.client = new SidecarClient(this.ready.grpc!);

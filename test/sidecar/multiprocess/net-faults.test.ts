@@ -1,0 +1,351 @@
+// Sidecars across a link that misbehaves (issue 52): P and D sidecars in two network namespaces
+// (UCX over TCP, error mode peer, mutual TLS), simulated engines, the fault harness of
+// test/net/faults.ts on the link between them. Every transfer that reports ready is byte-verified
+// by D's engine; every block is back with both engines at the end of each case. Needs root, tc,
+// iptables; `npm run build` first.
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+
+import { FaultNet, faultSupport } from "../../net/faults.js";
+import { until } from "../../until.js";
+import { sleep, type KvNode, type Pair } from "./fixtures.js";
+import { BYTES_PER_TOKEN, attempt, startNetPair, type Outcome } from "./net-fixtures.js";
+
+const support = faultSupport();
+
+function summary(outs: Outcome[]): string {
+  const by = new Map<string, number>();
+  for (const o of outs) {
+    const k = o.outcome === "failed" ? `failed ${o.reason}` : o.outcome;
+    by.set(k, (by.get(k) ?? 0) + 1);
+  }
+  const ms = outs.map((o) => o.ms).sort((a, b) => a - b);
+  return `${JSON.stringify(Object.fromEntries(by))}, first ${ms[0]} ms, last ${ms[ms.length - 1]} ms`;
+}
+
+/** Waits (bounded) until both engines have every block back: ms since `from` for each. */
+async function blocksBack(
+  pair: Pair,
+  from: number,
+  timeoutMs: number,
+): Promise<{ pFree: number; dFree: number }> {
+  let pFree = -1;
+  let dFree = -1;
+  let last = "";
+  try {
+    await until(
+      async () => {
+        const [ps, ds] = await Promise.all([pair.p.engine.stats(), pair.d.engine.stats()]);
+        last = `P ${ps.freeBlocks}/${ps.totalBlocks}, D ${ds.freeBlocks}/${ds.totalBlocks}`;
+        if (pFree < 0 && ps.freeBlocks === ps.totalBlocks) pFree = Date.now() - from;
+        if (dFree < 0 && ds.freeBlocks === ds.totalBlocks) dFree = Date.now() - from;
+        return pFree >= 0 && dFree >= 0;
+      },
+      timeoutMs,
+      () => `every block free on both sides (free: ${last})`,
+      100,
+    );
+  } catch (err) {
+    const [pt, dt] = await Promise.all([
+      pair.p.client.listTransfers().catch(() => ({ transfers: [] })),
+      pair.d.client.listTransfers().catch(() => ({ transfers: [] })),
+    ]);
+    const live = (ts: { transfers: { transferId: string; state: string }[] }): string =>
+      ts.transfers
+        .filter((t) => !["KV_READY", "FAILED", "EXPIRED", "ABORTED", "RELEASED"].includes(t.state))
+        .map((t) => `${t.transferId}:${t.state}`)
+        .join(" ");
+    throw new Error(`${(err as Error).message}; live on P: ${live(pt)}; on D: ${live(dt)}`);
+  }
+  return { pFree, dFree };
+}
+
+describe.skipIf(support.missing !== undefined)(
+  `sidecars across a faulty link${support.missing !== undefined ? ` (skipped: ${support.missing})` : ""}`,
+  () => {
+    let net: FaultNet;
+    let pair: Pair | undefined;
+    beforeAll(() => {
+      net = new FaultNet("s", 54);
+    });
+    afterEach(async () => {
+      net.heal();
+      net.uncap();
+      for (const s of ["p", "d"] as const) net.link(s, true);
+      await pair?.close();
+      pair = undefined;
+    });
+    afterAll(() => net?.destroy());
+
+    // The issue's case scaled down 2.5x in time: 16 x 2 MiB at 50 Mbit/s take ~6 s together,
+    // three times the 2 s peer timeout; one alone takes 0.35 s.
+    it.each(["push", "pull"] as const)(
+      "a 50 Mbit/s cap with 16 x 2 MiB in flight (%s): a peer delivering bytes is alive, every transfer verified",
+      async (how) => {
+        pair = await startNetPair(net, {
+          sidecarArgs: ["--peer-timeout-ms", "2000", "--heartbeat-ms", "500"],
+        });
+        const tokens = (2 << 20) / BYTES_PER_TOKEN;
+        net.cap(50);
+        const t0 = Date.now();
+        const outs = await Promise.all(
+          Array.from({ length: 16 }, (_, i) =>
+            attempt(pair!, `cap-${how}-${i}`, { tokens, pull: how === "pull", timeoutMs: 40_000 }),
+          ),
+        );
+        const wall = Date.now() - t0;
+        const downs = [...pair.p.events, ...pair.d.events].filter((e) => e.kind === "PEER_DOWN");
+        console.log(
+          `[net cap ${how}] 16 x 2 MiB at 50 Mbit/s: ${summary(outs)}, wall ${wall} ms, ` +
+            `${((16 * 2 * 8 * 1.048576) / (wall / 1000)).toFixed(1)} Mbit/s; PEER_DOWN ${JSON.stringify(downs.map((e) => e.reason))}`,
+        );
+        expect(outs.filter((o) => o.outcome !== "verified")).toEqual([]);
+        expect(downs).toEqual([]);
+        net.uncap();
+        await pair.p.allBlocksFree(10_000);
+        await pair.d.allBlocksFree(10_000);
+      },
+      90_000,
+    );
+
+    // The issue's own case, at full size and default timeouts (5 s peer timeout, 1 s heartbeat):
+    // ~45 s of transfers, so it runs only when asked (KVXFER_NET_SOAK=1), never in `npm test`.
+    const soak = process.env.KVXFER_NET_SOAK === "1";
+    it.skipIf(!soak).each(["pull", "push"] as const)(
+      `the issue's case: 100 Mbit/s, 16 x 32 MiB in flight (%s), default timeouts${soak ? "" : " (skipped: set KVXFER_NET_SOAK=1)"}`,
+      async (how) => {
+        pair = await startNetPair(net, { engine: { blocks: 16 * 256 + 64 } });
+        const tokens = (32 << 20) / BYTES_PER_TOKEN;
+        net.cap(100);
+        const t0 = Date.now();
+        const outs = await Promise.all(
+          Array.from({ length: 16 }, (_, i) =>
+            attempt(pair!, `soak-${how}-${i}`, {
+              tokens,
+              pull: how === "pull",
+              timeoutMs: 120_000,
+            }),
+          ),
+        );
+        const wall = Date.now() - t0;
+        const downs = [...pair.p.events, ...pair.d.events].filter((e) => e.kind === "PEER_DOWN");
+        console.log(
+          `[net soak ${how}] 16 x 32 MiB at 100 Mbit/s: ${summary(outs)}, wall ${wall} ms, ` +
+            `${((16 * 32 * 8 * 1.048576) / (wall / 1000)).toFixed(1)} Mbit/s; PEER_DOWN ${downs.length}`,
+        );
+        expect(outs.filter((o) => o.outcome !== "verified")).toEqual([]);
+        expect(downs).toEqual([]);
+      },
+      180_000,
+    );
+
+    // Delay and jitter with the harness's NFQUEUE delay line (this kernel has no netem): the
+    // same 16 transfers on the clean link, then with 5 ms +- 1 ms each way (jitter reorders).
+    // Correct, but slow: UCX over TCP moved ~25-35 Mbit/s per endpoint pair at a 10 ms round
+    // trip here (measured with 16 x 2 MiB: 0.65-1.1 s clean, 9-10 s delayed, with or without
+    // jitter; plain TCP through the same delay line: 200 Mbit/s). Not fixed yet: the latency
+    // target of issue 52 is printed, not asserted (docs/operations.md, "Network faults").
+    it.skipIf(support.delayMissing !== undefined)(
+      `5 ms +- 1 ms each way, 16 x 512 KiB in flight (pull and push): every transfer verified, no peer declared dead${support.delayMissing !== undefined ? ` (skipped: ${support.delayMissing})` : ""}`,
+      async () => {
+        pair = await startNetPair(net, {
+          sidecarArgs: ["--peer-timeout-ms", "2000", "--heartbeat-ms", "500"],
+        });
+        const tokens = (512 << 10) / BYTES_PER_TOKEN;
+        const round = (tag: string): Promise<Outcome[]> =>
+          Promise.all(
+            Array.from({ length: 16 }, (_, i) =>
+              attempt(pair!, `${tag}-${i}`, { tokens, pull: i % 2 === 0, timeoutMs: 30_000 }),
+            ),
+          );
+        await round("delay-warm");
+        const clean = await round("delay-clean");
+        await net.delay("p", 5, 1);
+        await net.delay("d", 5, 1);
+        const slow = await round("delay-5ms");
+        net.undelay();
+        const q = (outs: Outcome[], f: number): number => {
+          const ms = outs.map((o) => o.ms).sort((a, b) => a - b);
+          return ms[Math.min(ms.length - 1, Math.floor(f * ms.length))]!;
+        };
+        const downs = [...pair.p.events, ...pair.d.events].filter((e) => e.kind === "PEER_DOWN");
+        console.log(
+          `[net delay] 16 x 512 KiB, KV ready p50 / p99: clean ${q(clean, 0.5)} / ${q(clean, 0.99)} ms, ` +
+            `5 ms +- 1 ms each way ${q(slow, 0.5)} / ${q(slow, 0.99)} ms; ${summary(slow)}; PEER_DOWN ${downs.length}`,
+        );
+        expect(clean.filter((o) => o.outcome !== "verified")).toEqual([]);
+        expect(slow.filter((o) => o.outcome !== "verified")).toEqual([]);
+        expect(downs).toEqual([]);
+        await pair.p.allBlocksFree(10_000);
+        await pair.d.allBlocksFree(10_000);
+      },
+      90_000,
+    );
+
+    it("1% loss each way, 8 x 2 MiB in flight (pull and push): every transfer verified, no peer declared dead", async () => {
+      pair = await startNetPair(net, {
+        sidecarArgs: ["--peer-timeout-ms", "2000", "--heartbeat-ms", "500"],
+      });
+      const tokens = (2 << 20) / BYTES_PER_TOKEN;
+      const clean = await attempt(pair, "loss-clean", { tokens, pull: true, timeoutMs: 15_000 });
+      net.drop("p", 0.01);
+      net.drop("d", 0.01);
+      const outs = await Promise.all(
+        Array.from({ length: 8 }, (_, i) =>
+          attempt(pair!, `loss-${i}`, { tokens, pull: i % 2 === 0, timeoutMs: 30_000 }),
+        ),
+      );
+      const dropped = net.dropped("p") + net.dropped("d");
+      const downs = [...pair.p.events, ...pair.d.events].filter((e) => e.kind === "PEER_DOWN");
+      console.log(
+        `[net loss] 1% each way, 8 x 2 MiB: ${summary(outs)} (one alone on the clean link: ${clean.ms} ms); ` +
+          `${dropped} packets dropped; PEER_DOWN ${downs.length}`,
+      );
+      expect(clean.outcome).toBe("verified");
+      expect(outs.filter((o) => o.outcome !== "verified")).toEqual([]);
+      expect(dropped).toBeGreaterThan(0);
+      expect(downs).toEqual([]);
+      net.heal();
+      await pair.p.allBlocksFree(10_000);
+      await pair.d.allBlocksFree(10_000);
+    }, 90_000);
+
+    // A link that stays down is a dead peer, capped or not: what was in flight fails within the
+    // peer timeout (2 s here) and a margin, blocks come back within the leases (5 s here, both
+    // P's hold and its registration lease that D's push drain waits out, + 1 s grace) though
+    // P is never reached, and once the link is up again the next transfer works.
+    it("D's link down for good under a 50 Mbit/s cap with 8 in flight: failed within the peer timeout, blocks back within the lease; up again, the next transfer works", async () => {
+      pair = await startNetPair(net, {
+        sidecarArgs: [
+          "--peer-timeout-ms",
+          "2000",
+          "--heartbeat-ms",
+          "500",
+          "--lease-ms",
+          "5000",
+          "--reg-lease-ms",
+          "5000",
+          "--abort-grace-ms",
+          "1000",
+        ],
+      });
+      const tokens = (2 << 20) / BYTES_PER_TOKEN;
+      net.cap(50);
+      const flights = Array.from({ length: 8 }, (_, i) =>
+        attempt(pair!, `down-${i}`, { tokens, pull: i % 2 === 0, timeoutMs: 30_000 }),
+      );
+      await sleep(800);
+      net.link("d", false);
+      const downAt = Date.now();
+      const outs = await Promise.all(flights);
+      const { pFree, dFree } = await blocksBack(pair, downAt, 20_000);
+      console.log(
+        `[net link down] 8 x 2 MiB at 50 Mbit/s, D's link down 0.8 s in: ${summary(outs)}; ` +
+          `blocks all back ${pFree} ms (P) and ${dFree} ms (D) after the link went down`,
+      );
+      for (const o of outs) {
+        expect(["verified", "failed"], JSON.stringify(o)).toContain(o.outcome);
+        if (o.outcome === "failed") expect(o.reason, JSON.stringify(o)).toBe("PEER_FAILED");
+      }
+      // Every verdict within the peer timeout and a margin of the cut (0.8 s in).
+      expect(Math.max(...outs.map((o) => o.ms))).toBeLessThan(800 + 2_000 + 2_500);
+      // P's lease (5 s) and D's drain (P's registration lease, 5 s, + 1 s grace) and a sweep.
+      expect(pFree).toBeLessThan(5_000 + 2_500);
+      expect(dFree).toBeLessThan(6_000 + 2_500);
+      net.link("d", true);
+      net.uncap();
+      for (const pull of [true, false]) {
+        const next = await attempt(pair, `after-down-${pull}`, {
+          tokens: 64,
+          pull,
+          timeoutMs: 15_000,
+        });
+        expect(next.outcome, JSON.stringify(next)).toBe("verified");
+      }
+    }, 90_000);
+
+    // Issue 52's partition, 8 s instead of 15 (both sides' peer timeout is 2 s): pull and push
+    // in flight on a capped link when the link goes; both sides declare the other down; D fails
+    // every transfer not done. Once the link is back, P holds none of its blocks 5 s later (its
+    // lease is 30 s): D's owed aborts tell it. D's own push blocks wait out P's registration
+    // lease (10 s here) and the grace (2 s) from the drop, as before: P's abandoned writes may
+    // still land from the old connection after the heal. The next transfer works with nothing
+    // restarted.
+    it.each(["both ways", "P -> D only", "D -> P only"] as const)(
+      "a partition of 8 s (%s) with 8 transfers in flight: P's blocks back within 5 s of the heal, D's within its drain bound, the next transfer works",
+      async (how) => {
+        pair = await startNetPair(net, {
+          sidecarArgs: [
+            "--peer-timeout-ms",
+            "2000",
+            "--heartbeat-ms",
+            "500",
+            "--reg-lease-ms",
+            "10000",
+          ],
+        });
+        const tokens = (2 << 20) / BYTES_PER_TOKEN;
+        net.cap(20);
+        const flights = Array.from({ length: 8 }, (_, i) =>
+          attempt(pair!, `part-${how.replace(/\W/g, "")}-${i}`, {
+            tokens,
+            pull: i % 2 === 0,
+            timeoutMs: 30_000,
+          }),
+        );
+        await sleep(1_000);
+        if (how === "both ways") net.partition();
+        else net.drop(how === "P -> D only" ? "p" : "d");
+        const cutAt = Date.now();
+        await sleep(8_000);
+        net.heal();
+        const healedAt = Date.now();
+        const outs = await Promise.all(flights);
+        const { pFree, dFree } = await blocksBack(pair, healedAt, 40_000);
+        const downs = (n: KvNode): string[] =>
+          n.events.filter((e) => e.kind === "PEER_DOWN").map((e) => e.reason);
+        console.log(
+          `[net partition ${how}] cut for ${healedAt - cutAt} ms with 8 x 2 MiB in flight at 20 Mbit/s: ${summary(outs)}; ` +
+            `blocks all back ${pFree} ms (P) and ${dFree} ms (D) after the heal; ` +
+            `PEER_DOWN on P ${JSON.stringify(downs(pair.p))}, on D ${JSON.stringify(downs(pair.d))}`,
+        );
+        for (const o of outs) {
+          expect(["verified", "failed"], JSON.stringify(o)).toContain(o.outcome);
+          if (o.outcome === "failed") expect(o.reason, JSON.stringify(o)).toBe("PEER_FAILED");
+        }
+        expect(outs.some((o) => o.outcome === "failed")).toBe(true);
+        expect(pFree).toBeLessThanOrEqual(5_000);
+        // From the cut: the peer timeout (the drop starts the drain), P's registration lease,
+        // the grace, and a margin for sweeps and the engine's release.
+        expect(dFree + (healedAt - cutAt)).toBeLessThanOrEqual(2_000 + 10_000 + 2_000 + 1_500);
+        // Not before the old connections have delivered what they queued during the cut. P's
+        // abandoned writes and D's abandoned reads were not cancelled: their bytes still land
+        // after the heal, in blocks both sides have given back (an open hole in invariants 1
+        // and 2, issue 52: a pull started at once after the heal was verified wrong by D's
+        // engine in 2 of ~12 runs). Waiting for every socket's Send-Q to empty keeps this case
+        // about recovery; docs/operations.md, "Network faults", tells the rest.
+        net.uncap();
+        const drainStart = Date.now();
+        await until(
+          () => net.unsent("p") === 0 && net.unsent("d") === 0,
+          30_000,
+          () => `the old connections drained (unsent P ${net.unsent("p")}, D ${net.unsent("d")})`,
+          100,
+        );
+        console.log(
+          `[net partition ${how}] old connections drained ${Date.now() - healedAt} ms after the heal (waited ${Date.now() - drainStart} ms)`,
+        );
+        for (const pull of [true, false]) {
+          const next = await attempt(pair, `after-${how.replace(/\W/g, "")}-${pull}`, {
+            tokens: 64,
+            pull,
+            timeoutMs: 15_000,
+          });
+          expect(next.outcome, JSON.stringify(next)).toBe("verified");
+        }
+        await pair.p.allBlocksFree(5_000);
+        await pair.d.allBlocksFree(5_000);
+      },
+      90_000,
+    );
+  },
+);
