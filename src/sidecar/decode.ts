@@ -171,6 +171,9 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
           value: { transferId: t.id, reason: t.reason, token: t.token },
         });
       case "SEND_PUSH_REG":
+        // Marked as it is handed over: P can receive it (and stamp its own hop) before send()
+        // returns, now that control messages have an endpoint of their own.
+        t.trace.mark("peer.pushReg sent");
         ctx.peers.send(t.peer!, {
           case: "pushReg",
           value: {
@@ -185,7 +188,6 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
             token: t.token,
           },
         });
-        t.trace.mark("peer.pushReg sent");
         return;
       case "START_READS":
         void this.read(t, t.peer!, d.plan!);
@@ -203,11 +205,11 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         }
         return;
       case "ASK_HELD":
+        t.trace.mark("peer.readDone sent"); // before: P may answer before send() returns
         ctx.peers.send(t.peer!, {
           case: "readDone",
           value: { transferId: t.id, bytes: BigInt(t.bytes), token: t.token },
         });
-        t.trace.mark("peer.readDone sent");
         return;
       case "RETRY_OR_GIVE_UP":
         return this.retryOrGiveUp(t);

@@ -295,11 +295,11 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       case "ACK_NOT_HELD": {
         // D reports ready only if P says the blocks were still held when it read them.
         const held = effect === "ACK_HELD";
+        t.trace.mark("peer.readAck sent"); // before: D may receive it before send() returns
         ctx.peers.send(d.peer!, {
           case: "readAck",
           value: { transferId: t.id, held, unknown: false },
         });
-        t.trace.mark("peer.readAck sent");
         if (held) {
           t.peer = d.peer!.engineId;
           t.mode = "pull";

@@ -57,19 +57,34 @@ class Shape:
     token_bytes: int = 2 * 32 * 2 * 2
 
 
+def _ssm_state_bytes() -> int:
+    """Bytes of one element of a recurrent (SSM) state as vLLM-CPU stores it on this machine: it
+    forces float32 where the CPU has AVX-512 BF16 (its accelerated state kernels,
+    ``vllm/platforms/cpu.py``), else the state keeps the model's bfloat16."""
+    import torch
+
+    return 4 if torch.cpu._is_avx512_bf16_supported() else 2
+
+
+SSM = _ssm_state_bytes()
+#: GDN's state per layer: conv bfloat16[3, 1024] + recurrent [4, 128, 128] (see _ssm_state_bytes).
+GDN_STATE = 3 * 1024 * 2 + 4 * 128 * 128 * SSM
+#: vLLM raises the attention block to the state page, in multiples of 32 tokens (256 bytes a
+#: token of the one full layer): 1056 tokens with a float32 state, 544 with bfloat16.
+GDN_BLOCK = math.ceil(GDN_STATE / 256 / 32) * 32
+
 SHAPES = {
     "qwen3": Shape(full=4),
     "mixtral": Shape(full=4),
     "mistral-sw": Shape(sliding=4),
     "gemma3": Shape(sliding=3, full=1),
-    # vLLM raises the attention block to the state page (1056 tokens here); GDN's state: conv
-    # bfloat16[3, 1024] + recurrent float32[4, 128, 128].
-    "qwen3-next": Shape(state=3, full=1, block=1056, state_bytes=3 * 1024 * 2 + 4 * 128 * 128 * 4, backoff=1,
-                        lengths=(20, 200, 1057), max_model_len=2048),
+    # One block plus one token last: D computes the token past a whole block alone.
+    "qwen3-next": Shape(state=3, full=1, block=GDN_BLOCK, state_bytes=GDN_STATE, backoff=1,
+                        lengths=(20, 200, GDN_BLOCK + 1), max_model_len=2048),
     "deepseek-v2": Shape(mla=4, block=16),
     "gpt-oss": Shape(sliding=2, full=2, token_bytes=2 * 64 * 2 * 2),
-    # Mamba-2's state: conv bfloat16[3, 256 + 2 x 16] + recurrent float32[8, 32, 16].
-    "mamba2": Shape(state=4, state_bytes=3 * 288 * 2 + 8 * 32 * 16 * 4, backoff=1, lengths=(20, 200)),
+    # Mamba-2's state: conv bfloat16[3, 256 + 2 x 16] + recurrent [8, 32, 16] (see _ssm_state_bytes).
+    "mamba2": Shape(state=4, state_bytes=3 * 288 * 2 + 8 * 32 * 16 * SSM, backoff=1, lengths=(20, 200)),
 }
 #: MLA: a 576-element latent (512 + 64 rope) of bfloat16 per token.
 LATENT = 576 * 2
