@@ -348,6 +348,14 @@ export async function startPair(o: PairOptions = {}): Promise<Pair> {
       engine: { ...o.engine, ...o.dEngine },
     }),
   ]);
+  return pairOf(p, d);
+}
+
+/** A P and a D node started together: both, or neither (the one that started is closed). */
+export async function pairOf(
+  p: PromiseSettledResult<KvNode>,
+  d: PromiseSettledResult<KvNode>,
+): Promise<Pair> {
   if (p.status === "rejected" || d.status === "rejected") {
     if (p.status === "fulfilled") await p.value.close();
     if (d.status === "fulfilled") await d.value.close();

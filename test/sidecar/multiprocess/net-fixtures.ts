@@ -5,7 +5,7 @@
 import type { FaultNet } from "../../net/faults.js";
 import type { SimEngineOptions } from "../../../sim/engine-client.js";
 import type { TransferMode } from "../../../src/sidecar/view.js";
-import { KvNode, type Pair } from "./fixtures.js";
+import { KvNode, pairOf, type Pair } from "./fixtures.js";
 
 /** Llama 3 8B's KV head shape, 2 layers, block 16: 8 KiB per token, 128 KiB per block. */
 export const NET_ENGINE: Partial<SimEngineOptions> = {
@@ -49,18 +49,7 @@ export async function startNetPair(net: FaultNet, o: NetPairOptions = {}): Promi
     });
   };
   const [p, d] = await Promise.allSettled([start("prefill"), start("decode")]);
-  if (p.status === "rejected" || d.status === "rejected") {
-    if (p.status === "fulfilled") await p.value.close();
-    if (d.status === "fulfilled") await d.value.close();
-    throw p.status === "rejected" ? p.reason : (d as PromiseRejectedResult).reason;
-  }
-  return {
-    p: p.value,
-    d: d.value,
-    close: async () => {
-      await Promise.all([p.value.close(), d.value.close()]);
-    },
-  };
+  return pairOf(p, d);
 }
 
 export interface Outcome {
