@@ -48,7 +48,27 @@ def held_paths(dep: bench.Deployment) -> set[str]:
     return paths
 
 
-def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
+def _thread_cores(pgid: int) -> set[int]:
+    """The cores any thread of any process in the group may run on."""
+    cores: set[int] = set()
+    for pid in group_pids({pgid}):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                cores |= os.sched_getaffinity(int(tid))
+            except OSError:  # the thread ended meanwhile
+                pass
+    return cores
+
+
+def test_quick_kvxfer_and_nixl_token_identical_pinned_nothing_left_in_tmp() -> None:
+    """One quick run of the bench, with ``--pin-engines``: kvxfer and NixlConnector decode like one
+    engine, every thread of each engine (HTTP server, engine core, worker) runs on the engine's
+    core (P 0, D 1, one engine 0), and nothing is left in /tmp. Without ``--pin-engines``,
+    everything but vLLM's model threads floats (every other vLLM test runs that way)."""
     if importlib.util.find_spec("nixl") is None:
         pytest.fail("nixl is not installed in .venv: run scripts/setup-python.sh (it installs "
                     "bench/peers/requirements-nixl.txt)")
@@ -56,13 +76,18 @@ def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
     held: set[str] = set()
     scratch: list[Path] = []
 
+    seen: dict[str, tuple[str, set[int]]] = {}
+
     def observe(dep: bench.Deployment) -> None:
         held.update(held_paths(dep))
         scratch.extend(p.scratch for p in dep.procs.values() if isinstance(p, VllmServer))
+        for name, proc in dep.procs.items():
+            if isinstance(proc, VllmServer):
+                seen[f"{dep.systems[0]} {name}"] = (proc.spec.cores, _thread_cores(proc.pid))
 
     started = time.monotonic()
     result = bench.run(["one", "kvxfer-pull", "nixl-fixed"], lengths=[256], concurrency=[1], requests_per=2,
-                       rounds=1, out_tokens=8, on_ready=observe)
+                       rounds=1, out_tokens=8, on_ready=observe, pin_engines=True)
     assert time.monotonic() - started < 1500
     rows = {r["system"]: r for r in result["rows"]}
     assert rows.keys() == {"one", "kvxfer-pull", "nixl-fixed"}
@@ -89,6 +114,11 @@ def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
     assert rows["kvxfer-pull"]["kv_failures"] is None, rows["kvxfer-pull"]["kv_failures"]
     assert result["peers"]["nixl"]["installed"] is True
     assert result["peers"]["nixl"]["versions"]["nixl"] == "1.5.1"
+    assert result["engine"]["pinned"] == "every process of each engine"
+    assert set(seen) == {"one engine", "kvxfer-pull P engine", "kvxfer-pull D engine",
+                         "nixl-fixed P engine", "nixl-fixed D engine"}, seen
+    for name, (cores, allowed) in seen.items():
+        assert allowed == {int(cores)}, f"{name}: threads may run on {sorted(allowed)}, not only core {cores}"
 
     # vLLM's IPC sockets lived in the engines' scratch folders, not directly in /tmp ...
     assert held, "no socket or file of the deployments was observed"
@@ -104,40 +134,3 @@ def test_quick_kvxfer_and_nixl_token_identical_nothing_left_in_tmp() -> None:
     new = set(os.listdir(TMP)) - tmp_before - {shared_pki().dir.name}
     ours = [n for n in new if n.startswith(("kvxfer-bench-vllm-", "kvxfer-vllm-"))]
     assert not ours, f"the bench's scratch left in /tmp: {ours}"
-
-
-def _thread_cores(pgid: int) -> set[int]:
-    """The cores any thread of any process in the group may run on."""
-    cores: set[int] = set()
-    for pid in group_pids({pgid}):
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                cores |= os.sched_getaffinity(int(tid))
-            except OSError:  # the thread ended meanwhile
-                pass
-    return cores
-
-
-def test_pin_engines_puts_every_thread_of_each_engine_on_its_core() -> None:
-    """``--pin-engines``: the HTTP server, the engine core and the worker of each engine, every
-    thread, on the engine's core (P 0, D 1, one engine 0), for one engine and a kvxfer pair alike;
-    the outputs are still one engine's. Without it, everything but vLLM's model threads floats."""
-    seen: dict[str, tuple[str, set[int]]] = {}
-
-    def observe(dep: bench.Deployment) -> None:
-        for name, proc in dep.procs.items():
-            if isinstance(proc, VllmServer):
-                seen[f"{dep.systems[0]} {name}"] = (proc.spec.cores, _thread_cores(proc.pid))
-
-    result = bench.run(["one", "kvxfer-pull"], lengths=[32], concurrency=[1], requests_per=2, rounds=1,
-                       out_tokens=4, on_ready=observe, pin_engines=True)
-    rows = {r["system"]: r for r in result["rows"]}
-    assert rows["kvxfer-pull"]["correct"] == {"identical": 2, "compared": 2}, rows["kvxfer-pull"]
-    assert result["engine"]["pinned"] == "every process of each engine"
-    assert set(seen) == {"one engine", "kvxfer-pull P engine", "kvxfer-pull D engine"}, seen
-    for name, (cores, allowed) in seen.items():
-        assert allowed == {int(cores)}, f"{name}: threads may run on {sorted(allowed)}, not only core {cores}"
