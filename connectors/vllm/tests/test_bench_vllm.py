@@ -75,14 +75,13 @@ def test_quick_kvxfer_and_nixl_token_identical_pinned_nothing_left_in_tmp() -> N
     tmp_before = set(os.listdir(TMP))
     held: set[str] = set()
     scratch: list[Path] = []
-
-    seen: dict[str, tuple[str, set[int]]] = {}
+    seen: dict[str, tuple[str, set[int]]] = {}  # "<system> <process>" -> (its core, its threads' cores)
 
     def observe(dep: bench.Deployment) -> None:
         held.update(held_paths(dep))
-        scratch.extend(p.scratch for p in dep.procs.values() if isinstance(p, VllmServer))
         for name, proc in dep.procs.items():
             if isinstance(proc, VllmServer):
+                scratch.append(proc.scratch)
                 seen[f"{dep.systems[0]} {name}"] = (proc.spec.cores, _thread_cores(proc.pid))
 
     started = time.monotonic()
