@@ -290,6 +290,15 @@ size_t AgentWrap::Deliver(Napi::Env env) {
         batch.Set(n++, o);
         break;
       }
+      case Event::Kind::kEndpointSettled: {
+        Napi::Object o = Napi::Object::New(env);
+        o.Set("type", "endpointSettled");
+        o.Set("endpointId", Napi::Number::New(env, static_cast<double>(ev.id)));
+        o.Set("seq", Napi::Number::New(env, static_cast<double>(ev.seq)));
+        o.Set("code", Napi::String::New(env, UcsStatusName(ev.status)));
+        batch.Set(n++, o);
+        break;
+      }
     }
   }
   UpdateRef(env);

@@ -16,6 +16,7 @@ Napi::Function EndpointWrap::Define(Napi::Env env) {
                          InstanceMethod<&EndpointWrap::ImportRemote>("importRemote"),
                          InstanceMethod<&EndpointWrap::Close>("close"),
                          InstanceMethod<&EndpointWrap::Abandon>("abandon"),
+                         InstanceMethod<&EndpointWrap::Settle>("settle"),
                      });
 }
 
@@ -54,13 +55,38 @@ void EndpointWrap::Release() {
   agent_ = nullptr;
 }
 
-// abandon(): fails every transfer on this endpoint now (UCS_ERR_CONNECTION_RESET) and marks it
-// failed; for a peer known dead whose operations UCX would never complete. Idempotent.
+namespace {
+// The optional settle number of abandon(seq) / settle(seq): a positive integer, else 0.
+uint64_t SeqArg(const Napi::CallbackInfo& info) {
+  if (info.Length() < 1 || !info[0].IsNumber()) return 0;
+  double d = info[0].As<Napi::Number>().DoubleValue();
+  return d >= 1 && d <= 9007199254740991.0 ? static_cast<uint64_t>(d) : 0;
+}
+}  // namespace
+
+// abandon(seq?): fails every transfer on this endpoint now (UCS_ERR_CONNECTION_RESET) and marks it
+// failed; for a peer known dead whose operations UCX would never complete. With `seq`, an
+// `endpointSettled` event with that seq follows once UCX holds none of them any more (they may
+// still move bytes until then). Returns whether that event will come (false: the endpoint was
+// closed with nothing in flight, or its agent is). Idempotent.
 Napi::Value EndpointWrap::Abandon(const Napi::CallbackInfo& info) {
   if (state_ != HandleState::kClosed && agent_ && agent_->engine() && agent_->open() && core_) {
-    agent_->engine()->AbandonEndpoint(core_, UCS_ERR_CONNECTION_RESET);
+    agent_->engine()->AbandonEndpoint(core_, UCS_ERR_CONNECTION_RESET, SeqArg(info));
+    return Napi::Boolean::New(info.Env(), SeqArg(info) != 0);
   }
-  return info.Env().Undefined();
+  return Napi::Boolean::New(info.Env(), false);
+}
+
+// settle(seq): an `endpointSettled` event with `seq` once every operation posted on this endpoint
+// so far is over in UCX. Returns false (no event) when the endpoint or its agent is closed.
+Napi::Value EndpointWrap::Settle(const Napi::CallbackInfo& info) {
+  uint64_t seq = SeqArg(info);
+  if (seq != 0 && state_ != HandleState::kClosed && agent_ && agent_->engine() &&
+      agent_->open() && core_) {
+    agent_->engine()->SettleEndpoint(core_, seq);
+    return Napi::Boolean::New(info.Env(), true);
+  }
+  return Napi::Boolean::New(info.Env(), false);
 }
 
 // importRemote(remoteKeyBlob): a peer's region, usable on this endpoint.

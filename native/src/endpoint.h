@@ -30,6 +30,7 @@ class EndpointWrap : public Napi::ObjectWrap<EndpointWrap>, public Child {
   Napi::Value ImportRemote(const Napi::CallbackInfo& info);
   Napi::Value Close(const Napi::CallbackInfo& info);
   Napi::Value Abandon(const Napi::CallbackInfo& info);
+  Napi::Value Settle(const Napi::CallbackInfo& info);
   static void PopulateMapped(ucp_rkey_h rkey, const RemoteBlob& blob);
   void Release();
 };

@@ -92,8 +92,18 @@ struct TransferOp {
 struct Event {
   // kDropped: a notification refused unread (too large, or not eager); id = its size.
   // kPrepared: a prepared transfer completed; `op` is the transfer, handed back to its owner.
-  enum class Kind { kCompletion, kNotification, kEndpointFailed, kDropped, kPrepared } kind;
-  uint64_t id = 0;  // transfer id (completion) or endpoint id (failure)
+  // kEndpointSettled: a flush of an endpoint (SettleEndpoint, or AbandonEndpoint's) is over: UCX
+  // holds no operation posted on it before the flush; `seq` is the caller's, `status` the flush's.
+  enum class Kind {
+    kCompletion,
+    kNotification,
+    kEndpointFailed,
+    kDropped,
+    kPrepared,
+    kEndpointSettled
+  } kind;
+  uint64_t id = 0;   // transfer id (completion) or endpoint id (failure, settled)
+  uint64_t seq = 0;  // kEndpointSettled: the number the caller gave
   ucs_status_t status = UCS_OK;
   std::string peer;                // notifications: the sender agent's name
   std::vector<uint8_t> bytes;      // notifications: the payload

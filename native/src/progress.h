@@ -87,7 +87,14 @@ class ProgressEngine {
   void CloseEndpoint(std::shared_ptr<EndpointCore> ep);
   // Fails every operation on `ep` now with `status` (settled for JavaScript) and marks the
   // endpoint failed: for a peer known dead whose operations UCX never completes.
-  void AbandonEndpoint(std::shared_ptr<EndpointCore> ep, ucs_status_t status);
+  // With `settle_seq` != 0 it then flushes the endpoint and reports kEndpointSettled (that seq)
+  // once UCX holds none of the abandoned operations: until then their bytes may still land (an
+  // abandoned operation is not cancelled; over TCP it waits in the old connection for the link).
+  void AbandonEndpoint(std::shared_ptr<EndpointCore> ep, ucs_status_t status,
+                       uint64_t settle_seq = 0);
+  // Flushes `ep` and reports kEndpointSettled with `seq` once every operation posted on it before
+  // is over in UCX (at once for an endpoint already closed).
+  void SettleEndpoint(std::shared_ptr<EndpointCore> ep, uint64_t seq);
   // Unpacks a peer's packed remote key for `ep` (progress thread). The engine
   // owns the result until DestroyRkey(), or until it is destroyed itself.
   [[nodiscard]] ucs_status_t UnpackRkey(const std::shared_ptr<EndpointCore>& ep,
@@ -135,6 +142,9 @@ class ProgressEngine {
   void CloseEndpointNow(const std::shared_ptr<EndpointCore>& ep);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnEpClosed(void* request, ucs_status_t status, void* user_data);
+  void FlushToSettle(const std::shared_ptr<EndpointCore>& ep, uint64_t seq);
+  void PushSettled(uint64_t ep_id, uint64_t seq, ucs_status_t status);
+  static void OnSettleFlushed(void* request, ucs_status_t status, void* user_data);
 
   // progress_shutdown.cc
   bool ShutdownDone();

@@ -67,8 +67,9 @@ void ProgressEngine::CloseEndpoint(std::shared_ptr<EndpointCore> ep) {
   RunAsync([this, ep] { CloseEndpointNow(ep); });
 }
 
-void ProgressEngine::AbandonEndpoint(std::shared_ptr<EndpointCore> ep, ucs_status_t status) {
-  RunAsync([this, ep, status] {
+void ProgressEngine::AbandonEndpoint(std::shared_ptr<EndpointCore> ep, ucs_status_t status,
+                                     uint64_t settle_seq) {
+  RunAsync([this, ep, status, settle_seq] {
     if (!ep->failed.load()) {
       ep->fail_status = status;
       ep->failed.store(true);
@@ -99,7 +100,58 @@ void ProgressEngine::AbandonEndpoint(std::shared_ptr<EndpointCore> ep, ucs_statu
       PushEvent(std::move(ev));
       it = ops_.erase(it);
     }
+    if (settle_seq != 0) FlushToSettle(ep, settle_seq);
   });
+}
+
+void ProgressEngine::SettleEndpoint(std::shared_ptr<EndpointCore> ep, uint64_t seq) {
+  RunAsync([this, ep, seq] { FlushToSettle(ep, seq); });
+}
+
+namespace {
+struct SettleFlush {
+  ProgressEngine* engine;
+  uint64_t ep_id;
+  uint64_t seq;
+};
+}  // namespace
+
+// A flush of the endpoint completes once UCX has finished every operation posted on it before,
+// abandoned ones included (over TCP: a put once the peer acknowledged it, a get once its reply
+// landed), or fails with the endpoint. In error mode none on a link that never comes back it
+// never completes: the caller bounds its wait.
+void ProgressEngine::FlushToSettle(const std::shared_ptr<EndpointCore>& ep, uint64_t seq) {
+  if (!ep->ep || stopping_) {
+    PushSettled(ep->id, seq, ep->ep ? UCS_ERR_CANCELED : UCS_OK);
+    return;
+  }
+  auto* ctx = new SettleFlush{this, ep->id, seq};
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = &ProgressEngine::OnSettleFlushed;
+  param.user_data = ctx;
+  ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->ep, &param);
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    delete ctx;
+    PushSettled(ep->id, seq, UCS_PTR_STATUS(req));
+  }
+}
+
+void ProgressEngine::OnSettleFlushed(void* request, ucs_status_t status, void* user_data) {
+  auto* ctx = static_cast<SettleFlush*>(user_data);
+  ucp_request_free(request);
+  ctx->engine->PushSettled(ctx->ep_id, ctx->seq, status);
+  delete ctx;
+}
+
+void ProgressEngine::PushSettled(uint64_t ep_id, uint64_t seq, ucs_status_t status) {
+  Event ev;
+  ev.kind = Event::Kind::kEndpointSettled;
+  ev.id = ep_id;
+  ev.seq = seq;
+  ev.status = status;
+  PushEvent(std::move(ev));
 }
 
 ucs_status_t ProgressEngine::UnpackRkey(const std::shared_ptr<EndpointCore>& ep,

@@ -52,6 +52,7 @@ const SIDECAR_KINDS: Partial<Record<SettingName, Kind>> = {
   "peer-timeout-ms": POS_INT,
   "peer-keepalive-ms": NON_NEG_INT,
   "abort-grace-ms": POS_INT,
+  "settle-bound-ms": POS_INT,
   "max-transfers": POS_INT,
   "kv-dir": STR,
   "max-registration-bytes": { t: "bytes" },

@@ -105,6 +105,7 @@ export function sidecarOptions(s: Record<SettingName, string>, logger: Logger): 
     peerTimeoutMs: positiveInt("peer-timeout-ms", s["peer-timeout-ms"]),
     peerKeepaliveMs: nonNegativeInt("peer-keepalive-ms", s["peer-keepalive-ms"]),
     abortGraceMs: positiveInt("abort-grace-ms", s["abort-grace-ms"]),
+    settleBoundMs: positiveInt("settle-bound-ms", s["settle-bound-ms"]),
     maxTransfers: positiveInt("max-transfers", s["max-transfers"]),
     ...(s["max-per-peer"] === ""
       ? {}

@@ -100,6 +100,11 @@ export const SIDECAR_SETTINGS = {
     default: "2000",
     help: "extra wait past P's registration lease before D reuses blocks of an unacknowledged abort",
   },
+  "settle-bound-ms": {
+    type: "string",
+    default: "960000",
+    help: "most time blocks stay held for reads or writes given up on a silent peer, until UCX holds none of them (a partition's old connection may still deliver their bytes when it heals); Linux stops retransmitting after about 925 s",
+  },
   "max-transfers": { type: "string", default: "65536", help: "live transfers per side at most" },
   "max-per-peer": {
     type: "string",

@@ -40,13 +40,17 @@ export interface NativeEndpoint {
   readonly state: EndpointState;
   importRemote(key: Uint8Array, populate?: boolean): NativeRemoteRegion;
   close(): void;
-  abandon(): void;
+  /** With `seq`: true when an `endpointSettled` event with it follows. */
+  abandon(seq?: number): boolean;
+  /** True when an `endpointSettled` event with `seq` follows (false: closed). */
+  settle(seq: number): boolean;
 }
 
 export type NativeEvent =
   | { type: "notification"; peer: string; data: Buffer; receivedUs: number; deliveredUs: number }
   | { type: "endpointFailed"; endpointId: number; code: string; ucsStatus: number }
-  | { type: "notificationDropped"; peer: string; bytes: number };
+  | { type: "notificationDropped"; peer: string; bytes: number }
+  | { type: "endpointSettled"; endpointId: number; seq: number; code: string };
 
 export interface NativeAgent {
   readonly address: Buffer;

@@ -58,6 +58,9 @@ export class Agent extends EventEmitter<AgentEvents> {
   readonly name: string;
   private readonly native: NativeAgent;
   private readonly endpoints = new Map<number, Endpoint>();
+  /** Endpoint settles waiting for their event, by seq (Endpoint.settled). */
+  private readonly settles = new Map<number, (code: string) => void>();
+  private settleSeq = 0;
   private closedFlag = false;
   private closingFlag = false;
 
@@ -457,6 +460,9 @@ export class Agent extends EventEmitter<AgentEvents> {
     this.closedFlag = true;
     this.native.close();
     this.endpoints.clear();
+    // Closed: the worker is gone, and with it every operation a settle waited for.
+    for (const done of this.settles.values()) done("ERR_CLOSED");
+    this.settles.clear();
   }
 
   /**
@@ -479,6 +485,21 @@ export class Agent extends EventEmitter<AgentEvents> {
   /** @internal */
   forget(ep: Endpoint): void {
     this.endpoints.delete(ep.id);
+  }
+
+  /** @internal */
+  awaitSettle(): { seq: number; settled: Promise<string> } {
+    const seq = ++this.settleSeq;
+    if (this.closedFlag) return { seq, settled: Promise.resolve("ERR_CLOSED") };
+    const settled = new Promise<string>((resolve) => this.settles.set(seq, resolve));
+    return { seq, settled };
+  }
+
+  /** @internal */
+  settleNow(seq: number, code: string): void {
+    const done = this.settles.get(seq);
+    this.settles.delete(seq);
+    done?.(code);
   }
 
   private checkTransfer(
@@ -516,6 +537,8 @@ export class Agent extends EventEmitter<AgentEvents> {
         });
       } else if (ev.type === "notificationDropped") {
         this.emit("notificationDropped", ev.peer, ev.bytes);
+      } else if (ev.type === "endpointSettled") {
+        this.settleNow(ev.seq, ev.code);
       } else {
         const ep = this.endpoints.get(ev.endpointId);
         if (ep !== undefined) this.emit("endpointFailed", ep, ev.code);

@@ -25,6 +25,10 @@ export interface HandleOwner {
   readonly name: string;
   /** @internal An endpoint closed: the agent stops reporting its failures. */
   forget(ep: Endpoint): void;
+  /** @internal A number for one settle of an endpoint and the promise its event resolves. */
+  awaitSettle(): { seq: number; settled: Promise<string> };
+  /** @internal The settle `seq` needs no event: resolve it with `code` now. */
+  settleNow(seq: number, code: string): void;
 }
 
 /** Local memory registered with an agent. */
@@ -186,6 +190,31 @@ export class Endpoint {
    * out, and the worker is not destroyed at close while any remain.
    */
   abandon(): void {
-    this.native.abandon();
+    if (this.abandonedSettle !== undefined) return;
+    const { seq, settled } = this.agent.awaitSettle();
+    this.abandonedSettle = settled;
+    if (!this.native.abandon(seq)) this.agent.settleNow(seq, "UCS_OK");
   }
+
+  /** `abandon()` was called: the reads and writes on it failed before UCX finished them. */
+  get abandoned(): boolean {
+    return this.abandonedSettle !== undefined;
+  }
+
+  /**
+   * Resolves once UCX holds no operation posted on this endpoint so far: none of their bytes can
+   * land any more (after `abandon()`: once the abandoned ones are over; over TCP they wait in the
+   * old connection until the link comes back). With the flush's status name (`UCS_OK`, or why it
+   * failed: the endpoint failed, which ends its operations too; `ERR_CLOSED`: the agent closed).
+   * Resolves at once for an endpoint closed with nothing in flight. In error mode none on a link
+   * that never comes back it never resolves: bound the wait.
+   */
+  settled(): Promise<string> {
+    if (this.abandonedSettle !== undefined) return this.abandonedSettle;
+    const { seq, settled } = this.agent.awaitSettle();
+    if (!this.native.settle(seq)) this.agent.settleNow(seq, "UCS_OK");
+    return settled;
+  }
+
+  private abandonedSettle?: Promise<string>;
 }

@@ -90,6 +90,8 @@ export interface KvGate extends KvSource {
 export interface PeerSides {
   /** The sides fail what depended on a peer that is gone. */
   peerDown(peer: PeerState, why: string): void;
+  /** A handshake installed `peer` (a new one, or a new epoch of one known before). */
+  peerUp(peer: PeerState): void;
   /** Reads from or writes to `peer` still in flight. */
   busyWith(peer: PeerState): boolean;
   /** Live transfers with `peer`. */
@@ -342,6 +344,7 @@ export class PeerTable {
     peer.controlEndpoint();
     this.peers.set(md.engineId, peer);
     this.host.events.peerEvent("PEER_UP", md.engineId, `epoch ${md.epoch}`);
+    this.host.sides.peerUp(peer);
     return peer;
   }
 

@@ -29,6 +29,11 @@ export interface LifecycleSettings {
   readonly transferTimeoutMs: number;
   /** Extra wait on D, after P's registration lease, before an unacknowledged abort's blocks go. */
   readonly abortGraceMs: number;
+  /**
+   * Most time a side waits for an abandoned endpoint to settle (UCX holds none of its reads or
+   * writes) before the blocks they touched go back anyway (default DEFAULT_SETTLE_BOUND_MS).
+   */
+  readonly settleBoundMs?: number;
   /** Terminal transfers are remembered this long. */
   readonly tombstoneMs: number;
   /** Live transfers per side at most. */
@@ -52,6 +57,12 @@ export interface LifecycleSettings {
   /** P refuses a PrefillDone listing a block a live transfer holds. */
   readonly exclusivePrefillBlocks: boolean;
 }
+
+/**
+ * Linux retransmits unacknowledged TCP data for about 924.6 s (tcp_retries2 = 15) before it
+ * fails the connection: past that, no byte of an abandoned operation can still land.
+ */
+export const DEFAULT_SETTLE_BOUND_MS = 960_000;
 
 /** The engine, as a side reaches it (engine-port.ts). */
 export interface EnginePort {

@@ -3,11 +3,12 @@
  * CONNECT_PULL), then every pair's reads from P's blocks posted and awaited. The result is the
  * event DecodeSide feeds D's machine next.
  */
-import type { OpTrace } from "../native/index.js";
+import type { Endpoint, OpTrace } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 import type { PeerState } from "../peer/peer-state.js";
 import { descriptorsForSide, planGroups, type KvGroup, type TransferPlan } from "../plan/index.js";
 import { transferError, type SideContext } from "./context.js";
+import { settleAbandoned } from "./settle.js";
 import type { DecodeTransfer } from "./decode-transfer.js";
 import { markPairSteps } from "./trace.js";
 
@@ -32,6 +33,11 @@ export function planPull(
 /**
  * D reads every rank pair's KV from P's blocks and waits for all to settle: undefined when all
  * landed, else the first read's error. Stamps the transfer's bytes, data time and pair steps.
+ * A read given up on (its endpoint abandoned: P went silent) is not cancelled in UCX: over TCP
+ * its request waits in the old connection and P's answer may still land in D's blocks after the
+ * link heals. So on failure this returns only once every abandoned endpoint it read on has
+ * settled (UCX holds none of its operations), or after `settleBoundMs`: until then D's blocks
+ * stay held (READS_DRAINING).
  */
 export async function postReads(
   ctx: SideContext,
@@ -44,10 +50,12 @@ export async function postReads(
   t.descriptors = plan.descriptorCount;
   const reads: Promise<OpTrace>[] = [];
   const pairOf: string[] = [];
+  const used = new Set<Endpoint>();
   try {
     for (const pair of plan.pairs) {
       const agent = kv.agents[pair.dstRank]!;
       const ep = peer.endpoint(pair.dstRank, pair.srcRank);
+      used.add(ep);
       for (const rp of pair.regionPairs) {
         if (rp.count === 0) continue;
         const remote = peer.remote(pair.dstRank, pair.srcRank, rp.srcRegion);
@@ -75,5 +83,7 @@ export async function postReads(
     markPairSteps(t.trace, name, ops);
   }
   const bad = settled.find((s) => s.status === "rejected");
-  return bad === undefined ? undefined : KvxferError.from((bad as PromiseRejectedResult).reason);
+  if (bad === undefined) return undefined;
+  await settleAbandoned(ctx, t.id, peer.engineId, [...used]);
+  return KvxferError.from((bad as PromiseRejectedResult).reason);
 }

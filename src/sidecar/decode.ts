@@ -40,6 +40,7 @@ import {
 } from "./decode-transfer.js";
 import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
 import { OwedAborts } from "./owed-aborts.js";
+import { settleBound } from "./settle.js";
 import { SideTable } from "./side-table.js";
 import { newTimings } from "./timings.js";
 import { stepName, TransferTrace } from "./trace.js";
@@ -69,8 +70,9 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     this.owed = new OwedAborts(
       { resolve: resolvePeer, send: (peer, body) => ctx.peers.send(peer, body), log: ctx.log },
       {
-        // P's hold and its registration lease have surely run out by then.
-        ttlMs: Math.max(s.leaseMs, s.regLeaseMs) + s.abortGraceMs,
+        // P's hold and its registration lease have surely run out by then, and P's writes
+        // abandoned to us have settled (or their bound has passed).
+        ttlMs: Math.max(s.leaseMs, s.regLeaseMs) + s.abortGraceMs + settleBound(s),
         retryMs: s.heartbeatMs ?? 1000,
         cap: s.maxTransfers,
       },
@@ -95,8 +97,10 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
       case "READS_DRAINING":
         break;
       case "PUSH_DRAINING":
-        // P may still write until its registration lease (renewed by our heartbeats) has run out.
-        t.deadline = t.lastRenewMs + s.regLeaseMs + s.abortGraceMs;
+        // P may still write until its registration lease (renewed by our heartbeats) has run
+        // out, and a write P abandoned then (we went silent to it) may still land until it has
+        // settled in P's UCX: P's AbortAck says so sooner (abortAck).
+        t.deadline = t.lastRenewMs + s.regLeaseMs + s.abortGraceMs + settleBound(s);
         break;
       case "KV_READY":
         t.t.readyMs = now;
@@ -550,13 +554,26 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   /** P acknowledged our abort of a push: no write will land. */
   abortAck(peer: PeerState, transferId: string): void {
     const t = this.transfers.get(transferId);
-    // Only from the peer the transfer names: after a partition the same engine's AbortAck
-    // through a new handshake is not taken. P's writes to a peer it dropped were abandoned,
-    // not cancelled: their bytes may sit in the old TCP connection and land after the heal
-    // (measured: a transfer right after an 8 s partition healed was verified wrong by D's
-    // engine once in ~8 runs while this took such an AbortAck). The drain waits out P's
-    // registration lease instead, as before.
-    if (t !== undefined && t.peer === peer) this.on(t, "ABORT_ACK");
+    // From the same P process (engine and epoch), through the handshake the transfer was made
+    // on or a later one (after a partition: our owed Abort went through a new one). P sends it
+    // once none of its writes for the transfer is left in UCX: an abandoned write is not
+    // cancelled and its bytes may land from the old TCP connection after the heal, so P waits
+    // for its endpoints to settle first (prefill-writes.ts; measured before that wait: a
+    // transfer right after an 8 s partition healed was verified wrong by D's engine once in ~8
+    // runs while this took such an AbortAck).
+    if (t !== undefined && t.peer?.engineId === peer.engineId && t.peer.epoch === peer.epoch)
+      this.on(t, "ABORT_ACK");
+  }
+
+  /**
+   * A handshake found `peer` at a new epoch: the P process our push drains wait for is gone
+   * (its sidecar restarted), and with it every write it could still post. Their drains end.
+   */
+  peerUp(peer: PeerState): void {
+    for (const t of this.transfers.values()) {
+      if (t.state === "PUSH_DRAINING" && t.peer?.engineId === peer.engineId && t.peer.epoch !== peer.epoch)
+        this.on(t, "ABORT_ACK");
+    }
   }
 
   /**

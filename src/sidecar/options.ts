@@ -8,6 +8,7 @@ import { KvxferError } from "../errors.js";
 import type { ErrorMode } from "../native/index.js";
 import { isLoopback, parseAddress, type PeerCredentials } from "../peer/side-channel.js";
 import type { Clock } from "./clock.js";
+import { DEFAULT_SETTLE_BOUND_MS } from "./context.js";
 import type { SidecarRole, TransferMode } from "./view.js";
 
 export interface SidecarOptions {
@@ -47,6 +48,11 @@ export interface SidecarOptions {
   peerKeepaliveMs?: number;
   /** Extra wait on D, after P's registration lease, before blocks of an unacknowledged abort are released. */
   abortGraceMs?: number;
+  /**
+   * Most time blocks stay held for reads or writes abandoned to a silent peer, until UCX holds
+   * none of them (default 960 000: Linux gives up retransmitting after about 925 s).
+   */
+  settleBoundMs?: number;
   handshakeTimeoutMs?: number;
   /** Terminal transfers are remembered this long (duplicates, replays, late requests). */
   tombstoneMs?: number;
@@ -116,6 +122,7 @@ export function resolveOptions(options: SidecarOptions): ResolvedOptions {
     peerTimeoutMs: options.peerTimeoutMs ?? 5000,
     peerKeepaliveMs: options.peerKeepaliveMs ?? 600_000,
     abortGraceMs: options.abortGraceMs ?? 2000,
+    settleBoundMs: options.settleBoundMs ?? DEFAULT_SETTLE_BOUND_MS,
     handshakeTimeoutMs: options.handshakeTimeoutMs ?? 5000,
     tombstoneMs: options.tombstoneMs ?? 60_000,
     maxTransfers: options.maxTransfers ?? 65_536,

@@ -3,11 +3,12 @@
  * writes with its XferDone sealed behind them, wait for all to settle. The result is the event
  * PrefillSide feeds P's machine next.
  */
-import type { WritePart } from "../native/index.js";
+import type { Endpoint, WritePart } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 import { planGroups, type TransferPlan } from "../plan/index.js";
 import { transferError, type SideContext } from "./context.js";
 import type { PrefillTransfer } from "./prefill-transfer.js";
+import { settleAbandoned } from "./settle.js";
 import { markPairSteps } from "./trace.js";
 
 /** How the writes ended: all landed, or one failed. */
@@ -53,10 +54,12 @@ export async function postWrites(
   t.trace.mark("planned");
   const plannedAt = performance.now();
   // A registration whose lease ran out must not be written to: D may have released the blocks.
+  const used: Endpoint[] = [];
   const results = await Promise.allSettled(
     plan.pairs.map(async (pair) => {
       const agent = kv.agents[pair.srcRank]!;
       const ep = peer.endpoint(pair.srcRank, pair.dstRank);
+      used.push(ep);
       const parts: WritePart[] = [];
       for (const rp of pair.regionPairs) {
         if (rp.count === 0) continue;
@@ -106,6 +109,10 @@ export async function postWrites(
   if (failed === undefined) {
     return { event: "WRITES_DONE", bytes: plan.bytes };
   }
+  // An abandoned write (D went silent) is not cancelled in UCX: over TCP its bytes wait in the
+  // old connection and land in D's blocks when the link heals. WRITES_FAILED (and with it an
+  // AbortAck, which D takes as "nothing more will land") waits until UCX holds none of them.
+  await settleAbandoned(ctx, t.id, peer.engineId, used);
   const e = KvxferError.from((failed as PromiseRejectedResult).reason);
   return { event: "WRITES_FAILED", error: e };
 }

@@ -35,6 +35,10 @@ export class Sides implements PeerSides {
     this.prefill.peerDown(peer);
   }
 
+  peerUp(peer: PeerState): void {
+    this.decode.peerUp(peer);
+  }
+
   busyWith(peer: PeerState): boolean {
     return this.decode.readingFrom(peer) || this.prefill.writingTo(peer);
   }

@@ -354,6 +354,40 @@ describe("bad handles and addresses", () => {
     expect(a.inflight).toBe(0);
   });
 
+  it("after abandon(), settled() resolves once UCX holds none of the abandoned writes: no byte lands after it", async () => {
+    const big = a.registerMemory(new Uint8Array(8 << 20).fill(0x5c));
+    const bigDstBytes = new Uint8Array(8 << 20);
+    const bigDst = b.registerMemory(bigDstBytes);
+    const r = ep.importRemote(bigDst.remoteKey());
+    const descs = new Float64Array(3 * 20000);
+    for (let i = 0; i < 20000; i++) descs.set([i * 256, i * 256, 256], 3 * i);
+    const pending = Array.from({ length: 20 }, () => a.write(ep, big, r, descs));
+    ep.abandon();
+    const results = await outcomes(pending);
+    expect(results).toContain("UCS_ERR_CONNECTION_RESET");
+    expect(ep.abandoned).toBe(true);
+    const code = await ep.settled();
+    expect(typeof code).toBe("string");
+    expect(ep.settled()).toBe(ep.settled()); // the abandon's settle, not a new one each time
+    // From here nothing may change in the destination: let both workers run, compare.
+    const snapshot = Buffer.from(bigDstBytes);
+    const live = b.connect(a.address);
+    await a.notify(a.connect(b.address), Buffer.from("tick"));
+    await new Promise((r2) => setTimeout(r2, 200));
+    expect(Buffer.compare(Buffer.from(bigDstBytes), snapshot)).toBe(0);
+    live.close();
+  });
+
+  it("settled() on a live endpoint resolves UCS_OK once what was posted on it is over; ERR_CLOSED at once after its agent closed", async () => {
+    await a.write(ep, local, remote, new Float64Array([0, 0, 4096]));
+    expect(ep.abandoned).toBe(false);
+    expect(await ep.settled()).toBe("UCS_OK");
+    expect(ep.state).toBe("connected");
+    const late = b.connect(a.address);
+    b.close();
+    expect(await late.settled()).toBe("ERR_CLOSED");
+  });
+
   it("names a bad transport list", async () => {
     await expectCode(() => new Agent({ transports: "no-such-transport" }), "UCS_ERR_NO_DEVICE");
   });

@@ -414,6 +414,7 @@ export class PeerTableWorld {
   static readonly EPOCH = 11n;
   readonly clock = new ManualClock();
   readonly downs: { peer: string; epoch: bigint; why: string }[] = [];
+  readonly ups: { peer: string; epoch: bigint }[] = [];
   readonly errors: string[] = [];
   readonly events: string[] = [];
   /** The same events with their reasons. */
@@ -466,6 +467,7 @@ export class PeerTableWorld {
         errors: { note: (text) => this.errors.push(text) },
         sides: {
           peerDown: (peer, why) => this.downs.push({ peer: peer.engineId, epoch: peer.epoch, why }),
+          peerUp: (peer) => this.ups.push({ peer: peer.engineId, epoch: peer.epoch }),
           busyWith: () => this.busy,
           liveWith: () => this.live,
         },
