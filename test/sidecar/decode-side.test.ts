@@ -11,7 +11,16 @@ import type { KvLayout } from "../../src/plan/index.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import { UNKNOWN_GIVE_UP_MS } from "../../src/sidecar/decode-transfer.js";
 import { PeerState } from "../../src/peer/peer-state.js";
-import { FakeWorld, OP_STEPS, SETTINGS, expectKv, peerMetadata, settle, smallTp } from "./fakes.js";
+import {
+  FakeWorld,
+  OP_STEPS,
+  PUSH_DRAIN_MS,
+  SETTINGS,
+  expectKv,
+  peerMetadata,
+  settle,
+  smallTp,
+} from "./fakes.js";
 import { singleGroup } from "../../src/plan/index.js";
 
 function setup(opts: { reachable?: boolean; maxTransfers?: number; layout?: KvLayout } = {}) {
@@ -102,7 +111,7 @@ describe("DecodeSide", () => {
     expect(w.engineSaid("t1")).toEqual(["kvFailed"]);
     expect(w.peerSaid("t1")).toEqual(["pushReg", "abort"]);
     // The drain's end: the last renewal (at registration) + P's lease + the grace.
-    const end = registeredAt + SETTINGS.regLeaseMs + SETTINGS.abortGraceMs;
+    const end = registeredAt + PUSH_DRAIN_MS;
     expect(w.clock.now()).toBeGreaterThanOrEqual(end); // already past it: next sweep ends it
     d.expire(w.clock.now());
     expect(state("t1")).toBe("EXPIRED");
@@ -125,7 +134,7 @@ describe("DecodeSide", () => {
     expect(state("t1")).toBe("ABORTED");
     expect(w.engineSaid("t1")).toEqual(["kvFailed", `releaseBlocks:${ReleaseReason.ABORTED}`]);
     // t2: P never answers -> blocks back when the lease (+ grace) is surely over, not before.
-    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs - 1);
+    w.clock.advance(PUSH_DRAIN_MS - 1);
     d.expire(w.clock.now());
     expect(state("t2")).toBe("DRAINING");
     w.clock.advance(1);
@@ -142,7 +151,7 @@ describe("DecodeSide", () => {
     w.clock.advance(500);
     d.heartbeatIds(w.clock.now());
     d.abort("t1");
-    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs - 1);
+    w.clock.advance(PUSH_DRAIN_MS - 1);
     d.expire(w.clock.now());
     expect(state("t1"), "P may still write until its renewed lease ends").toBe("DRAINING");
     w.clock.advance(1);
@@ -175,7 +184,7 @@ describe("DecodeSide", () => {
     expect(state("push")).toBe("DRAINING");
     expect(state("pull")).toBe("FAILED");
     expect(d.liveWith(p)).toBe(true);
-    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs);
+    w.clock.advance(PUSH_DRAIN_MS);
     d.expire(w.clock.now());
     expect(state("push")).toBe("FAILED");
     expect(d.liveWith(p)).toBe(false);
@@ -832,7 +841,7 @@ describe("DecodeSide: traces, peers and words", () => {
       ["t4", `no KV within ${SETTINGS.transferTimeoutMs} ms`],
     ]);
     expect(w.events.filter((e) => e.kind !== "KV_READY").map((e) => e.reason)).toEqual([]);
-    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs);
+    w.clock.advance(PUSH_DRAIN_MS);
     d.expire(w.clock.now());
     expect(w.events.map((e) => `${e.transferId} ${e.kind} ${e.reason}`)).toEqual([
       "t1 EXPIRED ERR_TIMEOUT",
@@ -904,7 +913,7 @@ describe("DecodeSide: late and stray messages", () => {
       value: { transferId: "t1", reason: FailureReason.ABORTED, message: "aborted by the engine" },
     });
     const abortedAt = w.clock.now();
-    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs);
+    w.clock.advance(PUSH_DRAIN_MS);
     d.expire(w.clock.now());
     expect(d.infoOf("t1")).toMatchObject({ state: "ABORTED" });
     expect(d.infoOf("t1")!.timings.endedMs).toBe(w.clock.now());
@@ -1045,7 +1054,7 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
     d.peerDown(p, "silent for 2000 ms");
   }
 
-  it("tells P, once a handshake gets through, of each transfer it gave up on; the push's drain still waits out P's registration lease", async () => {
+  it("tells P, once a handshake gets through, of each transfer it gave up on; P's AbortAck through it (same epoch) ends the push's drain", async () => {
     const o = world();
     const { w, d, answers, dialed, state, again } = o;
     await dropped(o);
@@ -1076,13 +1085,12 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
       reason: "peer down: silent for 2000 ms",
       token: "tok-pull",
     });
-    // The AbortAck of P through the new handshake does not end the push's drain (P's abandoned
-    // writes may still land from the old connection): the registration lease does.
+    // An AbortAck from another epoch of P says nothing of the old process's writes: not taken.
     d.abortAck(again(8n), "push");
-    d.abortAck(again(), "push");
     expect(state("push")).toBe("DRAINING");
-    w.clock.advance(8_000 + SETTINGS.abortGraceMs - 3_000); // regLeaseMs + grace, from the drop
-    d.expire(w.clock.now());
+    // P's AbortAck through the new handshake: P sends it once its writes for the transfer are
+    // over in UCX (abandoned ones settled), so nothing more can land. The drain ends.
+    d.abortAck(again(), "push");
     expect(state("push")).toBe("FAILED");
     expect(w.eventsOf("push")).toEqual(["FAILED"]);
     // Nothing owed any more: no more dials.
@@ -1102,6 +1110,11 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
     o.d.expire(o.w.clock.now());
     await settle();
     expect(o.w.toPeer.length).toBe(said);
+    // The handshake installed P's new epoch: the old process is gone, and with it any write it
+    // could still post. The push's drain ends at once, long before its lease and settle bound.
+    expect(o.state("push")).toBe("DRAINING");
+    o.d.peerUp(o.again(8n));
+    expect(o.state("push")).toBe("FAILED");
   });
 
   it("a P never reached again: the notes go once its leases have surely run out", async () => {
@@ -1109,7 +1122,8 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
     await dropped(o);
     o.answers.length = 0;
     o.answers.push(new Error("gone"));
-    o.w.clock.advance(10_000 + SETTINGS.abortGraceMs); // P's hold lease + the grace
+    // P's hold lease + the grace + the settle bound.
+    o.w.clock.advance(10_000 + SETTINGS.abortGraceMs + SETTINGS.settleBoundMs!);
     o.d.expire(o.w.clock.now());
     await settle();
     const dials = o.dialed.length;

@@ -213,6 +213,7 @@ export const SETTINGS: LifecycleSettings = {
   regLeaseMs: 800,
   transferTimeoutMs: 5000,
   abortGraceMs: 200,
+  settleBoundMs: 300,
   tombstoneMs: 10_000,
   maxTransfers: 2,
   // Each peer's share of P's registrations before PrefillDone, and the pool they are kept in
@@ -221,6 +222,9 @@ export const SETTINGS: LifecycleSettings = {
   maxUnconfirmed: 1000,
   exclusivePrefillBlocks: false,
 };
+
+/** D's push drain after the last renewal: P's registration lease, the grace, the settle bound. */
+export const PUSH_DRAIN_MS = SETTINGS.regLeaseMs + SETTINGS.abortGraceMs + SETTINGS.settleBoundMs!;
 
 export interface Recorded {
   kind: EventKind;

@@ -22,6 +22,7 @@ import { PrefillSide } from "../../src/sidecar/prefill.js";
 import {
   FakeWorld,
   PeerTableWorld,
+  PUSH_DRAIN_MS,
   SETTINGS,
   expectKv,
   peerMetadata,
@@ -110,7 +111,7 @@ describe("(a) an expired entry behind live ones is swept", () => {
     w.agent.landAll();
     await settle();
     d.abort("ended");
-    w.clock.advance(SETTINGS.regLeaseMs + SETTINGS.abortGraceMs);
+    w.clock.advance(PUSH_DRAIN_MS);
     d.expire(w.clock.now());
     expect(d.infoOf("draining")!.state).toBe("ABORTED");
     expect([d.infoOf("live-1")!.state, d.infoOf("live-2")!.state]).toEqual(["MOVING", "MOVING"]);

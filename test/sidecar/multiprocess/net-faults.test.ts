@@ -210,10 +210,14 @@ describe.skipIf(support.missing !== undefined)(
     }, 90_000);
 
     // A link that stays down is a dead peer, capped or not: what was in flight fails within the
-    // peer timeout (2 s here) and a margin, blocks come back within the leases (5 s here, both
-    // P's hold and its registration lease that D's push drain waits out, + 1 s grace) though
-    // P is never reached, and once the link is up again the next transfer works.
-    it("D's link down for good under a 50 Mbit/s cap with 8 in flight: failed within the peer timeout, blocks back within the lease; up again, the next transfer works", async () => {
+    // peer timeout (2 s here) and a margin. But a read or write given up on is not cancelled in
+    // UCX: over TCP it waits in the old connection and its bytes land when the link comes back
+    // (before the settle wait: a push right after the link came up was verified wrong by D's
+    // engine, CI stop 54). So the blocks they touch stay held while the link is down, past
+    // every lease (5 s here) and the old drain bound (6 s), and come back once the old
+    // connection has delivered or failed what it held. Right after the link is up, a pull and
+    // a push are verified, byte for byte.
+    it("D's link down for good under a 50 Mbit/s cap with 8 in flight: failed within the peer timeout, blocks a stale byte could reach held until the link is back; then every block back, the next transfers verified", async () => {
       pair = await startNetPair(net, {
         sidecarArgs: [
           "--peer-timeout-ms",
@@ -237,31 +241,46 @@ describe.skipIf(support.missing !== undefined)(
       net.link("d", false);
       const downAt = Date.now();
       const outs = await Promise.all(flights);
-      const { pFree, dFree } = await blocksBack(pair, downAt, 20_000);
-      console.log(
-        `[net link down] 8 x 2 MiB at 50 Mbit/s, D's link down 0.8 s in: ${summary(outs)}; ` +
-          `blocks all back ${pFree} ms (P) and ${dFree} ms (D) after the link went down`,
-      );
       for (const o of outs) {
         expect(["verified", "failed"], JSON.stringify(o)).toContain(o.outcome);
         if (o.outcome === "failed") expect(o.reason, JSON.stringify(o)).toBe("PEER_FAILED");
       }
       // Every verdict within the peer timeout and a margin of the cut (0.8 s in).
       expect(Math.max(...outs.map((o) => o.ms))).toBeLessThan(800 + 2_000 + 2_500);
-      // P's lease (5 s) and D's drain (P's registration lease, 5 s, + 1 s grace) and a sweep.
-      expect(pFree).toBeLessThan(5_000 + 2_500);
-      expect(dFree).toBeLessThan(6_000 + 2_500);
+      const failed = new Set(outs.filter((o) => o.outcome === "failed").map((o) => o.transferId));
+      expect(failed.size).toBeGreaterThan(0);
+      // Past P's lease and registration lease, D's old drain bound and a margin: D still holds
+      // every failed transfer's blocks (DRAINING: a read's answer or P's write may still land).
+      await sleep(Math.max(0, downAt + 9_000 - Date.now()));
+      const onD = (await pair.d.client.listTransfers()).transfers.filter((t) =>
+        failed.has(t.transferId),
+      );
+      expect(onD.map((t) => `${t.transferId}:${t.state}`).sort()).toEqual(
+        [...failed].map((id) => `${id}:DRAINING`).sort(),
+      );
+      const ds = await pair.d.engine.stats();
+      const held = ds.totalBlocks - ds.freeBlocks;
+      expect(held).toBe((failed.size * tokens) / 16);
       net.link("d", true);
       net.uncap();
+      const upAt = Date.now();
+      const next: Outcome[] = [];
       for (const pull of [true, false]) {
-        const next = await attempt(pair, `after-down-${pull}`, {
+        const o = await attempt(pair, `after-down-${pull}`, {
           tokens: 64,
           pull,
           timeoutMs: 15_000,
         });
-        expect(next.outcome, JSON.stringify(next)).toBe("verified");
+        expect(o.outcome, JSON.stringify(o)).toBe("verified");
+        next.push(o);
       }
-    }, 90_000);
+      const { pFree, dFree } = await blocksBack(pair, upAt, 60_000);
+      console.log(
+        `[net link down] 8 x 2 MiB at 50 Mbit/s, D's link down 0.8 s in: ${summary(outs)}; ` +
+          `D held ${held} blocks 9 s after the cut; link up after ${upAt - downAt} ms: ` +
+          `next pull ${next[0]!.ms} ms, push ${next[1]!.ms} ms, verified; blocks all back ${pFree} ms (P) and ${dFree} ms (D) after the link came up`,
+      );
+    }, 120_000);
 
     // Issue 52's partition, 8 s instead of 15 (both sides' peer timeout is 2 s): pull and push
     // in flight on a capped link when the link goes; both sides declare the other down; D fails
