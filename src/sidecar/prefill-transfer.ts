@@ -50,6 +50,8 @@ export interface PrefillTransfer {
   numTokens: number;
   /** The registration P writes for: chosen at PrefillDone by the token, or one after it. */
   reg: PushRegistration | undefined;
+  /** Where the AbortAck goes once the writes settle: the handshake D's Abort came through. */
+  abortFrom?: PeerState;
   /**
    * Before PrefillDone, every registration (one per decode engine, in the order they came),
    * withdrawn ones included: the token picks one at PrefillDone. Not capped per transfer: each
@@ -163,7 +165,15 @@ export function pendingOf(t: PrefillTransfer, peer: PeerState): PushRegistration
  */
 export function mayActOn(t: PrefillTransfer, peer: PeerState, token: string): boolean {
   if (t.blocks === undefined || !tokensEqual(t.token, token)) return false;
-  return t.reg === undefined || t.reg.peer === peer;
+  return t.reg === undefined || sameProcess(t.reg.peer, peer);
+}
+
+/**
+ * The same decode process: its engine and epoch. After a partition D reaches P through a new
+ * handshake (a new PeerState, authenticated like the first) and tells it what it gave up on.
+ */
+export function sameProcess(a: PeerState, b: PeerState): boolean {
+  return a === b || (a.engineId === b.engineId && a.epoch === b.epoch);
 }
 
 /**

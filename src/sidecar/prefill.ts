@@ -272,7 +272,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       case "TELL_D_FAILED":
         return this.failTo(t.reg!.peer, t.id, d.error!.code, d.error!.message);
       case "ACK_ABORT":
-        return ctx.peers.send(d.peer ?? t.reg!.peer, {
+        return ctx.peers.send(d.peer ?? t.abortFrom ?? t.reg!.peer, {
           case: "abortAck",
           value: { transferId: t.id },
         });
@@ -565,7 +565,12 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       this.on(t, "REG_ABORTED", { peer, withdrawn: r, reason: "aborted by decode" });
       return;
     }
-    this.on(t, mayActOn(t, peer, token) ? "D_ABORT" : "D_ABORT_FORGED", { peer });
+    if (!mayActOn(t, peer, token)) {
+      this.on(t, "D_ABORT_FORGED", { peer });
+      return;
+    }
+    t.abortFrom = peer;
+    this.on(t, "D_ABORT", { peer });
   }
 
   /** D says the transfer failed on its side; returns false when P has no such live transfer. */
