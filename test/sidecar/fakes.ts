@@ -113,8 +113,12 @@ export class FakeAgent {
   readonly imported: Uint8Array[] = [];
   closed = 0;
 
+  /** Abandoned endpoints' flushes not over yet (`settleAbandoned()` ends them). */
+  private readonly unsettled: (() => void)[] = [];
+
   connect(address?: Uint8Array, options?: unknown): unknown {
     if (address !== undefined) this.connects.push({ address, options });
+    let settled: Promise<string> | undefined;
     return {
       state: "connected",
       importRemote: (key: Uint8Array) => {
@@ -123,9 +127,20 @@ export class FakeAgent {
       },
       close: () => void this.closed++,
       abandon: () => {
+        if (settled !== undefined) return;
         this.abandoned++;
+        settled = new Promise((resolve) => this.unsettled.push(() => resolve("UCS_OK")));
       },
+      get abandoned() {
+        return settled !== undefined;
+      },
+      settled: () => settled ?? Promise.resolve("UCS_OK"),
     };
+  }
+
+  /** UCX is done with every abandoned endpoint's operations: their flushes complete. */
+  settleAbandoned(): void {
+    for (const done of this.unsettled.splice(0)) done();
   }
 
   /** Called with each notification as it goes out (notify, or a landed writeParts carrying one). */
@@ -259,6 +274,8 @@ export class FakeWorld {
   /** The refusals' texts, as `code: message`. */
   readonly refusedText: string[] = [];
   readonly toPeer: { peer: string; body: PeerBody }[] = [];
+  /** The PeerState each of `toPeer` went to (which handshake), by index. */
+  readonly toPeerState: PeerState[] = [];
   /**
    * Notifications a side sealed to post itself (P's XferDone on each pair's endpoint), in the
    * order they went out: a pair's XferDone only once its writes landed.
@@ -298,7 +315,10 @@ export class FakeWorld {
         },
       },
       peers: {
-        send: (peer, body) => this.toPeer.push({ peer: peer.engineId, body }),
+        send: (peer, body) => {
+          this.toPeer.push({ peer: peer.engineId, body });
+          this.toPeerState.push(peer);
+        },
         seal: (_peer, body) => {
           const sealed = new Uint8Array(0);
           this.sealedBodies.set(sealed, body);

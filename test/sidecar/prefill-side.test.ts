@@ -7,7 +7,17 @@ import { describe, expect, it } from "vitest";
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { PushRegSchema, type PushReg } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
-import { FakeWorld, OP_STEPS, SETTINGS, SMALL, prefillDone, settle, smallTp } from "./fakes.js";
+import { PeerState } from "../../src/peer/peer-state.js";
+import {
+  FakeWorld,
+  OP_STEPS,
+  SETTINGS,
+  SMALL,
+  peerMetadata,
+  prefillDone,
+  settle,
+  smallTp,
+} from "./fakes.js";
 
 function pushReg(transferId: string, token = "", leaseMs = SETTINGS.regLeaseMs): PushReg {
   return create(PushRegSchema, {
@@ -187,6 +197,46 @@ describe("PrefillSide", () => {
     // And a late PushReg is refused by name.
     p.pushReg(w.peer("d1"), pushReg("t1"));
     expect(w.peerSaid("t1").at(-1)).toBe("failed:ERR_LEASE_EXPIRED");
+  });
+
+  it("writes abandoned to a dropped D: its Abort through a new handshake of the same process is answered only once UCX holds none of them", async () => {
+    const { w, p, d, state } = setup();
+    p.pushReg(d, pushReg("t1"));
+    p.prefillDone(prefillDone("t1"));
+    p.peerDown(d);
+    expect(state("t1")).toBe("ABORTING");
+    // The peer table gives up on the writes (they reject at once) but UCX still holds them.
+    for (const ep of d.endpointList()) ep.abandon();
+    w.agent.failAll("UCS_ERR_CONNECTION_RESET");
+    await settle();
+    expect(state("t1"), "blocks held while an abandoned write may still land").toBe("ABORTING");
+    expect(w.engineSaid("t1")).toEqual([]);
+    // D, back through a new handshake (same engine, same epoch), tells P it gave up.
+    const again = w.peer(d.engineId);
+    expect(again).not.toBe(d);
+    p.peerAbort(again, "t1", "");
+    await settle();
+    expect(w.peerSaid("t1"), "no AbortAck before the writes settled").toEqual([]);
+    // Another epoch of D is not the process that registered: refused, changes nothing.
+    const other = new PeerState(
+      peerMetadata(d.engineId, 8n, SMALL),
+      d.groups,
+      w.ctx.kvs.kv!.agents,
+      "none",
+      w.ctx.log,
+      w.clock.now(),
+      false,
+    );
+    p.peerAbort(other, "t1", "");
+    expect(w.errors.at(-1)).toBe(
+      `Abort for 't1' from '${d.engineId}' refused: ERR_BAD_TRANSFER_TOKEN`,
+    );
+    w.agent.settleAbandoned();
+    await settle();
+    expect(state("t1")).toBe("ABORTED");
+    const acks = w.toPeerState.filter((_, i) => w.toPeer[i]!.body.case === "abortAck");
+    expect(acks, "to the handshake the Abort came through").toEqual([again]);
+    expect(w.engineSaid("t1")).toEqual([`releaseBlocks:${ReleaseReason.ABORTED}`]);
   });
 
   it("D goes down: a waiting registration fails; writes in flight abort once they settle", async () => {
