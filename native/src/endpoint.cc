@@ -81,8 +81,8 @@ Napi::Value EndpointWrap::Abandon(const Napi::CallbackInfo& info) {
 // so far is over in UCX. Returns false (no event) when the endpoint or its agent is closed.
 Napi::Value EndpointWrap::Settle(const Napi::CallbackInfo& info) {
   uint64_t seq = SeqArg(info);
-  if (seq != 0 && state_ != HandleState::kClosed && agent_ && agent_->engine() &&
-      agent_->open() && core_) {
+  if (seq != 0 && state_ != HandleState::kClosed && agent_ && agent_->engine() && agent_->open() &&
+      core_) {
     agent_->engine()->SettleEndpoint(core_, seq);
     return Napi::Boolean::New(info.Env(), true);
   }

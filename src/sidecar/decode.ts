@@ -571,7 +571,11 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
    */
   peerUp(peer: PeerState): void {
     for (const t of this.transfers.values()) {
-      if (t.state === "PUSH_DRAINING" && t.peer?.engineId === peer.engineId && t.peer.epoch !== peer.epoch)
+      if (
+        t.state === "PUSH_DRAINING" &&
+        t.peer?.engineId === peer.engineId &&
+        t.peer.epoch !== peer.epoch
+      )
         this.on(t, "ABORT_ACK");
     }
   }
