@@ -26,6 +26,8 @@ const HEARTBEAT = 100;
 const PEER_TIMEOUT = 1000;
 const REG_LEASE = 1000;
 const GRACE = 300;
+/** How long a side waits at most for reads or writes it gave up on to settle in UCX. */
+const SETTLE_BOUND = 1500;
 const SWEEP = 100;
 /** Scheduling slack on a loaded two-core machine, on top of every bound. */
 const SLACK = 1500;
@@ -40,6 +42,7 @@ function fastArgs(over: Record<string, number> = {}): string[] {
     "peer-timeout-ms": PEER_TIMEOUT,
     "reg-lease-ms": REG_LEASE,
     "abort-grace-ms": GRACE,
+    "settle-bound-ms": SETTLE_BOUND,
     "transfer-timeout-ms": 20_000,
     "lease-ms": 5000,
     ...over,
@@ -271,7 +274,7 @@ describe("sidecar failure cases (multi-process)", () => {
     });
   }, 120_000);
 
-  it("P killed mid-transfer: D fails it within peer-timeout, releases after reg-lease + grace", async () => {
+  it("P killed mid-transfer, never back: D fails it within peer-timeout, releases after reg-lease + grace + settle bound", async () => {
     const pair = await startPair({ mode: "push", sidecarArgs: fastArgs() });
     const { p, d } = pair;
     stamp(d);
@@ -286,7 +289,9 @@ describe("sidecar failure cases (multi-process)", () => {
       await p.kill();
       await prefill;
       const BOUND_FAIL = PEER_TIMEOUT + HEARTBEAT + SWEEP;
-      const BOUND_RELEASE = BOUND_FAIL + REG_LEASE + GRACE + HEARTBEAT + SWEEP;
+      // P never answers again: D cannot tell a dead P from one across a partition whose
+      // abandoned writes may still land, so it waits out the settle bound too.
+      const BOUND_RELEASE = BOUND_FAIL + REG_LEASE + GRACE + SETTLE_BOUND + HEARTBEAT + SWEEP;
       const failed = await d.engineEvent(id, "failed", BOUND_FAIL + SLACK);
       const rel = await d.engineEvent(id, "released", BOUND_RELEASE + SLACK);
       expect(failed.reason).toBe("PEER_FAILED");
@@ -301,8 +306,9 @@ describe("sidecar failure cases (multi-process)", () => {
       const relMs = at(rel) - tKill;
       expect(failMs).toBeLessThan(BOUND_FAIL + SLACK);
       expect(relMs).toBeLessThan(BOUND_RELEASE + SLACK);
-      // The blocks waited for P's registration lease to run out (P might still have been writing).
-      expect(at(rel) - at(failed)).toBeGreaterThanOrEqual(REG_LEASE);
+      // The blocks waited for P's registration lease to run out (P might still have been
+      // writing) and for the settle bound (a write P abandoned might still land).
+      expect(at(rel) - at(failed)).toBeGreaterThanOrEqual(REG_LEASE + SETTLE_BOUND);
       await d.allBlocksFree();
       console.log(
         `[t4] P killed: D detected (PEER_DOWN) at +${down!.timeMs - tKill} ms, KvFailed at +${failMs} ms (bound ${BOUND_FAIL}), ReleaseBlocks at +${relMs} ms (bound ${BOUND_RELEASE})`,
