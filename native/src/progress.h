@@ -134,6 +134,8 @@ class ProgressEngine {
   void StartNotify(TransferOp* op);
   void Complete(TransferOp* op, ucs_status_t status);
   static void OnFlush(void* request, ucs_status_t status, void* user_data);
+  // ucp_ep_flush_nbx with a send callback: the request, nullptr (done now) or an error pointer.
+  static ucs_status_ptr_t FlushWith(ucp_ep_h ep, ucp_send_nbx_callback_t cb, void* user_data);
   static void OnNotifySent(void* request, ucs_status_t status, void* user_data);
   static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
                            size_t length, const ucp_am_recv_param_t* param);

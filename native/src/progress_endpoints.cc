@@ -126,12 +126,7 @@ void ProgressEngine::FlushToSettle(const std::shared_ptr<EndpointCore>& ep, uint
     return;
   }
   auto* ctx = new SettleFlush{this, ep->id, seq};
-  ucp_request_param_t param;
-  std::memset(&param, 0, sizeof(param));
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  param.cb.send = &ProgressEngine::OnSettleFlushed;
-  param.user_data = ctx;
-  ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->ep, &param);
+  ucs_status_ptr_t req = FlushWith(ep->ep, &ProgressEngine::OnSettleFlushed, ctx);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     delete ctx;
     PushSettled(ep->id, seq, UCS_PTR_STATUS(req));

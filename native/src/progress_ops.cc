@@ -88,6 +88,16 @@ bool ProgressEngine::PostSome(TransferOp* op) {
   return true;
 }
 
+ucs_status_ptr_t ProgressEngine::FlushWith(ucp_ep_h ep, ucp_send_nbx_callback_t cb,
+                                           void* user_data) {
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = cb;
+  param.user_data = user_data;
+  return ucp_ep_flush_nbx(ep, &param);
+}
+
 void ProgressEngine::StartFlush(TransferOp* op) {
   op->phase = TransferOp::Phase::kFlushing;
   EndpointCore* ep = op->ep.get();
@@ -95,12 +105,7 @@ void ProgressEngine::StartFlush(TransferOp* op) {
     Complete(op, op->status != UCS_OK ? op->status : UCS_ERR_NOT_CONNECTED);
     return;
   }
-  ucp_request_param_t param;
-  std::memset(&param, 0, sizeof(param));
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  param.cb.send = &ProgressEngine::OnFlush;
-  param.user_data = op;
-  ucs_status_ptr_t req = ucp_ep_flush_nbx(ep->ep, &param);
+  ucs_status_ptr_t req = FlushWith(ep->ep, &ProgressEngine::OnFlush, op);
   if (req == nullptr) {
     AfterFlush(op, UCS_OK);
   } else if (UCS_PTR_IS_ERR(req)) {
