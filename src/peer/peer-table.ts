@@ -486,9 +486,10 @@ export class PeerTable {
     // shared memory: a READ from a SIGKILLed sidecar hung forever and D's blocks stayed held).
     // Writes to one neither (measured: P's pushes to a SIGKILLed D stayed MOVING, and P's engine
     // kept their blocks for good). A grace later, whatever is still in flight to it is given up:
-    // the reads and writes reject, the transfer ends and its blocks go back to the engine. (D's
-    // blocks do not depend on this: D waits for P's registration lease, and P posts no write
-    // after it.)
+    // the reads and writes reject and the transfer fails. Its blocks go back only once the
+    // endpoint's flush says UCX holds none of them any more (or the settle bound passed): an
+    // abandoned operation is not cancelled, and over TCP its bytes may still land when a
+    // partition heals (settle.ts).
     if (this.host.sides.busyWith(peer)) {
       const graceMs = this.settings.abortGraceMs;
       this.host.clock.after(graceMs, () => {

@@ -34,9 +34,12 @@ export const DECODE_STATES = [
  * - PUSH_REGISTERED: the push registration went to P; waiting for every pair's XferDone;
  * - READING: pull reads from P's blocks in flight;
  * - CONFIRMING: the reads are done; waiting for P's ReadAck (were the blocks held throughout?);
- * - PUSH_DRAINING: the engine heard KvFailed; P may still write until its AbortAck, its Failed,
- *   or its registration lease (renewed by our heartbeats, plus a grace) has run out;
- * - READS_DRAINING: the engine heard KvFailed; our own reads are still in flight;
+ * - PUSH_DRAINING: the engine heard KvFailed; P may still write until its AbortAck (sent once
+ *   its writes settled in UCX, through any handshake with the same P process), its Failed, a
+ *   handshake finding P at a new epoch, or its registration lease (renewed by our heartbeats),
+ *   a grace and the settle bound have run out;
+ * - READS_DRAINING: the engine heard KvFailed; our own reads are still in flight (abandoned ones
+ *   until their endpoint has settled in UCX, at most the settle bound);
  * - KV_READY: the engine has the KV; FAILED, EXPIRED, ABORTED: blocks back without it.
  */
 export type DecodeState = (typeof DECODE_STATES)[number];

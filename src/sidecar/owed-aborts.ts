@@ -8,10 +8,10 @@
  * So D keeps one Abort per such transfer, by P's side channel address, and dials P again every
  * `retryMs` until a handshake gets through (the link healed) or P's leases have surely run out
  * anyway (`ttlMs`: then there is nothing left to free). Through the new handshake, P at the same
- * epoch gets every Abort: a held pull's blocks go back to P's engine at once. (P's AbortAck does
- * not end a push's drain on D: P's writes were abandoned, not cancelled, and may still land
- * from the old connection; decode.ts.) A P with a new epoch restarted: it holds nothing of the
- * old one's, and the notes go.
+ * epoch gets every Abort: a held pull's blocks go back to P's engine at once, and a push's
+ * AbortAck (once P's abandoned writes for it have settled in UCX) ends its drain on D. A P with
+ * a new epoch restarted: it holds nothing of the old one's, the notes go, and the handshake
+ * ends the old process's drains (DecodeSide.peerUp).
  *
  * Bounded (invariant 5): at most `cap` notes, each gone by its deadline; the sweep visits all.
  */
