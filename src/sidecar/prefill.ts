@@ -272,7 +272,9 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       case "TELL_D_FAILED":
         return this.failTo(t.reg!.peer, t.id, d.error!.code, d.error!.message);
       case "ACK_ABORT":
-        return ctx.peers.send(d.peer ?? t.abortFrom ?? t.reg!.peer, {
+        // To the handshake the Abort came through (D's Abort is the only way into the states
+        // that owe an AbortAck; after a partition it is not the one the registration came by).
+        return ctx.peers.send(d.peer ?? t.abortFrom!, {
           case: "abortAck",
           value: { transferId: t.id },
         });
