@@ -90,7 +90,7 @@ export interface KvGate extends KvSource {
 export interface PeerSides {
   /** The sides fail what depended on a peer that is gone. */
   peerDown(peer: PeerState, why: string): void;
-  /** A handshake installed `peer` (a new one, or a new epoch of one known before). */
+  /** A handshake we dialed reached `peer` (its epoch may be new). */
   peerUp(peer: PeerState): void;
   /** Reads from or writes to `peer` still in flight. */
   busyWith(peer: PeerState): boolean;
@@ -344,7 +344,6 @@ export class PeerTable {
     peer.controlEndpoint();
     this.peers.set(md.engineId, peer);
     this.host.events.peerEvent("PEER_UP", md.engineId, `epoch ${md.epoch}`);
-    this.host.sides.peerUp(peer);
     return peer;
   }
 
@@ -463,6 +462,9 @@ export class PeerTable {
     if (mismatch !== undefined)
       throw new KvxferError("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
     const peer = this.adopt(res.metadata!, groups);
+    // Only a peer we dialed, at the address we were given for it, ends what its old epoch left
+    // draining (a handshake to us could claim any engine without peer credentials).
+    if (peer !== cached) this.host.sides.peerUp(peer);
     peer.pairing(peer.groups, this.host.kvs.kv!.groups); // this side is D: it plans reads from P
     peer.sendKey = macKey;
     peer.setRecvKey(res.macKey);

@@ -103,6 +103,10 @@ describe("D resolves P over the side channel", () => {
     expect(requests[0]!.metadata?.engineId).toBe("d0");
     expect(d.events).toEqual(["PEER_UP p0"]);
     expect(p.events).toEqual(["PEER_UP d0"]);
+    // The sides hear of a peer D dialed (its new epoch ends the old one's drains), not of one
+    // that dialed P: a handshake to us could claim any engine without credentials.
+    expect(d.ups).toEqual([{ peer: "p0", epoch: PeerTableWorld.EPOCH }]);
+    expect(p.ups).toEqual([]);
 
     d.table.send(peer, { case: "heartbeat", value: { transferIds: ["t1"] } });
     const atP = p.table.verify(lastNote(d, "d0"));
@@ -129,6 +133,7 @@ describe("D resolves P over the side channel", () => {
     expect(requests).toHaveLength(2);
     expect(requests[1]!.expectedEpoch).toBe(PeerTableWorld.EPOCH);
     expect(again).toBe(peer);
+    expect(d.ups, "the same peer again: nothing new for the sides").toHaveLength(1);
     expect(again.sendKey).toBe(key);
     expect(Buffer.from(requests[1]!.macKey)).toEqual(Buffer.from(key));
     // A notification sealed before the re-handshake is still accepted by P.
