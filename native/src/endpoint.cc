@@ -71,8 +71,9 @@ uint64_t SeqArg(const Napi::CallbackInfo& info) {
 // closed with nothing in flight, or its agent is). Idempotent.
 Napi::Value EndpointWrap::Abandon(const Napi::CallbackInfo& info) {
   if (state_ != HandleState::kClosed && agent_ && agent_->engine() && agent_->open() && core_) {
-    agent_->engine()->AbandonEndpoint(core_, UCS_ERR_CONNECTION_RESET, SeqArg(info));
-    return Napi::Boolean::New(info.Env(), SeqArg(info) != 0);
+    uint64_t seq = SeqArg(info);
+    agent_->engine()->AbandonEndpoint(core_, UCS_ERR_CONNECTION_RESET, seq);
+    return Napi::Boolean::New(info.Env(), seq != 0);
   }
   return Napi::Boolean::New(info.Env(), false);
 }

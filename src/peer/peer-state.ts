@@ -194,6 +194,15 @@ export class PeerState {
 }
 
 /**
+ * The same peer process: its engine and epoch. After a partition the two sides reach each other
+ * through a new handshake (a new PeerState, authenticated like the first); what one process said
+ * through either counts for its transfers.
+ */
+export function sameProcess(a: PeerState, b: PeerState): boolean {
+  return a === b || (a.engineId === b.engineId && a.epoch === b.epoch);
+}
+
+/**
  * How many of one peer's notifications the sidecar processes per second: a token bucket of
  * `perSec` with a burst of two seconds' worth, checked in O(1). Past it, the peer's messages are
  * dropped unprocessed (its own transfers suffer, no one else's).

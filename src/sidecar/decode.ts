@@ -8,7 +8,7 @@
 import { FailureReason, ReleaseReason, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
 import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
 import { KvxferError } from "../errors.js";
-import type { PeerState } from "../peer/peer-state.js";
+import { sameProcess, type PeerState } from "../peer/peer-state.js";
 import {
   allBlockIds,
   blockLists,
@@ -561,8 +561,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     // for its endpoints to settle first (prefill-writes.ts; measured before that wait: a
     // transfer right after an 8 s partition healed was verified wrong by D's engine once in ~8
     // runs while this took such an AbortAck).
-    if (t !== undefined && t.peer?.engineId === peer.engineId && t.peer.epoch === peer.epoch)
-      this.on(t, "ABORT_ACK");
+    if (t?.peer !== undefined && sameProcess(t.peer, peer)) this.on(t, "ABORT_ACK");
   }
 
   /**

@@ -10,7 +10,7 @@ import type { BlockList } from "../plan/index.js";
 import type { Notification } from "../native/index.js";
 import { tokensEqual } from "../peer/messages.js";
 import type { SideContext } from "./context.js";
-import type { PeerState } from "../peer/peer-state.js";
+import { sameProcess, type PeerState } from "../peer/peer-state.js";
 import { PREFILL_PHASE, type PrefillState } from "./prefill-machine.js";
 import { newTimings, type Timings } from "./timings.js";
 import { TransferTrace } from "./trace.js";
@@ -166,14 +166,6 @@ export function pendingOf(t: PrefillTransfer, peer: PeerState): PushRegistration
 export function mayActOn(t: PrefillTransfer, peer: PeerState, token: string): boolean {
   if (t.blocks === undefined || !tokensEqual(t.token, token)) return false;
   return t.reg === undefined || sameProcess(t.reg.peer, peer);
-}
-
-/**
- * The same decode process: its engine and epoch. After a partition D reaches P through a new
- * handshake (a new PeerState, authenticated like the first) and tells it what it gave up on.
- */
-export function sameProcess(a: PeerState, b: PeerState): boolean {
-  return a === b || (a.engineId === b.engineId && a.epoch === b.epoch);
 }
 
 /**
