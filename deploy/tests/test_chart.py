@@ -123,6 +123,13 @@ def test_each_deployment_is_valid_kubernetes_and_wired_together(case):
     # It listens only once every engine is healthy: liveness waits for that (up to 10 min).
     startup = router["startupProbe"]
     assert startup["httpGet"]["path"] == "/liveness" and startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    # A rollout never leaves the Service without a serving router: the new pod is Ready before the
+    # old one stops, and the old one serves on for 10 s (kube-proxy's rules catch up meanwhile:
+    # deploy/local/tests restarts the router under load).
+    deployment = one(docs, "Deployment", "kv-kvxfer-pd-router")["spec"]
+    assert deployment["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert router["lifecycle"]["preStop"] == {"sleep": {"seconds": 10}}
+    assert deployment["template"]["spec"]["terminationGracePeriodSeconds"] == 40
     # Every engine pod by its stable name, P with its bootstrap port in push mode.
     prefills = [args[i + 1:i + (3 if mode == "push" else 2)] for i, a in enumerate(args) if a == "--prefill"]
     decodes = [args[i + 1] for i, a in enumerate(args) if a == "--decode"]
@@ -136,6 +143,7 @@ def test_each_deployment_is_valid_kubernetes_and_wired_together(case):
     (["--set", "prefill.replicas=0"], "prefill.replicas must be at least 1, got 0"),
     (["--set", "decode.tensorParallelSize=0"], "decode.tensorParallelSize must be at least 1, got 0"),
     (["--set", "blockSize=0"], "blockSize must be at least 1, got 0"),
+    (["--set", "router.drainSeconds=-1"], "router.drainSeconds must be 0 or more, got -1"),
 ])
 def test_bad_values_stop_the_render_naming_them(sets, message):
     out = helm("template", "kv", str(CHART), *SECURE, *sets)

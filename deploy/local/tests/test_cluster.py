@@ -13,7 +13,8 @@ In order, on one release:
 3. a prefill pod deleted mid-load: no request fails (the router tries another P; D computes
    what it cannot receive), every answer right, the pod rescheduled and serving again, every
    block back on every engine;
-4. a rolling upgrade of the decode StatefulSet under load without a failed request;
+4. a rolling upgrade of the decode StatefulSet under load without a failed request, then a
+   rolling restart of the router Deployment under load without one;
 5. probes proven by the kubelet: an engine SIGKILLed (the pod goes NotReady, the kubelet restarts
    the container, the sidecar exits 75 and is restarted, the pod is Ready again) and an engine
    frozen with SIGSTOP (its liveness probe fails, the kubelet kills and restarts it);
@@ -49,10 +50,11 @@ KUBECTL = str(REPO / ".tools" / "k8s-v1.34.4" / "bin" / "kubectl")
 CONTAINERD_SOCK = "/run/kvxfer-k8s/containerd.sock"
 READY_BOUND_S = 180
 #: deploy/local/versions.sh
-POD_CIDR, SERVICE_CIDR = "198.19.160.0/20", "198.19.192.0/20"
+POD_CIDR, SERVICE_CIDR, POD_GATEWAY = "198.19.160.0/20", "198.19.192.0/20", "198.19.160.1"
 LENGTHS = [17, 64, 100, 250, 513]
 TIMINGS: dict[str, float] = {}
 COUNTS: dict[str, int] = {}
+LATENCY: list[str] = []
 
 
 def kubectl(*args: str, timeout: float = 120, check: bool = True) -> str:
@@ -81,12 +83,18 @@ def cluster(docker_daemon):
         TIMINGS["cluster up"] = time.monotonic() - t0
         yield
     finally:
+        try:
+            LATENCY.append(kube_proxy_latency())
+        except Exception as err:  # noqa: BLE001 - a figure to print, never a reason to leave the cluster up
+            LATENCY.append(f"metrics not read ({err})")
         t0 = time.monotonic()
         out = run("bash", str(LOCAL / "down.sh"), timeout=300, check=False)
         TIMINGS["cluster down"] = time.monotonic() - t0
         print("\n" + out.stdout + out.stderr)
         print("cluster test timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMINGS.items()))
         print("cluster test requests: " + ", ".join(f"{k} {v}" for k, v in COUNTS.items()))
+        if LATENCY:
+            print("kube-proxy: " + LATENCY[0])
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +317,49 @@ def test_rolling_upgrade_of_decode_without_a_failed_request(release):
     COUNTS["decode upgrade: recomputed"] = outcomes.get("recomputed", 0)
     assert wait_for("all Ready", 60, all_ready)
     assert wait_for("every block back", 60, blocks_back)
+
+
+def test_rolling_restart_of_the_router_without_a_failed_request(release):
+    # The router's Service address: each rollout moves it from the old pod to the new one, and
+    # kube-proxy rewrites its rules a moment after the pod changes (the chart's preStop sleep
+    # keeps the old router serving meanwhile).
+    old = {p["metadata"]["name"] for p in pods() if "-router-" in p["metadata"]["name"]}
+    load = Load(router_url(), concurrency=4).run()
+    time.sleep(2)
+    t0 = time.monotonic()
+    kubectl("-n", NS, "rollout", "restart", f"deployment/{FULL}-router")
+    kubectl("-n", NS, "rollout", "status", f"deployment/{FULL}-router", "--timeout=300s", timeout=320)
+    wait_for("the old router pod gone", 120,
+             lambda: not old & {p["metadata"]["name"] for p in pods()} and all_ready(), every=0.5)
+    TIMINGS["router rolling restart -> old pod gone"] = time.monotonic() - t0
+    time.sleep(3)
+    results = load.stop()
+    check_results(results, "router rolling restart")
+    COUNTS["router restart: requests"] = len(results)
+
+
+def kube_proxy_latency() -> str:
+    """kube-proxy's own account of how late its rules were (its metrics: from an endpoint change
+    to the rules that carry it, and one sync of the rules)."""
+    text = requests.get(f"http://{POD_GATEWAY}:10249/metrics", timeout=5).text
+    out = []
+    for metric, what in (("kubeproxy_network_programming_duration_seconds", "endpoint change -> rules"),
+                         ("kubeproxy_sync_proxy_rules_duration_seconds", "rules sync")):
+        total = count = 0.0
+        buckets: list[tuple[str, float]] = []
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == f"{metric}_sum":
+                total = float(value)
+            elif name == f"{metric}_count":
+                count = float(value)
+            elif name.startswith(f"{metric}_bucket{{"):
+                buckets.append((name.split('le="', 1)[1].split('"', 1)[0], float(value)))
+        if count:
+            # The smallest bucket that holds every observation: a bound on the slowest one.
+            top = next(le for le, n in buckets if n >= count)
+            out.append(f"{what}: {count:.0f} times, mean {total / count * 1000:.0f} ms, slowest <= {top} s")
+    return "; ".join(out) or "no observations"
 
 
 def test_probes_the_kubelet_runs_restart_a_crashed_and_a_frozen_engine(release):

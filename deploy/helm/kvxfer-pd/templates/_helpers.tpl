@@ -31,6 +31,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if lt (int .Values.blockSize) 1 -}}
 {{- fail (printf "blockSize must be at least 1, got %v" .Values.blockSize) -}}
 {{- end -}}
+{{- if lt (int .Values.router.drainSeconds) 0 -}}
+{{- fail (printf "router.drainSeconds must be 0 or more, got %v" .Values.router.drainSeconds) -}}
+{{- end -}}
 {{- if and (not .Values.peerTls.insecure) (eq .Values.peerTls.secretName "") -}}
 {{- fail "peerTls.secretName must name the Secret with each engine pod's certificate (or set peerTls.insecure: true)" -}}
 {{- end -}}
