@@ -23,7 +23,7 @@ import { closeSync, ftruncateSync, openSync, unlinkSync } from "node:fs";
 import { performance } from "node:perf_hooks";
 import { pathToFileURL } from "node:url";
 
-import { SidecarClient } from "../src/api/client.js";
+import { SidecarClient } from "../src/api/index.js";
 import {
   Agent,
   type Endpoint,
@@ -39,7 +39,7 @@ import {
   descriptorsForSide,
   planTransfer,
 } from "../src/plan/index.js";
-import type { TransferInfo } from "../src/sidecar/view.js";
+import type { TransferInfo } from "../src/sidecar/index.js";
 import { DEFAULT_DEMO, type DemoRequestRecord } from "../sim/demo-types.js";
 import { runDemo } from "../sim/demo.js";
 import {

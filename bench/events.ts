@@ -8,10 +8,8 @@
 // Run: `node dist/bench/events.js [--json] [--watchers 1,64] [--events N] [--burst N]`.
 import { pathToFileURL } from "node:url";
 import { performance } from "node:perf_hooks";
-import { SidecarClient } from "../src/api/client.js";
-import { startApiServer } from "../src/api/server.js";
-import { EventLog } from "../src/sidecar/event-log.js";
-import type { SidecarStatus, SidecarView } from "../src/sidecar/view.js";
+import { SidecarClient, startApiServer } from "../src/api/index.js";
+import { EventLog, type SidecarStatus, type SidecarView } from "../src/sidecar/index.js";
 
 export interface EventsBenchOptions {
   /** Watcher counts to run; default [1, 64]. */

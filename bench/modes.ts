@@ -19,7 +19,7 @@ import { pathToFileURL } from "node:url";
 
 import { DEFAULT_DEMO, type DemoRequestRecord } from "../sim/demo-types.js";
 import { runDemo } from "../sim/demo.js";
-import type { TransferMode } from "../src/sidecar/view.js";
+import type { TransferMode } from "../src/sidecar/index.js";
 import {
   BenchArgs,
   type Stats,

@@ -13,7 +13,7 @@ import {
   POS_INT,
   STR,
 } from "../src/cli/contract.js";
-import { KV_REGION_SCHEMES } from "../src/plan/layout.js";
+import { KV_REGION_SCHEMES } from "../src/plan/index.js";
 import { parseDemoArgs, runDemoCommand } from "./demo-command.js";
 import { parseSimEngineArgs, SIM_MODELS } from "./engine-input.js";
 import { runSimEngine } from "./engine-process.js";

@@ -8,7 +8,7 @@ import {
   type KvLayout,
   type KvRegionScheme,
 } from "../src/plan/index.js";
-import type { TransferMode } from "../src/sidecar/view.js";
+import type { TransferMode } from "../src/sidecar/index.js";
 import type { SimModel } from "./engine-input.js";
 
 /** Where one side's processes run: a command prefix (network namespace), its address, its NIC. */

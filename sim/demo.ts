@@ -7,9 +7,8 @@
 import { randomBytes } from "node:crypto";
 import { performance } from "node:perf_hooks";
 
-import { SidecarClient, type ResumableWatch } from "../src/api/client.js";
-import { dataPhase } from "../src/sidecar/trace.js";
-import type { SidecarEvent } from "../src/sidecar/view.js";
+import { SidecarClient, type ResumableWatch } from "../src/api/index.js";
+import { dataPhase, type SidecarEvent } from "../src/sidecar/index.js";
 import { SimEngineProcess } from "./engine-client.js";
 import { SidecarProcess } from "./sidecar-process.js";
 import {

@@ -6,7 +6,7 @@
 import { join } from "node:path";
 import { parseArgs } from "node:util";
 
-import { defaultEngineEndpoint } from "../src/engine/link.js";
+import { defaultEngineEndpoint, ENGINE_ID_RULE, engineIdProblem } from "../src/engine/link.js";
 import {
   type KvLayout,
   type KvRegionScheme,
@@ -14,7 +14,6 @@ import {
   kvLayout,
   validateKvLayout,
 } from "../src/plan/index.js";
-import { ENGINE_ID_RULE, engineIdProblem } from "../src/engine/validate.js";
 
 export type SimEngineRole = "prefill" | "decode" | "both";
 

@@ -7,7 +7,7 @@ import { createInterface } from "node:readline";
 
 import { pino } from "pino";
 
-import { stderrSink } from "../src/sidecar/log-sink.js";
+import { stderrSink } from "../src/sidecar/index.js";
 import { SimEngine } from "./engine.js";
 import {
   type SimEngineConfig,

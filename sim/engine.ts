@@ -18,8 +18,10 @@ import { closeSync, ftruncateSync, openSync, unlinkSync } from "node:fs";
 import { create, fromJson, type JsonValue } from "@bufbuild/protobuf";
 import { type Logger } from "pino";
 
-import { EngineLinkClient, engineMessage, kvCacheRegistration } from "../src/engine/link.js";
 import {
+  EngineLinkClient,
+  engineMessage,
+  kvCacheRegistration,
   AbortSchema,
   EngineToSidecarSchema,
   ExpectKvSchema,
@@ -29,7 +31,7 @@ import {
   type Allocated,
   ReleaseReason,
   type SidecarToEngine,
-} from "../src/gen/kvxfer/v1/engine_pb.js";
+} from "../src/engine/link.js";
 import { Agent, type Region } from "../src/native/index.js";
 import { type KvLayout } from "../src/plan/index.js";
 import { fillKv, verifyKv } from "./kv-pattern.js";

@@ -8,8 +8,7 @@
  */
 import { parseArgs } from "node:util";
 
-import { defaultEngineEndpoint } from "../src/engine/link.js";
-import { engineIdProblem } from "../src/engine/validate.js";
+import { defaultEngineEndpoint, engineIdProblem } from "../src/engine/link.js";
 import { UsageError, intFlag } from "./engine-input.js";
 
 export interface SimVllmConfig {

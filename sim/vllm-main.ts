@@ -8,7 +8,7 @@
  */
 import { pino } from "pino";
 
-import { stderrSink } from "../src/sidecar/log-sink.js";
+import { stderrSink } from "../src/sidecar/index.js";
 import { parseSimVllmArgs, SIM_VLLM_USAGE } from "./vllm-args.js";
 import { SimVllmServer } from "./vllm-server.js";
 

@@ -5,7 +5,7 @@
  * (src/cli/sidecar-start.ts) wires the API to it.
  */
 import { readFileSync, readdirSync } from "node:fs";
-import { join } from "node:path";
+import { dirname, join, sep } from "node:path";
 import { fileURLToPath } from "node:url";
 import { describe, expect, it } from "vitest";
 
@@ -59,5 +59,46 @@ describe("the product (src/) apart from its harness", () => {
     expect(Object.keys(pkg.dependencies).filter((d) => /resvg|kvxfer-/.test(d))).toEqual([]);
     expect(pkg.devDependencies["kvxfer-sim"]).toBe("file:sim");
     expect(pkg.devDependencies["kvxfer-bench"]).toBe("file:bench");
+  });
+});
+
+describe("the harness (sim/, bench/) apart from the product's internals", () => {
+  const REPO = fileURLToPath(new URL("../", import.meta.url));
+  const pkg = JSON.parse(readFileSync(join(REPO, "package.json"), "utf8")) as {
+    exports: Record<string, string>;
+  };
+  /** The product's entry points as source files: package.json's `exports` (dist/src/x.js ← src/x.ts). */
+  const entries = new Set(
+    Object.values(pkg.exports)
+      .filter((target) => target.startsWith("./dist/src/"))
+      .map((target) => join(REPO, target.slice("./dist/".length).replace(/\.js$/, ".ts"))),
+  );
+
+  it("names entry points that exist", () => {
+    expect(entries.size).toBeGreaterThanOrEqual(7);
+    for (const file of entries) expect(() => readFileSync(file), file).not.toThrow();
+  });
+
+  it("imports the product only through those entry points", () => {
+    const files = [...tsFiles("sim"), ...tsFiles("bench")];
+    expect(files.length).toBeGreaterThan(40);
+    const wrong: string[] = [];
+    let through = 0;
+    for (const file of files) {
+      for (const spec of importsOf(readFileSync(file, "utf8"))) {
+        if (spec.startsWith("kvxfer/")) {
+          if (!(`./${spec.slice("kvxfer/".length)}` in pkg.exports))
+            wrong.push(`${file} -> ${spec}`);
+          continue;
+        }
+        if (!spec.startsWith(".")) continue;
+        const target = join(dirname(file), spec);
+        if (!target.startsWith(join(REPO, "src") + sep)) continue;
+        through += 1;
+        if (!entries.has(target.replace(/\.js$/, ".ts"))) wrong.push(`${file} -> ${spec}`);
+      }
+    }
+    expect(wrong).toEqual([]);
+    expect(through).toBeGreaterThan(30);
   });
 });

@@ -8,8 +8,12 @@
  */
 import * as grpc from "@grpc/grpc-js";
 
-import { eventToProto, encodeEventResponse } from "../../src/api/convert.js";
-import { asServiceDefinition, sidecarService } from "../../src/api/service.js";
+import {
+  asServiceDefinition,
+  encodeEventResponse,
+  eventToProto,
+  sidecarService,
+} from "../../src/api/index.js";
 import { KvxferError } from "../../src/errors.js";
 import { monoUs } from "../../src/native/index.js";
 import { serveJsonLines } from "./serve.js";

@@ -17,3 +17,6 @@ export {
   type SidecarMessageHandler,
 } from "./link-socket.js";
 export { engineMessage, kvCacheRegistration, sidecarMessage } from "./messages.js";
+export { ENGINE_ID_RULE, engineIdProblem } from "./validate.js";
+// The link's messages (proto/kvxfer/v1/engine.proto), for an engine written against it.
+export * from "../gen/kvxfer/v1/engine_pb.js";
