@@ -58,6 +58,9 @@ BACKEND_PACKING: dict[str, str] = {
     "CUTLASS_MLA": "latent",
     "FLASHINFER_MLA": "latent",
     "CPU_MLA": "latent",
+    # vLLM-CPU picks AMX_MLA over CPU_MLA wherever the CPU has AMX tiles; its cache writer
+    # (concat_and_cache_mla_cpu) stores plain latent rows, probed in tests/test_layout.py.
+    "AMX_MLA": "latent",
 }
 PACKINGS = ("kv_in_tokens", "kv_in_cell", "kv_in_heads", "latent")
 

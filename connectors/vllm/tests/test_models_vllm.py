@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import math
+import re
 import os
 from dataclasses import dataclass
 
@@ -81,7 +82,8 @@ SHAPES = {
     # One block plus one token last: D computes the token past a whole block alone.
     "qwen3-next": Shape(state=3, full=1, block=GDN_BLOCK, state_bytes=GDN_STATE, backoff=1,
                         lengths=(20, 200, GDN_BLOCK + 1), max_model_len=2048),
-    "deepseek-v2": Shape(mla=4, block=16),
+    # The block is the MLA backend's (mla_backend): 16 on CPU_MLA, the engine's 32 on AMX_MLA.
+    "deepseek-v2": Shape(mla=4),
     "gpt-oss": Shape(sliding=2, full=2, token_bytes=2 * 64 * 2 * 2),
     # Mamba-2's state: conv bfloat16[3, 256 + 2 x 16] + recurrent [8, 32, 16] (see _ssm_state_bytes).
     "mamba2": Shape(state=4, state_bytes=3 * 288 * 2 + 8 * 32 * 16 * SSM, backoff=1, lengths=(20, 200)),
@@ -152,17 +154,29 @@ def kv_file(dep, engine_id: str) -> bytes:
         return f.read()
 
 
+def mla_backend(dep) -> str:
+    """The MLA backend P's vLLM picked, as its log names it: AMX_MLA wherever the CPU has AMX
+    tiles (its blocks are the engine's, multiples of 32), else CPU_MLA (vLLM forces 16 tokens)."""
+    found = re.findall(r"Using (\w*MLA) backend", dep.p.tail(10**7))
+    assert found, "P's vLLM log names no MLA backend"
+    return found[-1]
+
+
 def check_mla_difference(dep, params, n: int, got: list[int], want: list[int]) -> None:
     """DeepSeek-V2 on vLLM-CPU: the documented difference, exactly (docs/operations.md)."""
     p_kv, d_kv = kv_file(dep, dep.p_sc.engine_id), kv_file(dep, dep.d_sc.engine_id)
-    block = 16 * LATENT
+    tokens = 16 if mla_backend(dep) == "CPU_MLA" else 32
+    block = tokens * LATENT
     p_ids = params["remote_block_ids"]
-    d_blocks = {d_kv[i:i + block] for i in range(0, len(d_kv) // LAYERS, block)}
-    # Every full block of P's first layer arrives byte-identical.
-    full = [b for k, b in enumerate(p_ids) if (k + 1) * 16 <= n]
-    assert full and all(p_kv[b * block:(b + 1) * block] in d_blocks for b in full)
+    # Every row of P's first layer that D does not recompute (all but the last token's) arrives
+    # byte-identical, at the same place in one of D's blocks.
+    for k, b in enumerate(p_ids):
+        rows = min(tokens, n - 1 - k * tokens) * LATENT
+        if rows > 0:
+            d_starts = {d_kv[i:i + rows] for i in range(0, len(d_kv) // LAYERS, block)}
+            assert p_kv[b * block:b * block + rows] in d_starts, f"P's block {k}: rows differ on D"
     # The last prompt token, recomputed by D: the same latent, another rope part than P's.
-    row = p_ids[(n - 1) // 16] * block + ((n - 1) % 16) * LATENT
+    row = p_ids[(n - 1) // tokens] * block + ((n - 1) % tokens) * LATENT
     p_row = p_kv[row:row + LATENT]
     d_rows = [d_kv[i:i + LATENT] for i in range(0, len(d_kv) // LAYERS, LATENT) if d_kv[i:i + 1024] == p_row[:1024]]
     assert d_rows and all(r[1024:] != p_row[1024:] for r in d_rows)
