@@ -47,7 +47,7 @@ export interface HttpServer {
 
 export interface GetRoute {
   readonly contentType: string;
-  body(): string;
+  body(): string | Promise<string>;
   /** The response's status (default 200). */
   status?(): number;
 }
@@ -89,12 +89,18 @@ export async function serveGets(
         res.writeHead(404, { "content-type": "text/plain" }).end(`not found: try ${served}\n`);
         return;
       }
+      const fail = (err: unknown) => {
+        if (!res.headersSent) res.writeHead(500, { "content-type": "text/plain" });
+        res.end(String(err));
+      };
       try {
-        res
-          .writeHead(route.status?.() ?? 200, { "content-type": route.contentType })
-          .end(route.body());
+        const status = route.status?.() ?? 200;
+        void Promise.resolve(route.body()).then(
+          (body) => res.writeHead(status, { "content-type": route.contentType }).end(body),
+          fail,
+        );
       } catch (err) {
-        res.writeHead(500, { "content-type": "text/plain" }).end(String(err));
+        fail(err);
       }
     },
   );

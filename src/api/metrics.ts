@@ -1,13 +1,14 @@
 /**
- * Prometheus text exposition (format 0.0.4) with a registry small enough to
- * write by hand: counters, gauges and fixed-bucket histograms, with labels.
- * `SidecarMetrics` implements the sidecar's `TransferMetrics`
- * (src/sidecar/metrics.ts); the metric names are listed in docs/api.md.
+ * The sidecar's Prometheus metrics, on prom-client's registry and text exposition (format
+ * 0.0.4). `SidecarMetrics` implements the sidecar's `TransferMetrics` (src/sidecar/metrics.ts);
+ * the metric names are listed in docs/api.md.
  *
- * Label values can come from the network (failure reasons): each metric keeps
- * at most `maxSeries` label sets and folds the rest into `_other`, so a
- * misbehaving peer cannot grow the registry without bound.
+ * Label values can come from the network (failure reasons): each metric keeps at most
+ * `maxSeries` label sets and folds the rest into `_other`, so a misbehaving peer cannot grow the
+ * registry without bound. prom-client has no such cap; `Series` adds it in front of it.
  */
+import * as prom from "prom-client";
+
 import type { TransferMetrics } from "../sidecar/metrics.js";
 
 import { serveGets, type HttpServer } from "./http.js";
@@ -16,152 +17,56 @@ type Labels = Readonly<Record<string, string>>;
 
 const OVERFLOW = "_other";
 
-function escapeLabel(v: string): string {
-  return v.replace(/\\/g, "\\\\").replace(/\n/g, "\\n").replace(/"/g, '\\"');
+/** The label sets one metric has seen, at most `maxSeries`; any further set reads as `_other`. */
+class Series {
+  private readonly seen = new Set<string>();
+
+  constructor(
+    private readonly labelNames: readonly string[],
+    private readonly maxSeries: number,
+  ) {}
+
+  labels(given: Labels): Record<string, string> {
+    const values = this.labelNames.map((n) => given[n] ?? "");
+    const key = values.join("\u0000");
+    if (!this.seen.has(key)) {
+      if (this.seen.size >= this.maxSeries && this.labelNames.length > 0)
+        return Object.fromEntries(this.labelNames.map((n) => [n, OVERFLOW]));
+      this.seen.add(key);
+    }
+    return Object.fromEntries(this.labelNames.map((n, i) => [n, values[i]!]));
+  }
 }
 
-function escapeHelp(v: string): string {
-  return v.replace(/\\/g, "\\\\").replace(/\n/g, "\\n");
-}
-
-function formatValue(v: number): string {
-  if (Number.isNaN(v)) return "NaN";
-  if (v === Infinity) return "+Inf";
-  if (v === -Infinity) return "-Inf";
-  return String(v);
-}
-
-abstract class Metric<S> {
-  private readonly series = new Map<string, { labels: Labels; state: S }>();
-
+export class Counter {
   constructor(
     readonly name: string,
-    readonly help: string,
-    readonly labelNames: readonly string[],
-    private readonly maxSeries: number,
-  ) {
-    if (!/^[a-zA-Z_:][a-zA-Z0-9_:]*$/.test(name)) throw new Error(`bad metric name '${name}'`);
-  }
-
-  abstract readonly type: "counter" | "gauge" | "histogram";
-  protected abstract fresh(): S;
-  protected abstract lines(name: string, labels: Labels, state: S): string[];
-
-  protected get(labels: Labels): S {
-    const values = this.labelNames.map((n) => labels[n] ?? "");
-    let key = values.join("\u0000");
-    let entry = this.series.get(key);
-    if (entry === undefined) {
-      if (this.series.size >= this.maxSeries && this.labelNames.length > 0) {
-        const folded = Object.fromEntries(this.labelNames.map((n) => [n, OVERFLOW]));
-        key = this.labelNames.map(() => OVERFLOW).join("\u0000");
-        entry = this.series.get(key);
-        if (entry === undefined)
-          this.series.set(key, (entry = { labels: folded, state: this.fresh() }));
-        return entry.state;
-      }
-      const clean = Object.fromEntries(this.labelNames.map((n, i) => [n, values[i]!]));
-      this.series.set(key, (entry = { labels: clean, state: this.fresh() }));
-    }
-    return entry.state;
-  }
-
-  expose(): string {
-    const out = [
-      `# HELP ${this.name} ${escapeHelp(this.help)}`,
-      `# TYPE ${this.name} ${this.type}`,
-    ];
-    for (const { labels, state } of this.series.values())
-      out.push(...this.lines(this.name, labels, state));
-    return out.join("\n");
-  }
-}
-
-function labelText(labels: Labels, extra?: [string, string]): string {
-  const parts = Object.entries(labels).map(([k, v]) => `${k}="${escapeLabel(v)}"`);
-  if (extra !== undefined) parts.push(`${extra[0]}="${escapeLabel(extra[1])}"`);
-  return parts.length === 0 ? "" : `{${parts.join(",")}}`;
-}
-
-export class Counter extends Metric<{ v: number }> {
-  readonly type = "counter";
-  protected fresh() {
-    return { v: 0 };
-  }
+    private readonly metric: prom.Counter,
+    private readonly series: Series,
+  ) {}
   inc(labels: Labels = {}, by = 1): void {
     if (!(by >= 0)) throw new RangeError(`counter ${this.name} can only go up (by ${by})`);
-    this.get(labels).v += by;
-  }
-  value(labels: Labels = {}): number {
-    return this.get(labels).v;
-  }
-  protected lines(name: string, labels: Labels, s: { v: number }) {
-    return [`${name}${labelText(labels)} ${formatValue(s.v)}`];
+    this.metric.inc(this.series.labels(labels), by);
   }
 }
 
-export class Gauge extends Metric<{ v: number }> {
-  readonly type = "gauge";
-  protected fresh() {
-    return { v: 0 };
-  }
-  set(labels: Labels, v: number): void {
-    this.get(labels).v = v;
-  }
-  value(labels: Labels = {}): number {
-    return this.get(labels).v;
-  }
-  protected lines(name: string, labels: Labels, s: { v: number }) {
-    return [`${name}${labelText(labels)} ${formatValue(s.v)}`];
-  }
-}
-
-interface HistogramState {
-  readonly counts: number[];
-  sum: number;
-  count: number;
-}
-
-export class Histogram extends Metric<HistogramState> {
-  readonly type = "histogram";
+export class Gauge {
   constructor(
-    name: string,
-    help: string,
-    labelNames: readonly string[],
-    maxSeries: number,
-    /** Upper bounds, increasing; +Inf is implied. */
-    readonly buckets: readonly number[],
-  ) {
-    super(name, help, labelNames, maxSeries);
-    for (let i = 1; i < buckets.length; i++)
-      if (!(buckets[i]! > buckets[i - 1]!)) throw new Error(`buckets of ${name} must increase`);
+    private readonly metric: prom.Gauge,
+    private readonly series: Series,
+  ) {}
+  set(labels: Labels, v: number): void {
+    this.metric.set(this.series.labels(labels), v);
   }
-  protected fresh(): HistogramState {
-    return { counts: new Array<number>(this.buckets.length).fill(0), sum: 0, count: 0 };
-  }
+}
+
+export class Histogram {
+  constructor(
+    private readonly metric: prom.Histogram,
+    private readonly series: Series,
+  ) {}
   observe(labels: Labels, v: number): void {
-    const s = this.get(labels);
-    // Counts are per bucket here and made cumulative when exposed.
-    const i = this.buckets.findIndex((b) => v <= b);
-    if (i >= 0) s.counts[i]!++;
-    s.sum += v;
-    s.count++;
-  }
-  snapshot(labels: Labels = {}): { count: number; sum: number } {
-    const s = this.get(labels);
-    return { count: s.count, sum: s.sum };
-  }
-  protected lines(name: string, labels: Labels, s: HistogramState) {
-    const out: string[] = [];
-    let cum = 0;
-    this.buckets.forEach((b, i) => {
-      cum += s.counts[i]!;
-      out.push(`${name}_bucket${labelText(labels, ["le", formatValue(b)])} ${cum}`);
-    });
-    out.push(`${name}_bucket${labelText(labels, ["le", "+Inf"])} ${s.count}`);
-    out.push(`${name}_sum${labelText(labels)} ${formatValue(s.sum)}`);
-    out.push(`${name}_count${labelText(labels)} ${s.count}`);
-    return out;
+    this.metric.observe(this.series.labels(labels), v);
   }
 }
 
@@ -171,15 +76,20 @@ export interface MetricOptions {
   readonly maxSeries?: number;
 }
 
+/** One sidecar's metrics (a prom-client `Registry` of its own, never the global one). */
 export class MetricsRegistry {
-  private readonly metrics = new Map<string, { readonly name: string; expose(): string }>();
+  readonly registry = new prom.Registry();
   private readonly collectors: (() => void)[] = [];
 
   counter(name: string, help: string, opts: MetricOptions = {}): Counter {
-    return this.add(new Counter(name, help, opts.labelNames ?? [], opts.maxSeries ?? 64));
+    const labelNames = opts.labelNames ?? [];
+    const metric = new prom.Counter({ name, help, labelNames, registers: [this.checked(name)] });
+    return new Counter(name, metric, new Series(labelNames, opts.maxSeries ?? 64));
   }
   gauge(name: string, help: string, opts: MetricOptions = {}): Gauge {
-    return this.add(new Gauge(name, help, opts.labelNames ?? [], opts.maxSeries ?? 64));
+    const labelNames = opts.labelNames ?? [];
+    const metric = new prom.Gauge({ name, help, labelNames, registers: [this.checked(name)] });
+    return new Gauge(metric, new Series(labelNames, opts.maxSeries ?? 64));
   }
   histogram(
     name: string,
@@ -187,23 +97,31 @@ export class MetricsRegistry {
     buckets: readonly number[],
     opts: MetricOptions = {},
   ): Histogram {
-    return this.add(
-      new Histogram(name, help, opts.labelNames ?? [], opts.maxSeries ?? 64, buckets),
-    );
+    for (let i = 1; i < buckets.length; i++)
+      if (!(buckets[i]! > buckets[i - 1]!)) throw new Error(`buckets of ${name} must increase`);
+    const labelNames = opts.labelNames ?? [];
+    const metric = new prom.Histogram({
+      name,
+      help,
+      labelNames,
+      buckets: [...buckets],
+      registers: [this.checked(name)],
+    });
+    return new Histogram(metric, new Series(labelNames, opts.maxSeries ?? 64));
   }
   /** Runs before each exposition (for gauges read from elsewhere, e.g. the event log). */
   onCollect(fn: () => void): void {
     this.collectors.push(fn);
   }
   /** The whole registry in Prometheus text format. */
-  expose(): string {
+  expose(): Promise<string> {
     for (const c of this.collectors) c();
-    return [...this.metrics.values()].map((m) => m.expose()).join("\n") + "\n";
+    return this.registry.metrics();
   }
-  private add<M extends { readonly name: string; expose(): string }>(m: M): M {
-    if (this.metrics.has(m.name)) throw new Error(`metric ${m.name} registered twice`);
-    this.metrics.set(m.name, m);
-    return m;
+  private checked(name: string): prom.Registry {
+    if (this.registry.getSingleMetric(name) !== undefined)
+      throw new Error(`metric ${name} registered twice`);
+    return this.registry;
   }
 }
 
@@ -359,7 +277,7 @@ export function startMetricsServer(opts: {
   const ready = opts.ready;
   return serveGets("metrics", opts.address ?? "127.0.0.1:0", {
     "/metrics": {
-      contentType: "text/plain; version=0.0.4; charset=utf-8",
+      contentType: prom.Registry.PROMETHEUS_CONTENT_TYPE,
       body: () => opts.registry.expose(),
     },
     ...(ready !== undefined

@@ -47,9 +47,9 @@ describe("metrics", () => {
     expect(res.headers.get("content-type")).toMatch(/text\/plain; version=0.0.4/);
     const text = await res.text();
     expect(text).toContain("# TYPE kvxfer_transfer_latency_seconds histogram");
-    expect(text).toContain('kvxfer_transfer_latency_seconds_bucket{mode="push",le="0.005"} 1');
-    expect(text).toContain('kvxfer_transfer_latency_seconds_bucket{mode="push",le="0.05"} 2');
-    expect(text).toContain('kvxfer_transfer_latency_seconds_bucket{mode="push",le="+Inf"} 2');
+    expect(text).toContain('kvxfer_transfer_latency_seconds_bucket{le="0.005",mode="push"} 1');
+    expect(text).toContain('kvxfer_transfer_latency_seconds_bucket{le="0.05",mode="push"} 2');
+    expect(text).toContain('kvxfer_transfer_latency_seconds_bucket{le="+Inf",mode="push"} 2');
     expect(text).toContain('kvxfer_transfer_latency_seconds_count{mode="pull"} 1');
     expect(text).toContain('kvxfer_transfer_latency_seconds_sum{mode="push"} 0.043');
     expect(text).toContain(`kvxfer_transfer_bytes_total{mode="push"} ${3 << 20}`);
@@ -64,14 +64,11 @@ describe("metrics", () => {
     log.close();
   });
 
-  it("folds label sets beyond maxSeries into _other", () => {
+  it("folds label sets beyond maxSeries into _other", async () => {
     const r = new MetricsRegistry();
     const c = r.counter("x_total", "x", { labelNames: ["reason"], maxSeries: 3 });
     for (let i = 0; i < 100; i++) c.inc({ reason: `r${i}` });
-    const lines = r
-      .expose()
-      .split("\n")
-      .filter((l) => l.startsWith("x_total"));
+    const lines = (await r.expose()).split("\n").filter((l) => l.startsWith("x_total"));
     expect(lines).toEqual([
       'x_total{reason="r0"} 1',
       'x_total{reason="r1"} 1',

@@ -62,7 +62,9 @@ describe("--notify-zmq", () => {
       encodeReqId("d").toString("latin1"),
     ]);
     expect(n.counts.sent).toBe(got.length);
-    expect(registry.expose()).toContain(`kvxfer_notify_zmq_total{result="sent"} ${got.length}`);
+    expect(await registry.expose()).toContain(
+      `kvxfer_notify_zmq_total{result="sent"} ${got.length}`,
+    );
     n.close();
     pull.close();
     await reader.catch(() => undefined);
