@@ -1,4 +1,10 @@
-/** grpc.health.v1.Health's handlers. */
+/**
+ * grpc.health.v1.Health's handlers. Not grpc-health-check's `HealthImplementation` (2.1.0, looked
+ * at for issue 49): it keeps every Watch stream in an unbounded set, so one client could hold
+ * any number open (the attack of issue 48 that `healthShares` caps per client), and it loads
+ * the proto at run time through @grpc/proto-loader beside the generated @bufbuild/protobuf
+ * codecs every other service here uses.
+ */
 import * as grpc from "@grpc/grpc-js";
 import { create } from "@bufbuild/protobuf";
 import {
