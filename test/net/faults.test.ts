@@ -2,7 +2,7 @@
 // cap, loss loses packets on the wire (TCP still delivers every byte), a one-way drop and a
 // link down cut the link and healing restores it, netem is skipped by name where the kernel
 // lacks it, and destroy leaves nothing behind. Needs root, tc and iptables.
-import { spawn } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
 import { FaultNet, faultSupport, type Side } from "./faults.js";
@@ -179,6 +179,41 @@ describe.skipIf(support.missing !== undefined)(
         const after = await send(net, "p", dSink(), 1, 5_000);
         expect(after.ms!).toBeLessThan(clean.ms! + 60);
         expect(net.faults()).toEqual([]);
+      },
+      40_000,
+    );
+
+    it.skipIf(support.delayMissing !== undefined)(
+      `the delay line keeps packets in order unless asked to reorder: 4 MiB through 2 ms +- 1 ms each way, D's TCP queues nothing out of order, then does with "reorder"${support.delayMissing !== undefined ? ` (skipped: ${support.delayMissing})` : ""}`,
+      async () => {
+        // TcpExtTCPOFOQueue: segments D's TCP had to queue because an earlier one had not come.
+        const ofo = (): number => {
+          const out = execFileSync(
+            net.hosts.d.prefix[0]!,
+            [...net.hosts.d.prefix.slice(1), "nstat", "-az", "TcpExtTCPOFOQueue"],
+            { encoding: "utf8" },
+          );
+          return Number(/TcpExtTCPOFOQueue\s+(\d+)/.exec(out)?.[1] ?? NaN);
+        };
+        const through = async (reorder: boolean): Promise<number> => {
+          await net.delay("p", 2, 1, reorder);
+          await net.delay("d", 2, 1, reorder);
+          try {
+            const before = ofo();
+            const bulk = await send(net, "p", dSink(), 4 << 20, 20_000);
+            expect(bulk.got).toBe(4 << 20);
+            return ofo() - before;
+          } finally {
+            net.undelay();
+          }
+        };
+        const inOrder = await through(false);
+        const reordered = await through(true);
+        console.log(
+          `[harness] 4 MiB through 2 ms +- 1 ms each way: ${inOrder} segments out of order, ${reordered} with "reorder"`,
+        );
+        expect(inOrder).toBe(0);
+        expect(reordered).toBeGreaterThan(0);
       },
       40_000,
     );

@@ -345,10 +345,12 @@ export class FaultNet {
 
   /**
    * Holds every packet arriving at `side` on the data link `delayMs` ± up to `jitterMs` (so one
-   * way: call it for both sides for a round trip's worth), with the NFQUEUE delay line. Resolves
-   * once the line is running and the rule in place. Throws when `faultSupport().delayMissing`.
+   * way: call it for both sides for a round trip's worth), with the NFQUEUE delay line. Packets
+   * leave in the order they came unless `reorder` (then jitter wider than the gap between two
+   * packets swaps them, as netem's jitter does). Resolves once the line is running and the rule
+   * in place. Throws when `faultSupport().delayMissing`.
    */
-  async delay(side: Side, delayMs: number, jitterMs = 0): Promise<void> {
+  async delay(side: Side, delayMs: number, jitterMs = 0, reorder = false): Promise<void> {
     const why = faultSupport().delayMissing;
     if (why !== undefined) throw new Error(`delay: ${why}`);
     this.undelay(side);
@@ -356,7 +358,14 @@ export class FaultNet {
     const queue = String(52);
     const child = spawn(
       h.prefix[0]!,
-      [...h.prefix.slice(1), nfqDelayBinary(), queue, String(delayMs), String(jitterMs)],
+      [
+        ...h.prefix.slice(1),
+        nfqDelayBinary(),
+        queue,
+        String(delayMs),
+        String(jitterMs),
+        reorder ? "reorder" : "order",
+      ],
       { stdio: ["ignore", "pipe", "pipe"] },
     );
     this.delayLines.set(side, child);

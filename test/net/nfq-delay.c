@@ -1,10 +1,12 @@
 // The fault harness's delay line (issue 52) for kernels without netem: packets an iptables rule
 // sends to NFQUEUE queue <n> are held <delay> ms, plus or minus up to <jitter> ms uniformly at
-// random, then accepted. Jitter larger than the gap between packets reorders them, as netem's
-// does. Verdicts are given when each packet is due, not in arrival order (libnetfilter_queue
-// allows that); only packet metadata is copied to user space.
+// random, then accepted. By default packets leave in the order they came (a packet is never due
+// before the one ahead of it, as on a real path, where jitter is queueing); with "reorder",
+// jitter larger than the gap between packets reorders them, as netem's does. Packets due at the
+// same microsecond leave in arrival order. Verdicts are given when each packet is due, not in
+// arrival order (libnetfilter_queue allows that); only packet metadata is copied to user space.
 //
-//   nfq-delay <queue> <delay_ms> <jitter_ms> [seed]
+//   nfq-delay <queue> <delay_ms> <jitter_ms> [order|reorder] [seed]
 //
 // Prints "ready" once bound; runs until SIGTERM or SIGINT, then accepts what it still holds.
 #include <arpa/inet.h>
@@ -25,11 +27,14 @@
 typedef struct {
   uint32_t id;
   uint64_t due_us;
+  uint64_t seq;  // arrival order: the tie-break between packets due at the same microsecond
 } Held;
 
 static Held held[MAX_HELD];
 static size_t n_held = 0;
 static double delay_us = 0, jitter_us = 0;
+static int reorder = 0;
+static uint64_t next_seq = 0, last_due_us = 0;
 static volatile sig_atomic_t stop = 0;
 static uint64_t rng = 88172645463325252ull;
 
@@ -47,14 +52,19 @@ static double uniform(void) {
   return (double)(rng >> 11) / 9007199254740992.0;
 }
 
-// A binary heap on due_us: the next packet due is held[0].
+static int before(const Held* a, const Held* b) {
+  return a->due_us < b->due_us || (a->due_us == b->due_us && a->seq < b->seq);
+}
+
+// A binary heap on (due_us, seq): the next packet due is held[0].
 static void push(uint32_t id, uint64_t due) {
   size_t i = n_held++;
   held[i].id = id;
   held[i].due_us = due;
+  held[i].seq = next_seq++;
   while (i > 0) {
     size_t p = (i - 1) / 2;
-    if (held[p].due_us <= held[i].due_us) break;
+    if (!before(&held[i], &held[p])) break;
     Held t = held[p];
     held[p] = held[i];
     held[i] = t;
@@ -68,8 +78,8 @@ static Held pop(void) {
   size_t i = 0;
   for (;;) {
     size_t l = 2 * i + 1, r = l + 1, m = i;
-    if (l < n_held && held[l].due_us < held[m].due_us) m = l;
-    if (r < n_held && held[r].due_us < held[m].due_us) m = r;
+    if (l < n_held && before(&held[l], &held[m])) m = l;
+    if (r < n_held && before(&held[r], &held[m])) m = r;
     if (m == i) break;
     Held t = held[m];
     held[m] = held[i];
@@ -89,7 +99,10 @@ static int on_packet(struct nfq_q_handle* qh, struct nfgenmsg* msg, struct nfq_d
   double d = delay_us + (jitter_us > 0 ? (uniform() * 2 - 1) * jitter_us : 0);
   if (d < 0) d = 0;
   if (n_held >= MAX_HELD || d == 0) return nfq_set_verdict(qh, id, NF_ACCEPT, 0, NULL);
-  push(id, now_us() + (uint64_t)d);
+  uint64_t due = now_us() + (uint64_t)d;
+  if (!reorder && due < last_due_us) due = last_due_us;
+  last_due_us = due;
+  push(id, due);
   return 0;
 }
 
@@ -100,13 +113,21 @@ static void on_signal(int sig) {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    fprintf(stderr, "usage: nfq-delay <queue> <delay_ms> <jitter_ms> [seed]\n");
+    fprintf(stderr, "usage: nfq-delay <queue> <delay_ms> <jitter_ms> [order|reorder] [seed]\n");
     return 2;
   }
   int queue = atoi(argv[1]);
   delay_us = atof(argv[2]) * 1000.0;
   jitter_us = atof(argv[3]) * 1000.0;
-  if (argc > 4) rng = strtoull(argv[4], NULL, 10) | 1u;
+  if (argc > 4) {
+    if (strcmp(argv[4], "reorder") == 0) {
+      reorder = 1;
+    } else if (strcmp(argv[4], "order") != 0) {
+      fprintf(stderr, "nfq-delay: mode '%s' is neither 'order' nor 'reorder'\n", argv[4]);
+      return 2;
+    }
+  }
+  if (argc > 5) rng = strtoull(argv[5], NULL, 10) | 1u;
   signal(SIGTERM, on_signal);
   signal(SIGINT, on_signal);
 
