@@ -41,7 +41,8 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                      });
 }
 
-// new Agent({ name, transports, netDevices, busyPoll, maxNotificationBytes }, onEvents)
+// new Agent({ name, transports, netDevices, busyPoll, spinUs, tcpUserTimeoutMs,
+//             maxNotificationBytes }, onEvents)
 AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWrap>(info) {
   Napi::Env env = info.Env();
   data_ = env.GetInstanceData<AddonData>();
@@ -63,6 +64,10 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   Napi::Value spin = o.Get("spinUs");
   if (spin.IsNumber() && spin.As<Napi::Number>().Int64Value() > 0) {
     opts.spin_after_activity = std::chrono::microseconds(spin.As<Napi::Number>().Int64Value());
+  }
+  Napi::Value user_timeout = o.Get("tcpUserTimeoutMs");
+  if (user_timeout.IsNumber() && user_timeout.As<Napi::Number>().Int64Value() > 0) {
+    opts.tcp_user_timeout_ms = static_cast<uint64_t>(user_timeout.As<Napi::Number>().Int64Value());
   }
   Napi::Value maxn = o.Get("maxNotificationBytes");
   if (maxn.IsNumber()) opts.max_notification_bytes = maxn.As<Napi::Number>().Int64Value();

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 
 namespace kvxfer {
@@ -52,6 +53,15 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
     *status = ucp_config_modify(cfg.config, "NET_DEVICES", opts.net_devices.c_str());
     if (*status != UCS_OK) {
       *what = "invalid net device list '" + opts.net_devices + "'";
+      return nullptr;
+    }
+  }
+
+  if (opts.tcp_user_timeout_ms > 0 && std::getenv("UCX_TCP_USER_TIMEOUT") == nullptr) {
+    const std::string value = std::to_string(opts.tcp_user_timeout_ms) + "ms";
+    *status = ucp_config_modify(cfg.config, "TCP_USER_TIMEOUT", value.c_str());
+    if (*status != UCS_OK) {
+      *what = "cannot set UCX's TCP_USER_TIMEOUT to " + value;
       return nullptr;
     }
   }

@@ -41,6 +41,11 @@ struct EngineOptions {
   // After any activity, poll this long before sleeping on the event fd.
   std::chrono::microseconds spin_after_activity{0};
   size_t max_notification_bytes = 4 << 20;
+  // TCP transports: a connection whose sent bytes stay unacknowledged this long is given up by
+  // the kernel (TCP_USER_TIMEOUT, as UCX_TCP_USER_TIMEOUT), so a connection cut by a partition
+  // fails instead of resuming at TCP's next backed-off retransmission after the heal. 0 = UCX's
+  // default; UCX_TCP_USER_TIMEOUT in the environment wins.
+  uint64_t tcp_user_timeout_ms = 0;
 };
 
 class ProgressEngine {

@@ -122,6 +122,7 @@ export interface NativeAddon {
       busyPoll: boolean;
       progress: "thread" | "caller";
       spinUs: number;
+      tcpUserTimeoutMs: number;
       maxNotificationBytes: number;
     },
     onEvents: (batch: NativeEvent[]) => void,

@@ -89,6 +89,7 @@ export class Agent extends EventEmitter<AgentEvents> {
             busyPoll: options.busyPoll ?? false,
             progress: options.progress ?? "thread",
             spinUs: options.spinUs ?? 0,
+            tcpUserTimeoutMs: options.tcpUserTimeoutMs ?? 0,
             maxNotificationBytes,
           },
           (batch) => this.onNativeEvents(batch),

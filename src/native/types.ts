@@ -56,6 +56,13 @@ export interface AgentOptions {
    * sleeping thread costs milliseconds on a VM). Default 0.
    */
   spinUs?: number;
+  /**
+   * TCP transports: give a connection up once bytes it sent stay unacknowledged this long
+   * (TCP_USER_TIMEOUT, as UCX_TCP_USER_TIMEOUT; that variable, when set, wins). Its operations
+   * then fail instead of resuming at TCP's next backed-off retransmission after a partition
+   * heals (up to two minutes later). Default 0: UCX's default (the kernel's).
+   */
+  tcpUserTimeoutMs?: number;
   /** Largest notification accepted or sent. Default 4 MiB. */
   maxNotificationBytes?: number;
 }

@@ -43,6 +43,8 @@ export interface KvSettings {
   readonly maxRegistrationBytes: number;
   readonly maxKvBytes: number;
   readonly prefault: boolean;
+  /** A peer silent this long is down: also how long a TCP connection may go unacknowledged. */
+  readonly peerTimeoutMs: number;
 }
 
 /** The ports registration is built with. */
@@ -367,6 +369,12 @@ export class KvRegistry implements KvGate {
       maxNotificationBytes: MAX_PEER_MESSAGE_BYTES,
       busyPoll: this.host.opts.busyPoll,
       spinUs: spinFor(this.host.opts.spinUs, ranks),
+      // A connection that delivers nothing for as long as a silent peer is declared down is
+      // given up by the kernel: after a partition longer than that, the old connections fail
+      // (their reads and writes settle at once) instead of resuming at TCP's next backed-off
+      // retransmission, seconds to minutes after the heal, while the blocks they touch stay
+      // held (docs/operations.md, "Network faults"). A slow link keeps being acknowledged.
+      tcpUserTimeoutMs: this.host.opts.peerTimeoutMs,
     });
   }
 
