@@ -12,6 +12,9 @@ import { BYTES_PER_TOKEN, attempt, startNetPair, type Outcome } from "./net-fixt
 
 const support = faultSupport();
 
+/** A peer silent 2 s is down, heartbeats every 0.5 s: the cases stay short. */
+const FAST_PEER = ["--peer-timeout-ms", "2000", "--heartbeat-ms", "500"] as const;
+
 function summary(outs: Outcome[]): string {
   const by = new Map<string, number>();
   for (const o of outs) {
@@ -82,7 +85,7 @@ describe.skipIf(support.missing !== undefined)(
       "a 50 Mbit/s cap with 16 x 2 MiB in flight (%s): a peer delivering bytes is alive, every transfer verified",
       async (how) => {
         pair = await startNetPair(net, {
-          sidecarArgs: ["--peer-timeout-ms", "2000", "--heartbeat-ms", "500"],
+          sidecarArgs: [...FAST_PEER],
         });
         const tokens = (2 << 20) / BYTES_PER_TOKEN;
         net.cap(50);
@@ -157,7 +160,7 @@ describe.skipIf(support.missing !== undefined)(
         await net.delay("p", 5, 1);
         await net.delay("d", 5, 1);
         pair = await startNetPair(net, {
-          sidecarArgs: ["--peer-timeout-ms", "2000", "--heartbeat-ms", "500"],
+          sidecarArgs: [...FAST_PEER],
         });
         const tokens = (512 << 10) / BYTES_PER_TOKEN;
         const one = (tag: string, i: number): Promise<Outcome> =>
@@ -206,7 +209,7 @@ describe.skipIf(support.missing !== undefined)(
 
     it("1% loss each way, 8 x 2 MiB in flight (pull and push): every transfer verified, no peer declared dead", async () => {
       pair = await startNetPair(net, {
-        sidecarArgs: ["--peer-timeout-ms", "2000", "--heartbeat-ms", "500"],
+        sidecarArgs: [...FAST_PEER],
       });
       const tokens = (2 << 20) / BYTES_PER_TOKEN;
       const clean = await attempt(pair, "loss-clean", { tokens, pull: true, timeoutMs: 15_000 });
@@ -236,17 +239,15 @@ describe.skipIf(support.missing !== undefined)(
     // peer timeout (2 s here) and a margin. But a read or write given up on is not cancelled in
     // UCX: over TCP it waits in the old connection and its bytes land when the link comes back
     // (before the settle wait: a push right after the link came up was verified wrong by D's
-    // engine, CI stop 54). So the blocks they touch stay held while the link is down, past
-    // every lease (5 s here) and the old drain bound (6 s), and come back once the old
-    // connection has delivered or failed what it held. Right after the link is up, a pull and
-    // a push are verified, byte for byte.
+    // engine, CI stop 54). So the blocks they touch stay held until nothing can land any more:
+    // a pull's once D's kernel has given its connection up (TCP_USER_TIMEOUT, the peer timeout),
+    // a push's once P can say its writes are over, when the link is back, past every lease (5 s
+    // here) and the old drain bound (6 s). Right after the link is up, a pull and a push are
+    // verified, byte for byte.
     it("D's link down for good under a 50 Mbit/s cap with 8 in flight: failed within the peer timeout; a pull's blocks back once D's kernel gave its connection up, a push's held until P can say its writes are over; then every block back, the next transfers verified", async () => {
       pair = await startNetPair(net, {
         sidecarArgs: [
-          "--peer-timeout-ms",
-          "2000",
-          "--heartbeat-ms",
-          "500",
+          ...FAST_PEER,
           "--lease-ms",
           "5000",
           "--reg-lease-ms",
@@ -325,14 +326,7 @@ describe.skipIf(support.missing !== undefined)(
     // 2 min: TCP's longest backoff).
     const partition = async (how: "both ways" | "P -> D only" | "D -> P only", cutMs: number) => {
       pair = await startNetPair(net, {
-        sidecarArgs: [
-          "--peer-timeout-ms",
-          "2000",
-          "--heartbeat-ms",
-          "500",
-          "--reg-lease-ms",
-          "10000",
-        ],
+        sidecarArgs: [...FAST_PEER, "--reg-lease-ms", "10000"],
       });
       const tag = `${how.replace(/\W/g, "")}${cutMs}`;
       const tokens = (2 << 20) / BYTES_PER_TOKEN;
