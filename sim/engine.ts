@@ -32,6 +32,7 @@ import {
   ReleaseReason,
   type SidecarToEngine,
 } from "../src/engine/link.js";
+import { errorCode } from "../src/errors.js";
 import { Agent, type Region } from "../src/native/index.js";
 import { type KvLayout } from "../src/plan/index.js";
 import { fillKv, verifyKv } from "./kv-pattern.js";
@@ -93,7 +94,7 @@ export class SimEngine {
   /** Bumped by every RegisterKvCache sent; a transfer remembers the value it was sent under. */
   private regGen = 0;
   private everConnected = false;
-  /** Re-registrations refused as ERR_ALREADY_REGISTERED by the same sidecar, in a row. */
+  /** Re-registrations refused as ERR_ENGINE_LINK_TAKEN by the same sidecar, in a row. */
   private alreadyRetries = 0;
   private lostTimer: NodeJS.Timeout | undefined;
   /** Checks of KV waiting for --check-after-ms (cleared at stop). */
@@ -388,8 +389,7 @@ export class SimEngine {
     if (!ok) {
       if (
         epoch === this.epoch &&
-        error.startsWith("ERR_ALREADY_REGISTERED") &&
-        error.includes("another live connection") &&
+        errorCode(error) === "ERR_ENGINE_LINK_TAKEN" &&
         this.alreadyRetries < MAX_ALREADY_RETRIES
       ) {
         // The same sidecar has not yet seen our old connection end (it hands the link to a new

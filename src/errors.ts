@@ -61,7 +61,8 @@ export function hasCode(err: unknown, code: string): boolean {
 export const ERROR_CODES = {
   ERR_ABORTED: "the transfer was aborted, by an engine or by the peer, before it finished",
   ERR_ALLOCATE_REFUSED: "simulated engine: the sidecar refused its AllocateKv",
-  ERR_ALREADY_REGISTERED: "RegisterKvCache refused: this sidecar already accepted a registration",
+  ERR_ALREADY_REGISTERED:
+    "a registration was already accepted: RegisterKvCache again from its connection, or AllocateKv",
   ERR_BAD_ADDRESS:
     "an address kvxfer cannot parse: a side channel host:port or a UCX worker address",
   ERR_BAD_BLOCKS: "block ids that do not fit the layout or the token count",
@@ -96,6 +97,8 @@ export const ERROR_CODES = {
   ERR_DUPLICATE: "a transfer id that is already live, or a second registration for one transfer",
   ERR_ENDED: "a push registration for a transfer that has already ended on P",
   ERR_ENDPOINT_MISMATCH: "a remote region used on another endpoint than the one it was imported on",
+  ERR_ENGINE_LINK_TAKEN:
+    "RegisterKvCache refused for now: another live connection owns this sidecar's engine link",
   ERR_ENGINE_SOCKET_IN_USE: "another live process holds the engine link's ipc socket",
   ERR_EXITED: "a child process (simulated engine, benchmark peer) exited before answering",
   ERR_FELL_BEHIND: "a watcher did not read while too many live events waited for it",
@@ -117,6 +120,8 @@ export const ERROR_CODES = {
   ERR_MEMORY_TYPE_UNSUPPORTED:
     "a memory type the running UCX cannot serve (cuda without UCX's cuda transports or a driver)",
   ERR_NATIVE_MISSING: "the native addon is not built, or the package root is not found",
+  ERR_NEEDS_NEW_SIDECAR:
+    "RegisterKvCache refused: a new engine process registers other memory than the gone one",
   ERR_NOTIFICATION_TOO_LARGE: "a notification above the agent's maxNotificationBytes",
   ERR_NOT_FOUND: "the transfer's terminal event has been dropped from the event log",
   ERR_NOT_OWNER: "a transfer message from a connection that does not own the engine link",
@@ -167,3 +172,11 @@ export const ERROR_CODES = {
 
 /** A code in the catalogue. */
 export type ErrorCode = keyof typeof ERROR_CODES;
+
+/**
+ * The code of an error carried as text ("<code>: what happened", as `Registered.error`), for
+ * deciding by code, never by the words after it; "" when the text does not start with a code.
+ */
+export function errorCode(error: string): string {
+  return /^(ERR_[A-Z0-9_]+)(?::|$)/.exec(error)?.[1] ?? "";
+}

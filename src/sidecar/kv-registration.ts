@@ -252,12 +252,12 @@ export class KvRegistry implements KvGate {
           "a registration from a second engine connection refused: the link is taken",
         );
         return fail(
-          "ERR_ALREADY_REGISTERED: another live connection owns this engine link (one engine per sidecar)",
+          "ERR_ENGINE_LINK_TAKEN: another live connection owns this engine link (one engine per sidecar)",
         );
       }
       if (!this.isSameCache(reg)) {
         return fail(
-          "ERR_ALREADY_REGISTERED: the engine that registered is gone, but this registration names " +
+          "ERR_NEEDS_NEW_SIDECAR: the engine that registered is gone, but this registration names " +
             "other memory; a new engine process needs a new sidecar (new epoch): with " +
             "--engine-lease-ms this sidecar stops by itself once the old engine is provably gone " +
             "(its KV files removed, or its connection gone that long), else restart it",

@@ -139,7 +139,7 @@ describe("engine link ownership (multi-process)", () => {
     ] as const) {
       const same = await evil.register(registrationOf(node));
       expect(same.ok).toBe(false);
-      expect(same.error).toMatch(/^ERR_ALREADY_REGISTERED: another live connection owns/);
+      expect(same.error).toMatch(/^ERR_ENGINE_LINK_TAKEN: another live connection owns/);
       expect(same.epoch).toBe(BigInt(node.ready.epoch));
       const other = await evil.register({ ...registrationOf(node), engineId: "someone-else" });
       expect(other.ok).toBe(false);
@@ -236,7 +236,7 @@ describe("engine link ownership (multi-process)", () => {
     for (const reg of [theirs, mine]) {
       const r = await b.register(reg);
       expect(r.ok).toBe(false);
-      expect(r.error).toMatch(/ERR_ALREADY_REGISTERED: another live connection/);
+      expect(r.error).toMatch(/^ERR_ENGINE_LINK_TAKEN: another live connection/);
     }
     expect((await b.abort("x")).code).toBe("ERR_NOT_OWNER");
     expect((await a.abort("x")).code).toBe("ERR_UNKNOWN_TRANSFER");

@@ -50,11 +50,18 @@ _MAX_GIVING_UP = 10_000
 _REREGISTER_S = 0.5
 
 
+def _code(error: str) -> str:
+    """The code of a ``"ERR_X: text"`` error (``Registered.error``): decisions read it, never the text."""
+    head = error.split(":", 1)[0].strip()
+    return head if head.startswith("ERR_") else ""
+
+
+#: Refusals that a later answer (or the next sidecar) may turn into an acceptance.
+_RETRYABLE = frozenset({"ERR_ENGINE_LINK_TAKEN", "ERR_NEEDS_NEW_SIDECAR"})
+
+
 def _retryable(error: str) -> bool:
-    """Refusals that a later answer (or the next sidecar) may turn into an acceptance."""
-    return error.startswith("ERR_ALREADY_REGISTERED") and (
-        "is gone" in error or "another live connection" in error
-    )
+    return _code(error) in _RETRYABLE
 
 _EXPIRED_REASONS = (engine_pb2.FAILURE_REASON_TIMEOUT, engine_pb2.FAILURE_REASON_LEASE_EXPIRED)
 
@@ -502,11 +509,11 @@ class WorkerLogic:
                 self.restarts += 1
             self._fail_all_in_flight()
         elif not ans.ok and ans.epoch == self.epoch:
-            # The same sidecar still holds this registration (ERR_ALREADY_REGISTERED). After a
+            # The same sidecar still holds this registration (ERR_ENGINE_LINK_TAKEN). After a
             # reconnect it hands the link to the new connection only once it has seen the old one
-            # end ("another live connection owns ..." until then): ask again shortly, bounded.
+            # end (ERR_ENGINE_LINK_TAKEN until then): ask again shortly, bounded.
             if (
-                "another live connection" in ans.error
+                _code(ans.error) == "ERR_ENGINE_LINK_TAKEN"
                 and self._registration is not None
                 and self._already_retries < _MAX_ALREADY_RETRIES
             ):
@@ -514,7 +521,7 @@ class WorkerLogic:
                 retry = threading.Timer(_ALREADY_RETRY_S, self._send, args=(self._registration,))
                 retry.daemon = True
                 retry.start()
-        elif not ans.ok and "already registered" in ans.error:
+        elif not ans.ok and _code(ans.error) == "ERR_ALREADY_REGISTERED":
             pass  # this connection owns the link already (a registration sent twice)
         elif not ans.ok:
             log.error("kvxfer: the sidecar refused the re-registration: %s", ans.error)

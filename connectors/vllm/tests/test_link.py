@@ -286,7 +286,7 @@ def test_unknown_engine_answer_reregisters(sidecars, shm_dir):
 
 def test_reregistration_refused_by_the_same_sidecar_is_retried(sidecars, shm_dir):
     """After a reconnect the sidecar hands the link to the new connection only once it has seen the
-    old one end; until then it answers ERR_ALREADY_REGISTERED ("another live connection") at the
+    old one end; until then it answers ERR_ENGINE_LINK_TAKEN at the
     same epoch. The connector asks again (bounded) and loses nothing; a transfer still works."""
     p_sc, d_sc = sidecars("prefill"), sidecars("decode")
     p = KvEngine(str(shm_dir), p_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=32, num_blocks=8)
@@ -295,10 +295,10 @@ def test_reregistration_refused_by_the_same_sidecar_is_retried(sidecars, shm_dir
         pw, dw = p.connect(p_sc.socket), d.connect(d_sc.socket)
         epoch = dw.epoch
         dw._on_message(engine_pb2.SidecarToEngine(registered=engine_pb2.Registered(
-            ok=False, error="ERR_ALREADY_REGISTERED: another live connection owns this engine link", epoch=epoch)))
+            ok=False, error="ERR_ENGINE_LINK_TAKEN: another live connection owns this engine link", epoch=epoch)))
         assert dw._already_retries == 1
         # The retry reaches the sidecar, which (this connection owns the link) answers "already
-        # registered" without "another live connection": no further retry, nothing failed.
+        # registered" (ERR_ALREADY_REGISTERED): no further retry, nothing failed.
         time.sleep(1.0)
         assert dw._already_retries == 1 and dw.epoch == epoch and dw.restarts == 0
         dc = Collector(dw)

@@ -204,7 +204,7 @@ describe("confined KV regions (--kv-dir, caps): each refusal costs only that reg
     await d!.allBlocksFree();
     // Registered now: a second registration, even a good one, changes nothing.
     const again = await register(held.socket, held.engineId, small, [good]);
-    expect(again.error).toMatch(/^ERR_ALREADY_REGISTERED/);
+    expect(again.error).toMatch(/^ERR_ENGINE_LINK_TAKEN/);
   }, 60_000);
 });
 
