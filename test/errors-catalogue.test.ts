@@ -14,7 +14,7 @@ import { join, relative } from "node:path";
 import { fileURLToPath } from "node:url";
 import { describe, expect, it } from "vitest";
 
-import { ERROR_CODES, type ErrorCode } from "../src/errors.js";
+import { ERROR_CODES, errorCode, type ErrorCode } from "../src/errors.js";
 
 const ROOT = fileURLToPath(new URL("..", import.meta.url));
 
@@ -142,5 +142,18 @@ describe("the error code catalogue", () => {
         });
     }
     expect(elsewhere, "describe codes in docs/api.md's table and link to it").toEqual([]);
+  });
+});
+
+describe("errorCode", () => {
+  it("reads the code before the first colon, and nothing from text that does not start with one", () => {
+    expect(errorCode("ERR_ENGINE_LINK_TAKEN: another live connection owns this engine link")).toBe(
+      "ERR_ENGINE_LINK_TAKEN",
+    );
+    expect(errorCode("ERR_TIMEOUT")).toBe("ERR_TIMEOUT");
+    // Words after the code decide nothing; a code-like word later in the text is not the code.
+    expect(errorCode("refused: ERR_ENGINE_LINK_TAKEN")).toBe("");
+    expect(errorCode("ERR_ENGINE_LINK_TAKENx: text")).toBe("");
+    expect(errorCode("")).toBe("");
   });
 });
