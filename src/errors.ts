@@ -61,6 +61,7 @@ export function hasCode(err: unknown, code: string): boolean {
 export const ERROR_CODES = {
   ERR_ABORTED: "the transfer was aborted, by an engine or by the peer, before it finished",
   ERR_ALLOCATE_REFUSED: "simulated engine: the sidecar refused its AllocateKv",
+  ERR_ALLOCATE_TIMEOUT: "vLLM connector: no sidecar answered its AllocateKv in time",
   ERR_ALREADY_REGISTERED:
     "a registration was already accepted: RegisterKvCache again from its connection, or AllocateKv",
   ERR_BAD_ADDRESS:
@@ -68,10 +69,8 @@ export const ERROR_CODES = {
   ERR_BAD_BLOCKS: "block ids that do not fit the layout or the token count",
   ERR_BAD_ENGINE_ID: "an engine id that is malformed, or not this sidecar's",
   ERR_BAD_LAYOUT: "RegisterKvCache carries a layout that fails validation",
-  ERR_BAD_PARAMS: "simulated engine behind vLLM's command line: kv_transfer_params it cannot use",
   ERR_BAD_REGIONS: "RegisterKvCache's ranks or region files do not match the layout",
   ERR_BAD_REMOTE_KEY: "a remote key that is not a kvxfer remote key",
-  ERR_BAD_REQUEST: "simulated engine: a control request with a missing or ill-typed field",
   ERR_BAD_SOURCE: "ExpectKv's source (P's side channel) is empty or too long",
   ERR_BAD_TOKENS: "token counts that are zero, inconsistent, or differ between P and D",
   ERR_BAD_TRANSFER_ID:
@@ -80,14 +79,16 @@ export const ERROR_CODES = {
     "a transfer token that is too long, or not the one the transfer was given",
   ERR_BIND: "the engine link cannot bind its endpoint",
   ERR_BLOCKS_IN_USE: "blocks that a live transfer already holds",
-  ERR_BOOTSTRAP:
-    "simulated engine behind vLLM's command line: P's bootstrap URL did not name its sidecar",
   ERR_BUSY: "a prepared transfer posted again while its last post is still in flight",
   ERR_CLOSED:
     "the object is closed or shutting down (agent, handle, engine link, event log, server)",
   ERR_CONFIG: "a setting (flag, KVXFER_* variable, config file, certificate) is refused",
+  ERR_CONNECT: "vLLM connector: the engine link cannot connect to the sidecar's socket",
   ERR_CUDA:
     "a CUDA driver call failed (an IPC handle that does not open, memory on another device, out of device memory)",
+  ERR_CUDA_DEVICE:
+    "vLLM connector: a KV cache device that is not in CUDA_VISIBLE_DEVICES, or not readable",
+  ERR_CUDA_IPC: "vLLM connector: GPU KV memory that exports no CUDA IPC handle kvxfer can use",
   ERR_CUDA_UNAVAILABLE:
     "CUDA memory asked for where there is no usable CUDA driver or no such device",
   ERR_DESC_MISALIGNED: "a descriptor byte view that does not start on an 8-byte boundary",
@@ -100,17 +101,18 @@ export const ERROR_CODES = {
   ERR_ENGINE_LINK_TAKEN:
     "RegisterKvCache refused for now: another live connection owns this sidecar's engine link",
   ERR_ENGINE_SOCKET_IN_USE: "another live process holds the engine link's ipc socket",
-  ERR_EXITED: "a child process (simulated engine, benchmark peer) exited before answering",
   ERR_FELL_BEHIND: "a watcher did not read while too many live events waited for it",
   ERR_FILE: "an I/O error on a KV region file, other than a missing file",
   ERR_INTERNAL: "an error that carried no code of its own",
   ERR_INVALID_ARGUMENT: "an argument or request field is wrong (type, empty, unknown name, limit)",
   ERR_INVALID_LENGTH: "a zero, negative or non-integer length",
   ERR_INVALID_OFFSET: "a negative, non-integer or NaN offset",
-  ERR_KV_TIMEOUT:
-    "simulated engine behind vLLM's command line: no KvReady or KvFailed within --sim-kv-wait-ms",
   ERR_LAYOUT_INCOMPATIBLE: "two valid layouts cannot exchange KV",
   ERR_LAYOUT_INVALID: "a layout is malformed on its own",
+  ERR_LAYOUT_MISMATCH:
+    "vLLM connector: KV cache tensors whose shapes or strides do not match the model",
+  ERR_LAYOUT_UNSUPPORTED:
+    "vLLM connector: an attention backend or KV cache group kvxfer cannot map",
   ERR_LEASE_EXPIRED: "P's lease on the blocks ran out before D was done",
   ERR_LISTEN:
     "the sidecar cannot listen on --listen, --grpc or --metrics (port taken, not allowed, not this machine's address)",
@@ -124,11 +126,11 @@ export const ERROR_CODES = {
     "RegisterKvCache refused: a new engine process registers other memory than the gone one",
   ERR_NOTIFICATION_TOO_LARGE: "a notification above the agent's maxNotificationBytes",
   ERR_NOT_FOUND: "the transfer's terminal event has been dropped from the event log",
+  ERR_NOT_ON_DEVICE: "vLLM connector: placement 'device' with a KV cache that is not in GPU memory",
   ERR_NOT_OWNER: "a transfer message from a connection that does not own the engine link",
   ERR_NOT_READY: "a handshake before this sidecar's engine has registered",
   ERR_NOT_REGISTERED: "a transfer message before the engine registered its KV cache",
-  ERR_NO_BLOCKS:
-    "simulated engine: a request needs more blocks than the cache has, or than were freed while it waited (--block-wait-ms)",
+  ERR_NOT_SHARED: "vLLM connector: a KV cache tensor outside the shared memory kvxfer allocated",
   ERR_NO_SEGMENT:
     "UCX allocated KV memory outside SysV shared memory, which an engine cannot attach",
   ERR_NO_SOURCE_BLOCKS: "a pull without ExpectKv.source_block_ids",
@@ -154,18 +156,17 @@ export const ERROR_CODES = {
   ERR_SEGMENT_PERMISSIONS:
     "a SysV shared-memory segment of another user, or not owner-only (mode 0600)",
   ERR_SEND_FAILED: "the engine link's send queue is full",
+  ERR_SHM_FULL: "vLLM connector: the shared-memory folder cannot hold the KV cache",
   ERR_STALE_EPOCH: "a peer message from an earlier epoch of that peer",
-  ERR_START: "a child process (simulated engine) did not start",
   ERR_STATE: "the engine link was started twice",
   ERR_TIMEOUT: "something did not happen within its deadline",
   ERR_TOO_LARGE: "a frame or message above its size cap",
   ERR_TOO_MANY_WAITERS: "too many AwaitTransfer calls or WatchEvents streams at once",
   ERR_UNAUTHENTICATED:
     "a peer without valid credentials, or a peer message whose MAC does not check",
-  ERR_UNKNOWN_OP: "simulated engine: a control request with an unknown op",
   ERR_UNKNOWN_TRANSFER: "a transfer id that is not known here",
   ERR_UNREACHABLE: "a side channel that cannot be reached, or gave no answer in time",
-  ERR_USAGE: "a command line that does not parse (the simulated engine's flags)",
+  ERR_VLLM_VERSION: "vLLM connector: a vLLM release the connector does not support",
   ERR_WRONG_AGENT: "a handle that belongs to another agent",
   ERR_WRONG_ROLE: "a message for the other role (PrefillDone to a decode sidecar, ...)",
 } as const;

@@ -51,7 +51,7 @@ _REREGISTER_S = 0.5
 
 
 def _code(error: str) -> str:
-    """The code of a ``"ERR_X: text"`` error (``Registered.error``): decisions read it, never the text."""
+    """The code of a ``"<code>: text"`` error (``Registered.error``): decisions read it, never the text."""
     head = error.split(":", 1)[0].strip()
     return head if head.startswith("ERR_") else ""
 
