@@ -462,14 +462,15 @@ export class PeerTable {
     if (mismatch !== undefined)
       throw new KvxferError("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
     const peer = this.adopt(res.metadata!, groups);
-    // Only a peer we dialed, at the address we were given for it, ends what its old epoch left
-    // draining (a handshake to us could claim any engine without peer credentials).
-    if (peer !== cached) this.host.sides.peerUp(peer);
     peer.pairing(peer.groups, this.host.kvs.kv!.groups); // this side is D: it plans reads from P
     peer.sendKey = macKey;
     peer.setRecvKey(res.macKey);
     peer.dialedAddress = address;
     this.byAddress.set(address, peer.engineId);
+    // Only a peer we dialed, at the address we were given for it, ends what its old epoch left
+    // draining (a handshake to us could claim any engine without peer credentials), and gets
+    // what D owes it; keyed and addressed by now, so that the sides may send to it at once.
+    if (peer !== cached) this.host.sides.peerUp(peer);
     return peer;
   }
 

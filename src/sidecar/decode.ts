@@ -39,6 +39,7 @@ import {
   type EventData,
 } from "./decode-transfer.js";
 import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
+import { LinkRates } from "./link-rates.js";
 import { OwedAborts } from "./owed-aborts.js";
 import { settleBound } from "./settle.js";
 import { SideTable } from "./side-table.js";
@@ -48,6 +49,14 @@ import type { TerminalKind, TransferInfo } from "./view.js";
 
 /** How D reaches P: its metadata from the cache or by a handshake. */
 export type PeerResolver = (sideChannel: string) => Promise<PeerState>;
+
+/** States whose deadline is the watchdog's (set when the transfer starts waiting). */
+const WATCHED: ReadonlySet<DecodeState> = new Set([
+  "WAITING",
+  "PUSH_REGISTERED",
+  "READING",
+  "CONFIRMING",
+]);
 
 export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   /**
@@ -60,6 +69,8 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   private readonly claims = new BlockClaims();
   /** Aborts for a prefill peer we dropped, sent once it can be reached again (owed-aborts.ts). */
   private readonly owed: OwedAborts;
+  /** Each prefill peer's link as measured by the transfers that became ready (the watchdog's allowance). */
+  private readonly rates = new LinkRates();
 
   constructor(
     ctx: SideContext,
@@ -106,6 +117,16 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         t.t.readyMs = now;
         t.t.endedMs = now;
         t.deadline = now + s.tombstoneMs;
+        // A pull's data starts with its reads; a push's somewhere after registration (P's
+        // prefill first: its first XferDone comes at the end), so a push is counted from
+        // registration and its link measures slower than it is, which only lengthens the
+        // watchdog's allowance.
+        this.rates.landed(t.source, {
+          startMs:
+            t.mode === "pull" && t.t.dataStartedMs > 0 ? t.t.dataStartedMs : t.t.registeredMs,
+          readyMs: now,
+          blocks: t.written.length,
+        });
         break;
       default:
         t.t.endedMs = now;
@@ -569,6 +590,9 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
    * (its sidecar restarted), and with it every write it could still post. Their drains end.
    */
   peerUp(peer: PeerState): void {
+    // Whichever handshake reached it first (a new transfer's, often, while the owed aborts' own
+    // dial still waits out a connection attempt the partition stalled) delivers what D owes it.
+    this.owed.reachedThrough(peer);
     for (const t of this.transfers.values()) {
       if (
         t.state === "PUSH_DRAINING" &&
@@ -611,20 +635,58 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     return byPeer;
   }
 
-  /** The watchdog, the end of a push's drain by time, old tombstones, and what P is owed. */
+  /**
+   * The watchdog, the end of a push's drain by time, old tombstones, and what P is owed. The
+   * watchdog gives a transfer `--transfer-timeout-ms` from ExpectKv, and on top the time its
+   * link needs, at the rate measured from that peer's recent transfers, for the blocks of every
+   * live transfer from that peer, its own included (they share the link: each may finish only
+   * when all do), at most 9 timeouts more: a slow link that delivers is not taken for a stuck
+   * transfer. A link never measured gets no allowance; a dead peer is failed by the peer
+   * timeout, not here.
+   */
   expire(now: number): void {
     this.owed.tick(now);
+    const timeout = this.ctx.settings.transferTimeoutMs;
+    let onLink: Map<string, number> | undefined;
     for (const t of this.transfers.values()) {
       if (now < t.deadline) continue;
+      let allowance = 0;
+      if (WATCHED.has(t.state)) {
+        onLink ??= this.blocksOnLinks();
+        allowance = this.allowance(t, onLink.get(t.source) ?? 0, timeout);
+        const until = t.t.registeredMs + timeout + allowance;
+        if (now < until) {
+          t.deadline = until;
+          continue;
+        }
+      }
       this.on(t, "DEADLINE", {
         failure: {
           reason: FailureReason.TIMEOUT,
           code: "ERR_TIMEOUT",
-          message: `no KV within ${this.ctx.settings.transferTimeoutMs} ms`,
+          message:
+            allowance > 0
+              ? `no KV within ${timeout} ms and the ${allowance} ms its link's measured rate allowed`
+              : `no KV within ${timeout} ms`,
           release: ReleaseReason.EXPIRED,
         },
       });
     }
+  }
+
+  /** The watchdog's allowance for `t`: `blocks` at its link's measured rate, at most 9 timeouts. */
+  private allowance(t: DecodeTransfer, blocks: number, timeout: number): number {
+    const rate = this.rates.blocksPerMs(t.source);
+    if (rate === undefined) return 0;
+    return Math.min(9 * timeout, Math.ceil(blocks / rate));
+  }
+
+  /** The blocks of the watched transfers from each peer (by its side channel). */
+  private blocksOnLinks(): Map<string, number> {
+    const out = new Map<string, number>();
+    for (const t of this.transfers.values())
+      if (WATCHED.has(t.state)) out.set(t.source, (out.get(t.source) ?? 0) + t.written.length);
+    return out;
   }
 
   /** Reads from `peer` still in flight. */

@@ -369,12 +369,15 @@ export class KvRegistry implements KvGate {
       maxNotificationBytes: MAX_PEER_MESSAGE_BYTES,
       busyPoll: this.host.opts.busyPoll,
       spinUs: spinFor(this.host.opts.spinUs, ranks),
-      // A connection that delivers nothing for as long as a silent peer is declared down is
-      // given up by the kernel: after a partition longer than that, the old connections fail
+      // A connection that delivers nothing for twice as long as a silent peer is declared down
+      // is given up by the kernel: after a partition longer than that, the old connections fail
       // (their reads and writes settle at once) instead of resuming at TCP's next backed-off
       // retransmission, seconds to minutes after the heal, while the blocks they touch stay
-      // held (docs/operations.md, "Network faults"). A slow link keeps being acknowledged.
-      tcpUserTimeoutMs: this.host.opts.peerTimeoutMs,
+      // held (docs/operations.md, "Network faults"). Twice: a cut the peer outlives (shorter
+      // than the peer timeout) must not cost the connections its transfers go on over (with
+      // one timeout, under load, a pull right after a 1.5 s cut found its endpoint reset). A
+      // slow link keeps being acknowledged.
+      tcpUserTimeoutMs: 2 * this.host.opts.peerTimeoutMs,
     });
   }
 

@@ -100,6 +100,16 @@ export class OwedAborts {
     }
   }
 
+  /**
+   * A handshake D dialed (for whatever reason) reached `peer`: what D owes at its address goes
+   * now, instead of when the owed aborts' own dial gets through (a dial that started during the
+   * partition may wait out TCP's backed-off connection attempts well past the heal).
+   */
+  reachedThrough(peer: PeerState): void {
+    const owed = this.byAddress.get(peer.dialedAddress);
+    if (owed !== undefined) this.reached(owed, peer);
+  }
+
   private reached(owed: OwedPeer, peer: PeerState): void {
     owed.dialing = false;
     if (this.byAddress.get(owed.address) !== owed) return; // replaced or forgotten meanwhile

@@ -184,7 +184,7 @@ describe.skipIf(support.missing !== undefined)(
     );
 
     it.skipIf(support.delayMissing !== undefined)(
-      `the delay line keeps packets in order unless asked to reorder: 4 MiB through 2 ms +- 1 ms each way, D's TCP queues nothing out of order, then does with "reorder"${support.delayMissing !== undefined ? ` (skipped: ${support.delayMissing})` : ""}`,
+      `the delay line keeps packets in order unless asked to reorder: 4 MiB through 2 ms +- 1 ms each way, D's TCP queues (almost) nothing out of order, then does with "reorder"${support.delayMissing !== undefined ? ` (skipped: ${support.delayMissing})` : ""}`,
       async () => {
         // TcpExtTCPOFOQueue: segments D's TCP had to queue because an earlier one had not come.
         const ofo = (): number => {
@@ -212,8 +212,11 @@ describe.skipIf(support.missing !== undefined)(
         console.log(
           `[harness] 4 MiB through 2 ms +- 1 ms each way: ${inOrder} segments out of order, ${reordered} with "reorder"`,
         );
-        expect(inOrder).toBe(0);
-        expect(reordered).toBeGreaterThan(0);
+        // In order, a segment is queued out of order only behind one that was lost (the line
+        // drops a packet now and then: 0-139 of ~2,900 segments over six runs here, 9 once in
+        // CI); reordered, about every one is (2,595-2,640).
+        expect(inOrder * 10).toBeLessThan(reordered);
+        expect(reordered).toBeGreaterThan(290);
       },
       40_000,
     );

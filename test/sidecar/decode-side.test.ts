@@ -100,6 +100,51 @@ describe("DecodeSide", () => {
     expect(w.eventsOf("t1")).toEqual(["EXPIRED"]);
   });
 
+  it("the watchdog gives a transfer its link's time on top: the blocks in flight from that peer at the rate measured from it", async () => {
+    const { w, d, p, state } = setup({ maxTransfers: 4 });
+    const to = (ms: number) => w.clock.advance(ms - w.clock.now());
+    const failedWith = (id: string): string | undefined => {
+      for (const m of w.engine)
+        if (m.case === "kvFailed" && m.value.transferId === id) return m.value.message;
+      return undefined;
+    };
+    const expect1 = (id: string, blocks: number[], source = "127.0.0.1:1") => {
+      const m = expectKv(id, false, "", blocks);
+      m.numTokens = blocks.length * 16;
+      m.source = source;
+      d.expectKv(m, false);
+    };
+    // One block ready 100 ms after ExpectKv: the link carries 1 block per 100 ms.
+    expect1("t0", [0]);
+    await settle();
+    w.clock.advance(100);
+    d.xferDone(p, 0, 0, xferDone("t0"));
+    expect(state("t0")).toBe("KV_READY");
+    // Two more from the same peer, 1 and 4 blocks, and one from a peer never measured.
+    const at = w.clock.now();
+    expect1("t1", [1]);
+    expect1("t2", [2, 3, 4, 5]);
+    expect1("t3", [6], "127.0.0.1:2");
+    await settle();
+    w.clock.advance(SETTINGS.transferTimeoutMs);
+    d.expire(w.clock.now());
+    // The unmeasured link: the timeout alone. t1 and t2 share theirs: its time for both (5
+    // blocks, 500 ms), whichever finishes first.
+    expect(state("t3")).toBe("DRAINING");
+    expect(state("t1")).toBe("MOVING");
+    expect(state("t2")).toBe("MOVING");
+    to(at + SETTINGS.transferTimeoutMs + 499);
+    d.expire(w.clock.now());
+    expect([state("t1"), state("t2")]).toEqual(["MOVING", "MOVING"]);
+    to(at + SETTINGS.transferTimeoutMs + 500);
+    d.expire(w.clock.now());
+    expect([state("t1"), state("t2")]).toEqual(["DRAINING", "DRAINING"]);
+    expect(failedWith("t1")).toBe(
+      `no KV within ${SETTINGS.transferTimeoutMs} ms and the 500 ms its link's measured rate allowed`,
+    );
+    expect(failedWith("t3")).toBe(`no KV within ${SETTINGS.transferTimeoutMs} ms`);
+  });
+
   it("the watchdog after PushReg: KvFailed now, blocks back only when P's registration lease is surely over", async () => {
     const { w, d, state } = setup();
     d.expectKv(expectKv("t1"), false);
@@ -1005,11 +1050,12 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
     const w = new FakeWorld({ maxTransfers, leaseMs: 10_000, regLeaseMs: 8_000 });
     const p = w.peer("p0");
     p.dialedAddress = "198.18.54.1:7000";
-    const answers: (PeerState | Error)[] = [p];
+    const answers: (PeerState | Error | "hang")[] = [p];
     const dialed: string[] = [];
     const d = new DecodeSide(w.ctx, (address) => {
       dialed.push(address);
       const a = answers.length > 1 ? answers.shift()! : answers[0]!;
+      if (a === "hang") return new Promise<PeerState>(() => undefined);
       return a instanceof Error ? Promise.reject(a) : Promise.resolve(a);
     });
     const state = (id: string) => d.list().find((t) => t.transferId === id)?.state;
@@ -1098,6 +1144,34 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
     d.expire(w.clock.now());
     await settle();
     expect(dialed.length).toBe(before + 3);
+  });
+
+  it("another handshake that reaches P (a new transfer's) delivers what is owed at once, while the owed aborts' own dial still hangs", async () => {
+    const o = world();
+    const { w, d, answers, dialed, state, again } = o;
+    await dropped(o);
+    answers.length = 0;
+    answers.push("hang"); // dialed in the partition: stalled in TCP's backed-off connect
+    const before = dialed.length;
+    w.clock.advance(1000);
+    d.expire(w.clock.now());
+    await settle();
+    expect(dialed.length).toBe(before + 1);
+    const aborts = () => w.toPeer.filter((m) => m.body.case === "abort").length;
+    const sent = aborts();
+    // The link heals; a new transfer's handshake reaches P at the same epoch.
+    d.peerUp(again());
+    expect(aborts()).toBe(sent + 2);
+    expect(w.peerSaid("push").slice(-1)).toEqual(["abort"]);
+    expect(w.peerSaid("pull").slice(-1)).toEqual(["abort"]);
+    d.abortAck(again(), "push");
+    expect(state("push")).toBe("FAILED");
+    // Told once; the hung dial is not retried, nothing is owed any more.
+    w.clock.advance(5_000);
+    d.expire(w.clock.now());
+    await settle();
+    expect(dialed.length).toBe(before + 1);
+    expect(aborts()).toBe(sent + 2);
   });
 
   it("a P back at a new epoch is told nothing (it holds nothing of the old one's)", async () => {
