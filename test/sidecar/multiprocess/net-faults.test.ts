@@ -309,17 +309,28 @@ describe.skipIf(support.missing !== undefined)(
       const failed = new Set(outs.filter((o) => o.outcome === "failed").map((o) => o.transferId));
       expect(failed.size).toBeGreaterThan(0);
       // Past P's lease and registration lease, D's old drain bound and a margin. A failed pull's
-      // reads have settled: D's connection carried their requests unacknowledged for the peer
-      // timeout, so D's kernel gave it up (TCP_USER_TIMEOUT) and no answer can land any more;
-      // its blocks are back. A failed push is still DRAINING (its blocks held): P's writes may
-      // land until P says they are over, and P cannot say so while D's link is down.
+      // reads settle once D's connection has carried their requests unacknowledged for twice
+      // the peer timeout and D's kernel gave it up (TCP_USER_TIMEOUT, checked at TCP's
+      // backed-off retransmissions: 6-13 s after the cut here): no answer can land any more and
+      // the blocks are back, while the link is still down. A failed push stays DRAINING (its
+      // blocks held): P's writes may land until P says they are over, and P cannot say so while
+      // D's link is down.
       await sleep(Math.max(0, downAt + 9_000 - Date.now()));
-      const onD = (await pair.d.client.listTransfers()).transfers.filter((t) =>
-        failed.has(t.transferId),
-      );
       const isPull = (id: string): boolean => Number(id.split("-").pop()) % 2 === 0;
-      expect(onD.map((t) => `${t.transferId}:${t.state}`).sort()).toEqual(
-        [...failed].map((id) => `${id}:${isPull(id) ? "FAILED" : "DRAINING"}`).sort(),
+      const want = [...failed].map((id) => `${id}:${isPull(id) ? "FAILED" : "DRAINING"}`).sort();
+      let onD: string[] = [];
+      await until(
+        async () => {
+          onD = (await pair!.d.client.listTransfers()).transfers
+            .filter((t) => failed.has(t.transferId))
+            .map((t) => `${t.transferId}:${t.state}`)
+            .sort();
+          return JSON.stringify(onD) === JSON.stringify(want);
+        },
+        20_000,
+        () =>
+          `D's failed pulls FAILED and pushes DRAINING with the link down (now: ${onD.join(" ")})`,
+        200,
       );
       const ds = await pair.d.engine.stats();
       const held = ds.totalBlocks - ds.freeBlocks;
