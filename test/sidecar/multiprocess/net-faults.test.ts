@@ -332,6 +332,7 @@ describe.skipIf(support.missing !== undefined)(
           `D's failed pulls FAILED and pushes DRAINING with the link down (now: ${onD.join(" ")})`,
         200,
       );
+      const settledMs = Date.now() - downAt;
       const ds = await pair.d.engine.stats();
       const held = ds.totalBlocks - ds.freeBlocks;
       const failedPushes = [...failed].filter((id) => !isPull(id)).length;
@@ -352,7 +353,7 @@ describe.skipIf(support.missing !== undefined)(
       const { pFree, dFree } = await blocksBack(pair, upAt, 60_000);
       console.log(
         `[net link down] 8 x 2 MiB at 50 Mbit/s, D's link down 0.8 s in: ${summary(outs)}; ` +
-          `D held ${held} blocks 9 s after the cut; link up after ${upAt - downAt} ms: ` +
+          `D held ${held} blocks (its pushes) once its pulls settled, ${settledMs} ms after the cut; link up after ${upAt - downAt} ms: ` +
           `next pull ${next[0]!.ms} ms, push ${next[1]!.ms} ms, verified; blocks all back ${pFree} ms (P) and ${dFree} ms (D) after the link came up`,
       );
     }, 120_000);
