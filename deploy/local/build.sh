@@ -3,7 +3,7 @@
 # git), once per pinned version: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet,
 # kube-proxy and kubectl of Kubernetes $K8S_VERSION, and CoreDNS $COREDNS_VERSION (the cluster's
 # DNS: the chart's pods reach each other by their StatefulSet names). An unchanged pin builds
-# nothing. The first build takes about 20 min on 2 cores (docs/deploy.md).
+# nothing. The first build takes 6-15 min on 2 cores (docs/deploy.md).
 #
 # k8s.io/kubernetes is not meant to be required as a module: its go.mod requires each of its
 # k8s.io/* staging modules at v0.0.0 and replaces them with folders of its own tree. A wrapper
@@ -29,7 +29,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
 fi
 
 GO=$(bash scripts/setup-go.sh)
-echo "kvxfer cluster (build): building $want with $("$GO" version) into $BIN (first time: about 20 min on 2 cores)"
+echo "kvxfer cluster (build): building $want with $("$GO" version) into $BIN (first time: 6-15 min on 2 cores)"
 start=$(date +%s)
 work=$ROOT/.tools/k8s-build
 mkdir -p "$work/k8s" "$work/coredns" "$BIN"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `npm run test:cluster`: kvxfer deployed as users deploy it (needs root). Installs what is missing
 # from apt (deploy/local/setup.sh), builds Kubernetes into .tools once (deploy/local/build.sh:
-# about 15-20 min on 2 cores the first time, nothing after), builds the images with kvxfer's own
+# 6-15 min on 2 cores the first time, nothing after), builds the images with kvxfer's own
 # dockerd (deploy/local/images.sh: a few minutes the first time, seconds when nothing changed),
 # then runs deploy/local/tests: the chart's engine pods by hand with Docker (test_pod.py), and the
 # chart on a single-node Kubernetes it brings up and tears down (test_cluster.py). The dockerd is
