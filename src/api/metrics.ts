@@ -82,14 +82,12 @@ export class MetricsRegistry {
   private readonly collectors: (() => void)[] = [];
 
   counter(name: string, help: string, opts: MetricOptions = {}): Counter {
-    const labelNames = opts.labelNames ?? [];
-    const metric = new prom.Counter({ name, help, labelNames, registers: [this.checked(name)] });
-    return new Counter(name, metric, new Series(labelNames, opts.maxSeries ?? 64));
+    const { config, series } = this.prepare(name, help, opts);
+    return new Counter(name, new prom.Counter(config), series);
   }
   gauge(name: string, help: string, opts: MetricOptions = {}): Gauge {
-    const labelNames = opts.labelNames ?? [];
-    const metric = new prom.Gauge({ name, help, labelNames, registers: [this.checked(name)] });
-    return new Gauge(metric, new Series(labelNames, opts.maxSeries ?? 64));
+    const { config, series } = this.prepare(name, help, opts);
+    return new Gauge(new prom.Gauge(config), series);
   }
   histogram(
     name: string,
@@ -99,15 +97,8 @@ export class MetricsRegistry {
   ): Histogram {
     for (let i = 1; i < buckets.length; i++)
       if (!(buckets[i]! > buckets[i - 1]!)) throw new Error(`buckets of ${name} must increase`);
-    const labelNames = opts.labelNames ?? [];
-    const metric = new prom.Histogram({
-      name,
-      help,
-      labelNames,
-      buckets: [...buckets],
-      registers: [this.checked(name)],
-    });
-    return new Histogram(metric, new Series(labelNames, opts.maxSeries ?? 64));
+    const { config, series } = this.prepare(name, help, opts);
+    return new Histogram(new prom.Histogram({ ...config, buckets: [...buckets] }), series);
   }
   /** Runs before each exposition (for gauges read from elsewhere, e.g. the event log). */
   onCollect(fn: () => void): void {
@@ -118,10 +109,15 @@ export class MetricsRegistry {
     for (const c of this.collectors) c();
     return this.registry.metrics();
   }
-  private checked(name: string): prom.Registry {
+  /** What every metric is made with: prom-client's config on this registry, and its label cap. */
+  private prepare(name: string, help: string, opts: MetricOptions) {
     if (this.registry.getSingleMetric(name) !== undefined)
       throw new Error(`metric ${name} registered twice`);
-    return this.registry;
+    const labelNames = opts.labelNames ?? [];
+    return {
+      config: { name, help, labelNames, registers: [this.registry] },
+      series: new Series(labelNames, opts.maxSeries ?? 64),
+    };
   }
 }
 

@@ -241,6 +241,16 @@ export const DECODE_PHASE: Readonly<Record<DecodeState, TransferState>> = {
 /** Reads of ours may still be in flight (a peer is not forgotten while they are). */
 export const DECODE_READING: ReadonlySet<DecodeState> = new Set(["READING", "READS_DRAINING"]);
 
+/**
+ * States whose deadline is the watchdog's, set when the transfer starts waiting and kept until
+ * it drains or ends (decode.ts `enter`): the ones the watchdog's link allowance applies to.
+ */
+export const DECODE_WATCHED: ReadonlySet<DecodeState> = new Set([
+  "WAITING",
+  "PUSH_REGISTERED",
+  "READING",
+  "CONFIRMING",
+]);
 export const DECODE_INITIAL: readonly DecodeState[] = ["WAITING"];
 
 /** The moves the table can make from each state (for lifecycle.ts's check and the diagrams). */

@@ -24,6 +24,7 @@ import {
   DECODE_INITIAL,
   DECODE_NEXT,
   DECODE_READING,
+  DECODE_WATCHED,
   decodeStep,
   type DecodeEffect,
   type DecodeEvent,
@@ -49,14 +50,6 @@ import type { TerminalKind, TransferInfo } from "./view.js";
 
 /** How D reaches P: its metadata from the cache or by a handshake. */
 export type PeerResolver = (sideChannel: string) => Promise<PeerState>;
-
-/** States whose deadline is the watchdog's (set when the transfer starts waiting). */
-const WATCHED: ReadonlySet<DecodeState> = new Set([
-  "WAITING",
-  "PUSH_REGISTERED",
-  "READING",
-  "CONFIRMING",
-]);
 
 export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   /**
@@ -647,13 +640,14 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   expire(now: number): void {
     this.owed.tick(now);
     const timeout = this.ctx.settings.transferTimeoutMs;
-    let onLink: Map<string, number> | undefined;
+    // Per link, once per sweep and only once a watched deadline has passed.
+    let allowances: Map<string, number> | undefined;
     for (const t of this.transfers.values()) {
       if (now < t.deadline) continue;
       let allowance = 0;
-      if (WATCHED.has(t.state)) {
-        onLink ??= this.blocksOnLinks();
-        allowance = this.allowance(t, onLink.get(t.source) ?? 0, timeout);
+      if (DECODE_WATCHED.has(t.state)) {
+        allowances ??= this.allowances(timeout);
+        allowance = allowances.get(t.source) ?? 0;
         const until = t.t.registeredMs + timeout + allowance;
         if (now < until) {
           t.deadline = until;
@@ -674,18 +668,20 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
     }
   }
 
-  /** The watchdog's allowance for `t`: `blocks` at its link's measured rate, at most 9 timeouts. */
-  private allowance(t: DecodeTransfer, blocks: number, timeout: number): number {
-    const rate = this.rates.blocksPerMs(t.source);
-    if (rate === undefined) return 0;
-    return Math.min(9 * timeout, Math.ceil(blocks / rate));
-  }
-
-  /** The blocks of the watched transfers from each peer (by its side channel). */
-  private blocksOnLinks(): Map<string, number> {
-    const out = new Map<string, number>();
+  /**
+   * The watchdog's allowance per link (P's side channel): the blocks of the watched transfers
+   * from it at its measured rate, at most 9 timeouts; a link never measured has none.
+   */
+  private allowances(timeout: number): Map<string, number> {
+    const blocks = new Map<string, number>();
     for (const t of this.transfers.values())
-      if (WATCHED.has(t.state)) out.set(t.source, (out.get(t.source) ?? 0) + t.written.length);
+      if (DECODE_WATCHED.has(t.state))
+        blocks.set(t.source, (blocks.get(t.source) ?? 0) + t.written.length);
+    const out = new Map<string, number>();
+    for (const [source, n] of blocks) {
+      const rate = this.rates.blocksPerMs(source);
+      if (rate !== undefined) out.set(source, Math.min(9 * timeout, Math.ceil(n / rate)));
+    }
     return out;
   }
 
