@@ -92,6 +92,8 @@ export interface PeerSides {
   peerDown(peer: PeerState, why: string): void;
   /** A handshake we dialed reached `peer` (its epoch may be new). */
   peerUp(peer: PeerState): void;
+  /** Any handshake we dialed reached `peer`, new or known: what is owed to it may go now. */
+  peerReached(peer: PeerState): void;
   /** Reads from or writes to `peer` still in flight. */
   busyWith(peer: PeerState): boolean;
   /** Live transfers with `peer`. */
@@ -471,6 +473,7 @@ export class PeerTable {
     // draining (a handshake to us could claim any engine without peer credentials), and gets
     // what D owes it; keyed and addressed by now, so that the sides may send to it at once.
     if (peer !== cached) this.host.sides.peerUp(peer);
+    this.host.sides.peerReached(peer);
     return peer;
   }
 

@@ -582,10 +582,16 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
    * A handshake found `peer` at a new epoch: the P process our push drains wait for is gone
    * (its sidecar restarted), and with it every write it could still post. Their drains end.
    */
-  peerUp(peer: PeerState): void {
-    // Whichever handshake reached it first (a new transfer's, often, while the owed aborts' own
-    // dial still waits out a connection attempt the partition stalled) delivers what D owes it.
+  /**
+   * Any handshake D dialed reached `peer` (a known one too): whichever reached it first (a new
+   * transfer's, often, while the owed aborts' own dial still waits out a connection attempt the
+   * partition stalled) delivers what D owes it.
+   */
+  peerReached(peer: PeerState): void {
     this.owed.reachedThrough(peer);
+  }
+
+  peerUp(peer: PeerState): void {
     for (const t of this.transfers.values()) {
       if (
         t.state === "PUSH_DRAINING" &&

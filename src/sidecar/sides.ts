@@ -39,6 +39,10 @@ export class Sides implements PeerSides {
     this.decode.peerUp(peer);
   }
 
+  peerReached(peer: PeerState): void {
+    this.decode.peerReached(peer);
+  }
+
   busyWith(peer: PeerState): boolean {
     return this.decode.readingFrom(peer) || this.prefill.writingTo(peer);
   }

@@ -1160,7 +1160,7 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
     const aborts = () => w.toPeer.filter((m) => m.body.case === "abort").length;
     const sent = aborts();
     // The link heals; a new transfer's handshake reaches P at the same epoch.
-    d.peerUp(again());
+    d.peerReached(again());
     expect(aborts()).toBe(sent + 2);
     expect(w.peerSaid("push").slice(-1)).toEqual(["abort"]);
     expect(w.peerSaid("pull").slice(-1)).toEqual(["abort"]);

@@ -492,6 +492,7 @@ export class PeerTableWorld {
         sides: {
           peerDown: (peer, why) => this.downs.push({ peer: peer.engineId, epoch: peer.epoch, why }),
           peerUp: (peer) => this.ups.push({ peer: peer.engineId, epoch: peer.epoch }),
+          peerReached: () => undefined,
           busyWith: () => this.busy,
           liveWith: () => this.live,
         },
