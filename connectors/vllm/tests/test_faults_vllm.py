@@ -62,9 +62,10 @@ def test_a_request_with_another_prompts_params_is_refused_by_name(pd):
 
 
 def test_p_aborted_during_a_push_d_recomputes_at_once(pd):
-    """Push: D registers its blocks while P computes; P's client goes away (P aborts the request
-    before it finishes). P's connector gives the transfer up, its sidecar fails D's registration,
-    and D computes the prompt at once instead of after its 60 s transfer timeout."""
+    """Push: D registers its blocks while P computes; P's client reads the first token and hangs
+    up, so P aborts the request while it is still generating. P's connector gives the transfer
+    up, its sidecar fails D's registration, and D computes the prompt at once instead of after
+    its 60 s transfer timeout; nothing is moved and no block stays held."""
     ids = prompt(90, seed=3503)
     want = reference(pd, ids)
     tid, token = unique("abort"), secrets.token_hex(16)
@@ -79,16 +80,23 @@ def test_p_aborted_during_a_push_d_recomputes_at_once(pd):
     th = threading.Thread(target=decode, daemon=True)
     th.start()
     time.sleep(1.0)  # D's registration reaches P's sidecar
-    body = {"model": pd.p.spec.model, "prompt": ids, "max_tokens": 400, "ignore_eos": True, "temperature": 0.0,
-            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid, "kvxfer_token": token}}
-    t0 = time.monotonic()
-    with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.post(f"{pd.p.url}/v1/completions", json=body, timeout=0.5)  # the client gives up
+    before = moved(pd)
+    # P streams; its client reads the first token and hangs up, so P aborts the request while it is
+    # still generating (900 tokens: a fixed read timeout was outrun by a fast machine finishing 400).
+    body = {"model": pd.p.spec.model, "prompt": ids, "max_tokens": 900, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid, "kvxfer_token": token}}
+    with requests.post(f"{pd.p.url}/v1/completions", json=body, stream=True, timeout=30) as r:
+        assert r.status_code == 200, r.text[:500]
+        first = next(line for line in r.iter_lines() if line.startswith(b"data:"))
+        assert first != b"data: [DONE]", "P finished before its client hung up"
+        t0 = time.monotonic()
+    # leaving the block closed the connection: P's client is gone
     th.join(60)
     assert "d" in out, "D did not answer"
     took = out["t"] - t0
     assert output_ids(out["d"]) == want
     assert took < 20, f"D answered {took:.1f} s after P's client left (transfer timeout 60 s)"
+    assert moved(pd) == before, "P's sidecar moved KV for a request P aborted"
     wait_for(lambda: usage(pd.p) == 0 and usage(pd.d) == 0, 30, "no block held on P or D", interval=0.5)
     print(f"\npush, P aborted: D answered {took:.1f} s after P's client left; held afterwards: P 0, D 0")
 
