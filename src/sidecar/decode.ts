@@ -579,18 +579,35 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
   }
 
   /**
+   * Any handshake D dialed reached `peer` (a known one too): whichever reached it first (a new
+   * transfer's, often, while the owed aborts' own dial still waits out a connection attempt the
+   * partition stalled) delivers what D owes it. And every push still draining for that same P
+   * process (engine and epoch) whose Abort did not go with them asks again through it: P answers
+   * an Abort for a transfer it no longer knows, or has ended, with AbortAck at once, and for one
+   * whose writes it abandoned once they have settled. (A fresh clone's npm test once found four
+   * push drains still held 40 s after an 8 s one-way cut healed, with P holding nothing.)
+   */
+  peerReached(peer: PeerState): void {
+    const sent = this.owed.reachedThrough(peer);
+    for (const t of this.transfers.values()) {
+      if (
+        t.state !== "PUSH_DRAINING" ||
+        t.peer === undefined ||
+        !sameProcess(t.peer, peer) ||
+        sent.has(t.id)
+      )
+        continue;
+      this.ctx.peers.send(peer, {
+        case: "abort",
+        value: { transferId: t.id, reason: t.reason, token: t.token },
+      });
+    }
+  }
+
+  /**
    * A handshake found `peer` at a new epoch: the P process our push drains wait for is gone
    * (its sidecar restarted), and with it every write it could still post. Their drains end.
    */
-  /**
-   * Any handshake D dialed reached `peer` (a known one too): whichever reached it first (a new
-   * transfer's, often, while the owed aborts' own dial still waits out a connection attempt the
-   * partition stalled) delivers what D owes it.
-   */
-  peerReached(peer: PeerState): void {
-    this.owed.reachedThrough(peer);
-  }
-
   peerUp(peer: PeerState): void {
     for (const t of this.transfers.values()) {
       if (

@@ -20,6 +20,8 @@ import type { Logger } from "pino";
 import type { PeerBody } from "../peer/messages.js";
 import type { PeerState } from "../peer/peer-state.js";
 
+const NONE: ReadonlySet<string> = new Set();
+
 export interface OwedAbort {
   readonly transferId: string;
   readonly token: string;
@@ -105,21 +107,22 @@ export class OwedAborts {
    * now, instead of when the owed aborts' own dial gets through (a dial that started during the
    * partition may wait out TCP's backed-off connection attempts well past the heal).
    */
-  reachedThrough(peer: PeerState): void {
+  reachedThrough(peer: PeerState): ReadonlySet<string> {
     const owed = this.byAddress.get(peer.dialedAddress);
-    if (owed !== undefined) this.reached(owed, peer);
+    return owed !== undefined ? this.reached(owed, peer) : NONE;
   }
 
-  private reached(owed: OwedPeer, peer: PeerState): void {
+  /** Sends what is owed to `peer`; the ids of the transfers told. */
+  private reached(owed: OwedPeer, peer: PeerState): ReadonlySet<string> {
     owed.dialing = false;
-    if (this.byAddress.get(owed.address) !== owed) return; // replaced or forgotten meanwhile
+    if (this.byAddress.get(owed.address) !== owed) return NONE; // replaced or forgotten meanwhile
     this.forget(owed);
     if (peer.engineId !== owed.engineId || peer.epoch !== owed.epoch) {
       this.ports.log.info(
         { peer: peer.engineId, transfers: owed.items.size },
         "a lost prefill peer came back at a new epoch: it holds nothing of ours",
       );
-      return;
+      return NONE;
     }
     this.ports.log.info(
       { peer: peer.engineId, transfers: owed.items.size },
@@ -130,6 +133,7 @@ export class OwedAborts {
         case: "abort",
         value: { transferId: a.transferId, reason: a.reason, token: a.token },
       });
+    return new Set(owed.items.keys());
   }
 
   private forget(owed: OwedPeer): void {

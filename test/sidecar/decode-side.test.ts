@@ -1174,6 +1174,30 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
     expect(aborts()).toBe(sent + 2);
   });
 
+  it("a push still draining asks again through every later handshake that reaches the same P process, until its AbortAck", async () => {
+    const o = world();
+    const { w, d, state, again } = o;
+    await dropped(o);
+    const aborts = (id: string) =>
+      w.toPeer.filter((m) => m.body.case === "abort" && m.body.value.transferId === id).length;
+    const [push0, pull0] = [aborts("push"), aborts("pull")];
+    // The first handshake after the heal delivers what is owed, once each; its AbortAck is lost.
+    d.peerReached(again());
+    expect([aborts("push") - push0, aborts("pull") - pull0]).toEqual([1, 1]);
+    expect(state("push")).toBe("DRAINING");
+    // Another handshake reaches the same P process: the push, still draining, asks again (the
+    // pull's drain is D's own reads: nothing to ask P).
+    d.peerReached(again());
+    expect([aborts("push") - push0, aborts("pull") - pull0]).toEqual([2, 1]);
+    // Another P process (a new epoch) is not asked; its handshake ends the drain (peerUp).
+    d.peerReached(again(8n));
+    expect(aborts("push") - push0).toBe(2);
+    d.abortAck(again(), "push");
+    expect(state("push")).toBe("FAILED");
+    d.peerReached(again());
+    expect(aborts("push") - push0).toBe(2);
+  });
+
   it("a P back at a new epoch is told nothing (it holds nothing of the old one's)", async () => {
     const o = world();
     await dropped(o);
