@@ -17,8 +17,6 @@ talks to the sidecar for every rank.
 from __future__ import annotations
 
 import logging
-import queue
-import sys
 from collections.abc import Container
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -86,28 +84,8 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     idle: bool = False
 
 
-#: How long an idle engine step waits for the sidecar (see WorkerLogic.take_results) when the
-#: connector cannot see the engine core's input queue (the worker in a process of its own).
+#: How long an idle engine step waits for the sidecar (see WorkerLogic.take_results).
 IDLE_WAIT_S = 0.005
-#: The same when it can: the wait ends as soon as a request (or an abort, or any call) reaches
-#: the engine core, checked every IDLE_SLICE_S, so it may be long.
-IDLE_WAIT_WATCHED_S = 0.1
-IDLE_SLICE_S = 0.002
-_UNSEEN = object()
-
-
-def engine_input_queue() -> queue.Queue | None:
-    """The input queue of the vLLM engine core whose step called us, when the worker runs in the
-    engine core's process (the uniprocess executor, as on CPU): found on the call stack (the
-    ``self`` of ``EngineCore.run_busy_loop`` holds it as ``input_queue``). None when it is not
-    there (a worker process of its own)."""
-    f = sys._getframe(1)
-    while f is not None:
-        q = getattr(f.f_locals.get("self"), "input_queue", None)
-        if isinstance(q, queue.Queue):
-            return q
-        f = f.f_back
-    return None
 
 
 @dataclass
@@ -291,8 +269,6 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._host: HostBuffer | None = None
         self._rank = 0
         self._blocks_per_block = 1
-        #: The engine core's input queue, looked for on the first idle step (engine_input_queue).
-        self._input_queue: queue.Queue | None | object = _UNSEEN
         #: Send each step's messages when vLLM binds the step's metadata, before the forward, not
         #: in start_load_kv: vLLM 0.32 calls that after the forward is launched, which on a CPU
         #: engine means after the whole forward has run. P's PrefillDone then waited for P's next
@@ -498,17 +474,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults()
         meta = self._connector_metadata
         idle = isinstance(meta, KvxferConnectorMetadata) and meta.idle
-        if not idle:
-            r = self.worker.take_results()
-        else:
-            if self._input_queue is _UNSEEN:
-                self._input_queue = engine_input_queue()
-                log.info("kvxfer: idle engine steps wait for the sidecar up to %.0f ms%s",
-                         1000 * (IDLE_WAIT_S if self._input_queue is None else IDLE_WAIT_WATCHED_S),
-                         "" if self._input_queue is None else ", or until the engine core has input")
-            q = self._input_queue
-            r = (self.worker.take_results(IDLE_WAIT_S) if q is None else
-                 self.worker.take_results(IDLE_WAIT_WATCHED_S, lambda: not q.empty(), IDLE_SLICE_S))
+        r = self.worker.take_results(IDLE_WAIT_S if idle else 0.0)
         return KVConnectorTransferResults(
             finished_sending=r.finished_sending,
             finished_recving=r.finished_recving,

@@ -310,31 +310,19 @@ class WorkerLogic:
             return self._expand(block_ids)
         return [b for g in self._lists(groups) for b in g.block_ids]
 
-    def take_results(self, idle_wait_s: float = 0.0, woken: Callable[[], bool] | None = None,
-                     slice_s: float = 0.002) -> Results:
+    def take_results(self, idle_wait_s: float = 0.0) -> Results:
         """What finished since the last call (and the sidecar-lost bound, checked here).
 
         ``idle_wait_s``: on an engine step that ran no model (vLLM steps in a tight loop while a
         request waits for its KV), wait up to this long for the sidecar when nothing has finished,
         instead of returning at once: measured here, a decode engine waiting on a push burned
-        1.5 cores spinning, and the prefill it waited for ran at half speed on the same machine.
-        ``woken``: the engine has other work (a new request in its input queue): checked every
-        ``slice_s`` while waiting, and the wait ends when it says so. With it the wait can be long
-        (an idle step then costs a check, not an engine step) and new work still starts within
-        ``slice_s``."""
+        1.5 cores spinning, and the prefill it waited for ran at half speed on the same machine."""
         if idle_wait_s > 0:
             with self._lock:
                 quiet = not (self._results.finished_sending or self._results.finished_recving)
                 busy = bool(self._p or self._d)
             if quiet and busy:
-                if woken is None:
-                    self._activity.wait(idle_wait_s)
-                else:
-                    deadline = time.monotonic() + idle_wait_s
-                    while not woken():
-                        left = deadline - time.monotonic()
-                        if left <= 0 or self._activity.wait(min(slice_s, left)):
-                            break
+                self._activity.wait(idle_wait_s)
         self._activity.clear()
         with self._lock:
             lost = self._lost_since
