@@ -8,6 +8,7 @@
 import { FailureReason, ReleaseReason, type ExpectKv } from "../gen/kvxfer/v1/engine_pb.js";
 import type { XferDone } from "../gen/kvxfer/v1/peer_pb.js";
 import { KvxferError } from "../errors.js";
+import type { PeerBody } from "../peer/messages.js";
 import { sameProcess, type PeerState } from "../peer/peer-state.js";
 import {
   allBlockIds,
@@ -41,12 +42,17 @@ import {
 } from "./decode-transfer.js";
 import { isTerminal, OUTCOME, transition } from "./lifecycle.js";
 import { LinkRates } from "./link-rates.js";
-import { OwedAborts } from "./owed-aborts.js";
+import { abortBody, OwedAborts } from "./owed-aborts.js";
 import { settleBound } from "./settle.js";
 import { SideTable } from "./side-table.js";
 import { newTimings } from "./timings.js";
 import { stepName, TransferTrace } from "./trace.js";
 import type { TerminalKind, TransferInfo } from "./view.js";
+
+/** The Abort that tells P of `t`'s end. */
+function abortOf(t: DecodeTransfer): PeerBody {
+  return abortBody({ transferId: t.id, reason: t.reason, token: t.token });
+}
 
 /** How D reaches P: its metadata from the cache or by a handshake. */
 export type PeerResolver = (sideChannel: string) => Promise<PeerState>;
@@ -184,10 +190,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         return this.connect(t, d.peer!, d.pairing!);
       case "LATE_ABORT":
         // Given up on while the handshake ran (abort, watchdog): P can let go.
-        return ctx.peers.send(d.peer!, {
-          case: "abort",
-          value: { transferId: t.id, reason: t.reason, token: t.token },
-        });
+        return ctx.peers.send(d.peer!, abortOf(t));
       case "SEND_PUSH_REG":
         // Marked as it is handed over: P can receive it (and stamp its own hop) before send()
         // returns, now that control messages have an endpoint of their own.
@@ -258,10 +261,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
           },
         });
       case "TELL_P_ABORT":
-        return ctx.peers.send(t.peer!, {
-          case: "abort",
-          value: { transferId: t.id, reason: t.reason, token: t.token },
-        });
+        return ctx.peers.send(t.peer!, abortOf(t));
       case "RENEW_PUSH":
         t.lastRenewMs = d.now!;
         return;
@@ -597,10 +597,7 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
         sent.has(t.id)
       )
         continue;
-      this.ctx.peers.send(peer, {
-        case: "abort",
-        value: { transferId: t.id, reason: t.reason, token: t.token },
-      });
+      this.ctx.peers.send(peer, abortOf(t));
     }
   }
 

@@ -28,6 +28,11 @@ export interface OwedAbort {
   readonly reason: string;
 }
 
+/** The Abort D sends P for a transfer it gave up on (now, or owed since a partition). */
+export function abortBody(a: OwedAbort): PeerBody {
+  return { case: "abort", value: { transferId: a.transferId, reason: a.reason, token: a.token } };
+}
+
 interface OwedPeer {
   readonly engineId: string;
   readonly epoch: bigint;
@@ -128,11 +133,7 @@ export class OwedAborts {
       { peer: peer.engineId, transfers: owed.items.size },
       "a lost prefill peer is reachable again: telling it what we gave up on",
     );
-    for (const a of owed.items.values())
-      this.ports.send(peer, {
-        case: "abort",
-        value: { transferId: a.transferId, reason: a.reason, token: a.token },
-      });
+    for (const a of owed.items.values()) this.ports.send(peer, abortBody(a));
     return new Set(owed.items.keys());
   }
 
