@@ -20,6 +20,7 @@
 #include "memory_type.h"
 #include "region.h"
 #include "remote_region.h"
+#include "ucx_fix.h"
 #include "ucx_status.h"
 #include "wire.h"
 #include "xfer.h"
@@ -83,6 +84,14 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   exports.Set("MacKey", MacKey::Define(env));
   exports.Set("ucxVersion", Napi::String::New(env, ucp_get_version_string()));
   exports.Set("ucxInfo", Napi::Function::New(env, UcxInfo, "ucxInfo"));
+  // Before any worker exists: the handler it replaces is read when a worker's interfaces start.
+  InstallUcxGetReplyFix();
+  exports.Set("ucxGetReplyFix", Napi::Function::New(
+                                    env,
+                                    [](const Napi::CallbackInfo& info) -> Napi::Value {
+                                      return Napi::String::New(info.Env(), UcxGetReplyFixState());
+                                    },
+                                    "ucxGetReplyFix"));
   exports.Set("ucsStatusName", Napi::Function::New(
                                    env,
                                    [](const Napi::CallbackInfo& info) -> Napi::Value {

@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "ucx_fix.h"
+
 namespace kvxfer {
 
 namespace {
@@ -90,12 +92,14 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_NAME;
   wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
   wparams.name = engine->opts_.name.c_str();
+  InstallUcxGetReplyFix();
   *status = ucp_worker_create(engine->context_, &wparams, &engine->worker_);
   if (*status != UCS_OK) {
     *what = "ucp_worker_create failed";
     engine->worker_ = nullptr;
     return nullptr;
   }
+  CheckUcxGetReplyFix(engine->worker_);
 
   ucp_address_t* addr = nullptr;
   size_t addr_len = 0;

@@ -88,7 +88,7 @@ export const SIDECAR_SETTINGS = {
   "peer-timeout-ms": {
     type: "string",
     default: "5000",
-    help: "a silent peer with live transfers is down after this long",
+    help: "a silent peer with live transfers is down after this long (and a UCX TCP connection unacknowledged twice this long is given up)",
   },
   "peer-keepalive-ms": {
     type: "string",

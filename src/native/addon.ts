@@ -134,6 +134,11 @@ export interface NativeAddon {
   ucxVersion: string;
   ucxInfo(transports?: string): UcxInfo;
   ucsStatusName(status: number): string;
+  /**
+   * Whether the workaround for UCX 1.22's software GET replies is in place (native/src/ucx_fix.cc):
+   * "installed (N GET replies primed)", or why not.
+   */
+  ucxGetReplyFix(): string;
 }
 
 function findPackageRoot(start: string): string {

@@ -29,4 +29,4 @@ export type {
   OpTrace,
   UcxInfo,
 } from "./types.js";
-export { describeUcx, ucxInfo, ucxVersion } from "./ucx.js";
+export { describeUcx, ucxGetReplyFix, ucxInfo, ucxVersion } from "./ucx.js";

@@ -60,9 +60,7 @@ export interface AgentOptions {
    * TCP transports: give a connection up once bytes it sent stay unacknowledged this long
    * (TCP_USER_TIMEOUT, as UCX_TCP_USER_TIMEOUT; that variable, when set, wins). Its operations
    * then fail instead of resuming at TCP's next backed-off retransmission after a partition
-   * heals (up to two minutes later). Default 0: UCX's default (the kernel's). The sidecar does
-   * not set it: when the kernel fails a connection on which this agent has GET replies queued,
-   * UCX 1.22 purges them by an unset datatype field and can crash (kv-registration.ts).
+   * heals (up to two minutes later). Default 0: UCX's default (the kernel's).
    */
   tcpUserTimeoutMs?: number;
   /** Largest notification accepted or sent. Default 4 MiB. */

@@ -26,3 +26,12 @@ export function describeUcx(info: UcxInfo = ucxInfo()): string {
   const tls = [...new Set(info.transports.map((t) => t.split("/")[0]))];
   return `UCX ${info.version} (${tls.join(", ")}; memory: ${info.memoryTypes.join(", ")})`;
 }
+
+/**
+ * Whether the workaround for UCX 1.22's software GET replies is in place (native/src/ucx_fix.cc:
+ * without it, P's process could die when D's end of a READ over TCP failed with a reply queued):
+ * "installed (N GET replies primed)", "not installed yet" before the first agent, or why not.
+ */
+export function ucxGetReplyFix(): string {
+  return addon.ucxGetReplyFix();
+}

@@ -369,15 +369,17 @@ export class KvRegistry implements KvGate {
       maxNotificationBytes: MAX_PEER_MESSAGE_BYTES,
       busyPoll: this.host.opts.busyPoll,
       spinUs: spinFor(this.host.opts.spinUs, ranks),
-      // No TCP_USER_TIMEOUT of ours (UCX_TCP_USER_TIMEOUT in the environment still sets one):
-      // with one (twice the peer timeout, 2026-12-05), a partition made the kernel fail the
-      // connections of transfers in flight, and UCX 1.22 then purges the GET replies P still had
-      // queued for D's reads with a field it never set (ucp_get_req_handler leaves the request's
-      // datatype as the memory pool left it; ucp_request_send_state_ff deregisters by it): P's
-      // sidecar died in 5 of 11 runs of net-faults.test.ts (SIGSEGV where checked; core dump:
-      // uct_tcp_ep_pending_purge -> ucp_request_send_state_ff -> ucp_request_dt_dereg, the request
-      // a ucp_progress_get_reply). Without it the old connections resume at TCP's next
-      // retransmission after a heal, seconds later (docs/operations.md, "Network faults").
+      // A connection that delivers nothing for twice as long as a silent peer is declared down
+      // is given up by the kernel: after a partition longer than that, the old connections fail
+      // (their reads and writes settle at once) instead of resuming at TCP's next backed-off
+      // retransmission, seconds to minutes after the heal, while the blocks they touch stay
+      // held (docs/operations.md, "Network faults"). Twice: a cut the peer outlives (shorter
+      // than the peer timeout) must not cost the connections its transfers go on over (with
+      // one timeout, under load, a pull right after a 1.5 s cut found its endpoint reset). A
+      // slow link keeps being acknowledged. A connection failed with GET replies queued crashed
+      // P inside UCX 1.22 (5 of 11 runs of net-faults.test.ts, 2026-12-05) until the addon
+      // primed those replies (native/src/ucx_fix.cc); a D killed mid-pull did the same.
+      tcpUserTimeoutMs: 2 * this.host.opts.peerTimeoutMs,
     });
   }
 

@@ -12,7 +12,7 @@ import type { Logger } from "pino";
 
 import type { EngineToSidecar } from "../gen/kvxfer/v1/engine_pb.js";
 import { KvxferError } from "../errors.js";
-import { describeUcx, ucxInfo, type Agent } from "../native/index.js";
+import { describeUcx, ucxGetReplyFix, ucxInfo, type Agent } from "../native/index.js";
 import { engineIdProblem } from "../engine/validate.js";
 import { SideChannelServer, checkCredentials } from "../peer/side-channel.js";
 import { systemClock } from "./clock.js";
@@ -149,6 +149,7 @@ export class Sidecar implements SidecarView {
         role: this.role,
         mode: this.mode,
         ucx: describeUcx(ucxInfo(this.opts.transports)),
+        ucxGetReplyFix: ucxGetReplyFix(),
       },
       "sidecar started",
     );

@@ -280,11 +280,12 @@ describe.skipIf(support.missing !== undefined)(
     // peer timeout (2 s here) and a margin. But a read or write given up on is not cancelled in
     // UCX: over TCP it waits in the old connection and its bytes land when the link comes back
     // (before the settle wait: a push right after the link came up was verified wrong by D's
-    // engine, CI stop 54). So the blocks they touch stay held while the link is down, past every
-    // lease (5 s here) and the old drain bound (6 s), and come back once the old connection has
-    // delivered or failed what it held. Right after the link is up, a pull and a push are
-    // verified, byte for byte. (The agents set no TCP_USER_TIMEOUT: see kv-registration.ts.)
-    it("D's link down for good under a 50 Mbit/s cap with 8 in flight: failed within the peer timeout, blocks a stale byte could reach held until the link is back; then every block back, the next transfers verified", async () => {
+    // engine, CI stop 54). So the blocks they touch stay held until nothing can land any more:
+    // a pull's once D's kernel has given its connection up (TCP_USER_TIMEOUT, twice the peer timeout),
+    // a push's once P can say its writes are over, when the link is back, past every lease (5 s
+    // here) and the old drain bound (6 s). Right after the link is up, a pull and a push are
+    // verified, byte for byte.
+    it("D's link down for good under a 50 Mbit/s cap with 8 in flight: failed within the peer timeout; a pull's blocks back once D's kernel gave its connection up, a push's held until P can say its writes are over; then every block back, the next transfers verified", async () => {
       pair = await startNetPair(net, {
         sidecarArgs: [
           ...FAST_PEER,
@@ -313,17 +314,35 @@ describe.skipIf(support.missing !== undefined)(
       expect(Math.max(...outs.map((o) => o.ms))).toBeLessThan(800 + 2_000 + 2_500);
       const failed = new Set(outs.filter((o) => o.outcome === "failed").map((o) => o.transferId));
       expect(failed.size).toBeGreaterThan(0);
-      // Past P's lease and registration lease, D's old drain bound and a margin: D still holds
-      // every failed transfer's blocks (DRAINING: a read's answer or P's write may still land).
+      // Past P's lease and registration lease, D's old drain bound and a margin. A failed pull's
+      // reads settle once D's connection has carried their requests unacknowledged for twice
+      // the peer timeout and D's kernel gave it up (TCP_USER_TIMEOUT, checked at TCP's
+      // backed-off retransmissions: 6-13 s after the cut here): no answer can land any more and
+      // the blocks are back, while the link is still down. A failed push stays DRAINING (its
+      // blocks held): P's writes may land until P says they are over, and P cannot say so while
+      // D's link is down.
       await sleep(Math.max(0, downAt + 9_000 - Date.now()));
-      const onD = (await pair.d.client.listTransfers()).transfers
-        .filter((t) => failed.has(t.transferId))
-        .map((t) => `${t.transferId}:${t.state}`)
-        .sort();
-      expect(onD).toEqual([...failed].map((id) => `${id}:DRAINING`).sort());
+      const isPull = (id: string): boolean => Number(id.split("-").pop()) % 2 === 0;
+      const want = [...failed].map((id) => `${id}:${isPull(id) ? "FAILED" : "DRAINING"}`).sort();
+      let onD: string[] = [];
+      await until(
+        async () => {
+          onD = (await pair!.d.client.listTransfers()).transfers
+            .filter((t) => failed.has(t.transferId))
+            .map((t) => `${t.transferId}:${t.state}`)
+            .sort();
+          return JSON.stringify(onD) === JSON.stringify(want);
+        },
+        20_000,
+        () =>
+          `D's failed pulls FAILED and pushes DRAINING with the link down (now: ${onD.join(" ")})`,
+        200,
+      );
+      const settledMs = Date.now() - downAt;
       const ds = await pair.d.engine.stats();
       const held = ds.totalBlocks - ds.freeBlocks;
-      expect(held).toBe((failed.size * tokens) / 16);
+      const failedPushes = [...failed].filter((id) => !isPull(id)).length;
+      expect(held).toBe((failedPushes * tokens) / 16);
       net.link("d", true);
       net.uncap();
       const upAt = Date.now();
@@ -340,10 +359,62 @@ describe.skipIf(support.missing !== undefined)(
       const { pFree, dFree } = await blocksBack(pair, upAt, 60_000);
       console.log(
         `[net link down] 8 x 2 MiB at 50 Mbit/s, D's link down 0.8 s in: ${summary(outs)}; ` +
-          `D held ${held} blocks 9 s after the cut; link up after ${upAt - downAt} ms: ` +
+          `D held ${held} blocks (its pushes) once its pulls settled, ${settledMs} ms after the cut; link up after ${upAt - downAt} ms: ` +
           `next pull ${next[0]!.ms} ms, push ${next[1]!.ms} ms, verified; blocks all back ${pFree} ms (P) and ${dFree} ms (D) after the link came up`,
       );
     }, 120_000);
+
+    // D's sidecar killed (kill -9: its kernel resets every connection) while 8 pulls of 2 MiB
+    // stream at 20 Mbit/s: P has GET replies queued behind the full socket, and UCX 1.22 purges
+    // them when the reset fails P's endpoint. Before native/src/ucx_fix.cc primed those replies
+    // that purge crashed P's sidecar (SIGSEGV in 2 of 4 and 3 of 6 runs of this case; 0 of 6
+    // with the fix): a dying D took P, and every transfer P held for other decoders, with it.
+    // P's sidecar lives on, its blocks come back (D is silent: P's hold lease), and D's sidecar,
+    // restarted with a new epoch, pulls and pushes verified.
+    it("D's sidecar killed mid-pull with P's GET replies queued behind a 20 Mbit/s cap: P's sidecar lives on, every P block back, a restarted D pulls and pushes verified", async () => {
+      pair = await startNetPair(net, {
+        sidecarArgs: [...FAST_PEER, "--lease-ms", "5000"],
+      });
+      const tokens = (2 << 20) / BYTES_PER_TOKEN;
+      net.cap(20);
+      const flights = Array.from({ length: 8 }, (_, i) =>
+        attempt(pair!, `killed-d-${i}`, { tokens, pull: true, timeoutMs: 30_000 }),
+      );
+      await sleep(1_500);
+      const pSidecar = pair.p.sidecar.child;
+      const { killedAt, upAt } = await pair.d.restartSidecar(4_000);
+      const outs = await Promise.all(flights);
+      for (const o of outs) {
+        expect(["verified", "failed"], JSON.stringify(o)).toContain(o.outcome);
+        if (o.outcome === "failed") expect(o.reason, JSON.stringify(o)).toBe("SIDECAR_RESTARTED");
+      }
+      expect(outs.some((o) => o.outcome === "failed")).toBe(true);
+      net.uncap();
+      const pBack = Date.now();
+      await pair.p.allBlocksFree(15_000);
+      const pFreeMs = Date.now() - pBack;
+      expect({ exit: pSidecar.exitCode, signal: pSidecar.signalCode }).toEqual({
+        exit: null,
+        signal: null,
+      });
+      expect(pair.p.sidecar.child).toBe(pSidecar);
+      const next: Outcome[] = [];
+      for (const pull of [true, false]) {
+        const o = await attempt(pair, `after-kill-${pull}`, {
+          tokens: 64,
+          pull,
+          timeoutMs: 15_000,
+        });
+        expect(o.outcome, JSON.stringify(o)).toBe("verified");
+        next.push(o);
+      }
+      await pair.d.allBlocksFree(10_000);
+      console.log(
+        `[net D killed] 8 x 2 MiB pulls at 20 Mbit/s, D's sidecar killed 1.5 s in, back ${upAt - killedAt} ms later: ` +
+          `${summary(outs)}; P's sidecar alive (pid ${pSidecar.pid}); P's blocks all back ${pFreeMs} ms after the transfers ended; ` +
+          `next pull ${next[0]!.ms} ms, push ${next[1]!.ms} ms, verified`,
+      );
+    }, 90_000);
 
     // Issue 52's partitions, scaled to the 2 s peer timeout used here: one shorter than it (every
     // transfer rides it out, nobody is declared down), 8 s each way and one way only, and
@@ -353,11 +424,11 @@ describe.skipIf(support.missing !== undefined)(
     // up on are not cancelled in UCX, so each side keeps the blocks they touch until its endpoint
     // has settled (D's reads; P's writes, whose AbortAck to D's owed Abort waits for that too):
     // before that wait, a pull started at once after the heal was verified wrong by D's engine in
-    // 2 of ~12 runs. The old connections resume at TCP's next backed-off retransmission after
-    // the heal (5.1-5.4 s after an 8 s cut, 10.8 s after 30 s, up to 2 min: TCP's longest
-    // backoff), and the blocks with them. (With a TCP_USER_TIMEOUT the connections failed in the
-    // cut instead, and every block was back within 5 s of the heal, but UCX 1.22 then crashed P
-    // purging the GET replies it had queued: kv-registration.ts.)
+    // 2 of ~12 runs. The agents give a TCP connection up once it has gone unacknowledged for the
+    // peer timeout twice over (TCP_USER_TIMEOUT), so after a long partition the old connections have failed
+    // and settled, and every block is back within 5 s of the heal: before that, they resumed at
+    // TCP's next backed-off retransmission, 5.1-5.4 s after an 8 s cut, 10.8 s after 30 s (up to
+    // 2 min: TCP's longest backoff).
     const partition = async (how: "both ways" | "P -> D only" | "D -> P only", cutMs: number) => {
       pair = await startNetPair(net, {
         sidecarArgs: [...FAST_PEER, "--reg-lease-ms", "10000"],
@@ -387,11 +458,7 @@ describe.skipIf(support.missing !== undefined)(
         ),
       );
       const outs = await Promise.all(flights);
-      const { pFree, dFree } = await blocksBack(
-        pair,
-        healedAt,
-        Math.max(40_000, 2 * cutMs + 10_000),
-      );
+      const { pFree, dFree } = await blocksBack(pair, healedAt, 40_000);
       const downs = (n: KvNode): string[] =>
         n.events.filter((e) => e.kind === "PEER_DOWN").map((e) => e.reason);
       console.log(
@@ -412,10 +479,13 @@ describe.skipIf(support.missing !== undefined)(
         }
         expect(outs.some((o) => o.outcome === "failed")).toBe(true);
       }
-      // Every block back once the old connections have delivered what they queued in the cut:
-      // TCP's next retransmission after the heal comes within about as long again as the cut
-      // (its backoff doubles). Issue 52's target, 5 s after any heal, is not met (see above).
-      expect(pFree).toBeLessThanOrEqual(Math.max(5_000, 2 * cutMs));
+      // Issue 52's target: no block of either side still held 5 s after the heal. P meets it.
+      // D's pull drains do not always: a read given up on settles when P's reply reaches D,
+      // and P resends it at TCP's next backed-off retransmission on the connection D opened
+      // (10.5-11 s after an 8 s cut in 2 of 12 runs with two busy loops on the cores, the
+      // replies then landing whole: UCS_OK); D cannot cancel the reads sooner without letting
+      // a late reply land in blocks given back. Asserted here: within two cuts of the heal.
+      expect(pFree).toBeLessThanOrEqual(5_000);
       expect(dFree).toBeLessThanOrEqual(Math.max(5_000, 2 * cutMs));
     };
     it.each([
