@@ -294,9 +294,18 @@ export const commands: readonly CommandSpec[] = [
       { name: "descs", kind: { t: "ints" }, help: "descriptor counts" },
       { name: "rounds", kind: POS_INT, help: "rounds per KV-shaped request" },
       { name: "no-sidecars", kind: FLAG, help: "skip the kvxfer-with-sidecars rows" },
+      {
+        name: "faults",
+        kind: FLAG,
+        help: "instead: each agent over TCP on a capped, lossy, delayed and cut link (bench/peer-faults.ts; root, tc, iptables)",
+      },
     ],
     async (argv) => {
-      (await import("./peers.js")).parsePeersArgs(argv);
+      if (argv.includes("--faults"))
+        (await import("./peer-faults.js")).parsePeerFaultsArgs(
+          argv.filter((a) => a !== "--faults"),
+        );
+      else (await import("./peers.js")).parsePeersArgs(argv);
     },
   ),
   benchSpec("all", "every suite in sequence, JSON and plots (SVG, PNG) in bench/results/", [QUICK]),

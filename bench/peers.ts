@@ -213,7 +213,7 @@ export function installPeers(log: (l: string) => void): string {
 /** Clock ticks per second of /proc/<pid>/stat's times (USER_HZ, 100 on Linux). */
 const CLK_TCK = 100;
 
-class Side {
+export class Side {
   private readonly proc: JsonLinesChild;
 
   constructor(argv: string[], env: NodeJS.ProcessEnv, name: string) {
@@ -261,14 +261,14 @@ class Side {
   }
 }
 
-interface Placement {
+export interface Placement {
   prefix: string[];
   env: NodeJS.ProcessEnv;
   init: Record<string, unknown>;
 }
 
 /** Where and how side i of a variant runs on a transport. */
-function placement(
+export function placement(
   v: Variant,
   transport: PeerTransport,
   ns: NetnsPair | undefined,
@@ -337,7 +337,7 @@ export function pythonProblem(python: string): string | undefined {
   return undefined;
 }
 
-function spawnSide(v: Variant, p: Placement, python: string, i: number): Side {
+export function spawnSide(v: Variant, p: Placement, python: string, i: number): Side {
   const argv =
     v.system === "kvxfer"
       ? [...p.prefix, process.execPath, kvxferPeerScript()]
@@ -345,7 +345,7 @@ function spawnSide(v: Variant, p: Placement, python: string, i: number): Side {
   return new Side(argv, p.env, `${v.label} side ${i}`);
 }
 
-function errText(err: unknown): string {
+export function errText(err: unknown): string {
   const e = err as { code?: string; message?: string };
   const msg = (e.message ?? String(err)).split("\n")[0]!.slice(0, 300);
   return e.code !== undefined ? `${e.code}: ${msg}` : msg;
@@ -644,11 +644,11 @@ export function variantsFor(systems: readonly PeerSystem[]): Variant[] {
   return all;
 }
 
-const cleanups = new Set<() => void>();
+export const cleanups = new Set<() => void>();
 let signalsHooked = false;
 
 /** Namespaces go on every exit path: normal end, error, and SIGINT/SIGTERM/SIGHUP. */
-function hookSignals(): void {
+export function hookSignals(): void {
   if (signalsHooked) return;
   signalsHooked = true;
   for (const sig of ["SIGINT", "SIGTERM", "SIGHUP"] as const)
@@ -1095,7 +1095,10 @@ export function parsePeersArgs(argv: readonly string[]): PeersBenchOptions {
   return o;
 }
 
-export function main(argv: string[] = process.argv.slice(2)): Promise<PeersBenchResult> {
+export async function main(argv: string[] = process.argv.slice(2)): Promise<unknown> {
+  // The same agents on a link that misbehaves: bench/peer-faults.ts.
+  if (argv.includes("--faults"))
+    return (await import("./peer-faults.js")).main(argv.filter((a) => a !== "--faults"));
   return runSuiteMain(
     "peers",
     parsePeersArgs(argv),

@@ -132,6 +132,43 @@ def wait_until(pred: Callable[[], bool], timeout_ms: float, what: str) -> None:
             raise BenchError("ERR_TIMEOUT", f"{what}: not done within {timeout_ms:.0f} ms")
 
 
+def flight_outcomes(
+    count: int,
+    post: Callable[[int], Any],
+    check: Callable[[Any], str],
+    timeout_ms: float,
+) -> list[dict[str, Any]]:
+    """`count` transfers posted at once, polled until each is done or failed, or the deadline.
+
+    `post(i)` starts transfer i and returns its handle (or raises); `check(h)` answers "DONE",
+    "ERR" or "PROC". A transfer pending at the deadline is reported so, not waited for.
+    """
+    t0 = now()
+    out: list[dict[str, Any] | None] = [None] * count
+    handles: list[Any] = [None] * count
+    for i in range(count):
+        try:
+            handles[i] = post(i)
+        except Exception as e:  # noqa: BLE001  (a refused post is this transfer's outcome)
+            out[i] = {"ok": False, "ms": (now() - t0) / 1e6, "error": f"{type(e).__name__}: {e}"}
+    deadline = t0 + int(timeout_ms * 1e6)
+    while any(o is None for o in out) and now() < deadline:
+        for i, h in enumerate(handles):
+            if out[i] is not None:
+                continue
+            try:
+                s = check(h)
+            except Exception as e:  # noqa: BLE001
+                out[i] = {"ok": False, "ms": (now() - t0) / 1e6, "error": f"{type(e).__name__}: {e}"}
+                continue
+            if s == "DONE":
+                out[i] = {"ok": True, "ms": (now() - t0) / 1e6}
+            elif s == "ERR":
+                out[i] = {"ok": False, "ms": (now() - t0) / 1e6, "error": "transfer failed"}
+    ms = (now() - t0) / 1e6
+    return [o if o is not None else {"ok": False, "ms": ms, "error": "pending at the deadline"} for o in out]
+
+
 # --- NIXL --------------------------------------------------------------------
 
 
@@ -283,6 +320,31 @@ class NixlSide(Side):
         t_done = now()
         self.agent.release_xfer_handle(h)
         return {"tPostNs": t_post, "tReturnNs": t_ret, "tDoneNs": t_done}
+
+    def flight(self, req: dict[str, Any]) -> dict[str, Any]:
+        """`count` transfers of `size` bytes at once, each its own READ or WRITE (bench peers --faults)."""
+        buf = self.need_buf()
+        op = "WRITE" if req["kind"] == "write" else "READ"
+        size, count = int(req["size"]), int(req["count"])
+        if count * size > min(buf.size, self.remote_size):
+            raise BenchError("ERR_ARGS", f"flight: {count} x {size} B exceeds the buffers")
+
+        def post(i: int) -> Any:
+            h = self.agent.initialize_xfer(
+                op,
+                self.agent.get_xfer_descs([(buf.base + i * size, size, 0)], "DRAM"),
+                self.agent.get_xfer_descs([(self.remote_base + i * size, size, 0)], "DRAM"),
+                self.remote,
+            )
+            if self.agent.transfer(h) == "ERR":
+                raise BenchError("ERR_XFER", "NIXL transfer post failed")
+            return h
+
+        def check(h: Any) -> str:
+            s = self.agent.check_xfer_state(h)
+            return "DONE" if s == "DONE" else "ERR" if s == "ERR" else "PROC"
+
+        return {"transfers": flight_outcomes(count, post, check, float(req.get("timeoutMs", 30_000)))}
 
     def descpost(self, req: dict[str, Any]) -> dict[str, Any]:
         """`count` descriptors of `size` bytes in one WRITE; build, prepare, post and complete timed apart."""
@@ -479,6 +541,23 @@ class MooncakeSide(Side):
             raise BenchError("ERR_XFER", f"batch_transfer_sync returned {rc}")
         # A synchronous call: it returns when the data (and the notification) went out.
         return {"tPostNs": t_post, "tReturnNs": t_done, "tDoneNs": t_done}
+
+    def flight(self, req: dict[str, Any]) -> dict[str, Any]:
+        """`count` transfers of `size` bytes at once, each its own batch (bench peers --faults)."""
+        buf = self.need_buf()
+        size, count = int(req["size"]), int(req["count"])
+        if count * size > min(buf.size, self.remote_size):
+            raise BenchError("ERR_ARGS", f"flight: {count} x {size} B exceeds the buffers")
+
+        def post(i: int) -> Any:
+            off = i * size
+            return self._submit(req["kind"], [buf.base + off], [self.remote_base + off], [size])
+
+        def check(bid: Any) -> str:
+            s = self.te.transfer_check_status(bid)
+            return "PROC" if s == 0 else "ERR" if s < 0 else "DONE"
+
+        return {"transfers": flight_outcomes(count, post, check, float(req.get("timeoutMs", 30_000)))}
 
     def descpost(self, req: dict[str, Any]) -> dict[str, Any]:
         buf = self.need_buf()

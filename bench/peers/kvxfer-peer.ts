@@ -34,6 +34,12 @@ let remote: RemoteRegion | undefined;
 let notes: { data: string; t: number }[] = [];
 let onNote: (() => void) | undefined;
 
+interface FlightOutcome {
+  ok: boolean;
+  ms: number;
+  error?: string;
+}
+
 function need<T>(v: T | undefined, what: string): T {
   if (v === undefined) throw new KvxferError("ERR_INVALID_ARGUMENT", `peer: ${what} not set up`);
   return v;
@@ -253,6 +259,48 @@ async function bandwidth(
   return bwResult(iters, size, t0, c0);
 }
 
+/**
+ * `count` transfers of `size` bytes at once (transfer i at offset i * size on both sides), each
+ * its own READ or WRITE: when each ended and how, by the deadline (`bench peers --faults`). A
+ * transfer still pending at the deadline is reported so, not waited for.
+ */
+async function flight(
+  kind: "read" | "write",
+  size: number,
+  count: number,
+  timeoutMs: number,
+): Promise<{ transfers: FlightOutcome[] }> {
+  const a = need(agent, "agent");
+  const e = need(ep, "endpoint");
+  const r = need(region, "region");
+  const rr = need(remote, "remote region");
+  if (count * size > r.length) throw new Error(`flight: ${count} x ${size} B exceeds the buffer`);
+  const t0 = performance.now();
+  const out: (FlightOutcome | undefined)[] = new Array(count).fill(undefined);
+  const posts = Array.from({ length: count }, (_, i) => {
+    const d = new Float64Array([i * size, i * size, size]);
+    const op = kind === "read" ? a.read(e, r, rr, d) : a.write(e, r, rr, d);
+    return op.then(
+      () => (out[i] = { ok: true, ms: performance.now() - t0 }),
+      (err: unknown) =>
+        (out[i] = {
+          ok: false,
+          ms: performance.now() - t0,
+          error: String((err as Error).message ?? err),
+        }),
+    );
+  });
+  await Promise.race([
+    Promise.all(posts),
+    new Promise((resolve) => setTimeout(resolve, timeoutMs).unref()),
+  ]);
+  return {
+    transfers: out.map(
+      (o) => o ?? { ok: false, ms: performance.now() - t0, error: "pending at the deadline" },
+    ),
+  };
+}
+
 async function handle(req: Request): Promise<unknown> {
   const timeoutMs = Number(req.timeoutMs ?? 30_000);
   switch (req.op) {
@@ -296,10 +344,20 @@ async function handle(req: Request): Promise<unknown> {
     }
     case "connect": {
       const info = req.peerInfo as { address: string; key: string };
-      ep = need(agent, "agent").connect(Buffer.from(info.address, "base64"));
+      ep = need(agent, "agent").connect(
+        Buffer.from(info.address, "base64"),
+        req.errorMode === "peer" ? { errorMode: "peer" } : {},
+      );
       remote = ep.importRemote(Buffer.from(info.key, "base64"));
       return { remote: ep.id };
     }
+    case "flight":
+      return flight(
+        req.kind === "read" ? "read" : "write",
+        Number(req.size),
+        Number(req.count),
+        timeoutMs,
+      );
     case "bw":
       return (pumping ? bandwidthPolling : bandwidth)(
         req.kind === "read" ? "read" : "write",

@@ -5,7 +5,7 @@
 import { execFileSync, spawn } from "node:child_process";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
-import { FaultNet, faultSupport, type Side } from "./faults.js";
+import { FaultNet, faultSupport, type Side } from "../../bench/net/faults.js";
 
 const support = faultSupport();
 

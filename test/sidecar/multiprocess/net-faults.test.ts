@@ -1,11 +1,11 @@
 // Sidecars across a link that misbehaves (issue 52): P and D sidecars in two network namespaces
 // (UCX over TCP, error mode peer, mutual TLS), simulated engines, the fault harness of
-// test/net/faults.ts on the link between them. Every transfer that reports ready is byte-verified
+// bench/net/faults.ts on the link between them. Every transfer that reports ready is byte-verified
 // by D's engine; every block is back with both engines at the end of each case. Needs root, tc,
 // iptables; `npm run build` first.
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 
-import { FaultNet, faultSupport } from "../../net/faults.js";
+import { FaultNet, faultSupport } from "../../../bench/net/faults.js";
 import { until } from "../../until.js";
 import { sleep, type KvNode, type Pair } from "./fixtures.js";
 import { BYTES_PER_TOKEN, attempt, startNetPair, type Outcome } from "./net-fixtures.js";

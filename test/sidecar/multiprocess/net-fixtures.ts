@@ -1,8 +1,8 @@
-// P and D sidecars on two "hosts" of a FaultNet (test/net/faults.ts): each sidecar in its own
+// P and D sidecars on two "hosts" of a FaultNet (bench/net/faults.ts): each sidecar in its own
 // network namespace, its side channel and UCX (TCP, error mode peer, mutual TLS) on the data link
 // the faults act on, its gRPC on the management link this process reaches. The simulated engines
 // run here and talk to their sidecars over ipc:// sockets (files: any namespace reaches them).
-import type { FaultNet } from "../../net/faults.js";
+import type { FaultNet } from "../../../bench/net/faults.js";
 import type { SimEngineOptions } from "../../../sim/engine-client.js";
 import type { TransferMode } from "../../../src/sidecar/view.js";
 import { KvNode, pairOf, type Pair } from "./fixtures.js";

@@ -1,5 +1,6 @@
 /**
- * The network fault harness (issue 52): two "hosts" (network namespaces P and D) joined by one
+ * The network fault harness (issue 52), used by the tests (test/net/, the sidecars' net-faults
+ * cases) and by `kvxfer bench peers --faults` (NIXL's and Mooncake's agents on the same link): two "hosts" (network namespaces P and D) joined by one
  * data veth, each also joined to this (the test's) namespace by a management veth that carries
  * only gRPC and metrics and is never impaired. Faults act on the data link alone:
  *
@@ -27,8 +28,9 @@ import { execFileSync, spawn, type ChildProcess } from "node:child_process";
 import { createHash } from "node:crypto";
 import { existsSync, readFileSync, renameSync } from "node:fs";
 import { tmpdir } from "node:os";
-import { dirname, join } from "node:path";
-import { fileURLToPath } from "node:url";
+import { join } from "node:path";
+
+import { packageRoot } from "../report.js";
 
 export type Side = "p" | "d";
 
@@ -63,7 +65,7 @@ let delayBinary: string | undefined;
  */
 export function nfqDelayBinary(): string {
   if (delayBinary !== undefined) return delayBinary;
-  const source = join(dirname(fileURLToPath(import.meta.url)), "nfq-delay.c");
+  const source = join(packageRoot(), "bench", "net", "nfq-delay.c");
   const hash = createHash("sha256").update(readFileSync(source)).digest("hex").slice(0, 16);
   const out = join(tmpdir(), `kx52-nfq-delay-${hash}`);
   if (!existsSync(out)) {
