@@ -73,12 +73,16 @@ export interface FaultCell {
 
 export interface FaultRow {
   fault: string;
+  /** Transfers in flight in this case. */
+  count: number;
   values: Record<string, FaultCell>;
 }
 
 export interface PeerFaultsResult {
   bench: "peer-faults";
   machine: string;
+  /** Bytes per transfer. */
+  size: number;
   settings: string;
   systems: { label: string; status: string; error?: string; info?: Record<string, unknown> }[];
   rows: FaultRow[];
@@ -124,6 +128,8 @@ const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms
 
 interface FaultCase {
   name: string;
+  /** Transfers in flight (default: the run's count). */
+  count?: number;
   /** Why it cannot run on this machine, or undefined. */
   missing?: string | undefined;
   run(net: FaultNet, flight: (timeoutMs: number) => Promise<FlightOutcome[]>): Promise<FaultCell>;
@@ -168,6 +174,24 @@ function faultCases(
         try {
           return cellOf(await flight(60_000));
         } finally {
+          net.undelay();
+        }
+      },
+    },
+    {
+      // Issue 52's soak: twice the transfers, on a link that loses and delays at once.
+      name: `1% loss and 5 ms ± 1 ms each way, ${2 * o.count} in flight`,
+      count: 2 * o.count,
+      missing: faultSupport().delayMissing,
+      run: async (net, flight) => {
+        await net.delay("p", 5, 1);
+        await net.delay("d", 5, 1);
+        net.drop("p", 0.01);
+        net.drop("d", 0.01);
+        try {
+          return cellOf(await flight(120_000));
+        } finally {
+          net.heal();
           net.undelay();
         }
       },
@@ -218,7 +242,7 @@ async function runSystem(
   const ns = asPair(net);
   const p0 = placement(v, "tcp", ns, 0);
   const p1 = placement(v, "tcp", ns, 1);
-  const bufferBytes = o.count * o.size + BUFFER_SLACK;
+  const bufferBytes = Math.max(...cases.map((c) => c.count ?? o.count)) * o.size + BUFFER_SLACK;
   const sides: Side[] = [spawnSide(v, p0, o.python, 0), spawnSide(v, p1, o.python, 1)];
   const [a, b] = sides as [Side, Side];
   try {
@@ -261,7 +285,7 @@ async function runSystem(
       }
       let cell: FaultCell;
       try {
-        cell = await c.run(net, (t) => flight(t));
+        cell = await c.run(net, (t) => flight(t, c.count ?? o.count));
         if (c.name.startsWith("cut")) {
           const after = await flight(30_000, 1).catch((err: unknown): FlightOutcome[] => [
             { ok: false, ms: NaN, error: errText(err) },
@@ -272,17 +296,22 @@ async function runSystem(
         cell = { done: 0, failed: 0, pending: 0, error: errText(err) };
       }
       row.values[v.label] = cell;
-      log(`    ${c.name}: ${describeCell(cell, o.count)}`);
+      log(`    ${c.name}: ${describeCell(cell, c.count ?? o.count, o.size)}`);
     }
   } finally {
     await Promise.all(sides.map((s) => s.close()));
   }
 }
 
-export function describeCell(c: FaultCell, count: number): string {
+export function describeCell(c: FaultCell, count: number, size: number): string {
   if (c.error !== undefined && c.done + c.failed + c.pending === 0) return c.error;
   const parts = [`${c.done}/${count} done`];
-  if (c.lastDoneMs !== undefined) parts[0] += `, last ${(c.lastDoneMs / 1000).toFixed(2)} s`;
+  if (c.lastDoneMs !== undefined)
+    parts[0] +=
+      `, last ${(c.lastDoneMs / 1000).toFixed(2)} s` +
+      (c.done === count
+        ? ` (${((count * size * 8) / (c.lastDoneMs * 1e3)).toFixed(0)} Mbit/s)`
+        : "");
   if (c.failed > 0)
     parts.push(
       `${c.failed} failed from ${((c.firstFailMs ?? 0) / 1000).toFixed(2)} s (${(c.firstError ?? "").slice(0, 80)})`,
@@ -312,6 +341,7 @@ export async function runPeerFaults(opts: PeerFaultsOptions): Promise<PeerFaults
   const result: PeerFaultsResult = {
     bench: "peer-faults",
     machine: machineLine(),
+    size: o.size,
     settings:
       `${o.count} READs of ${o.size >> 20} MiB at once per case (registered host memory, two processes in two ` +
       `network namespaces, one data veth: bench/net/faults.ts); cap: tbf at ${o.capMbit} Mbit/s; loss: iptables ` +
@@ -322,7 +352,7 @@ export async function runPeerFaults(opts: PeerFaultsOptions): Promise<PeerFaults
   };
   const support = faultSupport();
   const cases = faultCases(o);
-  for (const c of cases) result.rows.push({ fault: c.name, values: {} });
+  for (const c of cases) result.rows.push({ fault: c.name, count: c.count ?? o.count, values: {} });
   if (support.missing !== undefined) {
     for (const s of systems) {
       result.systems.push({ label: s, status: "failed", error: support.missing });
@@ -332,7 +362,7 @@ export async function runPeerFaults(opts: PeerFaultsOptions): Promise<PeerFaults
     return result;
   }
   hookSignals();
-  const net = new FaultNet("pf", 77);
+  const net = new FaultNet("pf", 78);
   const destroy = (): void => net.destroy();
   cleanups.add(destroy);
   try {
@@ -352,15 +382,11 @@ export async function runPeerFaults(opts: PeerFaultsOptions): Promise<PeerFaults
 
 export function formatPeerFaults(r: PeerFaultsResult): string {
   const labels = r.systems.map((s) => s.label);
-  const count = Math.max(
-    1,
-    ...r.rows.flatMap((row) => Object.values(row.values).map((c) => c.done + c.failed + c.pending)),
-  );
   return markdownTable(
     ["fault", ...labels],
     r.rows.map((row) => [
       row.fault,
-      ...labels.map((l) => (row.values[l] ? describeCell(row.values[l], count) : "—")),
+      ...labels.map((l) => (row.values[l] ? describeCell(row.values[l], row.count, r.size) : "—")),
     ]),
   );
 }

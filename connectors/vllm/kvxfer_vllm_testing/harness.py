@@ -199,15 +199,17 @@ class SidecarProc(Proc):
     Peers are authenticated with certificates from ``shared_pki()`` unless ``flags`` name others."""
 
     def __init__(self, engine_id: str, role: str, socket_ep: str, log_dir: Path, *flags: str,
-                 ready_timeout: float = 20.0) -> None:
+                 ready_timeout: float = 20.0, listen: str = "127.0.0.1:0", grpc: str = "127.0.0.1:0",
+                 prefix: tuple[str, ...] = ()) -> None:
         self.engine_id = engine_id
         self.socket = socket_ep
         auth = [] if "--peer-cert" in flags or "--insecure-peers" in flags else shared_pki().flags(engine_id)
         # KVXFER_SIDECAR_NODE_ARGS: flags for node itself (e.g. "--cpu-prof --cpu-prof-dir=DIR"),
         # as the simulator's sidecars take them; node refuses --cpu-prof in NODE_OPTIONS.
         node_args = os.environ.get("KVXFER_SIDECAR_NODE_ARGS", "").split()
-        args = ["node", *node_args, str(cli_path()), "sidecar", "--engine-id", engine_id, "--role", role,
-                "--engine-socket", socket_ep, "--listen", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
+        # ``prefix``: e.g. ``ip netns exec NS`` (a sidecar on another "host": netns.py).
+        args = [*prefix, "node", *node_args, str(cli_path()), "sidecar", "--engine-id", engine_id, "--role", role,
+                "--engine-socket", socket_ep, "--listen", listen, "--grpc", grpc,
                 "--log-level", "info", *auth, *flags]
         super().__init__(args, log_dir / f"sidecar-{engine_id}-{time.monotonic_ns()}.log", stdout=subprocess.PIPE)
         self.ready = self._read_ready(ready_timeout)
