@@ -113,6 +113,11 @@ export class PeerState {
     this.replay = new ReplayWindow();
   }
 
+  /** True when the peer seals its notifications to us with `key` now (the same session). */
+  sealsWith(key: Uint8Array): boolean {
+    return Buffer.from(key).equals(Buffer.from(this.recvKey));
+  }
+
   /** True when `verify` accepts one of its keys. */
   verifies(verify: (key: Uint8Array) => boolean): boolean {
     return (

@@ -298,6 +298,13 @@ export class PeerTable {
     const mismatch = findGroupsIncompatibility(this.host.kvs.kv!.groups, groups);
     if (mismatch !== undefined)
       return refusal("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
+    // A dialer that still holds us keeps its key; a new key is a new session: the dialer
+    // dropped us (a partition, silence) and made new endpoints, so ours to it are stale and
+    // would fail at its reset, taking the new session's answers with them (measured: a push's
+    // AbortAck lost that way after a partition healed, D's blocks held 60 s past the heal).
+    const held = this.peers.get(md.engineId);
+    if (held?.state === "connected" && held.epoch === md.epoch && !held.sealsWith(req.macKey))
+      this.drop(held, "a new session from the same process (its endpoints to us are new)");
     let peer: PeerState;
     try {
       peer = this.adopt(md, groups);
@@ -463,6 +470,17 @@ export class PeerTable {
     const mismatch = findGroupsIncompatibility(groups, this.host.kvs.kv!.groups);
     if (mismatch !== undefined)
       throw new KvxferError("ERR_LAYOUT_INCOMPATIBLE", `${mismatch.field}: ${mismatch.message}`);
+    // A new key (we held no live state for this address) is a new session on both sides: P
+    // drops what it held for us, so a live state of ours for the same process is stale too.
+    const held = this.peers.get(res.metadata!.engineId);
+    if (
+      held !== undefined &&
+      held !== cached &&
+      held.state === "connected" &&
+      held.epoch === res.metadata!.epoch &&
+      !Buffer.from(held.sendKey).equals(Buffer.from(macKey))
+    )
+      this.drop(held, "a new session with the same process (dialed at another address)");
     const peer = this.adopt(res.metadata!, groups);
     peer.pairing(peer.groups, this.host.kvs.kv!.groups); // this side is D: it plans reads from P
     peer.sendKey = macKey;

@@ -586,18 +586,17 @@ export class DecodeSide extends SideTable<DecodeState, DecodeTransfer> {
    * an Abort for a transfer it no longer knows, or has ended, with AbortAck at once, and for one
    * whose writes it abandoned once they have settled. (A fresh clone's npm test once found four
    * push drains still held 40 s after an 8 s one-way cut healed, with P holding nothing.)
+   * Each such drain now waits on `peer`: should P go silent or its endpoint fail before the
+   * AbortAck comes, D drops it, owes the Abort again and dials P afresh (owed-aborts.ts), instead
+   * of waiting out the settle bound for an answer lost with the old state.
    */
   peerReached(peer: PeerState): void {
     const sent = this.owed.reachedThrough(peer);
     for (const t of this.transfers.values()) {
-      if (
-        t.state !== "PUSH_DRAINING" ||
-        t.peer === undefined ||
-        !sameProcess(t.peer, peer) ||
-        sent.has(t.id)
-      )
+      if (t.state !== "PUSH_DRAINING" || t.peer === undefined || !sameProcess(t.peer, peer))
         continue;
-      this.ctx.peers.send(peer, abortOf(t));
+      t.peer = peer;
+      if (!sent.has(t.id)) this.ctx.peers.send(peer, abortOf(t));
     }
   }
 

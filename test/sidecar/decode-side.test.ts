@@ -1198,6 +1198,34 @@ describe("DecodeSide after a partition: what it owes a prefill peer it dropped",
     expect(aborts("push") - push0).toBe(2);
   });
 
+  it("a push draining on the handshake its Abort went through: should that P state go down before the AbortAck, the Abort is owed again and the next dial that gets through repeats it", async () => {
+    const o = world();
+    const { w, d, answers, dialed, state, again } = o;
+    await dropped(o);
+    const aborts = () =>
+      w.toPeer.filter((m) => m.body.case === "abort" && m.body.value.transferId === "push").length;
+    const push0 = aborts();
+    // The heal: a handshake delivers the Abort; P's AbortAck is lost with P's stale endpoint.
+    const first = again();
+    d.peerReached(first);
+    expect(aborts() - push0).toBe(1);
+    expect(state("push")).toBe("DRAINING");
+    // The drain now waits on that P state: it is live with it (silence there is noticed).
+    expect(d.liveWith(first)).toBe(true);
+    d.peerDown(first, "endpoint failed: UCS_ERR_CONNECTION_RESET");
+    expect(state("push")).toBe("DRAINING");
+    answers.length = 0;
+    answers.push(again());
+    const before = dialed.length;
+    w.clock.advance(1000);
+    d.expire(w.clock.now());
+    await settle();
+    expect(dialed.length).toBe(before + 1);
+    expect(aborts() - push0).toBe(2);
+    d.abortAck(again(), "push");
+    expect(state("push")).toBe("FAILED");
+  });
+
   it("a P back at a new epoch is told nothing (it holds nothing of the old one's)", async () => {
     const o = world();
     await dropped(o);

@@ -31,9 +31,11 @@ const OUR_EPOCH = PeerTableWorld.EPOCH;
 function setup() {
   const world = new PeerTableWorld();
   const { table, clock, downs, errors, events } = world;
-  /** D introduces itself at `epoch` with a fresh key; returns the key it seals with. */
-  const handshake = (engineId: string, epoch: bigint) => {
-    const macKey = newMacKey();
+  /**
+   * D introduces itself at `epoch`, with a fresh key (a new session) or the one it holds (a
+   * re-handshake of a peer it still holds); returns the key it seals with.
+   */
+  const handshake = (engineId: string, epoch: bigint, macKey = newMacKey()) => {
     const res = table.onHandshake(
       create(HandshakeRequestSchema, { metadata: peerMetadata(engineId, epoch), macKey }),
       undefined,
@@ -229,11 +231,13 @@ describe("PeerTable", () => {
   it(`the peer cap: a new engine takes the place of the least recently handshaken idle peer (issue 48: more identities cannot lock a new peer out)`, () => {
     const world = new PeerTableWorld();
     const { table } = world;
+    // Each D keeps its key when it handshakes again (the same session).
+    const keys = new Map<string, Uint8Array>();
     const hs = (engineId: string) =>
       table.onHandshake(
         create(HandshakeRequestSchema, {
           metadata: peerMetadata(engineId, 7n),
-          macKey: newMacKey(),
+          macKey: keys.get(engineId) ?? keys.set(engineId, newMacKey()).get(engineId)!,
         }),
         undefined,
       );
@@ -251,6 +255,23 @@ describe("PeerTable", () => {
     // Reads or writes in flight keep a peer too.
     world.busy = true;
     expect(hs("another").errorCode).toBe("ERR_OVERLOADED");
+  });
+
+  it("a re-handshake with the key D holds keeps the session; a new key at the same epoch is a new session: the old one is dropped (its endpoints are stale), a new one made", () => {
+    const { table, handshake, note, events } = setup();
+    const { macKey } = handshake("d0", 7n);
+    const first = table.verify(note(macKey, { sender: "d0", epoch: 7n, seq: 1n }))!.peer;
+    // D still holds us (re-dialed after two quiet heartbeat periods): same key, same state.
+    expect(handshake("d0", 7n, macKey).res.errorCode).toBe("");
+    expect(table.verify(note(macKey, { sender: "d0", epoch: 7n, seq: 2n }))!.peer).toBe(first);
+    expect(events).toEqual(["PEER_UP d0"]);
+    // D dropped us (a partition) and dials again with a new key: our endpoints to it are stale.
+    const fresh = handshake("d0", 7n).macKey;
+    expect(events).toEqual(["PEER_UP d0", "PEER_DOWN d0", "PEER_UP d0"]);
+    expect(first.state).toBe("failed");
+    const second = table.verify(note(fresh, { sender: "d0", epoch: 7n, seq: 1n }))!.peer;
+    expect(second).not.toBe(first);
+    expect(second.state).toBe("connected");
   });
 
   it("issue 48: the sender's budget is charged before the MAC: past it, forged notifications cost a parse and a lookup, and are counted, not checked", () => {

@@ -7,18 +7,12 @@ token what one engine alone answers), whether KV moved or D recomputed, and when
 The sidecars use a 2 s peer timeout and 0.5 s heartbeats (the TypeScript fault matrix,
 test/sidecar/multiprocess/net-faults.test.ts, uses the same), so a cut is noticed in seconds.
 One deployment for the module. Needs root, tc and iptables; skipped by name without them.
-
-Not here: the same cut in push. D fails the transfer by its peer timeout but must hold its blocks
-until P says its writes are over (vLLM recomputes a failed load into the same blocks), and in two
-runs (2026-12-06) that answer never came after the heal: D re-sent its Abort through the new
-handshake 0.5 s after the heal, P's control endpoint to D was reset 0.7 s later, and D still held
-the transfer (and the client its request) 60 s after the heal. An open bug (issue 52's closing
-note), not a case to count as passing.
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from pathlib import Path
 
@@ -141,3 +135,54 @@ def test_a_cut_link_in_pull_costs_a_recompute_and_every_block_is_back_soon_after
     _next_moves_kv(pd, "pull", 5221)
     print(f"[vllm net cut pull] D answered {answered_s:.2f} s into the cut (one engine's tokens); "
           f"every block back {back_s:.2f} s after the heal; the next pull moved KV")
+
+
+MOVING = 3  # kvxfer.v1.TransferState.TRANSFER_STATE_MOVING
+
+
+def test_a_cut_link_before_a_push_costs_a_recompute_and_every_block_is_back_soon_after_the_heal(pd, net):
+    """D registered the push with P, then the link is cut both ways for 8 s before P computes.
+    P's writes cannot go; D gives up by its peer timeout, but must keep its blocks until P says
+    none of its writes can land any more (vLLM recomputes a failed load into the same blocks), so
+    D answers (one engine's tokens, recomputed) only once P's AbortAck has come after the heal:
+    within 5 s of it. Every block is back on both engines within 5 s of the heal, and the next
+    push moves KV again, with nothing restarted."""
+    ids = prompt(600, seed=5231)
+    want = reference(pd, ids)
+    before = moved(pd)
+    tid, token = unique("cut-push"), secrets.token_hex(16)
+    out: dict[str, object] = {}
+
+    def decode() -> None:
+        try:
+            out["d"] = pd.d.complete(ids, MAX_TOKENS, {
+                "do_remote_prefill": True, "remote_host": pd.router.p_host, "remote_port": pd.router.p_port,
+                "transfer_id": tid, "kvxfer_token": token})
+        except BaseException as err:  # noqa: BLE001 - reported below
+            out["err"] = err
+
+    th = threading.Thread(target=decode, daemon=True)
+    th.start()
+    # D's registration is on its way to P (D's phase MOVING); a moment for it to arrive.
+    wait_for(lambda: any(t.transfer_id == tid for t in pd.d_sc.transfers(MOVING)), 60, "D registered the push")
+    time.sleep(0.3)
+    net.partition()
+    cut_at = time.monotonic()
+    pd.p.complete(ids, 1, {"do_remote_decode": True, "transfer_id": tid, "kvxfer_token": token})
+    time.sleep(max(0.0, CUT_S - (time.monotonic() - cut_at)))
+    assert th.is_alive(), "D answered while P could still write into its blocks"
+    net.heal()
+    healed_at = time.monotonic()
+    th.join(30)
+    answered_s = time.monotonic() - healed_at
+    assert not th.is_alive(), "D did not answer within 30 s of the heal"
+    if "err" in out:
+        raise out["err"]  # type: ignore[misc]
+    assert output_ids(out["d"]) == want  # type: ignore[arg-type]
+    assert moved(pd) == before, "bytes moved across a cut link"
+    assert answered_s <= 5.0, f"D answered {answered_s:.1f} s after the heal"
+    back_s = blocks_back_after(pd, healed_at, 30)
+    assert back_s <= 5.0, f"blocks back {back_s:.1f} s after the heal"
+    _next_moves_kv(pd, "push", 5241)
+    print(f"[vllm net cut push] D answered {answered_s:.2f} s after the heal (one engine's tokens); "
+          f"every block back {back_s:.2f} s after the heal; the next push moved KV")
