@@ -232,53 +232,70 @@ export class FaultNet {
   }
 
   private make(): void {
-    const { p, d } = this.hosts;
-    run("ip", ["netns", "add", p.ns]);
-    run("ip", ["netns", "add", d.ns]);
-    run("ip", ["link", "add", p.dev, "type", "veth", "peer", "name", d.dev]);
-    for (const h of [p, d]) {
-      run("ip", ["link", "set", h.dev, "netns", h.ns]);
-      run("ip", ["-n", h.ns, "addr", "add", `${h.address}/24`, "dev", h.dev]);
-      // One wire packet per skb: per-packet loss and rate are then per wire packet.
-      run("ip", ["-n", h.ns, "link", "set", h.dev, "gso_max_segs", "1"]);
-      run("ip", ["-n", h.ns, "link", "set", h.dev, "up"]);
-      run("ip", ["-n", h.ns, "link", "set", "lo", "up"]);
-      if (has("ethtool", ["--version"]))
-        run("ip", [
-          "netns",
-          "exec",
-          h.ns,
-          "ethtool",
-          "-K",
-          h.dev,
-          "tso",
-          "off",
-          "gso",
-          "off",
-          "gro",
-          "off",
-        ]);
-      // Our chains, hooked first in INPUT for the data device only: drops, then the delay line.
-      const side = h === p ? "p" : "d";
-      this.ipt(side, ["-N", "kx52-in"]);
-      this.ipt(side, ["-N", "kx52-dl"]);
-      this.ipt(side, ["-I", "INPUT", "1", "-i", h.dev, "-j", "kx52-dl"]);
-      this.ipt(side, ["-I", "INPUT", "1", "-i", h.dev, "-j", "kx52-in"]);
+    run("ip", ["netns", "add", this.hosts.p.ns]);
+    run("ip", ["netns", "add", this.hosts.d.ns]);
+    run("ip", ["link", "add", this.hosts.p.dev, "type", "veth", "peer", "name", this.hosts.d.dev]);
+    for (const side of ["p", "d"] as const) {
+      this.moveDataEnd(side);
+      this.hookChains(side);
+      this.makeMgmt(side);
     }
-    // Management links: this namespace <-> each host, /30 each.
-    const mg: [HostEnd, string, string][] = [
-      [p, this.mgmtDevs[0]!, `198.19.${this.octet}.1`],
-      [d, this.mgmtDevs[1]!, `198.19.${this.octet}.5`],
-    ];
-    for (const [h, devHere, addrHere] of mg) {
-      const devThere = `${devHere}x`;
-      run("ip", ["link", "add", devHere, "type", "veth", "peer", "name", devThere]);
-      run("ip", ["link", "set", devThere, "netns", h.ns]);
-      run("ip", ["addr", "add", `${addrHere}/30`, "dev", devHere]);
-      run("ip", ["link", "set", devHere, "up"]);
-      run("ip", ["-n", h.ns, "addr", "add", `${h.mgmtAddress}/30`, "dev", devThere]);
-      run("ip", ["-n", h.ns, "link", "set", devThere, "up"]);
+  }
+
+  /** `side`'s end of the data veth into its namespace: address, one packet per skb, up. */
+  private moveDataEnd(side: Side): void {
+    const h = this.hosts[side];
+    run("ip", ["link", "set", h.dev, "netns", h.ns]);
+    run("ip", ["-n", h.ns, "addr", "add", `${h.address}/24`, "dev", h.dev]);
+    // One wire packet per skb: per-packet loss and rate are then per wire packet.
+    run("ip", ["-n", h.ns, "link", "set", h.dev, "gso_max_segs", "1"]);
+    run("ip", ["-n", h.ns, "link", "set", h.dev, "up"]);
+    run("ip", ["-n", h.ns, "link", "set", "lo", "up"]);
+    if (has("ethtool", ["--version"]))
+      run("ip", [
+        "netns",
+        "exec",
+        h.ns,
+        "ethtool",
+        "-K",
+        h.dev,
+        "tso",
+        "off",
+        "gso",
+        "off",
+        "gro",
+        "off",
+      ]);
+  }
+
+  /** Our chains, hooked first in `side`'s INPUT for the data device only: drops, then the delay line. */
+  private hookChains(side: Side): void {
+    const h = this.hosts[side];
+    this.ipt(side, ["-N", "kx52-in"]);
+    this.ipt(side, ["-N", "kx52-dl"]);
+    this.ipt(side, ["-I", "INPUT", "1", "-i", h.dev, "-j", "kx52-dl"]);
+    this.ipt(side, ["-I", "INPUT", "1", "-i", h.dev, "-j", "kx52-in"]);
+  }
+
+  /** The management link: this namespace <-> `side`'s host, a /30. */
+  private makeMgmt(side: Side): void {
+    const h = this.hosts[side];
+    const devHere = this.mgmtDevs[side === "p" ? 0 : 1]!;
+    const addrHere = `198.19.${this.octet}.${side === "p" ? 1 : 5}`;
+    const devThere = `${devHere}x`;
+    // After a host vanished, the root end of its old link lives until the kernel has freed the
+    // old namespace (asynchronously): a rebuild right after deletes it first.
+    try {
+      run("ip", ["link", "del", devHere]);
+    } catch {
+      // not there
     }
+    run("ip", ["link", "add", devHere, "type", "veth", "peer", "name", devThere]);
+    run("ip", ["link", "set", devThere, "netns", h.ns]);
+    run("ip", ["addr", "add", `${addrHere}/30`, "dev", devHere]);
+    run("ip", ["link", "set", devHere, "up"]);
+    run("ip", ["-n", h.ns, "addr", "add", `${h.mgmtAddress}/30`, "dev", devThere]);
+    run("ip", ["-n", h.ns, "link", "set", devThere, "up"]);
   }
 
   /** iptables in one host's namespace (waits for the xtables lock, bounded). */
@@ -486,13 +503,42 @@ export class FaultNet {
     return list.includes(this.hosts.p.ns) && list.includes(this.hosts.d.ns);
   }
 
-  /** Deletes `side`'s namespace at once (a host that vanishes); `destroy` is still needed. */
+  /**
+   * `side`'s host vanishes at once, as a host that dies does (its processes are the caller's to
+   * kill): its namespace is deleted, and its end of the data link leaves with it for the root
+   * namespace, down and without an address, so the other host keeps its device (as it keeps its
+   * NIC when a machine on its switch dies) and nothing answers at the gone host's address. Its
+   * management link goes with the namespace. `rebuild` brings the host back; `destroy` is
+   * still needed.
+   */
   vanish(side: Side): void {
+    const h = this.hosts[side];
     try {
-      run("ip", ["netns", "del", this.hosts[side].ns]);
+      run("ip", ["-n", h.ns, "link", "set", h.dev, "netns", "1"]);
+      run("ip", ["link", "set", h.dev, "down"]);
     } catch {
       // gone already
     }
+    try {
+      run("ip", ["netns", "del", h.ns]);
+    } catch {
+      // gone already
+    }
+  }
+
+  /**
+   * A host that vanished comes back: its namespace, its end of the data link as at the start
+   * (the other host's end and iptables rules never left), and its management link. Faults
+   * applied on its side before are gone with it.
+   */
+  rebuild(side: Side): void {
+    run("ip", ["netns", "add", this.hosts[side].ns]);
+    this.moveDataEnd(side);
+    this.hookChains(side);
+    this.makeMgmt(side);
+    this.applied.delete(`cap:${side}`);
+    this.applied.delete(`netem:${side}`);
+    this.applied.delete(`down:${side}`);
   }
 
   private remove(): void {
@@ -503,8 +549,9 @@ export class FaultNet {
         // not there
       }
     }
-    // A management veth's root end goes with its peer's namespace; delete it anyway if left.
-    for (const dev of this.mgmtDevs) {
+    // A management veth's root end goes with its peer's namespace, a data end that vanished
+    // with a host is in the root namespace: delete them anyway if left.
+    for (const dev of [...this.mgmtDevs, this.hosts.p.dev, this.hosts.d.dev]) {
       try {
         run("ip", ["link", "del", dev]);
       } catch {

@@ -125,9 +125,14 @@ describe("(a) an expired entry behind live ones is swept", () => {
   it("peers: one silent past the timeout behind two that spoke is dropped; an idle one behind them forgotten", () => {
     const world = new PeerTableWorld();
     const { table, clock, downs } = world;
+    // Each D keeps its key when it handshakes again (the same session).
+    const keys = new Map<string, Uint8Array>();
     const hello = (id: string) =>
       table.onHandshake(
-        create(HandshakeRequestSchema, { metadata: peerMetadata(id, 7n), macKey: newMacKey() }),
+        create(HandshakeRequestSchema, {
+          metadata: peerMetadata(id, 7n),
+          macKey: keys.get(id) ?? keys.set(id, newMacKey()).get(id)!,
+        }),
         undefined,
       );
     for (const id of ["d0", "d1", "silent"]) hello(id);

@@ -170,12 +170,17 @@ export class KvNode {
   /**
    * kill -9 of the sidecar alone (the engine keeps running), then, after `downMs`, a new sidecar
    * process with the same flags (same engine id and engine socket; a new epoch). Resolves once
-   * the new one is ready and watched. Bounded.
+   * the new one is ready and watched. Bounded. `whileDown` runs once the old one has exited
+   * (its host vanishing after it, say), before the wait.
    */
-  async restartSidecar(downMs = 0): Promise<{ killedAt: number; upAt: number }> {
+  async restartSidecar(
+    downMs = 0,
+    whileDown?: () => void | Promise<void>,
+  ): Promise<{ killedAt: number; upAt: number }> {
     this.sidecar.kill("SIGKILL");
     const killedAt = Date.now();
     await this.sidecar.close(5000);
+    await whileDown?.();
     this.watch?.cancel();
     this.client.close();
     this.earlierEvents.push(this.events);
