@@ -140,6 +140,27 @@ describe("D resolves P over the side channel", () => {
     expect(p.table.verify(lastNoteSealed(d, peer))).toBeDefined();
   });
 
+  it("a P dialed at a second address while D holds it at the first: a new key, so a new session on both sides (each drops its old state, whose endpoints the other has left)", async () => {
+    const { p, d, address, requests } = await pair();
+    const first = await d.table.resolve(address);
+    const second = await serve((req) => {
+      requests.push(req);
+      return p.table.onHandshake(req, undefined);
+    });
+    const again = await d.table.resolve(second);
+    expect(requests).toHaveLength(2);
+    expect(Buffer.from(requests[1]!.macKey)).not.toEqual(Buffer.from(requests[0]!.macKey));
+    expect(again).not.toBe(first);
+    expect([first.state, again.state]).toEqual(["failed", "connected"]);
+    expect(d.events).toEqual(["PEER_UP p0", "PEER_DOWN p0", "PEER_UP p0"]);
+    expect(p.events).toEqual(["PEER_UP d0", "PEER_DOWN d0", "PEER_UP d0"]);
+    // The new session's notifications get through both ways.
+    d.table.send(again, { case: "heartbeat", value: { transferIds: ["t1"] } });
+    expect(p.table.verify(lastNote(d, "d0"))?.peer.engineId).toBe("d0");
+    p.table.send(peerOf(p, "d0"), { case: "heartbeat", value: { transferIds: ["t2"] } });
+    expect(d.table.verify(lastNote(p, "p0"))?.peer).toBe(again);
+  });
+
   it("heartbeats go on after the last transfer (the keepalive): a quiet peer is still fresh and needs no handshake", async () => {
     const { p, d, address, requests } = await pair();
     const peer = await d.table.resolve(address);
