@@ -51,6 +51,9 @@ class ConnectorConfig:
     advertise: str
     #: Largest frame accepted from the sidecar.
     max_frame_bytes: int
+    #: An engine step with nothing to run while transfers are live waits this long at most for
+    #: the sidecar or new input, instead of stepping again at once (idle.py); 0: vLLM's loop.
+    idle_wait_s: float = 0.05
 
 
 _KEYS = {
@@ -62,6 +65,7 @@ _KEYS = {
     "sidecar_lost_timeout_s",
     "advertise",
     "max_frame_bytes",
+    "idle_wait_s",
 }
 
 
@@ -131,4 +135,5 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
         sidecar_lost_timeout_s=_number(extra, "sidecar_lost_timeout_s", 10.0, 0.1, 3600.0),
         advertise=advertise,
         max_frame_bytes=int(_number(extra, "max_frame_bytes", 16 << 20, 64, 1 << 30)),
+        idle_wait_s=_number(extra, "idle_wait_s", 0.05, 0.0, 10.0),
     )

@@ -17,6 +17,8 @@ talks to the sidecar for every rank.
 from __future__ import annotations
 
 import logging
+import queue
+import sys
 from collections.abc import Container
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from .config import ConnectorConfig, load_config
 from .device import DeviceKv, TorchCuda
 from .errors import ConfigError, LayoutError
 from .groups import GroupSpec
+from .idle import IdleWaiter, waker
 from .layout import DescribedLayout, describe, describe_groups, expand_block_ids, group_message, packing_of
 from .messages import StepMessages
 from .registration import RegionEntry, region_files, registration, tensor_views
@@ -82,6 +85,9 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     step: StepMessages = field(default_factory=StepMessages)
     #: The step runs no model (nothing scheduled): the worker may wait a little for the sidecar.
     idle: bool = False
+    #: The scheduler waited for the sidecar before this idle step (idle.py): the worker need not
+    #: wait again, and may sleep, not spin, until the next step comes.
+    waited: bool = False
 
 
 #: How long an idle engine step waits for the sidecar (see WorkerLogic.take_results).
@@ -269,6 +275,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._host: HostBuffer | None = None
         self._rank = 0
         self._blocks_per_block = 1
+        #: Scheduler: the wait of an idle step (idle.py); None where it cannot run.
+        self._idle: IdleWaiter | None = None
+        self._idle_attached = False
         #: Send each step's messages when vLLM binds the step's metadata, before the forward, not
         #: in start_load_kv: vLLM 0.32 calls that after the forward is launched, which on a CPU
         #: engine means after the whole forward has run. P's PrefillDone then waited for P's next
@@ -286,6 +295,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # step before vLLM finishes the request: on a CPU engine that hook runs after the forward.
             self.scheduler = SchedulerLogic(engine_id=self.cfg.engine_id, tp_size=self.tp_size, advertise=self.cfg.advertise,
                                             early_prefill_done=self._send_at_bind, groups=self._groups or None)
+            # Data parallel engines step in waves together: not waited in (vLLM's own loop).
+            self._idle = _idle_waiter(self.cfg) if getattr(pc, "data_parallel_size", 1) == 1 else None
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -382,6 +393,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             max_frame_bytes=self.cfg.max_frame_bytes,
             expand_blocks=lambda ids: expand_block_ids(ids, bpb),
             on_kv_ready=host.to_device if host is not None else None,
+            on_activity=waker(self.cfg.engine_id) if self.cfg.idle_wait_s > 0 else None,
             before_prefill_done=(
                 host.to_host if host is not None else device_kv.before_prefill_done if device_kv is not None else None
             ),
@@ -474,7 +486,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults()
         meta = self._connector_metadata
         idle = isinstance(meta, KvxferConnectorMetadata) and meta.idle
-        r = self.worker.take_results(IDLE_WAIT_S if idle else 0.0)
+        waited = isinstance(meta, KvxferConnectorMetadata) and meta.waited
+        if waited:
+            # The scheduler waits for the sidecar between idle steps: vLLM's worker would spin for
+            # a second after this step's read (its message queue's busy loop), a core for nothing.
+            _sleep_until_next_step()
+        r = self.worker.take_results(IDLE_WAIT_S if idle and not waited else 0.0)
         return KVConnectorTransferResults(
             finished_sending=r.finished_sending,
             finished_recving=r.finished_recving,
@@ -510,6 +527,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return 1
 
     def shutdown(self) -> None:
+        if self._idle is not None:
+            self._idle.close()
         if self.worker is not None:
             self.worker.close()
         if self._files is not None:
@@ -575,11 +594,25 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        waited = False
+        if idle and self._idle is not None and self.scheduler.waits_on_sidecar():
+            # Nothing to run, nothing to tell the sidecar, transfers live: wait here for the
+            # sidecar (a worker's wake) or new input, not in a tight loop of empty steps.
+            if not self._idle_attached:
+                self._idle_attached = True
+                q = _engine_input_queue()
+                if q is not None:
+                    self._idle.attach(q)
+                else:
+                    log.warning("kvxfer: vLLM's engine-core input queue not found: an idle step waits "
+                                "for the sidecar only (new requests may wait up to idle_wait_s)")
+            self._idle.wait()
+            waited = True
         if timeline.enabled():
             self.scheduler.mark_admitted(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         wanted = self.scheduler.early_candidates
         scheduled = _scheduled(scheduler_output, wanted, self._tables) if wanted else None
-        return KvxferConnectorMetadata(step=self.scheduler.build_step(scheduled), idle=idle)
+        return KvxferConnectorMetadata(step=self.scheduler.build_step(scheduled), idle=idle, waited=waited)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
@@ -617,3 +650,52 @@ def _drop_prompt_tail(request: Any, n: int) -> None:
     del request.prompt_token_ids[-n:]
     del request._all_token_ids[-n:]
     request.num_prompt_tokens -= n
+
+
+def _idle_waiter(cfg: ConnectorConfig) -> IdleWaiter | None:
+    """The scheduler's idle wait (idle.py), unless switched off or its socket cannot be bound."""
+    if cfg.idle_wait_s <= 0:
+        return None
+    try:
+        return IdleWaiter(cfg.engine_id, bound_s=cfg.idle_wait_s)
+    except OSError as err:
+        log.warning("kvxfer: no idle wait (%s): an idle engine steps as vLLM's loop does", err)
+        return None
+
+
+def _engine_input_queue() -> queue.Queue | None:
+    """vLLM's engine core, up the stack from the scheduler's call into the connector, keeps its
+    client requests in ``input_queue`` (a ``queue.Queue``, vLLM 0.32-0.33): the idle wait ends
+    when something is put there."""
+    f = sys._getframe(1)
+    while f is not None:
+        q = getattr(f.f_locals.get("self"), "input_queue", None)
+        if isinstance(q, queue.Queue):
+            return q
+        f = f.f_back
+    return None
+
+
+#: The worker's message queue from the engine core (vLLM's ``rpc_broadcast_mq``), once found.
+_worker_mq: list[Any] = []
+
+
+def _sleep_until_next_step() -> None:
+    """vLLM's worker reads its next step from a shared-memory queue, spinning (``sched_yield``)
+    for ``busy_loop_s`` (1 s) after each read before it sleeps on the queue's notification
+    socket (vLLM 0.32-0.33, ``SpinCondition``). Marking the last read long past makes its next
+    wait sleep at once; every write notifies, so the next step wakes it as soon as it is queued."""
+    if not _worker_mq:
+        f = sys._getframe(1)
+        found = None
+        while f is not None and found is None:
+            mq = getattr(f.f_locals.get("self"), "rpc_broadcast_mq", None)
+            if hasattr(getattr(mq, "_spin_condition", None), "last_read"):
+                found = mq
+            f = f.f_back
+        _worker_mq.append(found)
+        if found is None:
+            log.warning("kvxfer: vLLM's worker message queue not found: an idle worker spins as vLLM's does")
+    mq = _worker_mq[0]
+    if mq is not None and mq._spin_condition is not None:
+        mq._spin_condition.last_read = 0.0

@@ -453,6 +453,11 @@ class SchedulerLogic:
         for r in [r for r in self._landed if r in scheduled]:
             timeline.mark("d.sched.admitted", self._landed.pop(r), tokens=scheduled[r])
 
+    def waits_on_sidecar(self) -> bool:
+        """True when transfers are live but this step has nothing to tell the sidecar: what the
+        engine waits for can only come from it (idle.py)."""
+        return not self._next and bool(self._holding or self._waiting or self._aborting)
+
     def has_pending_work(self) -> bool:
         """True while the engine must keep stepping so the workers can hear the sidecar."""
         return bool(self._next or self._holding or self._waiting or self._aborting)

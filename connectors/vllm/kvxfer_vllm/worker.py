@@ -113,6 +113,7 @@ class WorkerLogic:
         before_prefill_done: Callable[[list[int]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         bytes_per_token: int = 0,
+        on_activity: Callable[[], None] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.register_timeout_s = register_timeout_s
@@ -135,6 +136,8 @@ class WorkerLogic:
         self._giving_up: set[str] = set()
         #: Set whenever the sidecar says something (or the link changes): wakes an idle wait.
         self._activity = threading.Event()
+        #: Called at the same moments: wakes the scheduler's idle wait (idle.py).
+        self._on_activity = on_activity
         self._registration: engine_pb2.EngineToSidecar | None = None
         self._registered = threading.Event()
         self._reg_answer: engine_pb2.Registered | None = None
@@ -437,8 +440,13 @@ class WorkerLogic:
         for tid in d_ids:
             self._fail_d(tid)
 
-    def _on_state(self, state: str) -> None:
+    def _active(self) -> None:
         self._activity.set()
+        if self._on_activity is not None:
+            self._on_activity()
+
+    def _on_state(self, state: str) -> None:
+        self._active()
         if state == "disconnected":
             with self._lock:
                 if self._lost_since is None:
@@ -457,7 +465,7 @@ class WorkerLogic:
         try:
             self._handle(msg)
         finally:
-            self._activity.set()
+            self._active()
 
     def _handle(self, msg: engine_pb2.SidecarToEngine) -> None:
         kind = msg.WhichOneof("msg")

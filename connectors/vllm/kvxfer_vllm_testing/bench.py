@@ -260,7 +260,7 @@ class KvxferPair(Deployment):
     systems = ("kvxfer-pull", "kvxfer-push")
 
     def __init__(self, work: Path, model: str, max_len: int, placement: str = "shared",
-                 kv_memory: str = "file", pin: bool = False) -> None:
+                 kv_memory: str = "file", pin: bool = False, idle_wait_s: float | None = None) -> None:
         self.model = model
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-bench-", dir="/dev/shm"))
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -277,7 +277,8 @@ class KvxferPair(Deployment):
                 return EngineSpec(model, sc.engine_id, sc.socket, str(self.shm), block_size=32,
                                   kv_cache_bytes=512 << 20, max_model_len=max_len, cores=cores,
                                   extra={"register_timeout_s": 600.0, "placement": placement,
-                                         "kv_memory": kv_memory})
+                                         "kv_memory": kv_memory,
+                                         **({"idle_wait_s": idle_wait_s} if idle_wait_s is not None else {})})
 
             self.p, self.d = _start([spec(self.p_sc, "0"), spec(self.d_sc, "1")], work, pin)
             self.procs = {"P engine": self.p, "D engine": self.d, "P sidecar": self.p_sc, "D sidecar": self.d_sc}
@@ -408,7 +409,7 @@ class MooncakePair(Deployment):
 
 
 #: The deployments a round starts, in order, with the systems each serves.
-def deployments(systems: list[str], kvxfer: dict[str, str], pin: bool = False
+def deployments(systems: list[str], kvxfer: dict[str, Any], pin: bool = False
                 ) -> list[tuple[tuple[str, ...], Callable[[Path, str, int], Deployment]]]:
     """``pin``: every process of every engine on its core (EngineSpec.pin), for every system alike."""
     out: list[tuple[tuple[str, ...], Callable[[Path, str, int], Deployment]]] = [
@@ -503,7 +504,7 @@ def distribution(xs: list[float]) -> dict[str, Any]:
 
 def run(systems: list[str], lengths: list[int], concurrency: list[int], requests_per: int, rounds: int,
         out_tokens: int, work_root: Path | None = None,
-        on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, str] | None = None,
+        on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, Any] | None = None,
         faults: bool = False, pin_engines: bool = False) -> dict[str, Any]:
     """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory``; ``pin_engines``
     puts every process of each engine on its core (the model threads are always bound); ``on_ready``
@@ -627,7 +628,7 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
     }
 
 
-def destructive_fault_rows(systems: list[str], kvxfer: dict[str, str], peers: dict[str, dict[str, Any]], work: Path,
+def destructive_fault_rows(systems: list[str], kvxfer: dict[str, Any], peers: dict[str, dict[str, Any]], work: Path,
                            model: str, max_len: int, n: int, in_flight: int, out: int,
                            reference_of: Callable[[list[int]], list[int]], pin: bool = False) -> list[dict[str, Any]]:
     """Each of ``DESTRUCTIVE_FAULTS`` for each installed P/D system, on a deployment of its own."""
@@ -872,6 +873,8 @@ def main() -> None:
                          "requests), then on fresh deployments: P's engine killed after answering, D's engine "
                          "killed mid-load")
     ap.add_argument("--quick", action="store_true", help="256 tokens, 1 in flight, 2 requests, 1 round")
+    ap.add_argument("--idle-wait-s", type=float, default=None,
+                    help="kvxfer's idle_wait_s (default: the connector's; 0: vLLM's own loop while waiting)")
     ap.add_argument("--pin-engines", action="store_true",
                     help="every process of each engine on its core (taskset), for every system alike; "
                          "without it only vLLM's model threads are bound")
@@ -893,7 +896,8 @@ def main() -> None:
         conc = [int(x) for x in a.concurrency.split(",")]
         reqs, rounds = a.requests, a.rounds
     res = run(systems, lengths, conc, max(reqs, max(conc)), rounds, a.output_tokens,
-              kvxfer={"placement": a.placement, "kv_memory": a.kv_memory}, faults=a.faults,
+              kvxfer={"placement": a.placement, "kv_memory": a.kv_memory,
+                      **({"idle_wait_s": a.idle_wait_s} if a.idle_wait_s is not None else {})}, faults=a.faults,
               pin_engines=a.pin_engines)
     print(json.dumps(res))
 
