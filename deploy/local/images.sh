@@ -33,8 +33,21 @@ secret=()
 build() { # build NAME ARGS...: BuildKit, host network (the daemon has no NAT of its own)
   local name=$1; shift
   local t0; t0=$(date +%s)
-  DOCKER_BUILDKIT=1 "$DOCKER" build --network host --progress plain "${secret[@]}" "$@" >".tools/image-$name.log" 2>&1 \
-    || { tail -30 ".tools/image-$name.log" >&2; fail "building $name failed (log: .tools/image-$name.log)"; }
+  local try
+  for try in 1 2; do
+    DOCKER_BUILDKIT=1 "$DOCKER" build --network host --progress plain "${secret[@]}" "$@" >".tools/image-$name.log" 2>&1 \
+      && break
+    # A toolchain that crashed is tried once more (2026-12-06: tsc died of SIGSEGV in the kvxfer
+    # image's build step once in a fresh clone's CI run; the same build passed at once after);
+    # any other failure, or a second crash, is final.
+    if [ "$try" = 1 ] && grep -q "exit code: 139" ".tools/image-$name.log"; then
+      cp ".tools/image-$name.log" ".tools/image-$name.crashed.log"
+      echo "kvxfer images: building $name crashed (SIGSEGV, log: .tools/image-$name.crashed.log); trying once more" >&2
+      continue
+    fi
+    tail -30 ".tools/image-$name.log" >&2
+    fail "building $name failed (log: .tools/image-$name.log)"
+  done
   echo "kvxfer images: $name ($(( $(date +%s) - t0 )) s)"
 }
 
