@@ -277,6 +277,11 @@ export const commands: readonly CommandSpec[] = [
         kind: FLAG,
         help: "every process of each engine on its core (taskset), for every system alike (and in --breakdown); without it only vLLM's model threads are bound",
       },
+      {
+        name: "idle-wait-s",
+        kind: { t: "number", min: 0 },
+        help: "kvxfer's idle_wait_s (default: the connector's; 0: vLLM's own loop while a transfer waits)",
+      },
     ],
   ),
   benchSpec(

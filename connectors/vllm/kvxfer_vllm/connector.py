@@ -278,6 +278,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         #: Scheduler: the wait of an idle step (idle.py); None where it cannot run.
         self._idle: IdleWaiter | None = None
         self._idle_attached = False
+        self._engine_core: Any = None
         #: Send each step's messages when vLLM binds the step's metadata, before the forward, not
         #: in start_load_kv: vLLM 0.32 calls that after the forward is launched, which on a CPU
         #: engine means after the whole forward has run. P's PrefillDone then waited for P's next
@@ -600,14 +601,16 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # sidecar (a worker's wake) or new input, not in a tight loop of empty steps.
             if not self._idle_attached:
                 self._idle_attached = True
-                q = _engine_input_queue()
-                if q is not None:
-                    self._idle.attach(q)
+                self._engine_core = _engine_core()
+                if self._engine_core is not None:
+                    self._idle.attach(self._engine_core.input_queue)
                 else:
                     log.warning("kvxfer: vLLM's engine-core input queue not found: an idle step waits "
                                 "for the sidecar only (new requests may wait up to idle_wait_s)")
-            self._idle.wait()
-            waited = True
+            # Not while a batch scheduled earlier still runs (async scheduling): its output is due.
+            if not getattr(self._engine_core, "batch_queue", None):
+                self._idle.wait()
+                waited = True
         if timeline.enabled():
             self.scheduler.mark_admitted(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         wanted = self.scheduler.early_candidates
@@ -663,15 +666,15 @@ def _idle_waiter(cfg: ConnectorConfig) -> IdleWaiter | None:
         return None
 
 
-def _engine_input_queue() -> queue.Queue | None:
-    """vLLM's engine core, up the stack from the scheduler's call into the connector, keeps its
-    client requests in ``input_queue`` (a ``queue.Queue``, vLLM 0.32-0.33): the idle wait ends
-    when something is put there."""
+def _engine_core() -> Any:
+    """vLLM's engine core, up the stack from the scheduler's call into the connector: it keeps
+    its client requests in ``input_queue`` (a ``queue.Queue``, vLLM 0.32-0.33), and the idle wait
+    ends when something is put there."""
     f = sys._getframe(1)
     while f is not None:
-        q = getattr(f.f_locals.get("self"), "input_queue", None)
-        if isinstance(q, queue.Queue):
-            return q
+        core = f.f_locals.get("self")
+        if isinstance(getattr(core, "input_queue", None), queue.Queue):
+            return core
         f = f.f_back
     return None
 
