@@ -25,6 +25,17 @@ function summary(outs: Outcome[]): string {
   return `${JSON.stringify(Object.fromEntries(by))}, first ${ms[0]} ms, last ${ms[ms.length - 1]} ms`;
 }
 
+/** A pull, then a push, each verified: the link and both sidecars work again. */
+async function nextPullAndPush(pair: Pair, tag: string): Promise<Outcome[]> {
+  const next: Outcome[] = [];
+  for (const pull of [true, false]) {
+    const o = await attempt(pair, `${tag}-${pull}`, { tokens: 64, pull, timeoutMs: 15_000 });
+    expect(o.outcome, JSON.stringify(o)).toBe("verified");
+    next.push(o);
+  }
+  return next;
+}
+
 /** Waits (bounded) until both engines have every block back: ms since `from` for each. */
 async function blocksBack(
   pair: Pair,
@@ -346,16 +357,7 @@ describe.skipIf(support.missing !== undefined)(
       net.link("d", true);
       net.uncap();
       const upAt = Date.now();
-      const next: Outcome[] = [];
-      for (const pull of [true, false]) {
-        const o = await attempt(pair, `after-down-${pull}`, {
-          tokens: 64,
-          pull,
-          timeoutMs: 15_000,
-        });
-        expect(o.outcome, JSON.stringify(o)).toBe("verified");
-        next.push(o);
-      }
+      const next = await nextPullAndPush(pair, "after-down");
       const { pFree, dFree } = await blocksBack(pair, upAt, 60_000);
       console.log(
         `[net link down] 8 x 2 MiB at 50 Mbit/s, D's link down 0.8 s in: ${summary(outs)}; ` +
@@ -398,16 +400,7 @@ describe.skipIf(support.missing !== undefined)(
         signal: null,
       });
       expect(pair.p.sidecar.child).toBe(pSidecar);
-      const next: Outcome[] = [];
-      for (const pull of [true, false]) {
-        const o = await attempt(pair, `after-kill-${pull}`, {
-          tokens: 64,
-          pull,
-          timeoutMs: 15_000,
-        });
-        expect(o.outcome, JSON.stringify(o)).toBe("verified");
-        next.push(o);
-      }
+      const next = await nextPullAndPush(pair, "after-kill");
       await pair.d.allBlocksFree(10_000);
       console.log(
         `[net D killed] 8 x 2 MiB pulls at 20 Mbit/s, D's sidecar killed 1.5 s in, back ${upAt - killedAt} ms later: ` +
@@ -550,16 +543,7 @@ describe.skipIf(support.missing !== undefined)(
         }
         expect(outs.some((o) => o.outcome === "failed")).toBe(true);
         expect(gone.ready.epoch).not.toBe(oldEpoch);
-        const next: Outcome[] = [];
-        for (const pull of [true, false]) {
-          const o = await attempt(pair, `after-vanish-${side}-${pull}`, {
-            tokens: 64,
-            pull,
-            timeoutMs: 15_000,
-          });
-          expect(o.outcome, JSON.stringify(o)).toBe("verified");
-          next.push(o);
-        }
+        const next = await nextPullAndPush(pair, `after-vanish-${side}`);
         const { pFree, dFree } = await blocksBack(pair, vanishedAt, 30_000);
         expect({ exit: stayedSidecar.exitCode, signal: stayedSidecar.signalCode }).toEqual({
           exit: null,
