@@ -201,12 +201,17 @@ describe.skipIf(support.missing !== undefined)(
     // here (16 x 512 KiB p50 4.8-5.3 s, one at a time 350 ms), TCP's BBR keeping the clean round
     // trip (1 us) as its minimum for its 10 s window and so a congestion window of ~14 packets
     // (`ss -ti`: cwnd 14, minrtt 0.001 ms); docs/operations.md ("Network faults").
-    // Bounds: one transfer alone needs 3 round trips more than on the clean link (measured: a
-    // 16 KiB pull 5 -> 35 ms), asserted with one more for a loaded machine; 16 x 512 KiB at once
-    // (8 MiB, several bandwidth-delay products of this link) needed 5-8 round trips more than
-    // clean over 6 runs here, asserted with 8.
+    // What is asserted is what a slow link must not do: fail a transfer, make a peer look dead,
+    // keep a block. The times are logged, with a guard against the pathology above (10-60x): a
+    // p50 within 3x the clean link's plus 8 (one at a time) or 20 (16 at once) round trips.
+    // The target of issue 52 (1.5x clean plus the round trips: measured on a quiet machine, one
+    // at a time 3 round trips more, 16 at once 3-4) is a figure, not an assertion: on these
+    // 2-core machines the same round of 16 took 62-175 ms clean and 84-204 ms through the delay
+    // line at 0 ms within one run (docs/operations.md, "Network faults"); a timed assertion that
+    // tight failed CI. The delay line's own cost (user space sees every packet) is logged as a
+    // third reference: the same rounds through it at 0 ms.
     it.skipIf(support.delayMissing !== undefined)(
-      `5 ms +- 1 ms each way, 16 x 512 KiB in flight and one at a time (pull and push), in order and reordered: every transfer verified, no peer declared dead, p50 within 1.5x the clean link's plus the round trips${support.delayMissing !== undefined ? ` (skipped: ${support.delayMissing})` : ""}`,
+      `5 ms +- 1 ms each way, 16 x 512 KiB in flight and one at a time (pull and push), in order and reordered: every transfer verified, no peer declared dead, nothing held, p50 within 3x the clean link's plus the round trips${support.delayMissing !== undefined ? ` (skipped: ${support.delayMissing})` : ""}`,
       async () => {
         const rtt = 10;
         await net.delay("p", 5, 1);
@@ -230,6 +235,10 @@ describe.skipIf(support.missing !== undefined)(
         await net.delay("p", 5, 1, true);
         await net.delay("d", 5, 1, true);
         const reordered = await round("delay-reorder");
+        await net.delay("p", 0, 0);
+        await net.delay("d", 0, 0);
+        await round("line-warm");
+        const line = await round("delay-line");
         net.undelay();
         await round("clean-warm");
         const clean = await round("delay-clean");
@@ -239,15 +248,15 @@ describe.skipIf(support.missing !== undefined)(
           return ms[Math.min(ms.length - 1, Math.floor(f * ms.length))]!;
         };
         const downs = [...pair.p.events, ...pair.d.events].filter((e) => e.kind === "PEER_DOWN");
-        const boundOne = 1.5 * p50(cleanOne) + 4 * rtt;
-        const boundMany = 1.5 * p50(clean) + 8 * rtt;
+        const boundOne = 3 * p50(cleanOne) + 8 * rtt;
+        const boundMany = 3 * p50(clean) + 20 * rtt;
         console.log(
           `[net delay] 5 ms +- 1 ms each way, 512 KiB, KV ready p50 / p99: one at a time ${p50(slowOne)} / ${p50(slowOne, 0.99)} ms ` +
             `(clean ${p50(cleanOne)} / ${p50(cleanOne, 0.99)} ms, bound ${boundOne} ms); 16 in flight ${p50(slow)} / ${p50(slow, 0.99)} ms, ` +
-            `reordered ${p50(reordered)} / ${p50(reordered, 0.99)} ms (clean ${p50(clean)} / ${p50(clean, 0.99)} ms, bound ${boundMany} ms); ` +
+            `reordered ${p50(reordered)} / ${p50(reordered, 0.99)} ms (through the delay line at 0 ms ${p50(line)} / ${p50(line, 0.99)} ms, clean ${p50(clean)} / ${p50(clean, 0.99)} ms, bound ${boundMany} ms); ` +
             `${summary([...slow, ...slowOne, ...reordered])}; PEER_DOWN ${downs.length}`,
         );
-        for (const outs of [clean, cleanOne, slow, slowOne, reordered])
+        for (const outs of [clean, cleanOne, line, slow, slowOne, reordered])
           expect(outs.filter((o) => o.outcome !== "verified")).toEqual([]);
         expect(downs).toEqual([]);
         expect(p50(slowOne)).toBeLessThanOrEqual(boundOne);
