@@ -5,7 +5,8 @@
 // with each figure's ratio to kvxfer pull's, writes bench/results/vllm.json and the TTFT plot
 // (vllm-ttft.svg/.png). Flags go to the Python side: [--vs nixl,nixl-push,mooncake]
 // [--lengths 32,256,1024,4096] [--concurrency 1,8] [--requests N] [--rounds N]
-// [--output-tokens N] [--modes pull,push] [--faults] [--quick]; here: [--json] [--install-peers] (pip-installs
+// [--output-tokens N] [--modes pull,push] [--faults] [--quick] [--load N [--load-nice K]]
+// [--prefault true|false] [--pin-engines] [--idle-wait-s S]; here: [--json] [--install-peers] (pip-installs
 // the pinned peers, bench/peers/requirements.txt, into .venv first).
 // `--models` runs kvxfer_vllm_testing.models_bench instead: every model family through kvxfer and
 // NixlConnector ([--families ...] [--lengths 200,1000] [--requests 3] [--no-nixl]).
@@ -26,6 +27,9 @@ interface Dist {
   p50: number | null;
   p90: number | null;
   n: number;
+  /** 95% intervals by order statistics; an end is null where the samples cannot bound it (absent before 2026-12-06). */
+  p50_ci?: [number | null, number | null];
+  p90_ci?: [number | null, number | null];
 }
 
 export interface VllmRow {
@@ -68,6 +72,10 @@ export interface VllmBenchResult {
     kv_bytes_per_token: number;
   };
   engine: Record<string, unknown>;
+  /** The CPU hog beside the engines (--load; absent before 2026-12-06: none). */
+  load?: { hogs: number; nice: number; what: string };
+  /** kvxfer's settings: the connector's placement, KV memory and idle wait, the sidecars' prefault. */
+  kvxfer?: Record<string, unknown>;
   output_tokens: number;
   rounds: number;
   requests_per_round: number;
@@ -170,6 +178,24 @@ function ms(x: number | null | undefined): string {
   return x === null || x === undefined ? "-" : `${fmt(x, 0)}`;
 }
 
+/** "380-450": a 95% interval; "?" for an end the samples cannot bound. */
+function interval(ci: [number | null, number | null] | undefined): string {
+  if (!ci) return "-";
+  const end = (x: number | null): string => (x === null ? "?" : ms(x));
+  return `${end(ci[0])}-${end(ci[1])}`;
+}
+
+/** What the run's figures depend on besides the code: pinning, the CPU hog, kvxfer's own settings. */
+export function settingsLine(r: VllmBenchResult): string {
+  const kx = r.kvxfer ?? {};
+  return [
+    `engines: ${String(r.engine.pinned ?? "?")} pinned`,
+    `load: ${r.load?.what ?? "none"}`,
+    `kvxfer: prefault ${String(kx.prefault ?? "true")}, placement ${String(kx.placement ?? "?")}, ` +
+      `KV memory ${String(kx.kv_memory ?? "?")}, idle wait ${kx.idle_wait_s === undefined ? "the connector's default" : `${String(kx.idle_wait_s)} s`}`,
+  ].join("; ");
+}
+
 /** One line per (prompt, in flight, system); ratios are to kvxfer pull's figure from the same run. */
 export function formatVllm(r: VllmBenchResult, markdown = false): string {
   const head = [
@@ -178,6 +204,7 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
     "system",
     "TTFT p50 / p90 ms",
     "vs kvxfer pull",
+    "95% intervals",
     "D side p50 / p90 ms",
     "E2E p50 / p90 ms",
     "out tok/s",
@@ -203,6 +230,9 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
       row.label,
       ok ? `${ms(row.ttft_ms.p50)} / ${ms(row.ttft_ms.p90)}` : row.status,
       ok ? fmt(ratio, 2) : "-",
+      ok && row.ttft_ms.p50_ci
+        ? `${interval(row.ttft_ms.p50_ci)} / ${interval(row.ttft_ms.p90_ci)}`
+        : "-",
       ok && row.d_side_ms?.n ? `${ms(row.d_side_ms.p50)} / ${ms(row.d_side_ms.p90)}` : "-",
       ok ? `${ms(row.e2e_ms.p50)} / ${ms(row.e2e_ms.p90)}` : "-",
       ok ? fmt(row.output_tokens_per_s ?? undefined, 0) : "-",
@@ -363,7 +393,9 @@ export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchR
                 .join(", ")}`,
           )
           .join("; "),
+      `  settings: ${settingsLine(r)}`,
       formatVllm(r),
+      "  95% intervals: of TTFT p50 / p90, by order statistics ('?': too few samples to bound that end).",
       "  TTFT: client sends -> first streamed token (pull: P's request, then D's stream; push and Mooncake: both at once).",
       "  D side: P's HTTP answer -> D's first token, per request (in a push D was asked at the start; negative if D answered first).",
       "  identical: outputs token-identical to one engine's for the same prompt.",

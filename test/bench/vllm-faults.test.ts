@@ -9,6 +9,8 @@ import {
   formatKvFailures,
   formatVllm,
   formatVllmFaults,
+  settingsLine,
+  type VllmBenchResult,
   type VllmFaultRow,
   type VllmRow,
 } from "../../bench/vllm.js";
@@ -95,8 +97,46 @@ describe("formatKvFailures", () => {
     } as unknown as Parameters<typeof formatVllm>[0];
     const lines = formatVllm(result, true).split("\n");
     expect(lines[0]).toContain("| D side p50 / p90 ms |");
-    expect(lines[2]!.split("|")[6]!.trim()).toBe("21 / 30");
+    expect(lines[2]!.split("|")[7]!.trim()).toBe("21 / 30");
+    expect(lines[3]!.split("|")[7]!.trim()).toBe("-");
+    expect(lines[4]!.split("|")[7]!.trim()).toBe("-");
+  });
+
+  it("prints TTFT's 95% intervals, '?' for an end the samples cannot bound, '-' for results from before them", () => {
+    const result = {
+      rows: [
+        cell({ ttft_ms: { p50: 400, p90: 520, n: 15, p50_ci: [380.4, 450], p90_ci: [470, null] } }),
+        cell({ system: "nixl-fixed", label: "NixlConnector, 2 fixes" }),
+      ],
+    } as unknown as Parameters<typeof formatVllm>[0];
+    const lines = formatVllm(result, true).split("\n");
+    expect(lines[0]).toContain("| TTFT p50 / p90 ms | vs kvxfer pull | 95% intervals |");
+    expect(lines[2]!.split("|")[6]!.trim()).toBe("380-450 / 470-?");
     expect(lines[3]!.split("|")[6]!.trim()).toBe("-");
-    expect(lines[4]!.split("|")[6]!.trim()).toBe("-");
+  });
+});
+
+describe("settingsLine", () => {
+  it("names pinning, the CPU hog and kvxfer's settings; a result from before them reads as the defaults then", () => {
+    const base = { engine: { pinned: "the model threads only" } };
+    expect(
+      settingsLine({
+        ...base,
+        load: { hogs: 2, nice: 0, what: "2 x a Python busy loop at nice 0" },
+        kvxfer: { prefault: false, placement: "shared", kv_memory: "file", idle_wait_s: 0 },
+      } as unknown as VllmBenchResult),
+    ).toBe(
+      "engines: the model threads only pinned; load: 2 x a Python busy loop at nice 0; " +
+        "kvxfer: prefault false, placement shared, KV memory file, idle wait 0 s",
+    );
+    expect(
+      settingsLine({
+        ...base,
+        kvxfer: { placement: "shared", kv_memory: "file" },
+      } as unknown as VllmBenchResult),
+    ).toBe(
+      "engines: the model threads only pinned; load: none; " +
+        "kvxfer: prefault true, placement shared, KV memory file, idle wait the connector's default",
+    );
   });
 });

@@ -13,6 +13,7 @@ that says so. One JSON object on stdout (``bench/vllm.ts`` formats it); progress
 
     python -m kvxfer_vllm_testing.bench [--vs nixl,nixl-push,mooncake] [--lengths 32,256,1024,4096]
         [--concurrency 1,8] [--requests 8] [--rounds 2] [--output-tokens 16] [--quick]
+        [--load N [--load-nice K]] [--prefault true|false] [--pin-engines]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import requests
 from kvxfer_vllm.config import KV_MEMORY
 
 from .harness import EngineSpec, Proc, SidecarProc, VllmServer, free_port, free_ports, metric, proc_stats
+from .load import CpuHog, quantile_interval
 from .tiny_model import TinyModelSpec, make_tiny_model
 
 #: Bigger than the tests' model so the KV is not negligible: 8 layers x 4 KV heads x 64 = 8 KiB/token.
@@ -260,17 +262,20 @@ class KvxferPair(Deployment):
     systems = ("kvxfer-pull", "kvxfer-push")
 
     def __init__(self, work: Path, model: str, max_len: int, placement: str = "shared",
-                 kv_memory: str = "file", pin: bool = False, idle_wait_s: float | None = None) -> None:
+                 kv_memory: str = "file", pin: bool = False, idle_wait_s: float | None = None,
+                 prefault: bool = True) -> None:
         self.model = model
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-bench-", dir="/dev/shm"))
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.procs = {}
         try:
-            # --prefault: the sidecars' mappings of the KV resident at once, as operations.md advises
-            # for vLLM (without it, page faults were most of a 1024-token read: journal/vllm.md).
-            self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc://{work}/p-{tag}.sock", work, "--prefault", "true")
+            # --prefault true (the default here): the sidecars' mappings of the KV resident at once,
+            # as operations.md advises for vLLM and the Helm chart deploys (without it, page faults
+            # were most of a 1024-token read: journal/vllm.md); --prefault false is the CLI's default.
+            pf = "true" if prefault else "false"
+            self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc://{work}/p-{tag}.sock", work, "--prefault", pf)
             self.procs["P sidecar"] = self.p_sc
-            self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc://{work}/d-{tag}.sock", work, "--prefault", "true")
+            self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc://{work}/d-{tag}.sock", work, "--prefault", pf)
             self.procs["D sidecar"] = self.d_sc
 
             def spec(sc: SidecarProc, cores: str) -> EngineSpec:
@@ -498,18 +503,23 @@ def distribution(xs: list[float]) -> dict[str, Any]:
     and its p50 can sit on a step."""
     ms = [x * 1000 for x in xs]
     ordered = sorted(ms)
+    # 95% intervals by order statistics (load.quantile_interval): None where the samples are too
+    # few to bound that side (a p90 of 15 samples has no upper end).
     return {"p50": nearest_rank(ordered, 0.5), "p90": nearest_rank(ordered, 0.9), "n": len(ms),
+            "p50_ci": list(quantile_interval(ordered, 0.5)), "p90_ci": list(quantile_interval(ordered, 0.9)),
             "samples": [round(x, 1) for x in ms]}
 
 
 def run(systems: list[str], lengths: list[int], concurrency: list[int], requests_per: int, rounds: int,
         out_tokens: int, work_root: Path | None = None,
         on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, Any] | None = None,
-        faults: bool = False, pin_engines: bool = False) -> dict[str, Any]:
-    """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory``; ``pin_engines``
-    puts every process of each engine on its core (the model threads are always bound); ``on_ready``
-    sees each deployment once it has answered its warm-up requests."""
-    kvxfer = {"placement": "shared", "kv_memory": "file", **(kvxfer or {})}
+        faults: bool = False, pin_engines: bool = False, load: CpuHog | None = None) -> dict[str, Any]:
+    """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory`` and the sidecars'
+    ``prefault``; ``pin_engines`` puts every process of each engine on its core (the model threads
+    are always bound); ``load`` runs beside every deployment, from the first to the last (``--load``);
+    ``on_ready`` sees each deployment once it has answered its warm-up requests."""
+    kvxfer = {"placement": "shared", "kv_memory": "file", "prefault": True, **(kvxfer or {})}
+    load = load or CpuHog(0)
     import vllm
 
     peers = peers_installed()
@@ -522,6 +532,7 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
     one_engine: list[OneEngine] = []
     load_before = os.getloadavg()
     try:
+        load.start()
         for r in range(rounds):
             for served, make in deployments(systems, kvxfer, pin_engines):
                 missing = [s for s in served if (pe := peer_of(s)) is not None and not peers[pe]["installed"]]
@@ -589,6 +600,7 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
     finally:
         for dep in one_engine:
             dep.close()
+        load.stop()
         shutil.rmtree(work, ignore_errors=True)
     rows = []
     for (s, n, c), cell in cells.items():
@@ -622,6 +634,7 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
         "engine": {"block_size": 32, "max_model_len": max_len, "kv_cache_bytes": 512 << 20, "cores": "P 0, D 1, one 0",
                    "pinned": "every process of each engine" if pin_engines else "the model threads only",
                    "enforce_eager": True},
+        "load": load.describe(),
         "kvxfer": kvxfer, "output_tokens": out_tokens, "rounds": rounds, "requests_per_round": requests_per,
         "rows": rows,
         "fault_rows": fault_rows,
@@ -875,6 +888,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="256 tokens, 1 in flight, 2 requests, 1 round")
     ap.add_argument("--idle-wait-s", type=float, default=None,
                     help="kvxfer's idle_wait_s (default: the connector's; 0: vLLM's own loop while waiting)")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="N CPU hog processes (a Python busy loop each, not pinned) beside the engines for the "
+                         "whole run, so loaded cells are reproducible")
+    ap.add_argument("--load-nice", type=int, default=0, metavar="K", help="the hogs' niceness (default 0)")
+    ap.add_argument("--prefault", default="true", choices=("true", "false"),
+                    help="kvxfer's sidecars' --prefault (default true, as the Helm chart deploys them)")
     ap.add_argument("--pin-engines", action="store_true",
                     help="every process of each engine on its core (taskset), for every system alike; "
                          "without it only vLLM's model threads are bound")
@@ -896,9 +915,9 @@ def main() -> None:
         conc = [int(x) for x in a.concurrency.split(",")]
         reqs, rounds = a.requests, a.rounds
     res = run(systems, lengths, conc, max(reqs, max(conc)), rounds, a.output_tokens,
-              kvxfer={"placement": a.placement, "kv_memory": a.kv_memory,
+              kvxfer={"placement": a.placement, "kv_memory": a.kv_memory, "prefault": a.prefault == "true",
                       **({"idle_wait_s": a.idle_wait_s} if a.idle_wait_s is not None else {})}, faults=a.faults,
-              pin_engines=a.pin_engines)
+              pin_engines=a.pin_engines, load=CpuHog(a.load, a.load_nice))
     print(json.dumps(res))
 
 
