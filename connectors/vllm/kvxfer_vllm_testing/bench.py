@@ -64,7 +64,9 @@ SYSTEMS: dict[str, str] = {
     "mooncake": "MooncakeConnector (TCP)",
 }
 #: ``--vs`` names -> the systems they add.
-VS: dict[str, list[str]] = {"nixl": ["nixl", "nixl-fixed"], "nixl-push": ["nixl-push"], "mooncake": ["mooncake"]}
+#: --vs names; "nixl-fixed" alone: NixlConnector with its two CPU fixes only (the one a user should run).
+VS: dict[str, list[str]] = {"nixl": ["nixl", "nixl-fixed"], "nixl-fixed": ["nixl-fixed"], "nixl-push": ["nixl-push"],
+                            "mooncake": ["mooncake"]}
 #: The Python distributions each peer needs (bench/peers/requirements.txt pins them).
 PEER_DISTS: dict[str, list[str]] = {
     "nixl": ["nixl", "nixl-cu13"],
@@ -872,7 +874,8 @@ def main() -> None:
     # SIGTERM (a stopped parent, a timeout) unwinds like Ctrl-C: engines, sidecars and files go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(prog="kvxfer bench vllm", description=__doc__.splitlines()[0])
-    ap.add_argument("--vs", default="", help="peers beside kvxfer: nixl, nixl-push, mooncake (comma-separated)")
+    ap.add_argument("--vs", default="",
+                    help="peers beside kvxfer: nixl (as shipped and fixed), nixl-fixed, nixl-push, mooncake (comma-separated)")
     ap.add_argument("--modes", default="pull,push", help="kvxfer's modes")
     ap.add_argument("--placement", default="shared", choices=("shared", "host_buffer"), help="kvxfer's KV placement")
     ap.add_argument("--kv-memory", default="file", choices=KV_MEMORY, help="kvxfer's KV memory")
