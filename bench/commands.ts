@@ -208,8 +208,8 @@ export const commands: readonly CommandSpec[] = [
       JSON_OPT,
       {
         name: "vs",
-        kind: list("nixl", "nixl-push", "mooncake"),
-        help: "vLLM's own connectors beside kvxfer (nixl: as shipped and with two CPU fixes)",
+        kind: list("nixl", "nixl-fixed", "nixl-push", "mooncake"),
+        help: "vLLM's own connectors beside kvxfer (nixl: as shipped and with two CPU fixes; nixl-fixed: only the latter)",
       },
       { name: "install-peers", kind: FLAG, help: "install the pinned peers into .venv first" },
       {
@@ -269,8 +269,22 @@ export const commands: readonly CommandSpec[] = [
       {
         name: "prefault",
         kind: list("false", "true"),
-        help: "--breakdown: the sidecars' --prefault settings to compare",
+        help: "the sidecars' --prefault (one value; default true, as the Helm chart deploys them); --breakdown: the settings to compare",
         def: "true",
+      },
+      {
+        name: "load",
+        kind: { t: "int", min: 0 },
+        arg: "N",
+        help: "N CPU hog processes (unpinned Python busy loops) beside the engines for the whole run",
+        def: "0",
+      },
+      {
+        name: "load-nice",
+        kind: { t: "int", min: -20 },
+        arg: "K",
+        help: "the hogs' niceness",
+        def: "0",
       },
       {
         name: "pin-engines",
