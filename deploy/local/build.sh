@@ -53,12 +53,29 @@ staging=${K8S_VERSION/#v1./v0.}
   # Every k8s.io/* module that go.mod replaces with a folder of its own tree ("=> ./staging/...").
   mods=$(sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$mod" | sort -u)
   required=$(sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) v0.0.0$#\1#p' "$mod" | sort -u)
-  n=0
+  # One `go mod edit` for all of them, then a check that go.mod has each: a fresh clone's CI run
+  # once built with one of the 29 missing (k8s.io/controller-manager, one edit per module then),
+  # and the build failed on the proxy's "v0.0.0 not available" far from the cause.
+  declare -A staged=()
+  for m in $mods; do staged[$m]=1; done
+  edits=()
   for m in $required; do
-    echo "$mods" | grep -qx "$m" || continue
-    "$GO" mod edit -replace="$m=$m@$staging"
-    n=$((n + 1))
+    if [ -n "${staged[$m]:-}" ]; then edits+=("-replace=$m=$m@$staging"); fi
   done
+  [ ${#edits[@]} -gt 0 ] || fail "no staging module found in $mod"
+  missing=("${edits[@]}")
+  for try in 1 2; do
+    "$GO" mod edit "${missing[@]}"
+    missing=()
+    for e in "${edits[@]}"; do
+      m=${e#-replace=}; m=${m%%=*}
+      grep -Eq "^(replace)?[[:space:]]*$m => $m $staging[[:space:]]*\$" go.mod || missing+=("$e")
+    done
+    [ ${#missing[@]} -eq 0 ] && break
+    echo "kvxfer cluster (build): go.mod lacks the replace of ${missing[*]#-replace=} after go mod edit (try $try)" >&2
+  done
+  [ ${#missing[@]} -eq 0 ] || fail "go.mod lacks the replace of ${missing[*]#-replace=} ($work/k8s/go.mod)"
+  n=${#edits[@]}
   echo "kvxfer cluster (build): k8s.io/kubernetes $K8S_VERSION with $n staging modules at $staging"
   # The version the programs report (kubectl version, the node's kubeletVersion).
   minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
