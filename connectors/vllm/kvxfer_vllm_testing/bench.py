@@ -63,8 +63,7 @@ SYSTEMS: dict[str, str] = {
     "nixl-push": "NixlPushConnector, 2 fixes",
     "mooncake": "MooncakeConnector (TCP)",
 }
-#: ``--vs`` names -> the systems they add.
-#: --vs names; "nixl-fixed" alone: NixlConnector with its two CPU fixes only (the one a user should run).
+#: ``--vs`` names -> the systems they add ("nixl-fixed": NixlConnector with its two CPU fixes alone).
 VS: dict[str, list[str]] = {"nixl": ["nixl", "nixl-fixed"], "nixl-fixed": ["nixl-fixed"], "nixl-push": ["nixl-push"],
                             "mooncake": ["mooncake"]}
 #: The Python distributions each peer needs (bench/peers/requirements.txt pins them).
