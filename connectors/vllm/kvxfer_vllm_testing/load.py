@@ -14,8 +14,9 @@ import sys
 import time
 from types import TracebackType
 
-#: What each hog process runs: one busy loop, nothing else (no I/O, no memory growth).
-HOG_CODE = "while True:\n    pass\n"
+#: What each hog process runs: its niceness set, then one busy loop, nothing else (no I/O, no
+#: memory growth). The child sets its own niceness: no code runs between fork and exec.
+HOG_CODE = "import os\nos.setpriority(os.PRIO_PROCESS, 0, {nice})\nwhile True:\n    pass\n"
 
 
 class CpuHog:
@@ -36,9 +37,6 @@ class CpuHog:
         return {"hogs": self.count, "nice": self.nice,
                 "what": f"{self.count} x a Python busy loop at nice {self.nice}" if self.count else "none"}
 
-    def _niced(self) -> None:
-        os.nice(self.nice - os.nice(0))
-
     def __enter__(self) -> CpuHog:
         return self.start()
 
@@ -47,8 +45,8 @@ class CpuHog:
         try:
             for _ in range(self.count):
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-c", HOG_CODE], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL, preexec_fn=self._niced, start_new_session=True))
+                    [sys.executable, "-c", HOG_CODE.format(nice=self.nice)], stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         except BaseException:
             self.stop()
             raise
