@@ -6,6 +6,7 @@ Neither needs vLLM, so both are tested on their own (tests/test_bench_load.py).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import signal
@@ -68,13 +69,6 @@ class CpuHog:
         self.procs = []
 
 
-def _binom_cdf(k: int, n: int, p: float) -> float:
-    """P(B <= k) for B ~ Binomial(n, p)."""
-    if k < 0:
-        return 0.0
-    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(min(k, n) + 1))
-
-
 def quantile_interval(ordered: list[float], p: float, confidence: float = 0.95) -> tuple[float | None, float | None]:
     """A distribution-free ``confidence`` interval for the ``p`` quantile of what ``ordered`` (sorted
     samples) was drawn from, by order statistics: [x_(l), x_(u)] with l the largest rank such that
@@ -85,17 +79,10 @@ def quantile_interval(ordered: list[float], p: float, confidence: float = 0.95) 
     if n == 0:
         return None, None
     a = (1 - confidence) / 2
-    lo_rank = 0  # 1-based; 0: none
-    for r in range(1, n + 1):
-        if _binom_cdf(r - 1, n, p) <= a:  # P(B <= r-1) = P(B < r)
-            lo_rank = r
-        else:
-            break
-    hi_rank = n + 1
-    for r in range(n, 0, -1):
-        if 1 - _binom_cdf(r - 1, n, p) <= a:  # P(B >= r)
-            hi_rank = r
-        else:
-            break
+    # below[k] = P(B <= k), once: it rises with k, so the ranks with P(B < r) <= a are a prefix
+    # of 1..n and those with P(B >= r) <= a a suffix.
+    below = list(itertools.accumulate(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(n + 1)))
+    lo_rank = max((r for r in range(1, n + 1) if below[r - 1] <= a), default=0)  # 0: none
+    hi_rank = min((r for r in range(1, n + 1) if 1 - below[r - 1] <= a), default=n + 1)  # n + 1: none
     return (ordered[lo_rank - 1] if lo_rank >= 1 else None,
             ordered[hi_rank - 1] if hi_rank <= n else None)

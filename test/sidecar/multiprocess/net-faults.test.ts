@@ -214,8 +214,12 @@ describe.skipIf(support.missing !== undefined)(
       `5 ms +- 1 ms each way, 16 x 512 KiB in flight and one at a time (pull and push), in order and reordered: every transfer verified, no peer declared dead, nothing held, p50 within 3x the clean link's plus the round trips${support.delayMissing !== undefined ? ` (skipped: ${support.delayMissing})` : ""}`,
       async () => {
         const rtt = 10;
-        await net.delay("p", 5, 1);
-        await net.delay("d", 5, 1);
+        // Both ways: each side's delay line holds the packets arriving there.
+        const delayBoth = async (ms: number, jitterMs: number, reorder = false): Promise<void> => {
+          await net.delay("p", ms, jitterMs, reorder);
+          await net.delay("d", ms, jitterMs, reorder);
+        };
+        await delayBoth(5, 1);
         pair = await startNetPair(net, {
           sidecarArgs: [...FAST_PEER],
         });
@@ -232,11 +236,9 @@ describe.skipIf(support.missing !== undefined)(
         await round("delay-warm");
         const slow = await round("delay-5ms");
         const slowOne = await singles("delay-one");
-        await net.delay("p", 5, 1, true);
-        await net.delay("d", 5, 1, true);
+        await delayBoth(5, 1, true);
         const reordered = await round("delay-reorder");
-        await net.delay("p", 0, 0);
-        await net.delay("d", 0, 0);
+        await delayBoth(0, 0);
         await round("line-warm");
         const line = await round("delay-line");
         net.undelay();
