@@ -314,6 +314,7 @@ async function handle(req: Request): Promise<unknown> {
       if (typeof req.netDevice === "string") opts.netDevices = req.netDevice;
       if (typeof req.spinUs === "number") opts.spinUs = req.spinUs;
       if (req.progress === "caller") opts.progress = "caller";
+      if (req.inlinePost === false) opts.inlinePost = false;
       agent = new Agent(opts);
       agent.on("notifications", onNotifications);
       if (opts.progress === "caller") {
@@ -327,6 +328,7 @@ async function handle(req: Request): Promise<unknown> {
         ucx: `${describeUcx()}${process.env.KVXFER_ADDON !== undefined ? ` (addon ${process.env.KVXFER_ADDON})` : ""}`,
         busyPoll: opts.busyPoll,
         progress: opts.progress ?? "thread",
+        inlinePost: opts.inlinePost ?? true,
         spinUs: opts.spinUs ?? 0,
       };
     }

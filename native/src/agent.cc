@@ -61,6 +61,8 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   opts.net_devices = str("netDevices");
   opts.busy_poll = o.Get("busyPoll").ToBoolean().Value();
   opts.caller_progress = str("progress") == "caller";
+  Napi::Value inline_post = o.Get("inlinePost");
+  opts.inline_post = inline_post.IsUndefined() || inline_post.ToBoolean().Value();
   Napi::Value spin = o.Get("spinUs");
   if (spin.IsNumber() && spin.As<Napi::Number>().Int64Value() > 0) {
     opts.spin_after_activity = std::chrono::microseconds(spin.As<Napi::Number>().Int64Value());

@@ -24,6 +24,25 @@ constexpr int kSleepBoundMs = 100;
 // How long RunSync() waits for the progress thread.
 constexpr auto kRunSyncDeadline = std::chrono::seconds(30);
 
+// An operation the JavaScript thread may post itself (TryInline): one posting chunk at most, and
+// few enough bytes that a synchronous shared-memory copy of them stalls the event loop for
+// microseconds, not milliseconds.
+constexpr size_t kInlineDescriptors = 64;
+constexpr uint64_t kInlineBytes = 256 << 10;
+// Worker progress calls after an inline post, to complete its flush and notification at once.
+constexpr int kInlineProgressCalls = 16;
+// Tries for the worker's lock before an operation goes the usual way (a few microseconds: about
+// one idle turn of a polling progress thread, which stays out meanwhile).
+constexpr int kInlineLockTries = 256;
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 struct ConfigHolder {
   ucp_config_t* config = nullptr;
   ~ConfigHolder() {
@@ -90,7 +109,9 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
   ucp_worker_params_t wparams;
   std::memset(&wparams, 0, sizeof(wparams));
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_NAME;
-  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  // One thread at a time, not always the same one: the progress thread, or the JavaScript thread
+  // posting inline, each under worker_mu_ (caller progress: the JavaScript thread alone).
+  wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   wparams.name = engine->opts_.name.c_str();
   InstallUcxGetReplyFix();
   *status = ucp_worker_create(engine->context_, &wparams, &engine->worker_);
@@ -222,11 +243,59 @@ ucs_status_t ProgressEngine::RunSync(std::function<ucs_status_t()> fn) {
   return state->status;
 }
 
+bool ProgressEngine::InlineEligible(const TransferOp& op) {
+  if (op.kind == OpKind::kNotify) return op.notification.size() <= kInlineBytes;
+  const size_t count = op.desc.size() / 3;
+  if (count > kInlineDescriptors) return false;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < count; ++i) bytes += op.desc[3 * i + 2];
+  return bytes <= kInlineBytes;
+}
+
+bool ProgressEngine::TryInline(std::vector<std::unique_ptr<TransferOp>>* ops) {
+  if (!opts_.inline_post || !started_ || shutdown_requested_) return false;
+  for (const auto& op : *ops) {
+    if (!InlineEligible(*op)) return false;
+  }
+  std::unique_lock<std::mutex> lock(worker_mu_, std::defer_lock);
+  inline_wanted_.store(true);
+  for (int i = 0; i < kInlineLockTries && !lock.try_lock(); ++i) CpuRelax();
+  inline_wanted_.store(false);
+  if (!lock.owns_lock() || stopping_) return false;
+  {
+    // A command queued earlier (an endpoint closed or abandoned, an earlier transfer) goes first:
+    // an inline post must not overtake it.
+    std::lock_guard<std::mutex> cmds(cmd_mu_);
+    if (!commands_.empty()) return false;
+  }
+  inline_ = true;
+  for (auto& op : *ops) Accept(std::move(op));
+  inline_ = false;
+  for (int i = 0; i < kInlineProgressCalls && ucp_worker_progress(worker_) != 0; ++i) {
+  }
+  const bool in_flight = !ops_.empty() || !posting_.empty();
+  const bool spins = opts_.spin_after_activity.count() > 0;
+  if (spins) inline_activity_.store(true);
+  lock.unlock();
+  // What did not complete here is the progress thread's now. It decides whether to sleep under
+  // worker_mu_ and marks sleeping_ before it lets go, so either it saw these operations or it is
+  // marked asleep here and gets woken. A thread that spins after activity is woken too, so that
+  // it polls for the answer to what was just sent, as it would had it posted it.
+  if ((in_flight || spins) && sleeping_.load()) Wake();
+  return true;
+}
+
 void ProgressEngine::Submit(std::unique_ptr<TransferOp> op) {
   op->trace.submitted = MonoUs();
   if (opts_.caller_progress) {
     Accept(std::move(op));
     return;
+  }
+  if (opts_.inline_post && InlineEligible(*op)) {
+    std::vector<std::unique_ptr<TransferOp>> one;
+    one.push_back(std::move(op));
+    if (TryInline(&one)) return;
+    op = std::move(one.front());
   }
   TransferOp* raw = op.release();
   RunAsync([this, raw] { Accept(std::unique_ptr<TransferOp>(raw)); });
@@ -239,6 +308,7 @@ void ProgressEngine::SubmitMany(std::vector<std::unique_ptr<TransferOp>> ops) {
     for (auto& op : ops) Accept(std::move(op));
     return;
   }
+  if (TryInline(&ops)) return;
   auto batch = std::make_shared<std::vector<std::unique_ptr<TransferOp>>>(std::move(ops));
   RunAsync([this, batch] {
     for (auto& op : *batch) Accept(std::move(op));
@@ -295,6 +365,12 @@ void ProgressEngine::Loop() {
   epoll_event evs[2];
   auto last_activity = std::chrono::steady_clock::now();
   for (;;) {
+    if (inline_wanted_.load()) {
+      // The JavaScript thread is about to post inline: let it have the worker (a few µs at most).
+      sched_yield();
+      continue;
+    }
+    std::unique_lock<std::mutex> lock(worker_mu_);
     bool active = Turn();
     if (ShutdownDone()) {
       DrainWorker();
@@ -308,6 +384,7 @@ void ProgressEngine::Loop() {
     // memory took 142 ms sleeping, 8 ms polling).
     if (!posting_.empty() || opts_.busy_poll || stopping_) continue;
     if (!ops_.empty()) {
+      lock.unlock();
       // Polling for a transfer in flight, not for new work: let a runnable
       // thread (the JS thread posting the next transfer, on a busy machine)
       // have the core first.
@@ -319,17 +396,21 @@ void ProgressEngine::Loop() {
     // milliseconds on a VM (measured here: KV-ready p50 13 ms sleeping, 3 ms
     // spinning, for a one-transfer-at-a-time push).
     auto now = std::chrono::steady_clock::now();
+    if (inline_activity_.exchange(false)) active = true;
     if (active) last_activity = now;
     if (now - last_activity < opts_.spin_after_activity) {
+      lock.unlock();
       // Spinning must not keep a runnable thread off this core: the JavaScript thread that the
       // answer just woke (measured here: with both sidecars' progress threads spinning on two
       // cores, D's XferDone waited 190 us between its progress thread and its JavaScript).
       if (!active) sched_yield();
       continue;
     }
+    // Decided under worker_mu_: an inline post (TryInline) that leaves work in flight after this
+    // point sees sleeping_ and wakes the thread.
     sleeping_.store(true);
     {
-      std::lock_guard<std::mutex> lock(cmd_mu_);
+      std::lock_guard<std::mutex> cmds(cmd_mu_);
       if (!commands_.empty()) {
         sleeping_.store(false);
         continue;
@@ -340,6 +421,7 @@ void ProgressEngine::Loop() {
       sleeping_.store(false);
       continue;
     }
+    lock.unlock();
     int n_ready = epoll_wait(epoll_fd_, evs, 2, kSleepBoundMs);
     sleeping_.store(false);
     (void)n_ready;

@@ -40,6 +40,10 @@ struct EngineOptions {
   bool caller_progress = false;
   // After any activity, poll this long before sleeping on the event fd.
   std::chrono::microseconds spin_after_activity{0};
+  // With a progress thread: a small operation submitted while the thread is not inside the worker
+  // (and nothing is queued before it) is posted, progressed and, if it completes at once,
+  // completed on the submitting thread, under the worker's lock: no hand-off, no wake-up.
+  bool inline_post = true;
   size_t max_notification_bytes = 4 << 20;
   // TCP transports: a connection whose sent bytes stay unacknowledged this long is given up by
   // the kernel (TCP_USER_TIMEOUT, as UCX_TCP_USER_TIMEOUT), so a connection cut by a partition
@@ -128,6 +132,10 @@ class ProgressEngine {
   bool Turn();
   void Wake();
   bool DrainCommands();  // true when there were any
+  // Takes the operations over on the calling (JavaScript) thread if the worker's lock is free and
+  // no command waits before them; false (nothing taken) otherwise.
+  bool TryInline(std::vector<std::unique_ptr<TransferOp>>* ops);
+  static bool InlineEligible(const TransferOp& op);
   void PushEvent(Event ev);
 
   // progress_ops.cc
@@ -172,6 +180,19 @@ class ProgressEngine {
   bool shutdown_requested_ = false;   // JS thread
   std::atomic<bool> stopped_{false};  // set once the thread has been joined
 
+  // Held by whichever thread touches the worker and the "progress-thread only" state below: the
+  // progress thread for each turn and its arming, the JavaScript thread for an inline post
+  // (TryInline). The worker is created UCS_THREAD_MODE_SERIALIZED accordingly.
+  std::mutex worker_mu_;
+  // Set while the JavaScript thread takes operations over inline (under worker_mu_).
+  bool inline_ = false;
+  // Set by an inline post: the progress thread counts it as activity (its spin after activity
+  // starts again, so it is awake when the answer to what was just sent comes).
+  std::atomic<bool> inline_activity_{false};
+  // Set while the JavaScript thread tries for worker_mu_ to post inline: the progress thread
+  // stays out of the worker meanwhile (its turns are short then, but it retakes the lock at once).
+  std::atomic<bool> inline_wanted_{false};
+
   std::mutex cmd_mu_;
   std::vector<std::function<void()>> commands_;
   // Set by the progress thread while it sleeps (or is about to) in
@@ -185,7 +206,7 @@ class ProgressEngine {
   bool events_signalled_ = false;
   std::function<void()> events_ready_;
 
-  // Progress-thread only.
+  // Progress-thread only (with a thread: whoever holds worker_mu_).
   std::unordered_map<uint64_t, std::unique_ptr<TransferOp>> ops_;
   std::deque<TransferOp*> posting_;
   std::unordered_map<uint64_t, std::shared_ptr<EndpointCore>> endpoints_;

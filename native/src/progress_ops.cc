@@ -33,7 +33,7 @@ void ProgressEngine::Accept(std::unique_ptr<TransferOp> owned) {
     Complete(p, p->ep->fail_status);
   } else if (p->kind == OpKind::kNotify) {
     StartNotify(p);
-  } else if (opts_.caller_progress && posting_.empty()) {
+  } else if ((opts_.caller_progress || inline_) && posting_.empty()) {
     // Posted inside the caller's own call: no queue, no hand-off.
     if (PostSome(p)) posting_.push_back(p);
   } else {

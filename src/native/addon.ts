@@ -121,6 +121,7 @@ export interface NativeAddon {
       netDevices: string;
       busyPoll: boolean;
       progress: "thread" | "caller";
+      inlinePost: boolean;
       spinUs: number;
       tcpUserTimeoutMs: number;
       maxNotificationBytes: number;

@@ -88,6 +88,7 @@ export class Agent extends EventEmitter<AgentEvents> {
             netDevices: options.netDevices ?? "",
             busyPoll: options.busyPoll ?? false,
             progress: options.progress ?? "thread",
+            inlinePost: options.inlinePost ?? true,
             spinUs: options.spinUs ?? 0,
             tcpUserTimeoutMs: options.tcpUserTimeoutMs ?? 0,
             maxNotificationBytes,

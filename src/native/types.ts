@@ -51,6 +51,15 @@ export interface AgentOptions {
    */
   progress?: "thread" | "caller";
   /**
+   * With the progress thread (the default): a small write, read or notification (at most 64
+   * descriptors and 256 KiB) is posted by the calling thread itself, under the worker's lock, when
+   * the progress thread is not inside the worker and nothing is queued before it; an operation
+   * that completes at once (shared memory, most small ones) then never crosses threads. What
+   * does not complete goes on with the progress thread. Its promise settles as always, in a later
+   * turn of the event loop. Default true; false hands every operation to the thread.
+   */
+  inlinePost?: boolean;
+  /**
    * After any activity, keep polling this many microseconds before sleeping
    * (the reply to what was just sent usually comes within it; waking a
    * sleeping thread costs milliseconds on a VM). Default 0.
