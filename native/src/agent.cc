@@ -20,6 +20,7 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceAccessor<&AgentWrap::Address>("address"),
                          InstanceAccessor<&AgentWrap::Name>("name"),
                          InstanceAccessor<&AgentWrap::Inflight>("inflight"),
+                         InstanceAccessor<&AgentWrap::InlinePosts>("inlinePosts"),
                          InstanceAccessor<&AgentWrap::Transports>("transports"),
                          InstanceAccessor<&AgentWrap::MemoryTypes>("memoryTypes"),
                          InstanceMethod<&AgentWrap::RegisterMemory>("registerMemory"),
@@ -127,6 +128,11 @@ Napi::Value AgentWrap::Name(const Napi::CallbackInfo& info) {
 
 Napi::Value AgentWrap::Inflight(const Napi::CallbackInfo& info) {
   return Napi::Number::New(info.Env(), static_cast<double>(pending_.size()));
+}
+
+Napi::Value AgentWrap::InlinePosts(const Napi::CallbackInfo& info) {
+  return Napi::Number::New(info.Env(),
+                           engine_ ? static_cast<double>(engine_->inline_posts()) : 0.0);
 }
 
 Napi::Value AgentWrap::Transports(const Napi::CallbackInfo& info) {

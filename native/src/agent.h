@@ -64,6 +64,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
   Napi::Value Address(const Napi::CallbackInfo& info);
   Napi::Value Name(const Napi::CallbackInfo& info);
   Napi::Value Inflight(const Napi::CallbackInfo& info);
+  Napi::Value InlinePosts(const Napi::CallbackInfo& info);
   Napi::Value Transports(const Napi::CallbackInfo& info);
   Napi::Value MemoryTypes(const Napi::CallbackInfo& info);
   Napi::Value Connect(const Napi::CallbackInfo& info);

@@ -269,6 +269,7 @@ bool ProgressEngine::TryInline(std::vector<std::unique_ptr<TransferOp>>* ops) {
     if (!commands_.empty()) return false;
   }
   inline_ = true;
+  inline_posts_ += ops->size();
   for (auto& op : *ops) Accept(std::move(op));
   inline_ = false;
   for (int i = 0; i < kInlineProgressCalls && ucp_worker_progress(worker_) != 0; ++i) {

@@ -84,6 +84,8 @@ class ProgressEngine {
   // Several operations handed over together: one command, one wake-up of the progress thread.
   void SubmitMany(std::vector<std::unique_ptr<TransferOp>> ops);
   bool caller_progress() const { return opts_.caller_progress; }
+  // Operations the submitting thread posted itself so far (TryInline).
+  uint64_t inline_posts() const { return inline_posts_; }
   // Caller-progress mode: posts what is queued and progresses the worker until it is idle
   // (bounded), on the calling thread. Returns whether anything happened.
   bool Progress();
@@ -186,6 +188,7 @@ class ProgressEngine {
   std::mutex worker_mu_;
   // Set while the JavaScript thread takes operations over inline (under worker_mu_).
   bool inline_ = false;
+  uint64_t inline_posts_ = 0;  // JS thread
   // Set by an inline post: the progress thread counts it as activity (its spin after activity
   // starts again, so it is awake when the answer to what was just sent comes).
   std::atomic<bool> inline_activity_{false};

@@ -56,6 +56,7 @@ export interface NativeAgent {
   readonly address: Buffer;
   readonly name: string;
   readonly inflight: number;
+  readonly inlinePosts: number;
   readonly transports: string[];
   readonly memoryTypes: string[];
   registerMemory(memory: ArrayBufferLike | ArrayBufferView): NativeRegion;

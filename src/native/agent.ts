@@ -106,6 +106,13 @@ export class Agent extends EventEmitter<AgentEvents> {
   get inflight(): number {
     return this.native.inflight;
   }
+  /**
+   * Operations this agent's caller posted itself so far (inlinePost): the rest went through the
+   * progress thread (or, with progress "caller", were all posted by the caller).
+   */
+  get inlinePosts(): number {
+    return this.native.inlinePosts;
+  }
   get closed(): boolean {
     return this.closedFlag;
   }
