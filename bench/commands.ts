@@ -296,6 +296,11 @@ export const commands: readonly CommandSpec[] = [
         kind: { t: "number", min: 0 },
         help: "kvxfer's idle_wait_s (default: the connector's; 0: vLLM's own loop while a transfer waits)",
       },
+      {
+        name: "worker-rest-s",
+        kind: { t: "number", min: 0 },
+        help: "kvxfer's worker_rest_s (default: the connector's; 0: vLLM's worker spins a second after each step)",
+      },
     ],
   ),
   benchSpec(

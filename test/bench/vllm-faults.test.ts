@@ -138,5 +138,11 @@ describe("settingsLine", () => {
       "engines: the model threads only pinned; load: none; " +
         "kvxfer: prefault true, placement shared, KV memory file, idle wait the connector's default",
     );
+    expect(
+      settingsLine({
+        ...base,
+        kvxfer: { placement: "shared", kv_memory: "file", worker_rest_s: 0 },
+      } as unknown as VllmBenchResult),
+    ).toContain("idle wait the connector's default, worker rest 0 s");
   });
 });

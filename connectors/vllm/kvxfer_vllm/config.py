@@ -54,6 +54,9 @@ class ConnectorConfig:
     #: An engine step with nothing to run while transfers are live waits this long at most for
     #: the sidecar or new input, instead of stepping again at once (idle.py); 0: vLLM's loop.
     idle_wait_s: float = 0.05
+    #: A worker whose engine read no step for this long after its last one sleeps on its queue's
+    #: notification instead of spinning out vLLM's second (idle.py ``WorkerRest``); 0: vLLM's.
+    worker_rest_s: float = 0.02
 
 
 _KEYS = {
@@ -66,6 +69,7 @@ _KEYS = {
     "advertise",
     "max_frame_bytes",
     "idle_wait_s",
+    "worker_rest_s",
 }
 
 
@@ -136,4 +140,5 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
         advertise=advertise,
         max_frame_bytes=int(_number(extra, "max_frame_bytes", 16 << 20, 64, 1 << 30)),
         idle_wait_s=_number(extra, "idle_wait_s", 0.05, 0.0, 10.0),
+        worker_rest_s=_number(extra, "worker_rest_s", 0.02, 0.0, 10.0),
     )

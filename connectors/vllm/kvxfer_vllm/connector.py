@@ -42,7 +42,7 @@ from .config import ConnectorConfig, load_config
 from .device import DeviceKv, TorchCuda
 from .errors import ConfigError, LayoutError
 from .groups import GroupSpec
-from .idle import IdleWaiter, waker
+from .idle import IdleWaiter, WorkerRest, waker
 from .layout import DescribedLayout, describe, describe_groups, expand_block_ids, group_message, packing_of
 from .messages import StepMessages
 from .registration import RegionEntry, region_files, registration, tensor_views
@@ -279,6 +279,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._idle: IdleWaiter | None = None
         self._idle_attached = False
         self._engine_core: Any = None
+        #: Worker (every rank): ends the worker's spin once its engine has gone quiet (idle.py);
+        #: made at the first step, False where it cannot run.
+        self._rest: WorkerRest | bool | None = None
         #: Send each step's messages when vLLM binds the step's metadata, before the forward, not
         #: in start_load_kv: vLLM 0.32 calls that after the forward is launched, which on a CPU
         #: engine means after the whole forward has run. P's PrefillDone then waited for P's next
@@ -483,6 +486,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.after_forward(self._connector_metadata.step)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._step_ended()
         if self.worker is None:
             return KVConnectorTransferResults()
         meta = self._connector_metadata
@@ -498,6 +502,18 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             finished_recving=r.finished_recving,
             failed_recving=r.failed_recving,
         )
+
+    def _step_ended(self) -> None:
+        """Every rank's worker, at the end of each step: its rest clock (idle.py WorkerRest)."""
+        if self._rest is None:
+            self._rest = False
+            if self.cfg.worker_rest_s > 0:
+                mq = _find_worker_mq(warn=False)
+                if mq is not None:
+                    self._rest = WorkerRest(self.cfg.worker_rest_s)
+                    self._rest.attach(mq._spin_condition)
+        if self._rest:
+            self._rest.step_ended()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
@@ -530,6 +546,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._idle is not None:
             self._idle.close()
+        if self._rest:
+            self._rest.close()
         if self.worker is not None:
             self.worker.close()
         if self._files is not None:
@@ -683,11 +701,9 @@ def _engine_core() -> Any:
 _worker_mq: list[Any] = []
 
 
-def _sleep_until_next_step() -> None:
-    """vLLM's worker reads its next step from a shared-memory queue, spinning (``sched_yield``)
-    for ``busy_loop_s`` (1 s) after each read before it sleeps on the queue's notification
-    socket (vLLM 0.32-0.33, ``SpinCondition``). Marking the last read long past makes its next
-    wait sleep at once; every write notifies, so the next step wakes it as soon as it is queued."""
+def _find_worker_mq(warn: bool = True) -> Any:
+    """The worker's message queue from the engine core, found once up the calling stack (the
+    worker process's loop holds it as ``rpc_broadcast_mq``, vLLM 0.32-0.33); None if not there."""
     if not _worker_mq:
         f = sys._getframe(1)
         found = None
@@ -696,9 +712,19 @@ def _sleep_until_next_step() -> None:
             if hasattr(getattr(mq, "_spin_condition", None), "last_read"):
                 found = mq
             f = f.f_back
+        if found is None and not warn:
+            return None  # a one-process engine (no queue, no spin): looked for again if asked
         _worker_mq.append(found)
         if found is None:
             log.warning("kvxfer: vLLM's worker message queue not found: an idle worker spins as vLLM's does")
-    mq = _worker_mq[0]
+    return _worker_mq[0]
+
+
+def _sleep_until_next_step() -> None:
+    """vLLM's worker reads its next step from a shared-memory queue, spinning (``sched_yield``)
+    for ``busy_loop_s`` (1 s) after each read before it sleeps on the queue's notification
+    socket (vLLM 0.32-0.33, ``SpinCondition``). Marking the last read long past makes its next
+    wait sleep at once; every write notifies, so the next step wakes it as soon as it is queued."""
+    mq = _find_worker_mq()
     if mq is not None and mq._spin_condition is not None:
         mq._spin_condition.last_read = 0.0

@@ -30,7 +30,9 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +126,69 @@ def waker(engine_id: str) -> Callable[[], None]:
                 pass
 
     return wake
+
+
+class WorkerRest:
+    """Ends a worker's spin once its engine has gone quiet.
+
+    vLLM's worker reads each step from a shared-memory queue and, after every read, spins
+    (``sched_yield``) for a second before it sleeps on the queue's notification socket
+    (``SpinCondition``, vLLM 0.32-0.33): so back-to-back steps cost no wake-up. An engine that has
+    finished its last request then burns a core for that second, and a decode engine between
+    requests (the next prompt still in prefill) does so after every request: about one CPU-second
+    per request at long prompts, measured here, on the same cores the prefill needs.
+
+    A thread here looks every ``period_s``: once a step has ended (``step_ended``) and no new step
+    was read for ``rest_after_s`` since, it marks the queue's last read long past (``last_read =
+    0``), so the spinning reader sleeps at its next look; every write to the queue notifies, so
+    the next step wakes it at once. A step read meanwhile (``last_read`` after the step ended) is
+    left alone. A race with a read just then costs that step's reader one wake-up, nothing more.
+    """
+
+    def __init__(self, rest_after_s: float = 0.02, period_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rest_after_s = rest_after_s
+        self.period_s = period_s if period_s is not None else max(rest_after_s / 2, 0.001)
+        self._clock = clock
+        self._spin: Any = None
+        self._ended = 0.0
+        #: Times a spinning reader was told to sleep (for tests and logs).
+        self.rested = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvxfer-worker-rest", daemon=True)
+        self._thread.start()
+
+    def attach(self, spin_condition: Any) -> None:
+        """The reader's ``SpinCondition`` (anything with a ``last_read`` of ``time.monotonic``)."""
+        self._spin = spin_condition
+
+    def step_ended(self) -> None:
+        """The worker finished a step (its results taken): what comes next is a read."""
+        self._ended = self._clock()
+
+    def check(self) -> bool:
+        """One look (the thread's, or a test's): tells a reader idle long enough to sleep."""
+        spin = self._spin
+        ended = self._ended
+        if spin is None or ended == 0.0:
+            return False
+        last_read = spin.last_read
+        if last_read == 0.0 or last_read > ended:
+            return False  # already resting, or inside a step read since
+        if self._clock() - ended < self.rest_after_s:
+            return False
+        spin.last_read = 0.0
+        self.rested += 1
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.check()
+            except Exception:  # a bug here must not kill the worker: log once and stop looking
+                log.exception("kvxfer: worker rest check failed; the worker spins as vLLM's does")
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)

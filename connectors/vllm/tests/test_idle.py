@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import unique
 
-from kvxfer_vllm.idle import IdleWaiter, waker
+from kvxfer_vllm.idle import IdleWaiter, WorkerRest, waker
 
 
 @pytest.fixture
@@ -118,3 +118,113 @@ def waiter_engine(w: IdleWaiter) -> str:
     name = w._sock.getsockname()
     name = name.decode() if isinstance(name, bytes) else name
     return name.lstrip("\0").removeprefix("kvxfer-idle-").rsplit("-", 1)[0]
+
+
+# ---- WorkerRest: a worker stops spinning once its engine has gone quiet ----------------------
+
+
+class _Spin:
+    """What WorkerRest touches of vLLM's SpinCondition: the reader's last read."""
+
+    def __init__(self, last_read: float) -> None:
+        self.last_read = last_read
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_worker_rest_marks_a_quiet_reader_idle_and_leaves_a_busy_one_alone() -> None:
+    clock = _Clock()
+    rest = WorkerRest(rest_after_s=0.02, period_s=3600, clock=clock)  # the thread never looks
+    try:
+        spin = _Spin(last_read=99.0)
+        assert not rest.check()  # nothing attached
+        rest.attach(spin)
+        assert not rest.check()  # no step has ended yet
+        rest.step_ended()  # at 100.0; the last read (99.0) came before
+        clock.t = 100.01
+        assert not rest.check() and spin.last_read == 99.0  # not quiet long enough
+        clock.t = 100.03
+        assert rest.check() and spin.last_read == 0.0 and rest.rested == 1
+        assert not rest.check() and rest.rested == 1  # resting already: nothing more to do
+        # A step read after the last one ended is running: left alone however long it takes.
+        spin.last_read = 100.04
+        clock.t = 105.0
+        assert not rest.check() and spin.last_read == 100.04
+        rest.step_ended()  # it ended at 105.0
+        clock.t = 105.05
+        assert rest.check() and spin.last_read == 0.0 and rest.rested == 2
+    finally:
+        rest.close()
+
+
+def test_worker_rest_thread_ends_a_real_spin_condition_spin() -> None:
+    """vLLM's own SpinCondition: a reader waiting on it spins (sched_yield) for a second after its
+    last read; with WorkerRest it sleeps on the notification socket within rest_after_s, burns
+    (almost) no CPU, and a write still wakes it at once."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    ctx = zmq.Context()
+    path = f"/tmp/{unique('kvxfer-rest')}"
+    address = f"ipc://{path}"
+    writer = SpinCondition(is_reader=False, context=ctx, notify_address=address)
+    reader = SpinCondition(is_reader=True, context=ctx, notify_address=address)
+    try:
+        def spin_cpu(rest: WorkerRest | None, seconds: float) -> float:
+            """CPU seconds a reader thread spends in `seconds` of waits after one read."""
+            out: list[float] = []
+
+            def run() -> None:
+                reader.record_read()
+                if rest is not None:
+                    rest.step_ended()
+                c0 = time.thread_time()
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:  # bounded: each wait is at most 50 ms
+                    reader.wait(timeout_ms=50)
+                out.append(time.thread_time() - c0)
+
+            t = threading.Thread(target=run)
+            t.start()
+            t.join(timeout=seconds + 5)
+            assert not t.is_alive()
+            return out[0]
+
+        spinning = spin_cpu(None, 0.5)
+        rest = WorkerRest(rest_after_s=0.02)
+        rest.attach(reader)
+        try:
+            resting = spin_cpu(rest, 0.5)
+            assert rest.rested >= 1
+            # A write notifies: a resting reader is woken well within its 2 s poll.
+            woke: list[float] = []
+
+            def wait_once() -> None:
+                t0 = time.monotonic()
+                reader.wait(timeout_ms=2000)
+                woke.append(time.monotonic() - t0)
+
+            waiter = threading.Thread(target=wait_once)
+            waiter.start()
+            time.sleep(0.05)
+            writer.notify()
+            waiter.join(timeout=5)
+            assert woke and woke[0] < 1.0
+        finally:
+            rest.close()
+        # vLLM's loop spins most of the half second; resting, the reader sleeps after ~20 ms.
+        assert spinning > 0.2, spinning
+        assert resting < spinning / 3, (resting, spinning)
+    finally:
+        for s in (writer.local_notify_socket, reader.local_notify_socket, reader.read_cancel_socket,
+                  reader.write_cancel_socket):
+            s.close(linger=0)
+        ctx.term()
+        if os.path.exists(path):
+            os.unlink(path)
