@@ -261,7 +261,8 @@ bool ProgressEngine::TryInline(std::vector<std::unique_ptr<TransferOp>>* ops) {
   inline_wanted_.store(true);
   for (int i = 0; i < kInlineLockTries && !lock.try_lock(); ++i) CpuRelax();
   inline_wanted_.store(false);
-  if (!lock.owns_lock() || stopping_) return false;
+  // A transfer still being posted in chunks: a new one would only queue behind it (the thread's).
+  if (!lock.owns_lock() || stopping_ || !posting_.empty()) return false;
   {
     // A command queued earlier (an endpoint closed or abandoned, an earlier transfer) goes first:
     // an inline post must not overtake it.
