@@ -107,8 +107,9 @@ export class Agent extends EventEmitter<AgentEvents> {
     return this.native.inflight;
   }
   /**
-   * Operations this agent's caller posted itself so far (inlinePost): the rest went through the
-   * progress thread (or, with progress "caller", were all posted by the caller).
+   * Operations with the progress thread that the calling thread posted itself so far
+   * (inlinePost); the rest went through the thread. Always 0 with progress "caller" (where the
+   * caller posts everything).
    */
   get inlinePosts(): number {
     return this.native.inlinePosts;
