@@ -252,10 +252,10 @@ bool ProgressEngine::InlineEligible(const TransferOp& op) {
   return bytes <= kInlineBytes;
 }
 
-bool ProgressEngine::TryInline(std::vector<std::unique_ptr<TransferOp>>* ops) {
+bool ProgressEngine::TryInline(std::unique_ptr<TransferOp>* ops, size_t count) {
   if (!opts_.inline_post || !started_ || shutdown_requested_) return false;
-  for (const auto& op : *ops) {
-    if (!InlineEligible(*op)) return false;
+  for (size_t i = 0; i < count; ++i) {
+    if (!InlineEligible(*ops[i])) return false;
   }
   std::unique_lock<std::mutex> lock(worker_mu_, std::defer_lock);
   inline_wanted_.store(true);
@@ -269,10 +269,8 @@ bool ProgressEngine::TryInline(std::vector<std::unique_ptr<TransferOp>>* ops) {
     std::lock_guard<std::mutex> cmds(cmd_mu_);
     if (!commands_.empty()) return false;
   }
-  inline_ = true;
-  inline_posts_ += ops->size();
-  for (auto& op : *ops) Accept(std::move(op));
-  inline_ = false;
+  inline_posts_ += count;
+  for (size_t i = 0; i < count; ++i) Accept(std::move(ops[i]), /*post_here=*/true);
   for (int i = 0; i < kInlineProgressCalls && ucp_worker_progress(worker_) != 0; ++i) {
   }
   const bool in_flight = !ops_.empty() || !posting_.empty();
@@ -293,12 +291,7 @@ void ProgressEngine::Submit(std::unique_ptr<TransferOp> op) {
     Accept(std::move(op));
     return;
   }
-  if (opts_.inline_post && InlineEligible(*op)) {
-    std::vector<std::unique_ptr<TransferOp>> one;
-    one.push_back(std::move(op));
-    if (TryInline(&one)) return;
-    op = std::move(one.front());
-  }
+  if (TryInline(&op, 1)) return;
   TransferOp* raw = op.release();
   RunAsync([this, raw] { Accept(std::unique_ptr<TransferOp>(raw)); });
 }
@@ -310,7 +303,7 @@ void ProgressEngine::SubmitMany(std::vector<std::unique_ptr<TransferOp>> ops) {
     for (auto& op : ops) Accept(std::move(op));
     return;
   }
-  if (TryInline(&ops)) return;
+  if (TryInline(ops.data(), ops.size())) return;
   auto batch = std::make_shared<std::vector<std::unique_ptr<TransferOp>>>(std::move(ops));
   RunAsync([this, batch] {
     for (auto& op : *batch) Accept(std::move(op));

@@ -136,13 +136,14 @@ class ProgressEngine {
   bool DrainCommands();  // true when there were any
   // Takes the operations over on the calling (JavaScript) thread if the worker's lock is free and
   // no command waits before them; false (nothing taken) otherwise.
-  bool TryInline(std::vector<std::unique_ptr<TransferOp>>* ops);
+  bool TryInline(std::unique_ptr<TransferOp>* ops, size_t count);
   static bool InlineEligible(const TransferOp& op);
   void PushEvent(Event ev);
 
   // progress_ops.cc
-  // Takes an operation over on the progress thread (or the caller's, in caller-progress mode).
-  void Accept(std::unique_ptr<TransferOp> owned);
+  // Takes an operation over on the progress thread (or the caller's, in caller-progress mode or
+  // inline: `post_here`, the caller posts it now when nothing is being posted before it).
+  void Accept(std::unique_ptr<TransferOp> owned, bool post_here = false);
   bool PostSome(TransferOp* op);  // returns true while descriptors remain
   void StartFlush(TransferOp* op);
   void AfterFlush(TransferOp* op, ucs_status_t status);
@@ -186,8 +187,6 @@ class ProgressEngine {
   // progress thread for each turn and its arming, the JavaScript thread for an inline post
   // (TryInline). The worker is created UCS_THREAD_MODE_SERIALIZED accordingly.
   std::mutex worker_mu_;
-  // Set while the JavaScript thread takes operations over inline (under worker_mu_).
-  bool inline_ = false;
   uint64_t inline_posts_ = 0;  // JS thread
   // Set by an inline post: the progress thread counts it as activity (its spin after activity
   // starts again, so it is awake when the answer to what was just sent comes).

@@ -22,7 +22,7 @@ constexpr uint64_t kPostChunkBytes = 8ull << 20;
 
 }  // namespace
 
-void ProgressEngine::Accept(std::unique_ptr<TransferOp> owned) {
+void ProgressEngine::Accept(std::unique_ptr<TransferOp> owned, bool post_here) {
   owned->trace.started = MonoUs();
   uint64_t id = owned->id;
   TransferOp* p = owned.get();
@@ -33,7 +33,7 @@ void ProgressEngine::Accept(std::unique_ptr<TransferOp> owned) {
     Complete(p, p->ep->fail_status);
   } else if (p->kind == OpKind::kNotify) {
     StartNotify(p);
-  } else if ((opts_.caller_progress || inline_) && posting_.empty()) {
+  } else if ((opts_.caller_progress || post_here) && posting_.empty()) {
     // Posted inside the caller's own call: no queue, no hand-off.
     if (PostSome(p)) posting_.push_back(p);
   } else {

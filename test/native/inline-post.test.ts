@@ -5,30 +5,12 @@
  * it can be switched off, and that mixing inline and thread-posted operations loses no byte and
  * sends no notification before its bytes.
  */
-import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 
-import { Agent, type Notification, monoUs } from "../../src/native/index.js";
+import { type Notification, monoUs } from "../../src/native/index.js";
+import { pattern, useAgents } from "./agents.js";
 
-let agents: Agent[] = [];
-
-function agent(opts: ConstructorParameters<typeof Agent>[0] = {}): Agent {
-  const a = new Agent({ transports: "shm,self", ...opts });
-  agents.push(a);
-  return a;
-}
-
-function pattern(n: number, seed: number): Uint8Array {
-  const b = new Uint8Array(n);
-  for (let i = 0; i < n; i++) b[i] = (i * 13 + seed * 101 + (i >> 9)) & 0xff;
-  return b;
-}
-
-beforeEach(() => {
-  agents = [];
-});
-afterEach(() => {
-  for (const a of agents) a.close();
-});
+const agent = useAgents();
 
 /**
  * `n` 4 KiB writes one after another: how many the JavaScript thread posted itself, how many had

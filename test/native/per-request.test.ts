@@ -3,24 +3,13 @@
  * progress thread), and the caller-progress mode, where the JavaScript thread posts each
  * operation inside its own call and progresses the worker itself (agent.progress()).
  */
-import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 
 import { Agent, type OpTrace } from "../../src/native/index.js";
+import { pattern, useAgents } from "./agents.js";
 
 const SIZE = 1 << 20;
-let agents: Agent[] = [];
-
-function agent(opts: ConstructorParameters<typeof Agent>[0] = {}): Agent {
-  const a = new Agent({ transports: "shm,self", ...opts });
-  agents.push(a);
-  return a;
-}
-
-function pattern(n: number, seed: number): Uint8Array {
-  const b = new Uint8Array(n);
-  for (let i = 0; i < n; i++) b[i] = (i * 31 + seed * 17 + (i >> 8)) & 0xff;
-  return b;
-}
+const agent = useAgents();
 
 /**
  * Two agents and what most cases move: `a`'s SIZE bytes of pattern `seed` (src) and a buffer to
@@ -54,13 +43,6 @@ async function pump(a: Agent, done: () => boolean, ms = 10_000): Promise<number>
   }
   return turns;
 }
-
-beforeEach(() => {
-  agents = [];
-});
-afterEach(() => {
-  for (const a of agents) a.close();
-});
 
 describe("transferMany: many operations, one call", () => {
   it("moves 64 writes and reads of one call byte for byte, each settling on its own", async () => {
