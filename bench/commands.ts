@@ -294,12 +294,17 @@ export const commands: readonly CommandSpec[] = [
       {
         name: "idle-wait-s",
         kind: { t: "number", min: 0 },
-        help: "kvxfer's idle_wait_s (default: the connector's; 0: vLLM's own loop while a transfer waits)",
+        help: "kvxfer's idle_wait_s (default: the connector's; 0: vLLM's own loop while a transfer waits; also in --breakdown)",
       },
       {
         name: "worker-rest-s",
         kind: { t: "number", min: 0 },
-        help: "kvxfer's worker_rest_s (default: the connector's; 0: vLLM's worker spins a second after each step)",
+        help: "kvxfer's worker_rest_s (default: the connector's; 0: vLLM's worker spins a second after each step; also in --breakdown)",
+      },
+      {
+        name: "engine-spin-s",
+        kind: { t: "number", min: 0 },
+        help: "kvxfer's engine_spin_s (default: the connector's; 0: vLLM's engine core spins a second on its workers' answers; also in --breakdown)",
       },
     ],
   ),

@@ -6,7 +6,7 @@
 // (vllm-ttft.svg/.png). Flags go to the Python side: [--vs nixl,nixl-push,mooncake]
 // [--lengths 32,256,1024,4096] [--concurrency 1,8] [--requests N] [--rounds N]
 // [--output-tokens N] [--modes pull,push] [--faults] [--quick] [--load N [--load-nice K]]
-// [--prefault true|false] [--pin-engines] [--idle-wait-s S] [--worker-rest-s S]; here: [--json] [--install-peers] (pip-installs
+// [--prefault true|false] [--pin-engines] [--idle-wait-s S] [--worker-rest-s S] [--engine-spin-s S]; here: [--json] [--install-peers] (pip-installs
 // the pinned peers, bench/peers/requirements.txt, into .venv first).
 // `--models` runs kvxfer_vllm_testing.models_bench instead: every model family through kvxfer and
 // NixlConnector ([--families ...] [--lengths 200,1000] [--requests 3] [--no-nixl]).
@@ -195,7 +195,8 @@ export function settingsLine(r: VllmBenchResult): string {
       `KV memory ${String(kx.kv_memory ?? "?")}, idle wait ${kx.idle_wait_s === undefined ? "the connector's default" : `${String(kx.idle_wait_s)} s`}` +
       // Named only when set (--worker-rest-s): absent, the connector's default ran (or, before
       // 2026-12-07, vLLM's one-second spin).
-      (kx.worker_rest_s === undefined ? "" : `, worker rest ${String(kx.worker_rest_s)} s`),
+      (kx.worker_rest_s === undefined ? "" : `, worker rest ${String(kx.worker_rest_s)} s`) +
+      (kx.engine_spin_s === undefined ? "" : `, engine spin ${String(kx.engine_spin_s)} s`),
   ].join("; ");
 }
 

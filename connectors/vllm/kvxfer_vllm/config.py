@@ -57,6 +57,10 @@ class ConnectorConfig:
     #: A worker whose engine read no step for this long after its last one sleeps on its queue's
     #: notification instead of spinning out vLLM's second (idle.py ``WorkerRest``); 0: vLLM's.
     worker_rest_s: float = 0.02
+    #: The engine core, waiting for its workers' answer to a step, spins this long after its last
+    #: read before it sleeps on the queue's notification (idle.py ``limit_engine_spin``); vLLM
+    #: spins a second. 0: vLLM's.
+    engine_spin_s: float = 0.002
 
 
 _KEYS = {
@@ -70,6 +74,7 @@ _KEYS = {
     "max_frame_bytes",
     "idle_wait_s",
     "worker_rest_s",
+    "engine_spin_s",
 }
 
 
@@ -141,4 +146,5 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
         max_frame_bytes=int(_number(extra, "max_frame_bytes", 16 << 20, 64, 1 << 30)),
         idle_wait_s=_number(extra, "idle_wait_s", 0.05, 0.0, 10.0),
         worker_rest_s=_number(extra, "worker_rest_s", 0.02, 0.0, 10.0),
+        engine_spin_s=_number(extra, "engine_spin_s", 0.002, 0.0, 10.0),
     )

@@ -42,7 +42,7 @@ from .config import ConnectorConfig, load_config
 from .device import DeviceKv, TorchCuda
 from .errors import ConfigError, LayoutError
 from .groups import GroupSpec
-from .idle import IdleWaiter, WorkerRest, waker
+from .idle import IdleWaiter, WorkerRest, limit_engine_spin, waker
 from .layout import DescribedLayout, describe, describe_groups, expand_block_ids, group_message, packing_of
 from .messages import StepMessages
 from .registration import RegionEntry, region_files, registration, tensor_views
@@ -278,6 +278,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         #: Scheduler: the wait of an idle step (idle.py); None where it cannot run.
         self._idle: IdleWaiter | None = None
         self._idle_attached = False
+        #: Scheduler: the engine core's spin on its workers' answers was limited (idle.py).
+        self._spin_limited = False
         self._engine_core: Any = None
         #: Worker (every rank): ends the worker's spin once its engine has gone quiet (idle.py);
         #: made at the first step, False where it cannot run.
@@ -464,6 +466,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        if self._rest:
+            self._rest.step_began()
         if self.worker is not None and self._send_at_bind and isinstance(connector_metadata, KvxferConnectorMetadata):
             self.worker.on_step(connector_metadata.step)
 
@@ -612,6 +616,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
+        if not self._spin_limited:
+            self._spin_limited = True
+            core = _engine_core()
+            if core is not None and self.cfg.engine_spin_s > 0:
+                n = limit_engine_spin(getattr(core, "model_executor", None), self.cfg.engine_spin_s)
+                log.info("kvxfer: the engine core spins %.4f s on its workers' answers, then sleeps (%d queue(s))",
+                         self.cfg.engine_spin_s, n)
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         waited = False
         if idle and self._idle is not None and self.scheduler.waits_on_sidecar():

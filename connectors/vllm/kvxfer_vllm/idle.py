@@ -138,11 +138,16 @@ class WorkerRest:
     requests (the next prompt still in prefill) does so after every request: about one CPU-second
     per request at long prompts, measured here, on the same cores the prefill needs.
 
-    A thread here looks every ``period_s``: once a step has ended (``step_ended``) and no new step
-    was read for ``rest_after_s`` since, it marks the queue's last read long past (``last_read =
-    0``), so the spinning reader sleeps at its next look; every write to the queue notifies, so
-    the next step wakes it at once. A step read meanwhile (``last_read`` after the step ended) is
-    left alone. A race with a read just then costs that step's reader one wake-up, nothing more.
+    A thread here looks every ``period_s``: once a step has ended (``step_ended``), no step has
+    begun since (``step_began``) and nothing was read from the queue for ``rest_after_s``, it
+    marks the queue's last read long past (``last_read = 0``), so the spinning reader sleeps at
+    its next look; every write to the queue notifies, so the next step wakes it at once. A step
+    that has begun is left alone however long it runs. Reads that are not steps count only as
+    activity: vLLM 0.32 sends each step that runs the model as two messages, ``execute_model``
+    then ``sample_tokens``, so the last read of such a step comes after its end (reading that as
+    "a step is running", as this class did first, left a prefill engine's worker spinning for
+    the whole second after every prefill, on the core its sidecar needed). A race with a read
+    just then costs that reader one wake-up, nothing more.
     """
 
     def __init__(self, rest_after_s: float = 0.02, period_s: float | None = None,
@@ -151,6 +156,7 @@ class WorkerRest:
         self.period_s = period_s if period_s is not None else max(rest_after_s / 2, 0.001)
         self._clock = clock
         self._spin: Any = None
+        self._began = 0.0
         self._ended = 0.0
         #: Times a spinning reader was told to sleep (for tests and logs).
         self.rested = 0
@@ -162,6 +168,10 @@ class WorkerRest:
         """The reader's ``SpinCondition`` (anything with a ``last_read`` of ``time.monotonic``)."""
         self._spin = spin_condition
 
+    def step_began(self) -> None:
+        """The worker began a step (its connector metadata bound)."""
+        self._began = self._clock()
+
     def step_ended(self) -> None:
         """The worker finished a step (its results taken): what comes next is a read."""
         self._ended = self._clock()
@@ -170,13 +180,13 @@ class WorkerRest:
         """One look (the thread's, or a test's): tells a reader idle long enough to sleep."""
         spin = self._spin
         ended = self._ended
-        if spin is None or ended == 0.0:
-            return False
+        if spin is None or ended == 0.0 or self._began > ended:
+            return False  # nothing attached, no step seen yet, or inside a step
         last_read = spin.last_read
-        if last_read == 0.0 or last_read > ended:
-            return False  # already resting, or inside a step read since
-        if self._clock() - ended < self.rest_after_s:
-            return False
+        if last_read == 0.0:
+            return False  # already resting
+        if self._clock() - max(ended, last_read) < self.rest_after_s:
+            return False  # a step, or another message, came too recently
         spin.last_read = 0.0
         self.rested += 1
         return True
@@ -192,3 +202,24 @@ class WorkerRest:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=1.0)
+
+
+def limit_engine_spin(executor: Any, spin_s: float) -> int:
+    """Makes the engine core sleep, not spin, while its workers run a step.
+
+    vLLM's engine core reads each step's answer from its workers' shared-memory queues, and a
+    reader spins (``sched_yield``) for ``busy_loop_s`` (a second) after its last read before it
+    sleeps on the queue's notification socket (``SpinCondition``, vLLM 0.32-0.33). Steps come
+    back to back while requests run, so the engine core spins for the whole of every step: a
+    profile of a decode engine here put 62% of its engine core's samples in that ``sched_yield``,
+    and, unpinned, it spins on the cores the model and the sidecars need. With ``busy_loop_s`` =
+    ``spin_s`` it spins only that long after an answer; the worker's write notifies, so a longer
+    step's answer wakes it at once. Returns the queues changed (0 where the executor has none,
+    e.g. one process)."""
+    changed = 0
+    for mq in getattr(executor, "response_mqs", None) or ():
+        spin = getattr(mq, "_spin_condition", None)
+        if spin is not None and hasattr(spin, "busy_loop_s"):
+            spin.busy_loop_s = spin_s
+            changed += 1
+    return changed

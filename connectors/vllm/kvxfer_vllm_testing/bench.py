@@ -264,7 +264,8 @@ class KvxferPair(Deployment):
 
     def __init__(self, work: Path, model: str, max_len: int, placement: str = "shared",
                  kv_memory: str = "file", pin: bool = False, idle_wait_s: float | None = None,
-                 prefault: bool = True, worker_rest_s: float | None = None) -> None:
+                 prefault: bool = True, worker_rest_s: float | None = None,
+                 engine_spin_s: float | None = None) -> None:
         self.model = model
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-bench-", dir="/dev/shm"))
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -285,7 +286,8 @@ class KvxferPair(Deployment):
                                   extra={"register_timeout_s": 600.0, "placement": placement,
                                          "kv_memory": kv_memory,
                                          **({"idle_wait_s": idle_wait_s} if idle_wait_s is not None else {}),
-                                         **({"worker_rest_s": worker_rest_s} if worker_rest_s is not None else {})})
+                                         **({"worker_rest_s": worker_rest_s} if worker_rest_s is not None else {}),
+                                         **({"engine_spin_s": engine_spin_s} if engine_spin_s is not None else {})})
 
             self.p, self.d = _start([spec(self.p_sc, "0"), spec(self.d_sc, "1")], work, pin)
             self.procs = {"P engine": self.p, "D engine": self.d, "P sidecar": self.p_sc, "D sidecar": self.d_sc}
@@ -894,6 +896,9 @@ def main() -> None:
     ap.add_argument("--worker-rest-s", type=float, default=None,
                     help="kvxfer's worker_rest_s (default: the connector's; 0: vLLM's worker spins a second "
                          "after each step)")
+    ap.add_argument("--engine-spin-s", type=float, default=None,
+                    help="kvxfer's engine_spin_s (default: the connector's; 0: vLLM's engine core spins a second "
+                         "on its workers' answers)")
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="N CPU hog processes (a Python busy loop each, not pinned) beside the engines for the "
                          "whole run, so loaded cells are reproducible")
@@ -923,7 +928,8 @@ def main() -> None:
     res = run(systems, lengths, conc, max(reqs, max(conc)), rounds, a.output_tokens,
               kvxfer={"placement": a.placement, "kv_memory": a.kv_memory, "prefault": a.prefault == "true",
                       **({"idle_wait_s": a.idle_wait_s} if a.idle_wait_s is not None else {}),
-                      **({"worker_rest_s": a.worker_rest_s} if a.worker_rest_s is not None else {})},
+                      **({"worker_rest_s": a.worker_rest_s} if a.worker_rest_s is not None else {}),
+                      **({"engine_spin_s": a.engine_spin_s} if a.engine_spin_s is not None else {})},
               faults=a.faults,
               pin_engines=a.pin_engines, load=CpuHog(a.load, a.load_nice))
     print(json.dumps(res))

@@ -40,7 +40,7 @@ class SidecarFlagsPair:
     ``bench vllm --pin-engines`` runs them (otherwise only the model threads are bound)."""
 
     def __init__(self, work: Path, model: str, kv_memory: str, max_len: int, flags: list[str],
-                 pin: bool = False) -> None:
+                 pin: bool = False, connector: dict[str, Any] | None = None) -> None:
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-breakdown-", dir="/dev/shm"))
         tag = f"{os.getpid()}-{kv_memory}-{time.monotonic_ns()}"
         started: list[Any] = []
@@ -50,7 +50,7 @@ class SidecarFlagsPair:
             started.append(self.p_sc)
             self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc://{work}/d-{tag}.sock", work, *flags)
             started.append(self.d_sc)
-            extra = {"placement": "shared", "kv_memory": kv_memory, "register_timeout_s": 600.0}
+            extra = {"placement": "shared", "kv_memory": kv_memory, "register_timeout_s": 600.0, **(connector or {})}
             common: dict[str, Any] = dict(block_size=32, kv_cache_bytes=512 << 20, max_model_len=max_len, extra=extra,
                                           pin=pin)
             self.p = VllmServer(EngineSpec(model, self.p_sc.engine_id, self.p_sc.socket, str(self.shm), cores="0", **common), work)
@@ -175,10 +175,10 @@ def admitted_tokens(conn: list[dict[str, Any]]) -> int | None:
 
 
 def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, flags: list[str],
-        pin: bool = False) -> dict[str, Any]:
+        pin: bool = False, connector: dict[str, Any] | None = None) -> dict[str, Any]:
     folder = work / f"timeline-{kv_memory}-{time.monotonic_ns()}"
     os.environ[timeline.ENV] = str(folder)  # the engines inherit it
-    pair = SidecarFlagsPair(work, model, kv_memory, max(lengths) + 80, flags, pin)
+    pair = SidecarFlagsPair(work, model, kv_memory, max(lengths) + 80, flags, pin, connector)
     router: dict[str, dict[str, float]] = {}
     order: list[tuple[int, str]] = []
     seed = 10_000
@@ -201,6 +201,7 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, fl
     for m in timeline.read(str(folder)):
         conn.setdefault(m["tid"], []).append(m)
     out: dict[str, Any] = {"kv_memory": kv_memory, "sidecar_flags": flags, "pinned_engines": pin,
+                           "connector": connector or {},
                            "machine": f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
                            "segments": [s[0] for s in SEGMENTS], "lengths": {}}
     for n in lengths:
@@ -248,9 +249,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="pairs per kind, alternating kinds (drift hits each alike)")
     ap.add_argument("--pin-engines", action="store_true",
                     help="every process of each engine on its core (taskset), as the bench's --pin-engines")
+    ap.add_argument("--idle-wait-s", type=float, help="both connectors' idle_wait_s (default: the connector's)")
+    ap.add_argument("--worker-rest-s", type=float, help="both connectors' worker_rest_s (default: the connector's)")
+    ap.add_argument("--engine-spin-s", type=float, help="both connectors' engine_spin_s (default: the connector's)")
     ap.add_argument("--table", action="store_true", help="also print the table on stderr")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
+    connector = {k: v for k, v in (("idle_wait_s", a.idle_wait_s), ("worker_rest_s", a.worker_rest_s),
+                                   ("engine_spin_s", a.engine_spin_s)) if v is not None}
     work = Path(tempfile.mkdtemp(prefix="kvxfer-breakdown-"))
     runs = []
     try:
@@ -259,7 +265,7 @@ def main() -> None:
         for r in range(a.rounds):
             for kind, prefault in [(k, f) for k in a.kv_memory.split(",") for f in a.prefault.split(",")]:
                 log(f"round {r + 1}: KV in {kind}s, sidecars with --prefault {prefault} ...")
-                res = run(lengths, a.requests, work, kind, model, ["--prefault", prefault], a.pin_engines)
+                res = run(lengths, a.requests, work, kind, model, ["--prefault", prefault], a.pin_engines, connector)
                 res["round"] = r + 1
                 if a.table:
                     log(table(res))

@@ -7,11 +7,12 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from conftest import unique
 
-from kvxfer_vllm.idle import IdleWaiter, WorkerRest, waker
+from kvxfer_vllm.idle import IdleWaiter, WorkerRest, limit_engine_spin, waker
 
 
 @pytest.fixture
@@ -152,8 +153,10 @@ def test_worker_rest_marks_a_quiet_reader_idle_and_leaves_a_busy_one_alone() -> 
         clock.t = 100.03
         assert rest.check() and spin.last_read == 0.0 and rest.rested == 1
         assert not rest.check() and rest.rested == 1  # resting already: nothing more to do
-        # A step read after the last one ended is running: left alone however long it takes.
+        # A step that has begun is running: left alone however long it takes.
         spin.last_read = 100.04
+        clock.t = 100.041
+        rest.step_began()
         clock.t = 105.0
         assert not rest.check() and spin.last_read == 100.04
         rest.step_ended()  # it ended at 105.0
@@ -163,68 +166,128 @@ def test_worker_rest_marks_a_quiet_reader_idle_and_leaves_a_busy_one_alone() -> 
         rest.close()
 
 
+def test_worker_rest_counts_a_read_after_a_steps_end_as_activity_not_as_a_step() -> None:
+    """vLLM 0.32 sends a step that runs the model as two messages (execute_model, whose end the
+    connector sees, then sample_tokens, read after it): the reader rests rest_after_s after that
+    last read, not never."""
+    clock = _Clock()
+    rest = WorkerRest(rest_after_s=0.02, period_s=3600, clock=clock)
+    try:
+        spin = _Spin(last_read=100.0)  # execute_model read
+        rest.attach(spin)
+        rest.step_began()
+        clock.t = 100.2
+        rest.step_ended()  # the forward ran 200 ms
+        spin.last_read = 100.201  # sample_tokens read
+        clock.t = 100.211
+        assert not rest.check() and spin.last_read == 100.201  # read 10 ms ago: may spin
+        clock.t = 100.222
+        assert rest.check() and spin.last_read == 0.0 and rest.rested == 1
+    finally:
+        rest.close()
+
+
+class _RealSpin:
+    """vLLM's own SpinCondition, a writer and a reader on one notification socket."""
+
+    def __init__(self) -> None:
+        import zmq
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        self.ctx = zmq.Context()
+        self.path = f"/tmp/{unique('kvxfer-rest')}"
+        address = f"ipc://{self.path}"
+        self.writer = SpinCondition(is_reader=False, context=self.ctx, notify_address=address)
+        self.reader = SpinCondition(is_reader=True, context=self.ctx, notify_address=address)
+
+    def spin_cpu(self, seconds: float, after_read: Callable[[], None] | None = None) -> float:
+        """CPU seconds a reader thread spends in `seconds` of waits after one read."""
+        out: list[float] = []
+
+        def run() -> None:
+            self.reader.record_read()
+            if after_read is not None:
+                after_read()
+            c0 = time.thread_time()
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:  # bounded: each wait is at most 50 ms
+                self.reader.wait(timeout_ms=50)
+            out.append(time.thread_time() - c0)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(timeout=seconds + 5)
+        assert not t.is_alive()
+        return out[0]
+
+    def woken_after_notify(self) -> float:
+        """How long a reader that sleeps waits when a write notifies 50 ms into its wait."""
+        woke: list[float] = []
+
+        def wait_once() -> None:
+            t0 = time.monotonic()
+            self.reader.wait(timeout_ms=2000)
+            woke.append(time.monotonic() - t0)
+
+        waiter = threading.Thread(target=wait_once)
+        waiter.start()
+        time.sleep(0.05)
+        self.writer.notify()
+        waiter.join(timeout=5)
+        assert woke
+        return woke[0]
+
+    def close(self) -> None:
+        for s in (self.writer.local_notify_socket, self.reader.local_notify_socket, self.reader.read_cancel_socket,
+                  self.reader.write_cancel_socket):
+            s.close(linger=0)
+        self.ctx.term()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
 def test_worker_rest_thread_ends_a_real_spin_condition_spin() -> None:
     """vLLM's own SpinCondition: a reader waiting on it spins (sched_yield) for a second after its
     last read; with WorkerRest it sleeps on the notification socket within rest_after_s, burns
     (almost) no CPU, and a write still wakes it at once."""
-    import zmq
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-    ctx = zmq.Context()
-    path = f"/tmp/{unique('kvxfer-rest')}"
-    address = f"ipc://{path}"
-    writer = SpinCondition(is_reader=False, context=ctx, notify_address=address)
-    reader = SpinCondition(is_reader=True, context=ctx, notify_address=address)
+    real = _RealSpin()
     try:
-        def spin_cpu(rest: WorkerRest | None, seconds: float) -> float:
-            """CPU seconds a reader thread spends in `seconds` of waits after one read."""
-            out: list[float] = []
-
-            def run() -> None:
-                reader.record_read()
-                if rest is not None:
-                    rest.step_ended()
-                c0 = time.thread_time()
-                end = time.monotonic() + seconds
-                while time.monotonic() < end:  # bounded: each wait is at most 50 ms
-                    reader.wait(timeout_ms=50)
-                out.append(time.thread_time() - c0)
-
-            t = threading.Thread(target=run)
-            t.start()
-            t.join(timeout=seconds + 5)
-            assert not t.is_alive()
-            return out[0]
-
-        spinning = spin_cpu(None, 0.5)
+        spinning = real.spin_cpu(0.5)
         rest = WorkerRest(rest_after_s=0.02)
-        rest.attach(reader)
+        rest.attach(real.reader)
         try:
-            resting = spin_cpu(rest, 0.5)
+            resting = real.spin_cpu(0.5, rest.step_ended)
             assert rest.rested >= 1
             # A write notifies: a resting reader is woken well within its 2 s poll.
-            woke: list[float] = []
-
-            def wait_once() -> None:
-                t0 = time.monotonic()
-                reader.wait(timeout_ms=2000)
-                woke.append(time.monotonic() - t0)
-
-            waiter = threading.Thread(target=wait_once)
-            waiter.start()
-            time.sleep(0.05)
-            writer.notify()
-            waiter.join(timeout=5)
-            assert woke and woke[0] < 1.0
+            assert real.woken_after_notify() < 1.0
         finally:
             rest.close()
         # vLLM's loop spins most of the half second; resting, the reader sleeps after ~20 ms.
         assert spinning > 0.2, spinning
         assert resting < spinning / 3, (resting, spinning)
     finally:
-        for s in (writer.local_notify_socket, reader.local_notify_socket, reader.read_cancel_socket,
-                  reader.write_cancel_socket):
-            s.close(linger=0)
-        ctx.term()
-        if os.path.exists(path):
-            os.unlink(path)
+        real.close()
+
+
+def test_limit_engine_spin_makes_the_engine_cores_reads_sleep_after_spin_s() -> None:
+    """The engine core's reads of its workers' answers (an executor's ``response_mqs``, each with
+    vLLM's SpinCondition): after ``limit_engine_spin`` a reader spins ``spin_s``, not a second,
+    and a write still wakes it at once; an executor without queues is left alone."""
+    real = _RealSpin()
+    try:
+        class _Mq:
+            _spin_condition = real.reader
+
+        class _Executor:
+            response_mqs = [_Mq()]
+
+        spinning = real.spin_cpu(0.5)
+        assert limit_engine_spin(_Executor(), 0.002) == 1 and real.reader.busy_loop_s == 0.002
+        sleeping = real.spin_cpu(0.5)
+        assert real.woken_after_notify() < 1.0
+        assert spinning > 0.2, spinning
+        assert sleeping < spinning / 3, (sleeping, spinning)
+        assert limit_engine_spin(object(), 0.002) == 0  # one process: no queues
+        assert limit_engine_spin(None, 0.002) == 0
+    finally:
+        real.close()
