@@ -220,7 +220,7 @@ export const commands: readonly CommandSpec[] = [
       {
         name: "breakdown",
         kind: FLAG,
-        help: "instead: where each kvxfer pull request's time goes, hop by hop (router, connectors, sidecars)",
+        help: "instead: where each kvxfer request's time goes, hop by hop (router, connectors, sidecars), medians and the slowest tenth (--modes pull or push, one)",
       },
       {
         name: "models",

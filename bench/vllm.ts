@@ -10,10 +10,11 @@
 // the pinned peers, bench/peers/requirements.txt, into .venv first).
 // `--models` runs kvxfer_vllm_testing.models_bench instead: every model family through kvxfer and
 // NixlConnector ([--families ...] [--lengths 200,1000] [--requests 3] [--no-nixl]).
-// `--breakdown` runs kvxfer_vllm_testing.breakdown instead: where each kvxfer pull request's time
-// goes, hop by hop (router, both engines' connector, both sidecars' traces), per prompt length
-// ([--lengths 32,256,1024,4096] [--requests N] [--kv-memory file|segment] [--prefault false,true]
-// [--pin-engines]).
+// `--breakdown` runs kvxfer_vllm_testing.breakdown instead: where each kvxfer request's time
+// goes, hop by hop (router, both engines' connector, both sidecars' traces), per prompt length,
+// medians and the slowest tenth ([--modes pull|push] [--lengths 32,256,1024,4096] [--requests N]
+// [--kv-memory file|segment] [--prefault false,true] [--pin-engines] [--idle-wait-s S]
+// [--worker-rest-s S] [--engine-spin-s S]).
 import { spawn, spawnSync, type ChildProcess } from "node:child_process";
 import { existsSync } from "node:fs";
 import { join } from "node:path";

@@ -1,13 +1,15 @@
 """``kvxfer bench vllm --breakdown``: where one P/D request's time goes, hop by hop, in real vLLM.
 
 Starts the bench's P/D pair (bench.py: two CPU engines, P on core 0, D on core 1, their
-sidecars) with the connector's timeline on (timeline.py), sends pull requests of each prompt
-length, and lines up, per request, on the host's CLOCK_MONOTONIC: the router's clock (request
-sent, P's HTTP answer, D's first streamed token), the connector's marks in both engines, and
-both sidecars' trace hops (ListTransfers). Prints one JSON object on stdout: per length the
-median of each segment and every request's raw timeline; with ``--table`` a text table too.
+sidecars) with the connector's timeline on (timeline.py), sends pull (or, ``--modes push``, push)
+requests of each prompt length, and lines up, per request, on the host's CLOCK_MONOTONIC: the
+router's clock (request sent, P's HTTP answer, D's first streamed token), the connector's marks
+in both engines, and both sidecars' trace hops (ListTransfers). Prints one JSON object on
+stdout: per length the median of each segment, the slowest tenth of the requests by TTFT (at
+least one) and every request's raw timeline; with ``--table`` a text table too, the slowest
+tenth's segments beside the medians.
 
-    python -m kvxfer_vllm_testing.breakdown [--lengths 32,256,1024,4096] [--requests 5] [--pin-engines] [--table]
+    python -m kvxfer_vllm_testing.breakdown [--modes pull|push] [--lengths 32,256,1024,4096] [--requests 5] [--pin-engines] [--table]
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,6 +105,34 @@ SEGMENTS = [
 ]
 
 
+#: The segments of a push request: D registers when it is asked (at once, beside P), P's sidecar
+#: writes when P's forward has computed the prompt, D's engine admits the request once it lands.
+PUSH_SEGMENTS = [
+    ("router -> P answer", "sent", "p.answer"),
+    ("D registration: router -> D ExpectKv sent", "sent", "d.worker.sent"),
+    ("D ExpectKv sent -> D sidecar got it", "d.worker.sent", "d.sc.engine.expectKv"),
+    ("D sidecar: ExpectKv -> PushReg sent", "d.sc.engine.expectKv", "d.sc.peer.pushReg sent"),
+    ("router -> P PrefillDone sent", "sent", "p.worker.sent"),
+    ("P PrefillDone sent -> P sidecar got it", "p.worker.sent", "p.sc.engine.prefillDone"),
+    ("P sidecar: PrefillDone -> write posted", "p.sc.engine.prefillDone", "p.sc.first post"),
+    ("transfer: write posted -> completed", "p.sc.first post", "p.sc.completed"),
+    ("P completed -> D KvReady sent", "p.sc.completed", "d.sc.engine.kvReady sent"),
+    ("KvReady sent -> D connector got it", "d.sc.engine.kvReady sent", "d.worker.kv_ready"),
+    ("D connector -> D scheduler knows", "d.worker.kv_ready", "d.sched.received"),
+    ("D scheduler knows -> step admits it", "d.sched.received", "d.sched.admitted"),
+    ("step admits it -> first token", "d.sched.admitted", "d.first"),
+    ("P PrefillDone sent -> D first token", "p.worker.sent", "d.first"),
+    ("D side: P answer -> first token", "p.answer", "d.first"),
+    ("TTFT: router -> first token", "sent", "d.first"),
+    ("ref: D alone, prompt cached -> first token", "ref.sent", "ref.first"),
+]
+
+SEGMENTS_OF = {"pull": SEGMENTS, "push": PUSH_SEGMENTS}
+
+#: What the slowest requests are picked by.
+RANK_BY = "TTFT: router -> first token"
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -137,6 +169,39 @@ def pull_once(pair: SidecarFlagsPair, prompt: list[int], tid: str) -> dict[str, 
     return t
 
 
+def push_once(pair: SidecarFlagsPair, prompt: list[int], tid: str) -> dict[str, float]:
+    """One push request as a router makes it (D and P asked at once, D with P's coordinates),
+    then the reference; the router's marks (monotonic seconds)."""
+    params = {"do_remote_prefill": True, "remote_host": pair.p_addr[0], "remote_port": pair.p_addr[1],
+              "transfer_id": tid}
+    got: dict[str, Any] = {}
+
+    def d_side() -> None:
+        try:
+            got["first"] = first_token(pair, prompt, params)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            got["error"] = e
+
+    t: dict[str, float] = {"sent": time.monotonic()}
+    th = threading.Thread(target=d_side, daemon=True)
+    th.start()
+    r = requests.post(f"{pair.p.url}/v1/completions", json={
+        "model": pair.p.spec.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}, timeout=300)
+    t["p.answer"] = time.monotonic()
+    if r.status_code != 200:
+        raise RuntimeError(f"P: HTTP {r.status_code}: {r.text[:300]}")
+    th.join(timeout=300)
+    if "error" in got:
+        raise got["error"]
+    if "first" not in got:
+        raise RuntimeError("D streamed no token within 300 s")
+    t["d.first"] = got["first"]
+    t["ref.sent"] = time.monotonic()
+    t["ref.first"] = first_token(pair, prompt, None)
+    return t
+
+
 def sidecar_traces(sc: SidecarProc, sizes: dict[str, tuple[int, int]] | None = None
                    ) -> dict[str, list[tuple[str, float]]]:
     """transfer id -> its hops (name, monotonic seconds) on one sidecar, from ListTransfers;
@@ -164,9 +229,15 @@ def _marks(router: dict[str, float], conn: list[dict[str, Any]], p_hops: list[tu
     return m
 
 
-def segments(marks: dict[str, float]) -> dict[str, float]:
+def segments(marks: dict[str, float], mode: str = "pull") -> dict[str, float]:
     """Milliseconds per segment (absent when a mark is missing)."""
-    return {name: (marks[b] - marks[a]) * 1000 for name, a, b in SEGMENTS if a in marks and b in marks}
+    return {name: (marks[b] - marks[a]) * 1000 for name, a, b in SEGMENTS_OF[mode] if a in marks and b in marks}
+
+
+def slowest(rows: list[dict[str, Any]], share: float = 0.1) -> list[str]:
+    """The transfer ids of the slowest ``share`` of ``rows`` by TTFT (at least one), slowest last."""
+    ranked = sorted((r for r in rows if RANK_BY in r["ms"]), key=lambda r: r["ms"][RANK_BY])
+    return [r["tid"] for r in ranked[-max(1, math.ceil(len(ranked) * share)):]]
 
 
 def admitted_tokens(conn: list[dict[str, Any]]) -> int | None:
@@ -175,7 +246,8 @@ def admitted_tokens(conn: list[dict[str, Any]]) -> int | None:
 
 
 def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, flags: list[str],
-        pin: bool = False, connector: dict[str, Any] | None = None) -> dict[str, Any]:
+        pin: bool = False, connector: dict[str, Any] | None = None, mode: str = "pull") -> dict[str, Any]:
+    once = push_once if mode == "push" else pull_once
     folder = work / f"timeline-{kv_memory}-{time.monotonic_ns()}"
     os.environ[timeline.ENV] = str(folder)  # the engines inherit it
     pair = SidecarFlagsPair(work, model, kv_memory, max(lengths) + 80, flags, pin, connector)
@@ -190,7 +262,7 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, fl
             for n in lengths:  # interleaved, so drift hits every length alike
                 seed += 1
                 tid = f"bd{n}-{i}-{seed}"
-                router[tid] = pull_once(pair, prompt_of(n, seed), tid)
+                router[tid] = once(pair, prompt_of(n, seed), tid)
                 order.append((n, tid))
         time.sleep(0.5)  # the last marks reach their files
         sizes: dict[str, tuple[int, int]] = {}
@@ -200,17 +272,17 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, fl
     conn: dict[str, list[dict[str, Any]]] = {}
     for m in timeline.read(str(folder)):
         conn.setdefault(m["tid"], []).append(m)
-    out: dict[str, Any] = {"kv_memory": kv_memory, "sidecar_flags": flags, "pinned_engines": pin,
+    out: dict[str, Any] = {"mode": mode, "kv_memory": kv_memory, "sidecar_flags": flags, "pinned_engines": pin,
                            "connector": connector or {},
                            "machine": f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
-                           "segments": [s[0] for s in SEGMENTS], "lengths": {}}
+                           "segments": [s[0] for s in SEGMENTS_OF[mode]], "lengths": {}}
     for n in lengths:
         rows = []
         for ln, tid in order:
             if ln != n:
                 continue
             marks = _marks(router[tid], conn.get(tid, []), p_tr.get(tid, []), d_tr.get(tid, []))
-            ms = segments(marks)
+            ms = segments(marks, mode)
             ms["ref: D alone, prompt cached -> first token"] = (router[tid]["ref.first"] - router[tid]["ref.sent"]) * 1000
             kv_bytes, descriptors = sizes.get(tid, (0, 0))
             rows.append({"tid": tid, "ms": ms, "d_first_step_tokens": admitted_tokens(conn.get(tid, [])),
@@ -218,23 +290,37 @@ def run(lengths: list[int], per: int, work: Path, kv_memory: str, model: str, fl
                          "marks_ms": {k: round((v - router[tid]["sent"]) * 1000, 3) for k, v in
                                       sorted(marks.items(), key=lambda kv: kv[1])}})
         med = {}
-        for name, _, _ in SEGMENTS:
+        for name, _, _ in SEGMENTS_OF[mode]:
             xs = [r["ms"][name] for r in rows if name in r["ms"]]
             if xs:
                 med[name] = round(statistics.median(xs), 2)
-        out["lengths"][str(n)] = {"median_ms": med, "requests": rows}
+        out["lengths"][str(n)] = {"median_ms": med, "slowest": slowest(rows), "requests": rows}
     return out
 
 
 def table(res: dict[str, Any]) -> str:
+    """Per segment, each length's median; then, per length, the slowest tenth's own segments."""
     lengths = list(res["lengths"])
     width = max(len(s) for s in res["segments"])
     pinned = ", engines pinned" if res.get("pinned_engines") else ""
-    lines = [f"KV in {res['kv_memory']}s {' '.join(res['sidecar_flags'])}".strip() + pinned,
+    mode = "push, " if res.get("mode") == "push" else ""
+    lines = [f"{mode}KV in {res['kv_memory']}s {' '.join(res['sidecar_flags'])}".strip() + pinned,
              f"{'segment (median ms)'.ljust(width)}  " + "  ".join(f"{n:>7}" for n in lengths)]
+
+    def cell(c: float | None) -> str:
+        return f"{c:7.1f}" if c is not None else "      -"
+
     for s in res["segments"]:
-        cells = [res["lengths"][n]["median_ms"].get(s) for n in lengths]
-        lines.append(f"{s.ljust(width)}  " + "  ".join(f"{c:7.1f}" if c is not None else "      -" for c in cells))
+        lines.append(f"{s.ljust(width)}  " + "  ".join(cell(res["lengths"][n]["median_ms"].get(s)) for n in lengths))
+    for n in lengths:
+        by_tid = {r["tid"]: r for r in res["lengths"][n].get("requests", [])}
+        slow = [by_tid[t] for t in res["lengths"][n].get("slowest", []) if t in by_tid]
+        if not slow:
+            continue
+        lines.append(f"{n} tokens, the slowest {len(slow)} of {len(by_tid)} by TTFT (ms): median, then each")
+        for s in res["segments"]:
+            lines.append(f"{s.ljust(width)}  {cell(res['lengths'][n]['median_ms'].get(s))}  "
+                         + "  ".join(cell(r["ms"].get(s)) for r in slow))
     lines.append(f"({res['machine']})")
     return "\n".join(lines)
 
@@ -242,6 +328,8 @@ def table(res: dict[str, Any]) -> str:
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(prog="kvxfer bench vllm --breakdown", description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default="pull", choices=("pull", "push"),
+                    help="the requests' transfer mode (one: pull or push)")
     ap.add_argument("--lengths", default="32,256,1024,4096")
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--kv-memory", default="file", help="file, segment or both (file,segment): one pair each, in turn")
@@ -265,7 +353,8 @@ def main() -> None:
         for r in range(a.rounds):
             for kind, prefault in [(k, f) for k in a.kv_memory.split(",") for f in a.prefault.split(",")]:
                 log(f"round {r + 1}: KV in {kind}s, sidecars with --prefault {prefault} ...")
-                res = run(lengths, a.requests, work, kind, model, ["--prefault", prefault], a.pin_engines, connector)
+                res = run(lengths, a.requests, work, kind, model, ["--prefault", prefault], a.pin_engines, connector,
+                          a.modes)
                 res["round"] = r + 1
                 if a.table:
                     log(table(res))

@@ -128,3 +128,34 @@ def test_breakdown_lines_up_router_connector_and_sidecar_marks():
     assert "D side: P answer -> first token" in breakdown.table(res)
     assert "engines pinned" not in breakdown.table(res)
     assert breakdown.table(res | {"pinned_engines": True}).splitlines()[0] == "KV in files, engines pinned"
+
+
+def test_breakdown_push_segments_and_the_slowest_tenth():
+    """A push request's segments (D registered at the start, P's write after its forward), and the
+    table's slowest-tenth block: the slowest by TTFT, beside the medians."""
+    from kvxfer_vllm_testing import breakdown
+
+    router = {"sent": 10.0, "p.answer": 10.3, "d.first": 10.4}
+    conn = [{"t": 10.01, "ev": "d.worker.sent", "tid": "t"}, {"t": 10.25, "ev": "p.worker.sent", "tid": "t"},
+            {"t": 10.33, "ev": "d.worker.kv_ready", "tid": "t"}]
+    p_hops = [("engine.prefillDone", 10.26), ("pair 0>0 first post", 10.27), ("pair 0>0 completed", 10.3)]
+    d_hops = [("engine.expectKv", 10.012), ("peer.pushReg sent", 10.015), ("engine.kvReady sent", 10.32)]
+    ms = breakdown.segments(breakdown._marks(router, conn, p_hops, d_hops), "push")
+    assert round(ms["D registration: router -> D ExpectKv sent"], 3) == 10.0
+    assert round(ms["P sidecar: PrefillDone -> write posted"], 3) == 10.0
+    assert round(ms["transfer: write posted -> completed"], 3) == 30.0
+    assert round(ms["P completed -> D KvReady sent"], 3) == 20.0
+    assert round(ms["P PrefillDone sent -> D first token"], 3) == 150.0
+    assert "D sidecar: ExpectKv -> peer resolved" not in ms  # a pull segment
+    rows = [{"tid": f"r{i}", "ms": {breakdown.RANK_BY: float(t)}} for i, t in enumerate([50, 90, 40, 60, 45, 55, 52, 48,
+                                                                                           51, 47, 70, 49])]
+    assert breakdown.slowest(rows) == ["r10", "r1"]  # a tenth of 12, rounded up: the two slowest, slowest last
+    assert breakdown.slowest(rows[:3]) == ["r1"]  # at least one
+    res = {"mode": "push", "kv_memory": "file", "sidecar_flags": [], "machine": "m",
+           "segments": [s[0] for s in breakdown.PUSH_SEGMENTS],
+           "lengths": {"32": {"median_ms": {breakdown.RANK_BY: 50.5}, "slowest": ["r10", "r1"], "requests": rows}}}
+    text = breakdown.table(res)
+    assert text.splitlines()[0] == "push, KV in files"
+    assert "32 tokens, the slowest 2 of 12 by TTFT (ms): median, then each" in text
+    assert any(line.startswith(breakdown.RANK_BY) and line.split()[-3:] == ["50.5", "70.0", "90.0"]
+               for line in text.splitlines())
