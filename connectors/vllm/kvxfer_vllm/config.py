@@ -54,8 +54,8 @@ class ConnectorConfig:
     #: An engine step with nothing to run while transfers are live waits this long at most for
     #: the sidecar or new input, instead of stepping again at once (idle.py); 0: vLLM's loop.
     idle_wait_s: float = 0.05
-    #: A worker whose engine read no step for this long after its last one sleeps on its queue's
-    #: notification instead of spinning out vLLM's second (idle.py ``WorkerRest``); 0: vLLM's.
+    #: A worker that is in no step and read nothing from its queue for this long sleeps on the
+    #: queue's notification instead of spinning out vLLM's second (idle.py ``WorkerRest``); 0: vLLM's.
     worker_rest_s: float = 0.02
     #: The engine core, waiting for its workers' answer to a step, spins this long after its last
     #: read before it sleeps on the queue's notification (idle.py ``limit_engine_spin``); vLLM

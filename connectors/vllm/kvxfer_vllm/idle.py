@@ -211,10 +211,10 @@ def limit_engine_spin(executor: Any, spin_s: float) -> int:
     reader spins (``sched_yield``) for ``busy_loop_s`` (a second) after its last read before it
     sleeps on the queue's notification socket (``SpinCondition``, vLLM 0.32-0.33). Steps come
     back to back while requests run, so the engine core spins for the whole of every step: a
-    profile of a decode engine here put 62% of its engine core's samples in that ``sched_yield``,
-    and, unpinned, it spins on the cores the model and the sidecars need. With ``busy_loop_s`` =
-    ``spin_s`` it spins only that long after an answer; the worker's write notifies, so a longer
-    step's answer wakes it at once. Returns the queues changed (0 where the executor has none,
+    profile of a decode engine here put 62% of its engine core's active samples in that
+    ``sched_yield``, and, unpinned, it spins on the cores the model and the sidecars need. With
+    ``busy_loop_s`` = ``spin_s`` it spins only that long after an answer; the worker's write
+    notifies, so a longer step's answer wakes it at once. Returns the queues changed (0 where the executor has none,
     e.g. one process)."""
     changed = 0
     for mq in getattr(executor, "response_mqs", None) or ():
