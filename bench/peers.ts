@@ -48,6 +48,11 @@ export interface Variant {
   busyPoll?: boolean;
   /** kvxfer: who progresses the worker ("caller": the JavaScript thread polls, as NIXL's does). */
   progress?: "thread" | "caller";
+  /**
+   * kvxfer: bandwidth reposts prepared transfers (Agent.prepare) as the agent's `prepared` events
+   * return them, as NIXL's harness reposts prepared handles (default: transferMany's promises).
+   */
+  prepared?: boolean;
   /** kvxfer: another build of the addon (KVXFER_ADDON). */
   addon?: string;
   /** NIXL's UCX error-handling mode; default "none" (as kvxfer); "peer" is NIXL's own default. */
@@ -490,7 +495,7 @@ async function runVariant(
           }
           try {
             // Each point also stops after 10 s (2 s warm-up): the slowest peer sets the run time.
-            const args = { kind, size, window: o.window };
+            const args = { kind, size, window: o.window, prepared: v.prepared === true };
             await a.call(
               "bw",
               { ...args, iters: Math.max(8, Math.floor(iters / 10)), maxMs: 2000 },
@@ -612,6 +617,8 @@ export function variantsFor(systems: readonly PeerSystem[]): Variant[] {
   const all: Variant[] = [];
   if (systems.includes("kvxfer")) {
     all.push({ label: "kvxfer", system: "kvxfer", work: ["bw", "kv", "desc", "ping"] });
+    // The same agent (progress thread, inline posts), bandwidth without a promise per request.
+    all.push({ label: "kvxfer-prepared", system: "kvxfer", prepared: true, work: ["bw"] });
     // NIXL's and Mooncake's harnesses poll; kvxfer sleeps on the worker's fd by default.
     all.push({
       label: "kvxfer-busy",
@@ -793,6 +800,7 @@ const NAMES: Record<string, string> = {
   "kvxfer-busy": "kvxfer busy-poll",
   "kvxfer-sidecars": "kvxfer sidecars",
   "kvxfer-poll": "kvxfer polling",
+  "kvxfer-prepared": "kvxfer prepared",
   nixl: "NIXL",
   "nixl-default": "NIXL (its default error mode, peer)",
   mooncake: "Mooncake",
@@ -847,7 +855,12 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
   const transports = [...new Set(r.bw.map((b) => b.transport))];
   for (const t of transports) {
     const poll = r.systems.some((x) => x.label === "kvxfer-poll" && x.status === "ok");
-    const ours = poll ? ["kvxfer", "kvxfer-poll"] : ["kvxfer"];
+    const prepared = r.systems.some((x) => x.label === "kvxfer-prepared" && x.status === "ok");
+    const ours = [
+      "kvxfer",
+      ...(prepared ? ["kvxfer-prepared"] : []),
+      ...(poll ? ["kvxfer-poll"] : []),
+    ];
     for (const kind of ["write", "read"] as const) {
       const rows = r.bw.filter((b) => b.transport === t && b.kind === kind);
       out.push({
@@ -993,6 +1006,7 @@ export function formatPeers(r: PeersBenchResult, markdown = false): string {
 const COLORS: Record<string, string> = {
   kvxfer: "#1f77b4",
   "kvxfer-poll": "#9467bd",
+  "kvxfer-prepared": "#17becf",
   nixl: "#2ca02c",
   mooncake: "#ff7f0e",
 };
@@ -1000,7 +1014,7 @@ const COLORS: Record<string, string> = {
 /** Bandwidth by request size for all three systems on one transport: WRITE solid, READ dashed. */
 export function peersChart(r: PeersBenchResult, transport: PeerTransport): string {
   const series: ChartSeries[] = [];
-  for (const label of ["kvxfer", "kvxfer-poll", "nixl", "mooncake"])
+  for (const label of ["kvxfer", "kvxfer-prepared", "kvxfer-poll", "nixl", "mooncake"])
     for (const kind of ["write", "read"] as const) {
       const points = r.bw
         .filter((b) => b.transport === transport && b.kind === kind)
@@ -1035,6 +1049,7 @@ export function writePeersCharts(r: PeersBenchResult): string[] {
 
 export const PEERS_NOTES = [
   "  kvxfer: the native addon (pinned UCX 1.22), shm = UCX_TLS shm,self, tcp = tcp on the namespace's veth; bandwidth refills with transferMany;",
+  "    kvxfer prepared: the same agent, bandwidth reposting prepared transfers as its 'prepared' events return them (no promise per request, as NIXL reposts prepared handles);",
   "    kvxfer busy-poll: the same with busyPoll; kvxfer polling: progress 'caller' (no thread; the JavaScript thread posts and polls, as NIXL's Python does)",
   "  NIXL: nixl_agent with its UCX backend (the UCX its wheel bundles), error-handling mode none, same UCX_TLS and device, no progress thread;",
   "    over tcp each NIXL process polls its agent between requests (a target's UCX must progress for a put or get to complete)",

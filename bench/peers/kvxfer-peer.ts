@@ -12,6 +12,7 @@ import {
   Agent,
   type Endpoint,
   type Notification,
+  type PreparedTransfer,
   type Region,
   type RemoteRegion,
   describeUcx,
@@ -200,6 +201,71 @@ async function bandwidthPolling(
 }
 
 /**
+ * Prepared-transfer bandwidth with the progress thread, as NIXL's harness reposts prepared
+ * handles: one prepared transfer per slot, posted; each one an Agent `prepared` event returns
+ * done is posted again at once, with no promise (one event per delivered batch).
+ */
+async function bandwidthPrepared(
+  kind: "write" | "read",
+  size: number,
+  iters: number,
+  window: number,
+  timeoutMs: number,
+  maxMs: number,
+): Promise<unknown> {
+  const { a, r, e, rem, slots } = bwSetup(size, window);
+  const xfers = Array.from({ length: slots }, (_, i) =>
+    a.prepare(kind, e, r, rem, new Float64Array([i * size, i * size, size])),
+  );
+  let started = 0;
+  let done = 0;
+  const c0 = process.cpuUsage();
+  const t0 = now();
+  let onDone: ((batch: PreparedTransfer[], failed: PreparedTransfer[]) => void) | undefined;
+  try {
+    await new Promise<void>((resolve, reject) => {
+      const timer = setTimeout(
+        () => reject(new KvxferError("ERR_TIMEOUT", `bw: ${done}/${iters} within ${timeoutMs} ms`)),
+        timeoutMs,
+      );
+      onDone = (batch, failed): void => {
+        try {
+          // A failure's state throws it.
+          for (const x of failed) if (x.state !== "done") throw new Error("bw: a post was lost");
+          for (const x of batch) {
+            done++;
+            // Time is up: post nothing more, count what was done.
+            if (started < iters && now() - t0 > maxMs * 1e6) iters = started;
+            if (started < iters) {
+              x.post();
+              started++;
+            }
+          }
+        } catch (err) {
+          clearTimeout(timer);
+          reject(err as Error);
+          return;
+        }
+        if (done === iters) {
+          clearTimeout(timer);
+          resolve();
+        }
+      };
+      a.on("prepared", onDone);
+      for (const x of xfers) {
+        if (started >= iters) break;
+        x.post();
+        started++;
+      }
+    });
+  } finally {
+    if (onDone !== undefined) a.off("prepared", onDone);
+    for (const x of xfers) x.close();
+  }
+  return bwResult(iters, size, t0, c0);
+}
+
+/**
  * `iters` requests of one descriptor of `size` bytes, `window` in flight. The requests that
  * completion batches free are posted again together, with one transferMany() call (one hand-off
  * to the progress thread), not one call each.
@@ -361,7 +427,7 @@ async function handle(req: Request): Promise<unknown> {
         timeoutMs,
       );
     case "bw":
-      return (pumping ? bandwidthPolling : bandwidth)(
+      return (pumping ? bandwidthPolling : req.prepared === true ? bandwidthPrepared : bandwidth)(
         req.kind === "read" ? "read" : "write",
         Number(req.size),
         Number(req.iters),

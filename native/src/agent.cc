@@ -35,6 +35,7 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceMethod<&AgentWrap::TransferMany>("transferMany"),
                          InstanceMethod<&AgentWrap::Prepare>("prepare"),
                          InstanceMethod<&AgentWrap::Progress>("progress"),
+                         InstanceMethod<&AgentWrap::WatchPrepared>("watchPrepared"),
                          InstanceMethod<&AgentWrap::WriteParts>("writeParts"),
                          InstanceMethod<&AgentWrap::Notify>("notify"),
                          InstanceMethod<&AgentWrap::Close>("close"),
@@ -185,6 +186,13 @@ Napi::Value AgentWrap::Connect(const Napi::CallbackInfo& info) {
 // delivers what completed (promises settled, notifications to onEvents), all on this thread.
 // Returns the number of operations settled. In the default mode it only delivers what the
 // progress thread has queued.
+// watchPrepared(on): whether delivered prepared transfers are also reported to JavaScript, as one
+// `prepared` event per batch (the Agent turns it on while it has a listener for it).
+Napi::Value AgentWrap::WatchPrepared(const Napi::CallbackInfo& info) {
+  watch_prepared_ = info.Length() > 0 && info[0].ToBoolean().Value();
+  return info.Env().Undefined();
+}
+
 Napi::Value AgentWrap::Progress(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   if (state_ != HandleState::kOpen || !engine_) return Napi::Number::New(env, 0);
@@ -264,14 +272,27 @@ size_t AgentWrap::Deliver(Napi::Env env) {
   const uint64_t delivered_us = MonoUs();
   Napi::HandleScope scope(env);
   Napi::Array batch = Napi::Array::New(env);
+  // Prepared transfers back, when JavaScript watches them: done, and failed or lost.
+  Napi::Array returned;
+  Napi::Array failed;
   uint32_t n = 0;
   for (Event& ev : events) {
     switch (ev.kind) {
-      case Event::Kind::kPrepared:
+      case Event::Kind::kPrepared: {
         --prepared_posted_;
-        static_cast<XferWrap*>(ev.owner)->Returned(std::move(ev.op), ev.status);
+        auto* xfer = static_cast<XferWrap*>(ev.owner);
+        // Its object, taken while the transfer still holds it (Returned lets go of it).
+        Napi::Object obj = xfer->Value();
+        const bool ok = ev.status == UCS_OK && ev.op != nullptr;
+        xfer->Returned(std::move(ev.op), ev.status);
         ++settled;
+        if (watch_prepared_ && xfer->open()) {
+          Napi::Array& to = ok ? returned : failed;
+          if (to.IsEmpty()) to = Napi::Array::New(env);
+          to.Set(to.Length(), obj);
+        }
         break;
+      }
       case Event::Kind::kCompletion:
         Settle(env, ev, delivered_us);
         ++settled;
@@ -313,6 +334,15 @@ size_t AgentWrap::Deliver(Napi::Env env) {
         break;
       }
     }
+  }
+  if (!returned.IsEmpty() || !failed.IsEmpty()) {
+    // One event for the batch (one wake-up): the transfers whose last post completed, and those
+    // whose last post failed or was lost (apart, so that nobody asks each its state).
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("type", "prepared");
+    o.Set("done", returned.IsEmpty() ? Napi::Array::New(env) : returned);
+    o.Set("failed", failed.IsEmpty() ? Napi::Array::New(env) : failed);
+    batch.Set(n++, o);
   }
   UpdateRef(env);
   if (n > 0 && !on_event_.IsEmpty() && state_ == HandleState::kOpen) {

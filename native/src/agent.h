@@ -69,6 +69,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
   Napi::Value MemoryTypes(const Napi::CallbackInfo& info);
   Napi::Value Connect(const Napi::CallbackInfo& info);
   Napi::Value Progress(const Napi::CallbackInfo& info);
+  Napi::Value WatchPrepared(const Napi::CallbackInfo& info);
   Napi::Value Close(const Napi::CallbackInfo& info);
   Napi::Value BeginClose(const Napi::CallbackInfo& info);
   void CheckOpen(Napi::Env env, const char* what);
@@ -133,6 +134,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
   std::unordered_map<uint64_t, EndpointWrap*> endpoints_;
   uint64_t next_op_id_ = 1;
   uint64_t prepared_posted_ = 0;  // prepared transfers in flight
+  bool watch_prepared_ = false;   // report returned prepared transfers (`prepared` events)
   AddonData* data_ = nullptr;
 };
 

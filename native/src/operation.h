@@ -89,6 +89,10 @@ struct TransferOp {
   enum class Phase { kPosting, kFlushing, kNotifying } phase = Phase::kPosting;
 };
 
+// A step's time for `op`'s trace: 0 for a prepared transfer, whose trace nobody reads (six clock
+// reads were 5% of a prepared 4 KiB write's CPU, measured with perf).
+inline uint64_t Stamp(const TransferOp& op) { return op.prepared ? 0 : MonoUs(); }
+
 struct Event {
   // kDropped: a notification refused unread (too large, or not eager); id = its size.
   // kPrepared: a prepared transfer completed; `op` is the transfer, handed back to its owner.

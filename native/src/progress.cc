@@ -286,7 +286,7 @@ bool ProgressEngine::TryInline(std::unique_ptr<TransferOp>* ops, size_t count) {
 }
 
 void ProgressEngine::Submit(std::unique_ptr<TransferOp> op) {
-  op->trace.submitted = MonoUs();
+  op->trace.submitted = Stamp(*op);
   if (opts_.caller_progress) {
     Accept(std::move(op));
     return;

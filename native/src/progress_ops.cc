@@ -23,7 +23,7 @@ constexpr uint64_t kPostChunkBytes = 8ull << 20;
 }  // namespace
 
 void ProgressEngine::Accept(std::unique_ptr<TransferOp> owned, bool post_here) {
-  owned->trace.started = MonoUs();
+  owned->trace.started = Stamp(*owned);
   uint64_t id = owned->id;
   TransferOp* p = owned.get();
   ops_[id] = std::move(owned);
@@ -54,7 +54,7 @@ bool ProgressEngine::PostSome(TransferOp* op) {
   const size_t end = std::min(count, op->next + kPostChunk);
   const uint64_t* d = op->desc.data();
   uint64_t posted_bytes = 0;
-  if (op->next == 0) op->trace.first_post = MonoUs();
+  if (op->next == 0) op->trace.first_post = Stamp(*op);
   for (; op->next < end && posted_bytes < kPostChunkBytes; ++op->next) {
     while (op->next >= op->segs[op->seg].end) ++op->seg;  // segments are never empty
     const TransferOp::Segment& sg = op->segs[op->seg];
@@ -81,7 +81,7 @@ bool ProgressEngine::PostSome(TransferOp* op) {
     if (req != nullptr) ucp_request_free(req);
   }
   if (op->status != UCS_OK || op->next == count) {
-    op->trace.posted = MonoUs();
+    op->trace.posted = Stamp(*op);
     StartFlush(op);
     return false;
   }
@@ -120,7 +120,7 @@ void ProgressEngine::OnFlush(void* request, ucs_status_t status, void* user_data
 }
 
 void ProgressEngine::AfterFlush(TransferOp* op, ucs_status_t status) {
-  op->trace.flushed = MonoUs();
+  op->trace.flushed = Stamp(*op);
   if (op->abandoned) {
     Complete(op, status);  // no notification for a transfer JavaScript saw fail
     return;
@@ -151,7 +151,7 @@ void ProgressEngine::StartNotify(TransferOp* op) {
   ucs_status_ptr_t req = ucp_am_send_nbx(ep->ep, kNotifyAmId, opts_.name.data(), opts_.name.size(),
                                          op->notification.data(), op->notification.size(), &param);
   if (req == nullptr) {
-    op->trace.notified = MonoUs();
+    op->trace.notified = Stamp(*op);
     Complete(op, UCS_OK);
   } else if (UCS_PTR_IS_ERR(req)) {
     Complete(op, UCS_PTR_STATUS(req));
@@ -161,7 +161,7 @@ void ProgressEngine::StartNotify(TransferOp* op) {
 void ProgressEngine::OnNotifySent(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<TransferOp*>(user_data);
   ucp_request_free(request);
-  op->trace.notified = MonoUs();
+  op->trace.notified = Stamp(*op);
   op->ep->engine->Complete(op, status);
 }
 
@@ -179,7 +179,7 @@ void ProgressEngine::Complete(TransferOp* op, ucs_status_t status) {
   ev.id = op->id;
   ev.status = status;
   ev.trace = op->trace;
-  ev.trace.completed = MonoUs();
+  ev.trace.completed = Stamp(*op);
   if (op->prepared) {
     // Back to its owner, to be posted again: the event carries it.
     auto it = ops_.find(op->id);

@@ -31,6 +31,9 @@ void XferWrap::Init(Napi::Env env, std::unique_ptr<TransferOp> op, EndpointWrap*
   op_->prepared = true;
   op_->owner = this;
   held_.Hold(ep, std::move(locals), std::move(remotes));
+  // Weak until posted: each post makes it strong (Ref) instead of creating a reference (perf put
+  // creating and destroying one per post at 0.7% of a prepared 4 KiB write's CPU).
+  self_ = Napi::Weak(Value());
 }
 
 Napi::Value XferWrap::Post(const Napi::CallbackInfo& info) {
@@ -56,7 +59,7 @@ Napi::Value XferWrap::Post(const Napi::CallbackInfo& info) {
   op->trace = OpTrace{};
   posted_ = true;
   ever_posted_ = true;
-  self_ = Napi::Persistent(Value());
+  self_.Ref();
   agent->PostPrepared(env, std::move(op_));
   return env.Undefined();
 }
@@ -69,7 +72,7 @@ void XferWrap::Returned(std::unique_ptr<TransferOp> op, ucs_status_t status) {
   } else {
     lost_ = true;
   }
-  self_.Reset();
+  if (!self_.IsEmpty()) self_.Unref();
   if (state_ == HandleState::kClosing) Release(true);
 }
 

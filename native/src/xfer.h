@@ -32,6 +32,7 @@ class XferWrap : public Napi::ObjectWrap<XferWrap>, public Child {
             std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes);
   // The operation is back from the engine (`op` null: lost, UCX still holds it).
   void Returned(std::unique_ptr<TransferOp> op, ucs_status_t status);
+  bool open() const { return state_ == HandleState::kOpen; }
 
  private:
   Napi::Value Post(const Napi::CallbackInfo& info);
@@ -46,7 +47,7 @@ class XferWrap : public Napi::ObjectWrap<XferWrap>, public Child {
   bool ever_posted_ = false;
   ucs_status_t last_ = UCS_OK;
   HeldHandles held_;            // for as long as it exists
-  Napi::ObjectReference self_;  // held while posted: not collected under UCX
+  Napi::ObjectReference self_;  // strong (count 1) while posted: not collected under UCX
 };
 
 }  // namespace kvxfer

@@ -50,7 +50,8 @@ export type NativeEvent =
   | { type: "notification"; peer: string; data: Buffer; receivedUs: number; deliveredUs: number }
   | { type: "endpointFailed"; endpointId: number; code: string; ucsStatus: number }
   | { type: "notificationDropped"; peer: string; bytes: number }
-  | { type: "endpointSettled"; endpointId: number; seq: number; code: string };
+  | { type: "endpointSettled"; endpointId: number; seq: number; code: string }
+  | { type: "prepared"; done: NativePrepared[]; failed: NativePrepared[] };
 
 export interface NativeAgent {
   readonly address: Buffer;
@@ -102,6 +103,8 @@ export interface NativeAgent {
     ][],
   ): Promise<Float64Array>[];
   progress(): number;
+  /** Whether returned prepared transfers are reported as `prepared` events. */
+  watchPrepared(on: boolean): void;
   prepare(
     kind: 0 | 1,
     ep: NativeEndpoint,

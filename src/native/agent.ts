@@ -10,6 +10,7 @@ import {
   type NativeAgent,
   type NativeEndpoint,
   type NativeEvent,
+  type NativePrepared,
   type NativeRegion,
   type NativeRemoteRegion,
 } from "./addon.js";
@@ -49,6 +50,13 @@ export interface AgentEvents {
   endpointFailed: [endpoint: Endpoint, code: string];
   /** A notification was refused unread: larger than maxNotificationBytes, or not eager. */
   notificationDropped: [peer: string, bytes: number];
+  /**
+   * Prepared transfers back from a post, one batch per delivery: `done` completed (every byte
+   * remotely complete for a write, local for a read), `failed` failed or were lost (their
+   * `state` throws why). With the progress thread, the way to learn that a post is over without
+   * polling. Reported only while this event has a listener (a polling caller pays nothing).
+   */
+  prepared: [done: PreparedTransfer[], failed: PreparedTransfer[]];
 }
 
 const NAME_MAX = 200;
@@ -63,6 +71,8 @@ export class Agent extends EventEmitter<AgentEvents> {
   private settleSeq = 0;
   private closedFlag = false;
   private closingFlag = false;
+  /** Each native prepared transfer's wrapper, for `prepared` events. */
+  private readonly preparedByNative = new WeakMap<NativePrepared, PreparedTransfer>();
 
   constructor(options: AgentOptions = {}) {
     super();
@@ -96,6 +106,15 @@ export class Agent extends EventEmitter<AgentEvents> {
           (batch) => this.onNativeEvents(batch),
         ),
     );
+    // `prepared` events cost an array per delivery: reported only while someone listens
+    // ("newListener" comes before the listener is added, "removeListener" after it went).
+    this.on("newListener", (event) => {
+      if (event === "prepared" && !this.closedFlag) this.native.watchPrepared(true);
+    });
+    this.on("removeListener", (event) => {
+      if (event === "prepared" && !this.closedFlag)
+        this.native.watchPrepared(this.listenerCount("prepared") > 0);
+    });
   }
 
   /** This agent's worker address, for a peer's connect(). */
@@ -422,19 +441,19 @@ export class Agent extends EventEmitter<AgentEvents> {
         "prepare: notification must be a Buffer",
       );
     }
-    return new PreparedTransfer(
-      this,
-      call(() =>
-        this.native.prepare(
-          kind === "write" ? 0 : 1,
-          ep.native,
-          local.native,
-          remote.native,
-          descriptors,
-          notification,
-        ),
+    const native = call(() =>
+      this.native.prepare(
+        kind === "write" ? 0 : 1,
+        ep.native,
+        local.native,
+        remote.native,
+        descriptors,
+        notification,
       ),
     );
+    const prepared = new PreparedTransfer(this, native);
+    this.preparedByNative.set(native, prepared);
+    return prepared;
   }
 
   /**
@@ -535,6 +554,15 @@ export class Agent extends EventEmitter<AgentEvents> {
     );
   }
 
+  private wrapPrepared(natives: NativePrepared[]): PreparedTransfer[] {
+    const out: PreparedTransfer[] = [];
+    for (const n of natives) {
+      const t = this.preparedByNative.get(n);
+      if (t !== undefined) out.push(t);
+    }
+    return out;
+  }
+
   private onNativeEvents(batch: NativeEvent[]): void {
     let notes: Notification[] | undefined;
     for (const ev of batch) {
@@ -549,6 +577,8 @@ export class Agent extends EventEmitter<AgentEvents> {
         this.emit("notificationDropped", ev.peer, ev.bytes);
       } else if (ev.type === "endpointSettled") {
         this.settleNow(ev.seq, ev.code);
+      } else if (ev.type === "prepared") {
+        this.emit("prepared", this.wrapPrepared(ev.done), this.wrapPrepared(ev.failed));
       } else {
         const ep = this.endpoints.get(ev.endpointId);
         if (ep !== undefined) this.emit("endpointFailed", ep, ev.code);

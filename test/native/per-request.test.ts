@@ -256,6 +256,74 @@ describe("prepared transfers: checked once, posted again and again", () => {
     expect(Buffer.compare(dstBuf, srcBuf)).toBe(0);
   });
 
+  it("with the progress thread, 'prepared' events return every post, and reposting from them moves the bytes exactly", async () => {
+    const { a, srcBuf, dstBuf, backBuf, src, back, ep, remote } = rig("prep-ev", 9);
+    const slots = 8;
+    const chunk = SIZE / slots;
+    const writes = Array.from({ length: slots }, (_, i) =>
+      a.prepare("write", ep, src, remote, new Float64Array([i * chunk, i * chunk, chunk])),
+    );
+    const reads = Array.from({ length: slots }, (_, i) =>
+      a.prepare("read", ep, back, remote, new Float64Array([i * chunk, i * chunk, chunk])),
+    );
+    // Driven by the events alone: each transfer a batch returns done is posted again at once.
+    const run = (xfers: typeof writes, posts: number): Promise<number[]> =>
+      new Promise((resolve, reject) => {
+        const returned = xfers.map(() => 0);
+        let posted = 0;
+        let back = 0;
+        const timer = setTimeout(() => reject(new Error(`${back}/${posts} returned`)), 20_000);
+        const onDone = (done: typeof writes, failed: typeof writes): void => {
+          if (failed.length > 0) reject(new Error(`${failed.length} posts failed`));
+          for (const x of done) {
+            expect(x.state).toBe("done");
+            returned[xfers.indexOf(x)]!++;
+            back++;
+            if (posted < posts) (x.post(), posted++);
+          }
+          if (back === posts) {
+            clearTimeout(timer);
+            a.off("prepared", onDone);
+            resolve(returned);
+          }
+        };
+        a.on("prepared", onDone);
+        for (const x of xfers) (x.post(), posted++);
+      });
+    const writesBack = await run(writes, 1000);
+    // Every post came back once, each slot's as often as it was posted.
+    expect(writesBack.reduce((s, n) => s + n, 0)).toBe(1000);
+    expect(Math.min(...writesBack)).toBeGreaterThan(0);
+    expect(Buffer.compare(dstBuf, srcBuf)).toBe(0);
+    await run(reads, 1000);
+    expect(Buffer.compare(backBuf, srcBuf)).toBe(0);
+    expect(a.listenerCount("prepared")).toBe(0);
+  });
+
+  it("'prepared' events come only while someone listens (caller progress: inside progress())", () => {
+    const { a, src, ep, remote } = rig("prep-watch", 10, { progress: "caller" });
+    const w = a.prepare("write", ep, src, remote, new Float64Array([0, 0, 4096]));
+    const batches: number[] = [];
+    const onDone = (done: unknown[]): number => batches.push(done.length);
+    const postAndWait = (): void => {
+      w.post();
+      const end = Date.now() + 10_000;
+      while (w.state === "pending") {
+        if (Date.now() > end) throw new Error("prepared write stuck");
+        a.progress();
+      }
+    };
+    postAndWait();
+    expect(batches).toEqual([]);
+    a.on("prepared", onDone);
+    postAndWait();
+    postAndWait();
+    expect(batches).toEqual([1, 1]);
+    a.off("prepared", onDone);
+    postAndWait();
+    expect(batches).toEqual([1, 1]);
+  });
+
   it("is checked at prepare (a bad descriptor refused, nothing posted); its handles stay open until it closes", () => {
     const a = agent({ name: "prep-bad-a", progress: "caller" });
     const b = agent({ name: "prep-bad-b" });
