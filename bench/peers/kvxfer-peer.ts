@@ -129,7 +129,12 @@ function bwSetup(
 }
 
 /** A bandwidth loop's figures: `iters` requests of `size` bytes since `t0` (ns) and `c0`. */
-function bwResult(iters: number, size: number, t0: number, c0: NodeJS.CpuUsage): unknown {
+function bwResult(
+  iters: number,
+  size: number,
+  t0: number,
+  c0: NodeJS.CpuUsage,
+): Record<string, number> {
   const seconds = (now() - t0) / 1e9;
   const cpu = process.cpuUsage(c0);
   return {
@@ -222,6 +227,8 @@ async function bandwidthPrepared(
   const c0 = process.cpuUsage();
   const t0 = now();
   let onDone: ((batch: PreparedTransfer[], failed: PreparedTransfer[]) => void) | undefined;
+  let batches = 0; // events: one wake-up each
+  const inline0 = a.inlinePosts;
   try {
     await new Promise<void>((resolve, reject) => {
       const timer = setTimeout(
@@ -229,6 +236,7 @@ async function bandwidthPrepared(
         timeoutMs,
       );
       onDone = (batch, failed): void => {
+        batches++;
         try {
           // A failure's state throws it.
           for (const x of failed) if (x.state !== "done") throw new Error("bw: a post was lost");
@@ -262,7 +270,7 @@ async function bandwidthPrepared(
     if (onDone !== undefined) a.off("prepared", onDone);
     for (const x of xfers) x.close();
   }
-  return bwResult(iters, size, t0, c0);
+  return { ...bwResult(iters, size, t0, c0), batches, inlinePosts: a.inlinePosts - inline0 };
 }
 
 /**
