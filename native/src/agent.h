@@ -78,7 +78,10 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
                     std::vector<RegionWrap*> locals, std::vector<RemoteWrap*> remotes);
   // Settles and delivers what the engine has queued; returns the operations settled.
   size_t Deliver(Napi::Env env);
-  void Settle(Napi::Env env, const Event& ev, uint64_t delivered_us);
+  // Settles one completion's promise; a success resolves with its trace, the next slot of
+  // `traces` (*used counts the slots taken).
+  void Settle(Napi::Env env, const Event& ev, uint64_t delivered_us, Napi::ArrayBuffer& traces,
+              size_t* used);
   void UpdateRef(Napi::Env env);
 
   // agent_memory.cc: host memory registered as regions.

@@ -60,11 +60,36 @@ describe("transferMany: many operations, one call", () => {
     expect(traces).toHaveLength(64);
     // One hand-off: every entry reached the progress thread in the same command.
     expect(new Set(traces.map((t) => t.submittedUs)).size).toBe(1);
+    // Each its own trace (a delivery batch's traces share one buffer, a view each), every step in
+    // order.
+    for (const t of traces) {
+      const steps = [
+        t.submittedUs,
+        t.startedUs,
+        t.firstPostUs,
+        t.postedUs,
+        t.flushedUs,
+        t.completedUs,
+        t.deliveredUs,
+      ];
+      expect(steps[0]).toBeGreaterThan(0);
+      for (let s = 1; s < steps.length; s++) expect(steps[s]).toBeGreaterThanOrEqual(steps[s - 1]!);
+    }
     for (let i = 0; i < 64; i++) {
       const want = srcBuf.subarray(i * chunk, (i + 1) * chunk);
       const got = dstBuf.subarray((63 - i) * chunk, (64 - i) * chunk);
       expect(Buffer.compare(got, want), `slot ${63 - i}`).toBe(0);
     }
+    // Two small writes, inline, settled in one delivery batch: each keeps its own trace (the one
+    // with a notification has a notify step, the other none).
+    const [withNote, without] = await Promise.all(
+      a.transferMany([
+        { ...writes[0]!, notification: Buffer.from("n") },
+        { ...writes[1]!, descriptors: new Float64Array([0, 0, 64]) },
+      ]),
+    );
+    expect(withNote!.notifiedUs).toBeGreaterThan(0);
+    expect(without!.notifiedUs).toBe(0);
     const reads = Array.from({ length: 64 }, (_, i) => ({
       kind: "read" as const,
       endpoint: ep,
