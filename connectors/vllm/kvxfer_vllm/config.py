@@ -56,7 +56,7 @@ class ConnectorConfig:
     idle_wait_s: float = 0.05
     #: A worker that is in no step and read nothing from its queue for this long sleeps on the
     #: queue's notification instead of spinning out vLLM's second (idle.py ``WorkerRest``); 0: vLLM's.
-    worker_rest_s: float = 0.02
+    worker_rest_s: float = 0.003
     #: The engine core, waiting for its workers' answer to a step, spins this long after its last
     #: read before it sleeps on the queue's notification (idle.py ``limit_engine_spin``); vLLM
     #: spins a second. 0: vLLM's.
@@ -145,6 +145,6 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
         advertise=advertise,
         max_frame_bytes=int(_number(extra, "max_frame_bytes", 16 << 20, 64, 1 << 30)),
         idle_wait_s=_number(extra, "idle_wait_s", 0.05, 0.0, 10.0),
-        worker_rest_s=_number(extra, "worker_rest_s", 0.02, 0.0, 10.0),
+        worker_rest_s=_number(extra, "worker_rest_s", 0.003, 0.0, 10.0),
         engine_spin_s=_number(extra, "engine_spin_s", 0.002, 0.0, 10.0),
     )

@@ -150,7 +150,7 @@ class WorkerRest:
     just then costs that reader one wake-up, nothing more.
     """
 
-    def __init__(self, rest_after_s: float = 0.02, period_s: float | None = None,
+    def __init__(self, rest_after_s: float = 0.003, period_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.rest_after_s = rest_after_s
         self.period_s = period_s if period_s is not None else max(rest_after_s / 2, 0.001)
