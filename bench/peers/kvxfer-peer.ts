@@ -128,6 +128,19 @@ function bwSetup(
   return { a, r, e, rem, slots };
 }
 
+/** One prepared transfer per bandwidth slot: slot i moves `size` bytes at offset i * size. */
+function preparedSlots(
+  kind: "write" | "read",
+  size: number,
+  window: number,
+): { a: Agent; xfers: PreparedTransfer[] } {
+  const { a, r, e, rem, slots } = bwSetup(size, window);
+  const xfers = Array.from({ length: slots }, (_, i) =>
+    a.prepare(kind, e, r, rem, new Float64Array([i * size, i * size, size])),
+  );
+  return { a, xfers };
+}
+
 /** A bandwidth loop's figures: `iters` requests of `size` bytes since `t0` (ns) and `c0`. */
 function bwResult(
   iters: number,
@@ -160,10 +173,7 @@ async function bandwidthPolling(
   timeoutMs: number,
   maxMs: number,
 ): Promise<unknown> {
-  const { a, r, e, rem, slots } = bwSetup(size, window);
-  const xfers = Array.from({ length: slots }, (_, i) =>
-    a.prepare(kind, e, r, rem, new Float64Array([i * size, i * size, size])),
-  );
+  const { a, xfers } = preparedSlots(kind, size, window);
   let started = 0;
   let done = 0;
   const c0 = process.cpuUsage();
@@ -218,10 +228,7 @@ async function bandwidthPrepared(
   timeoutMs: number,
   maxMs: number,
 ): Promise<unknown> {
-  const { a, r, e, rem, slots } = bwSetup(size, window);
-  const xfers = Array.from({ length: slots }, (_, i) =>
-    a.prepare(kind, e, r, rem, new Float64Array([i * size, i * size, size])),
-  );
+  const { a, xfers } = preparedSlots(kind, size, window);
   let started = 0;
   let done = 0;
   const c0 = process.cpuUsage();

@@ -281,8 +281,9 @@ size_t AgentWrap::Deliver(Napi::Env env) {
   if (completions > 0) traces = Napi::ArrayBuffer::New(env, completions * 8 * sizeof(double));
   size_t traces_used = 0;
   Napi::Array batch = Napi::Array::New(env);
-  // Prepared transfers back, when JavaScript watches them: done, and failed or lost.
-  Napi::Array returned;
+  // Prepared transfers back, when JavaScript watches them: done, and failed or lost (both made
+  // at the first one).
+  Napi::Array done;
   Napi::Array failed;
   uint32_t n = 0;
   for (Event& ev : events) {
@@ -296,8 +297,11 @@ size_t AgentWrap::Deliver(Napi::Env env) {
         xfer->Returned(std::move(ev.op), ev.status);
         ++settled;
         if (watch_prepared_ && xfer->open()) {
-          Napi::Array& to = ok ? returned : failed;
-          if (to.IsEmpty()) to = Napi::Array::New(env);
+          if (done.IsEmpty()) {
+            done = Napi::Array::New(env);
+            failed = Napi::Array::New(env);
+          }
+          Napi::Array& to = ok ? done : failed;
           to.Set(to.Length(), obj);
         }
         break;
@@ -344,13 +348,13 @@ size_t AgentWrap::Deliver(Napi::Env env) {
       }
     }
   }
-  if (!returned.IsEmpty() || !failed.IsEmpty()) {
+  if (!done.IsEmpty()) {
     // One event for the batch (one wake-up): the transfers whose last post completed, and those
     // whose last post failed or was lost (apart, so that nobody asks each its state).
     Napi::Object o = Napi::Object::New(env);
     o.Set("type", "prepared");
-    o.Set("done", returned.IsEmpty() ? Napi::Array::New(env) : returned);
-    o.Set("failed", failed.IsEmpty() ? Napi::Array::New(env) : failed);
+    o.Set("done", done);
+    o.Set("failed", failed);
     batch.Set(n++, o);
   }
   UpdateRef(env);

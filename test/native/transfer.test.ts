@@ -19,6 +19,7 @@ import {
   randomDescriptors,
 } from "../../bench/native/pattern.js";
 import { until } from "../until.js";
+import { traceSteps } from "./agents.js";
 
 interface Side {
   agent: Agent;
@@ -187,16 +188,7 @@ describe("in-process transfers over shared memory", () => {
     await until(() => notes.length === 1);
     expect(Buffer.compare(y.mem, x.mem)).toBe(0);
     // Every step happened, in order, between the call and its resolution (one clock: monoUs).
-    const steps = [
-      t.submittedUs,
-      t.startedUs,
-      t.firstPostUs,
-      t.postedUs,
-      t.flushedUs,
-      t.notifiedUs,
-      t.completedUs,
-      t.deliveredUs,
-    ];
+    const steps = traceSteps(t, true);
     // monoUs() is performance.now() plus an offset to CLOCK_MONOTONIC measured once, rounded to a
     // microsecond: against the native clock it can be off by 1 µs either way (seen in CI: 1 µs).
     expect(steps[0]).toBeGreaterThanOrEqual(before - 1);
