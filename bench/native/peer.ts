@@ -185,6 +185,7 @@ async function handle(req: Request): Promise<unknown> {
       if (typeof req.transports === "string") opts.transports = req.transports;
       if (typeof req.netDevices === "string") opts.netDevices = req.netDevices;
       if (req.busyPoll === true) opts.busyPoll = true;
+      if (req.loopWake === false) opts.loopWake = false;
       agent = new Agent(opts);
       agent.on("notifications", onNotifications);
       return { address: b64(agent.address), pid: process.pid };
@@ -274,6 +275,14 @@ async function handle(req: Request): Promise<unknown> {
         Number(req.batch ?? 1),
         Number(req.window ?? 1),
       );
+    case "block": {
+      // Keeps the event loop busy (test/native/loop-wake: the progress thread still serves).
+      const until = performance.now() + Number(req.ms);
+      while (performance.now() < until) {
+        // nothing: JavaScript is busy
+      }
+      return { loopTurns: need(agent, "agent").loopTurns };
+    }
     case "endpointState":
       return { state: need(ep, "endpoint").state };
     case "close":

@@ -396,6 +396,7 @@ async function handle(req: Request): Promise<unknown> {
       if (typeof req.spinUs === "number") opts.spinUs = req.spinUs;
       if (req.progress === "caller") opts.progress = "caller";
       if (req.inlinePost === false) opts.inlinePost = false;
+      if (req.loopWake === false) opts.loopWake = false;
       agent = new Agent(opts);
       agent.on("notifications", onNotifications);
       if (opts.progress === "caller") {
@@ -410,6 +411,7 @@ async function handle(req: Request): Promise<unknown> {
         busyPoll: opts.busyPoll,
         progress: opts.progress ?? "thread",
         inlinePost: opts.inlinePost ?? true,
+        loopWake: opts.loopWake ?? true,
         spinUs: opts.spinUs ?? 0,
       };
     }

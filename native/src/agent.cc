@@ -21,6 +21,7 @@ Napi::Function AgentWrap::Define(Napi::Env env) {
                          InstanceAccessor<&AgentWrap::Name>("name"),
                          InstanceAccessor<&AgentWrap::Inflight>("inflight"),
                          InstanceAccessor<&AgentWrap::InlinePosts>("inlinePosts"),
+                         InstanceAccessor<&AgentWrap::LoopTurns>("loopTurns"),
                          InstanceAccessor<&AgentWrap::Transports>("transports"),
                          InstanceAccessor<&AgentWrap::MemoryTypes>("memoryTypes"),
                          InstanceMethod<&AgentWrap::RegisterMemory>("registerMemory"),
@@ -65,6 +66,8 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   opts.caller_progress = str("progress") == "caller";
   Napi::Value inline_post = o.Get("inlinePost");
   opts.inline_post = inline_post.IsUndefined() || inline_post.ToBoolean().Value();
+  Napi::Value loop_wake = o.Get("loopWake");
+  opts.loop_wake = loop_wake.IsUndefined() || loop_wake.ToBoolean().Value();
   Napi::Value spin = o.Get("spinUs");
   if (spin.IsNumber() && spin.As<Napi::Number>().Int64Value() > 0) {
     opts.spin_after_activity = std::chrono::microseconds(spin.As<Napi::Number>().Int64Value());
@@ -104,7 +107,55 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
       }
     });
   });
+  StartLoopWatch(env);
   data_->agents.insert(this);
+}
+
+void AgentWrap::StartLoopWatch(Napi::Env env) {
+  if (engine_->loop_fd() < 0) return;
+  uv_loop_t* loop = nullptr;
+  if (napi_get_uv_event_loop(env, &loop) != napi_ok || loop == nullptr) return;
+  auto* watch = new LoopWatch();
+  watch->link = link_;
+  watch->handle.data = watch;
+  if (uv_poll_init(loop, &watch->handle, engine_->loop_fd()) != 0) {
+    delete watch;  // never initialised: nothing for libuv to close
+    return;        // the progress thread alone hands events over, as without loop_wake
+  }
+  loop_env_ = env;
+  loop_context_ = std::make_unique<Napi::AsyncContext>(env, "kvxfer-worker");
+  uv_poll_start(&watch->handle, UV_READABLE, [](uv_poll_t* h, int status, int events) {
+    auto* w = static_cast<LoopWatch*>(h->data);
+    if (w->link->agent != nullptr) w->link->agent->OnWorkerReadable();
+  });
+  // The watch alone never keeps the process alive (transfers in flight do, through tsfn_).
+  uv_unref(reinterpret_cast<uv_handle_t*>(&watch->handle));
+  loop_watch_ = watch;
+}
+
+void AgentWrap::StopLoopWatch() {
+  if (loop_watch_ == nullptr) return;
+  uv_poll_stop(&loop_watch_->handle);
+  uv_close(reinterpret_cast<uv_handle_t*>(&loop_watch_->handle),
+           [](uv_handle_t* h) { delete static_cast<LoopWatch*>(h->data); });
+  loop_watch_ = nullptr;
+}
+
+void AgentWrap::OnWorkerReadable() {
+  if (state_ != HandleState::kOpen || !engine_) return;
+  engine_->LoopTurn();
+  if (!engine_->events_pending()) return;
+  Napi::Env env(loop_env_);
+  Napi::HandleScope scope(env);
+  // As a thread-safe call's: promise reactions and process.nextTick callbacks run when it closes.
+  Napi::CallbackScope callback_scope(env, *loop_context_);
+  try {
+    Deliver(env);
+  } catch (const Napi::Error& e) {
+    // onEvents threw: an uncaught exception, as from any other callback.
+    napi_value value = e.Value();
+    if (value != nullptr) napi_fatal_exception(env, value);
+  }
 }
 
 AgentWrap::~AgentWrap() {
@@ -134,6 +185,10 @@ Napi::Value AgentWrap::Inflight(const Napi::CallbackInfo& info) {
 Napi::Value AgentWrap::InlinePosts(const Napi::CallbackInfo& info) {
   return Napi::Number::New(info.Env(),
                            engine_ ? static_cast<double>(engine_->inline_posts()) : 0.0);
+}
+
+Napi::Value AgentWrap::LoopTurns(const Napi::CallbackInfo& info) {
+  return Napi::Number::New(info.Env(), engine_ ? static_cast<double>(engine_->loop_turns()) : 0.0);
 }
 
 Napi::Value AgentWrap::Transports(const Napi::CallbackInfo& info) {
@@ -369,6 +424,7 @@ void AgentWrap::CloseAll(Napi::Env env, bool deliver) {
   state_ = HandleState::kClosing;
   data_->agents.erase(this);
   link_->agent = nullptr;
+  StopLoopWatch();
   // Stops the thread: queued transfers are cancelled, endpoints closed.
   engine_->Shutdown();
   if (deliver) {
@@ -388,6 +444,7 @@ void AgentWrap::CloseAll(Napi::Env env, bool deliver) {
   tsfn_ref_ = false;
   tsfn_.Release();
   engine_.reset();
+  loop_context_.reset();
   state_ = HandleState::kClosed;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <napi.h>
+#include <uv.h>
 
 #include <cstdint>
 #include <memory>
@@ -27,6 +28,13 @@ class RemoteWrap;
 // after the agent closed finds nothing to do.
 struct AgentLink {
   AgentWrap* agent = nullptr;
+};
+
+// The event loop's watch on the engine's worker (ProgressEngine::loop_fd): a libuv poll handle,
+// freed by its close callback.
+struct LoopWatch {
+  uv_poll_t handle;
+  std::shared_ptr<AgentLink> link;
 };
 
 class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
@@ -65,6 +73,7 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
   Napi::Value Name(const Napi::CallbackInfo& info);
   Napi::Value Inflight(const Napi::CallbackInfo& info);
   Napi::Value InlinePosts(const Napi::CallbackInfo& info);
+  Napi::Value LoopTurns(const Napi::CallbackInfo& info);
   Napi::Value Transports(const Napi::CallbackInfo& info);
   Napi::Value MemoryTypes(const Napi::CallbackInfo& info);
   Napi::Value Connect(const Napi::CallbackInfo& info);
@@ -83,6 +92,11 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
   void Settle(Napi::Env env, const Event& ev, uint64_t delivered_us, Napi::ArrayBuffer& traces,
               size_t* used);
   void UpdateRef(Napi::Env env);
+  // The event loop's watch (EngineOptions::loop_wake): started with the agent, closed with it.
+  void StartLoopWatch(Napi::Env env);
+  void StopLoopWatch();
+  // The watch fired: the engine's LoopTurn, then what it produced delivered at once.
+  void OnWorkerReadable();
 
   // agent_memory.cc: host memory registered as regions.
   Napi::Value RegisterMemory(const Napi::CallbackInfo& info);
@@ -130,6 +144,9 @@ class AgentWrap : public Napi::ObjectWrap<AgentWrap>, public Parent {
   Napi::ThreadSafeFunction tsfn_;
   bool tsfn_ref_ = false;
   std::shared_ptr<AgentLink> link_;
+  LoopWatch* loop_watch_ = nullptr;
+  napi_env loop_env_ = nullptr;
+  std::unique_ptr<Napi::AsyncContext> loop_context_;
   Napi::FunctionReference on_event_;
   std::unordered_map<uint64_t, std::unique_ptr<Pending>> pending_;
   std::vector<Event> delivering_;  // Deliver()'s batch, kept to reuse its storage

@@ -171,14 +171,31 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
       return nullptr;
     }
   }
+  if (opts.loop_wake && !opts.caller_progress) {
+    engine->loop_fd_ = epoll_create1(EPOLL_CLOEXEC);
+    if (engine->loop_fd_ < 0 || engine->WatchLoop(EPOLL_CTL_ADD) != 0) {
+      *status = UCS_ERR_IO_ERROR;
+      *what = std::string("epoll_create1/epoll_ctl failed: ") + std::strerror(errno);
+      return nullptr;
+    }
+  }
   *status = UCS_OK;
   return engine;
+}
+
+int ProgressEngine::WatchLoop(int op) {
+  epoll_event ev;
+  std::memset(&ev, 0, sizeof(ev));
+  ev.events = EPOLLIN | EPOLLONESHOT;
+  ev.data.fd = worker_fd_;
+  return epoll_ctl(loop_fd_, op, worker_fd_, &ev);
 }
 
 ProgressEngine::~ProgressEngine() {
   DestroyWorker();
   if (context_) ucp_cleanup(context_);
   if (epoll_fd_ >= 0) close(epoll_fd_);
+  if (loop_fd_ >= 0) close(loop_fd_);
   if (wake_fd_ >= 0) close(wake_fd_);
 }
 
@@ -317,12 +334,53 @@ void ProgressEngine::TakeEvents(std::vector<Event>* out) {
   events_signalled_ = false;
 }
 
+bool ProgressEngine::events_pending() {
+  std::lock_guard<std::mutex> lock(ev_mu_);
+  return !events_.empty();
+}
+
+bool ProgressEngine::LoopTurn() {
+  // Take the readiness (the watch is one-shot: it stays off until re-enabled below or by the
+  // thread).
+  epoll_event ev;
+  (void)epoll_wait(loop_fd_, &ev, 1, 0);
+  if (!started_ || stopped_.load() || shutdown_requested_) return false;
+  std::unique_lock<std::mutex> lock(worker_mu_, std::defer_lock);
+  inline_wanted_.store(true);
+  for (int i = 0; i < kInlineLockTries && !lock.try_lock(); ++i) CpuRelax();
+  inline_wanted_.store(false);
+  if (!lock.owns_lock() || stopping_) {
+    // The thread is inside the worker: what fired is its to progress. It re-enables the watch.
+    loop_watch_off_.store(true);
+    return false;
+  }
+  ++loop_turns_;
+  loop_turn_ = true;
+  bool armed = false;
+  for (int round = 0; round < 4 && !armed; ++round) {
+    for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) {
+    }
+    armed = ucp_worker_arm(worker_) == UCS_OK;
+  }
+  loop_turn_ = false;
+  const bool in_flight = !ops_.empty() || !posting_.empty();
+  // Re-enabled under the lock: the thread re-enables only after it armed under the lock itself.
+  loop_watch_off_.store(false);
+  (void)WatchLoop(EPOLL_CTL_MOD);
+  lock.unlock();
+  // Not armed (events kept coming): the watch reports readable at once, the next loop turn goes
+  // on. Transfers left in flight need polling (a CMA fragment raises no event): the thread's.
+  if (in_flight && sleeping_.load()) Wake();
+  (void)armed;
+  return true;
+}
+
 void ProgressEngine::PushEvent(Event ev) {
   bool signal = false;
   {
     std::lock_guard<std::mutex> lock(ev_mu_);
     events_.push_back(std::move(ev));
-    if (!events_signalled_) {
+    if (!events_signalled_ && !loop_turn_) {
       events_signalled_ = true;
       signal = true;
     }
@@ -416,6 +474,9 @@ void ProgressEngine::Loop() {
       sleeping_.store(false);
       continue;
     }
+    // Armed: the event loop may watch the worker again (a LoopTurn that found the worker taken
+    // left its watch off).
+    if (loop_fd_ >= 0 && loop_watch_off_.exchange(false)) (void)WatchLoop(EPOLL_CTL_MOD);
     lock.unlock();
     int n_ready = epoll_wait(epoll_fd_, evs, 2, kSleepBoundMs);
     sleeping_.store(false);

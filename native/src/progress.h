@@ -44,6 +44,10 @@ struct EngineOptions {
   // (and nothing is queued before it) is posted, progressed and, if it completes at once,
   // completed on the submitting thread, under the worker's lock: no hand-off, no wake-up.
   bool inline_post = true;
+  // With a progress thread: the JavaScript thread also watches the worker's event fd (LoopFd)
+  // and, when it fires, progresses the worker itself under the lock and delivers what arrived,
+  // without waiting for the progress thread to wake and hand it over (LoopTurn).
+  bool loop_wake = true;
   size_t max_notification_bytes = 4 << 20;
   // TCP transports: a connection whose sent bytes stay unacknowledged this long is given up by
   // the kernel (TCP_USER_TIMEOUT, as UCX_TCP_USER_TIMEOUT), so a connection cut by a partition
@@ -86,10 +90,23 @@ class ProgressEngine {
   bool caller_progress() const { return opts_.caller_progress; }
   // Operations the submitting thread posted itself so far (TryInline).
   uint64_t inline_posts() const { return inline_posts_; }
+  // Turns in which the event loop progressed the worker itself (LoopTurn).
+  uint64_t loop_turns() const { return loop_turns_; }
   // Caller-progress mode: posts what is queued and progresses the worker until it is idle
   // (bounded), on the calling thread. Returns whether anything happened.
   bool Progress();
   void TakeEvents(std::vector<Event>* out);
+  bool events_pending();
+
+  // The event loop's watch on the worker (loop_wake; -1 otherwise): an epoll fd holding the
+  // worker's event fd once (EPOLLONESHOT), readable when the worker has something to progress.
+  int loop_fd() const { return loop_fd_; }
+  // Called on the JavaScript thread when loop_fd() is readable: takes the worker's lock if the
+  // progress thread is not inside the worker, progresses it until idle and re-arms it, the events
+  // it produced left queued for the caller to deliver at once (no wake-up of JavaScript); a turn
+  // that leaves transfers in flight wakes the progress thread to poll them. Returns whether it
+  // had the worker (otherwise the progress thread has it and re-enables the watch when it sleeps).
+  bool LoopTurn();
 
   // Creates an endpoint (progress thread) from a raw UCX worker address.
   [[nodiscard]] ucs_status_t CreateEndpoint(const std::vector<uint8_t>& address, bool peer_mode,
@@ -133,6 +150,8 @@ class ProgressEngine {
   // One turn of the loop: commands, posting, worker progress. Returns whether anything happened.
   bool Turn();
   void Wake();
+  // (Re-)enables the event loop's one-shot watch on the worker's fd (EPOLL_CTL_ADD or _MOD).
+  int WatchLoop(int op);
   bool DrainCommands();  // true when there were any
   // Takes the operations over on the calling (JavaScript) thread if the worker's lock is free and
   // no command waits before them; false (nothing taken) otherwise.
@@ -175,6 +194,14 @@ class ProgressEngine {
   int worker_fd_ = -1;
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
+  int loop_fd_ = -1;
+  // Set when a LoopTurn did not re-enable the loop's watch (the thread had the worker): the
+  // progress thread re-enables it before it sleeps.
+  std::atomic<bool> loop_watch_off_{false};
+  // Set (under worker_mu_) while the JavaScript thread progresses the worker in LoopTurn: the
+  // events it produces are delivered after the turn, not signalled through events_ready.
+  bool loop_turn_ = false;
+  uint64_t loop_turns_ = 0;  // JS thread
   std::vector<uint8_t> worker_address_;
 
   std::thread thread_;

@@ -58,6 +58,7 @@ export interface NativeAgent {
   readonly name: string;
   readonly inflight: number;
   readonly inlinePosts: number;
+  readonly loopTurns: number;
   readonly transports: string[];
   readonly memoryTypes: string[];
   registerMemory(memory: ArrayBufferLike | ArrayBufferView): NativeRegion;
@@ -126,6 +127,7 @@ export interface NativeAddon {
       busyPoll: boolean;
       progress: "thread" | "caller";
       inlinePost: boolean;
+      loopWake: boolean;
       spinUs: number;
       tcpUserTimeoutMs: number;
       maxNotificationBytes: number;

@@ -99,6 +99,7 @@ export class Agent extends EventEmitter<AgentEvents> {
             busyPoll: options.busyPoll ?? false,
             progress: options.progress ?? "thread",
             inlinePost: options.inlinePost ?? true,
+            loopWake: options.loopWake ?? true,
             spinUs: options.spinUs ?? 0,
             tcpUserTimeoutMs: options.tcpUserTimeoutMs ?? 0,
             maxNotificationBytes,
@@ -132,6 +133,14 @@ export class Agent extends EventEmitter<AgentEvents> {
    */
   get inlinePosts(): number {
     return this.native.inlinePosts;
+  }
+  /**
+   * Turns in which the event loop progressed the worker itself because its event fd fired
+   * (loopWake) and delivered what arrived without the progress thread's hand-off. Always 0 with
+   * loopWake false or progress "caller".
+   */
+  get loopTurns(): number {
+    return this.native.loopTurns;
   }
   get closed(): boolean {
     return this.closedFlag;

@@ -60,6 +60,15 @@ export interface AgentOptions {
    */
   inlinePost?: boolean;
   /**
+   * With the progress thread (the default): the event loop also watches the worker's event fd
+   * and, when it fires, progresses the worker itself (when the progress thread is not inside it)
+   * and delivers what arrived (notifications, completions) in that same turn, instead of waiting
+   * for the progress thread to wake and hand it over: one wake-up on the path of a notification
+   * or an answer, not two in a row. The progress thread still watches too, so transfers move
+   * while JavaScript is busy. Default true; false: only the progress thread watches.
+   */
+  loopWake?: boolean;
+  /**
    * After any activity, keep polling this many microseconds before sleeping
    * (the reply to what was just sent usually comes within it; waking a
    * sleeping thread costs milliseconds on a VM). Default 0.
