@@ -121,6 +121,8 @@ export interface DescFigure {
 export interface PingFigure {
   /** Round trips per second, one in flight. */
   rate: number;
+  /** kvxfer: the initiator's turns in which its event loop progressed the worker itself. */
+  loopTurns?: number;
 }
 
 export interface SystemStatus {
@@ -566,7 +568,10 @@ async function runVariant(
             b.call("pong", { reps }, 60_000),
             a.call<PingFigure>("ping", { reps, bytes: PING_BYTES }, 60_000),
           ]);
-          value = { rate: got.rate };
+          value = {
+            rate: got.rate,
+            ...(got.loopTurns !== undefined ? { loopTurns: got.loopTurns } : {}),
+          };
         }
       } catch (err) {
         value = { error: errText(err) };

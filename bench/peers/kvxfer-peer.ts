@@ -551,7 +551,7 @@ async function handle(req: Request): Promise<unknown> {
         await answered;
       }
       const seconds = (now() - t0) / 1e9;
-      return { seconds, n: reps, rate: reps / seconds };
+      return { seconds, n: reps, rate: reps / seconds, loopTurns: a.loopTurns };
     }
     case "pong": {
       const a = need(agent, "agent");

@@ -34,6 +34,9 @@ constexpr int kInlineProgressCalls = 16;
 // Tries for the worker's lock before an operation goes the usual way (a few microseconds: about
 // one idle turn of a polling progress thread, which stays out meanwhile).
 constexpr int kInlineLockTries = 256;
+// Worker progress calls in one turn of the event loop's own (LoopTurn) before what remains goes to
+// the progress thread.
+constexpr int kLoopProgressCalls = 64;
 
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -340,38 +343,44 @@ bool ProgressEngine::events_pending() {
 }
 
 bool ProgressEngine::LoopTurn() {
-  // Take the readiness (the watch is one-shot: it stays off until re-enabled below or by the
-  // thread).
+  // Take the readiness (the watch is one-shot).
   epoll_event ev;
   (void)epoll_wait(loop_fd_, &ev, 1, 0);
+  // Off until re-enabled below, or by the progress thread when it next goes to sleep.
+  loop_watch_off_.store(true);
   if (!started_ || stopped_.load() || shutdown_requested_) return false;
   std::unique_lock<std::mutex> lock(worker_mu_, std::defer_lock);
   inline_wanted_.store(true);
   for (int i = 0; i < kInlineLockTries && !lock.try_lock(); ++i) CpuRelax();
   inline_wanted_.store(false);
-  if (!lock.owns_lock() || stopping_) {
-    // The thread is inside the worker: what fired is its to progress. It re-enables the watch.
-    loop_watch_off_.store(true);
-    return false;
-  }
+  // The thread is inside the worker, or polls transfers in flight (it does not sleep meanwhile):
+  // what fired is its to progress, and the loop keeps out of its way (the watch stays off) until
+  // the thread sleeps again.
+  if (!lock.owns_lock() || stopping_ || !ops_.empty() || !posting_.empty()) return false;
   ++loop_turns_;
   loop_turn_ = true;
+  // A few progress calls: what woke the loop (a notification, an answer, a completion). Arming
+  // answers busy while the worker still has events (nearly always right after a receive): progress
+  // and arm again, as the thread does, within the same bound. Work that keeps coming (a peer's
+  // large read served over TCP) is left to the thread, so that the event loop is not held for it.
+  int calls = 0;
   bool armed = false;
-  for (int round = 0; round < 4 && !armed; ++round) {
-    for (int i = 0; i < 1024 && ucp_worker_progress(worker_) != 0; ++i) {
-    }
-    armed = ucp_worker_arm(worker_) == UCS_OK;
+  while (!armed && calls < kLoopProgressCalls) {
+    while (calls < kLoopProgressCalls && ucp_worker_progress(worker_) != 0) ++calls;
+    if (calls < kLoopProgressCalls) armed = ucp_worker_arm(worker_) == UCS_OK;
+    ++calls;
   }
   loop_turn_ = false;
   const bool in_flight = !ops_.empty() || !posting_.empty();
-  // Re-enabled under the lock: the thread re-enables only after it armed under the lock itself.
-  loop_watch_off_.store(false);
-  (void)WatchLoop(EPOLL_CTL_MOD);
+  if (armed && !in_flight) {
+    // Idle and armed: the next event fires the watch again.
+    loop_watch_off_.store(false);
+    (void)WatchLoop(EPOLL_CTL_MOD);
+  }
   lock.unlock();
-  // Not armed (events kept coming): the watch reports readable at once, the next loop turn goes
-  // on. Transfers left in flight need polling (a CMA fragment raises no event): the thread's.
-  if (in_flight && sleeping_.load()) Wake();
-  (void)armed;
+  // Transfers in flight need polling (a CMA fragment raises no event), work still coming needs
+  // progress: the thread's.
+  if ((in_flight || !armed) && sleeping_.load()) Wake();
   return true;
 }
 
