@@ -186,12 +186,16 @@ std::unique_ptr<ProgressEngine> ProgressEngine::Create(const EngineOptions& opts
   return engine;
 }
 
-int ProgressEngine::WatchLoop(int op) {
+int ProgressEngine::WatchLoop(int op, bool on) {
   epoll_event ev;
   std::memset(&ev, 0, sizeof(ev));
-  ev.events = EPOLLIN | EPOLLONESHOT;
+  ev.events = on ? EPOLLIN | EPOLLONESHOT : 0;
   ev.data.fd = worker_fd_;
   return epoll_ctl(loop_fd_, op, worker_fd_, &ev);
+}
+
+void ProgressEngine::QuietLoop() {
+  if (loop_fd_ >= 0 && !loop_watch_off_.exchange(true)) (void)WatchLoop(EPOLL_CTL_MOD, false);
 }
 
 ProgressEngine::~ProgressEngine() {
@@ -294,6 +298,9 @@ bool ProgressEngine::TryInline(std::unique_ptr<TransferOp>* ops, size_t count) {
   for (int i = 0; i < kInlineProgressCalls && ucp_worker_progress(worker_) != 0; ++i) {
   }
   const bool in_flight = !ops_.empty() || !posting_.empty();
+  // Left in flight: the thread polls them from now on, and their answers are its, not the event
+  // loop's (waking the loop for them cost TCP writes a fifth of their rate).
+  if (in_flight) QuietLoop();
   const bool spins = opts_.spin_after_activity.count() > 0;
   if (spins) inline_activity_.store(true);
   lock.unlock();
@@ -372,8 +379,12 @@ bool ProgressEngine::LoopTurn() {
   }
   loop_turn_ = false;
   const bool in_flight = !ops_.empty() || !posting_.empty();
-  if (armed && !in_flight) {
-    // Idle and armed: the next event fires the watch again.
+  const bool delivered = loop_turn_pushed_;
+  loop_turn_pushed_ = false;
+  if (armed && !in_flight && delivered) {
+    // Idle and armed, and the turn was worth it: the next event fires the watch again. A turn
+    // that found nothing for JavaScript (a peer's TCP put, which only the worker sees) leaves it
+    // off until an event for JavaScript comes through the thread (loop_useful_).
     loop_watch_off_.store(false);
     (void)WatchLoop(EPOLL_CTL_MOD);
   }
@@ -389,6 +400,7 @@ void ProgressEngine::PushEvent(Event ev) {
   {
     std::lock_guard<std::mutex> lock(ev_mu_);
     events_.push_back(std::move(ev));
+    if (loop_turn_) loop_turn_pushed_ = true;
     if (!events_signalled_ && !loop_turn_) {
       events_signalled_ = true;
       signal = true;
@@ -396,6 +408,8 @@ void ProgressEngine::PushEvent(Event ev) {
   }
   // One wake-up per batch: the JS side takes everything queued so far.
   if (signal && events_ready_) events_ready_();
+  // The worker's events lead to JavaScript: worth the event loop's own watch (LoopTurn).
+  if (signal && loop_fd_ >= 0) loop_useful_.store(true);
 }
 
 bool ProgressEngine::DrainCommands() {
@@ -444,6 +458,7 @@ void ProgressEngine::Loop() {
     // raises no event on the worker's fd. Sleeping there stalled each such
     // transfer until the sleep bound (measured here: a 16 MiB WRITE of host
     // memory took 142 ms sleeping, 8 ms polling).
+    if (!posting_.empty() || !ops_.empty()) QuietLoop();  // the thread polls: the loop keeps out
     if (!posting_.empty() || opts_.busy_poll || stopping_) continue;
     if (!ops_.empty()) {
       lock.unlock();
@@ -485,7 +500,10 @@ void ProgressEngine::Loop() {
     }
     // Armed: the event loop may watch the worker again (a LoopTurn that found the worker taken
     // left its watch off).
-    if (loop_fd_ >= 0 && loop_watch_off_.exchange(false)) (void)WatchLoop(EPOLL_CTL_MOD);
+    if (loop_fd_ >= 0 && loop_watch_off_.load() && loop_useful_.exchange(false)) {
+      loop_watch_off_.store(false);
+      (void)WatchLoop(EPOLL_CTL_MOD);
+    }
     lock.unlock();
     int n_ready = epoll_wait(epoll_fd_, evs, 2, kSleepBoundMs);
     sleeping_.store(false);

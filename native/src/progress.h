@@ -150,8 +150,12 @@ class ProgressEngine {
   // One turn of the loop: commands, posting, worker progress. Returns whether anything happened.
   bool Turn();
   void Wake();
-  // (Re-)enables the event loop's one-shot watch on the worker's fd (EPOLL_CTL_ADD or _MOD).
-  int WatchLoop(int op);
+  // Enables the event loop's one-shot watch on the worker's fd (EPOLL_CTL_ADD or _MOD), or
+  // disables it (`on` false).
+  int WatchLoop(int op, bool on = true);
+  // Under worker_mu_, with transfers left in flight: the thread polls them, so the event loop's
+  // watch goes off until the thread next sleeps (no wake-up of JavaScript for their answers).
+  void QuietLoop();
   bool DrainCommands();  // true when there were any
   // Takes the operations over on the calling (JavaScript) thread if the worker's lock is free and
   // no command waits before them; false (nothing taken) otherwise.
@@ -195,9 +199,14 @@ class ProgressEngine {
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
   int loop_fd_ = -1;
-  // Set when a LoopTurn did not re-enable the loop's watch (the thread had the worker): the
-  // progress thread re-enables it before it sleeps.
+  // Set while the loop's watch is (or may be) off: the progress thread re-enables it before it
+  // sleeps, if loop_useful_.
   std::atomic<bool> loop_watch_off_{false};
+  // Set when the thread handed JavaScript an event since the watch last went back on: the watch
+  // is worth having (a passive TCP target's puts give JavaScript nothing, and would only wake it).
+  std::atomic<bool> loop_useful_{false};
+  // Whether the current LoopTurn queued any event (under ev_mu_).
+  bool loop_turn_pushed_ = false;
   // Set (under worker_mu_) while the JavaScript thread progresses the worker in LoopTurn: the
   // events it produces are delivered after the turn, not signalled through events_ready.
   bool loop_turn_ = false;
