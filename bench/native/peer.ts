@@ -283,6 +283,8 @@ async function handle(req: Request): Promise<unknown> {
       }
       return { loopTurns: need(agent, "agent").loopTurns };
     }
+    case "loopTurns":
+      return { loopTurns: need(agent, "agent").loopTurns };
     case "endpointState":
       return { state: need(ep, "endpoint").state };
     case "close":

@@ -114,7 +114,7 @@ interface Xfer {
   failed?: { code: string };
 }
 
-describe("the progress thread still serves while the event loop is busy (TCP, loopback)", () => {
+describe("two processes over TCP (loopback): what the loop leaves to the progress thread", () => {
   const SIZE = 32 << 20;
   let p: PeerProcess;
   let d: PeerProcess;
@@ -135,6 +135,23 @@ describe("the progress thread still serves while the event loop is busy (TCP, lo
   afterAll(async () => {
     expect(await p.close()).toBe(0);
     expect(await d.close()).toBe(0);
+  });
+
+  it("a peer's TCP writes, which only P's worker sees, wake P's event loop once at most", async () => {
+    const turns = async (): Promise<number> =>
+      (await p.call<{ loopTurns: number }>("loopTurns")).loopTurns;
+    const before = await turns();
+    // 32 MiB in 4 KiB pieces: thousands of incoming fragments on P's worker, none for P's
+    // JavaScript. The first may cost P's loop a turn; after it the watch stays off.
+    const descs = new Float64Array(3 * 8192);
+    for (let i = 0; i < 8192; i++) descs.set([i * 4096, i * 4096, 4096], 3 * i);
+    const b64descs = Buffer.from(descs.buffer).toString("base64");
+    for (let round = 0; round < 4; round++)
+      expect((await d.call<Xfer>("write", { descs: b64descs })).failed).toBeUndefined();
+    expect((await turns()) - before).toBeLessThanOrEqual(1);
+    const hp = (await p.call<{ sha256: string }>("hash")).sha256;
+    const hd = (await d.call<{ sha256: string }>("hash")).sha256;
+    expect(hp).toBe(hd);
   });
 
   it("D reads 32 MiB from P (TCP emulates the read with P's help) while P's JavaScript spins for 3 s", async () => {
