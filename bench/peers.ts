@@ -53,6 +53,8 @@ export interface Variant {
    * return them, as NIXL's harness reposts prepared handles (default: transferMany's promises).
    */
   prepared?: boolean;
+  /** kvxfer: the event loop watches the worker too (Agent loopWake). */
+  loopWake?: boolean;
   /** kvxfer: another build of the addon (KVXFER_ADDON). */
   addon?: string;
   /** NIXL's UCX error-handling mode; default "none" (as kvxfer); "peer" is NIXL's own default. */
@@ -288,6 +290,7 @@ export function placement(
       name,
       transport,
       busyPoll: v.busyPoll === true,
+      loopWake: v.loopWake === true,
       progress: v.progress ?? "thread",
       // A polling agent over TCP keeps progressing while idle, as NIXL's harness does there.
       idleProgress: transport === "tcp",
@@ -625,6 +628,8 @@ export function variantsFor(systems: readonly PeerSystem[]): Variant[] {
     // The same agent (progress thread, inline posts), bandwidth without a promise per request.
     all.push({ label: "kvxfer-prepared", system: "kvxfer", prepared: true, work: ["bw"] });
     // NIXL's and Mooncake's harnesses poll; kvxfer sleeps on the worker's fd by default.
+    // The same agent with the event loop watching the worker too (loopWake).
+    all.push({ label: "kvxfer-loop", system: "kvxfer", loopWake: true, work: ["kv", "ping"] });
     all.push({
       label: "kvxfer-busy",
       system: "kvxfer",
@@ -803,6 +808,7 @@ const PEERS = ["nixl", "mooncake"] as const;
 const NAMES: Record<string, string> = {
   kvxfer: "kvxfer",
   "kvxfer-busy": "kvxfer busy-poll",
+  "kvxfer-loop": "kvxfer loopWake",
   "kvxfer-sidecars": "kvxfer sidecars",
   "kvxfer-poll": "kvxfer polling",
   "kvxfer-prepared": "kvxfer prepared",
@@ -861,6 +867,7 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
   for (const t of transports) {
     const poll = r.systems.some((x) => x.label === "kvxfer-poll" && x.status === "ok");
     const prepared = r.systems.some((x) => x.label === "kvxfer-prepared" && x.status === "ok");
+    const loop = r.systems.some((x) => x.label === "kvxfer-loop" && x.status === "ok");
     const ours = [
       "kvxfer",
       ...(prepared ? ["kvxfer-prepared"] : []),
@@ -901,6 +908,7 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
     }
     const kvOurs = [
       "kvxfer",
+      ...(loop ? ["kvxfer-loop"] : []),
       "kvxfer-busy",
       ...(poll ? ["kvxfer-poll"] : []),
       ...(t === "shm" ? ["kvxfer-sidecars"] : []),
@@ -974,14 +982,30 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
     });
     out.push({
       title: `${t}: notification round trips per second, ${PING_BYTES}-byte payload, one in flight (ratio = kvxfer / peer)`,
-      head: ["", ...compareHead(["kvxfer", "kvxfer-busy", ...(poll ? ["kvxfer-poll"] : [])], "/s")],
+      head: [
+        "",
+        ...compareHead(
+          [
+            "kvxfer",
+            ...(loop ? ["kvxfer-loop"] : []),
+            "kvxfer-busy",
+            ...(poll ? ["kvxfer-poll"] : []),
+          ],
+          "/s",
+        ),
+      ],
       rows: r.ping
         .filter((p) => p.transport === t)
         .map((p) => [
           "round trips",
           ...compare(
             p.values,
-            ["kvxfer", "kvxfer-busy", ...(poll ? ["kvxfer-poll"] : [])],
+            [
+              "kvxfer",
+              ...(loop ? ["kvxfer-loop"] : []),
+              "kvxfer-busy",
+              ...(poll ? ["kvxfer-poll"] : []),
+            ],
             (v) => v.rate,
             0,
           ),
@@ -1055,6 +1079,7 @@ export function writePeersCharts(r: PeersBenchResult): string[] {
 export const PEERS_NOTES = [
   "  kvxfer: the native addon (pinned UCX 1.22), shm = UCX_TLS shm,self, tcp = tcp on the namespace's veth; bandwidth refills with transferMany;",
   "    kvxfer prepared: the same agent, bandwidth reposting prepared transfers as its 'prepared' events return them (no promise per request, as NIXL reposts prepared handles);",
+  "    kvxfer loopWake: the same with loopWake (the event loop watches the worker too and delivers what a wake-up brought itself);",
   "    kvxfer busy-poll: the same with busyPoll; kvxfer polling: progress 'caller' (no thread; the JavaScript thread posts and polls, as NIXL's Python does)",
   "  NIXL: nixl_agent with its UCX backend (the UCX its wheel bundles), error-handling mode none, same UCX_TLS and device, no progress thread;",
   "    over tcp each NIXL process polls its agent between requests (a target's UCX must progress for a put or get to complete)",

@@ -185,7 +185,7 @@ async function handle(req: Request): Promise<unknown> {
       if (typeof req.transports === "string") opts.transports = req.transports;
       if (typeof req.netDevices === "string") opts.netDevices = req.netDevices;
       if (req.busyPoll === true) opts.busyPoll = true;
-      if (req.loopWake === false) opts.loopWake = false;
+      if (typeof req.loopWake === "boolean") opts.loopWake = req.loopWake;
       agent = new Agent(opts);
       agent.on("notifications", onNotifications);
       return { address: b64(agent.address), pid: process.pid };

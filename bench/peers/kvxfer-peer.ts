@@ -396,7 +396,7 @@ async function handle(req: Request): Promise<unknown> {
       if (typeof req.spinUs === "number") opts.spinUs = req.spinUs;
       if (req.progress === "caller") opts.progress = "caller";
       if (req.inlinePost === false) opts.inlinePost = false;
-      if (req.loopWake === false) opts.loopWake = false;
+      if (typeof req.loopWake === "boolean") opts.loopWake = req.loopWake;
       agent = new Agent(opts);
       agent.on("notifications", onNotifications);
       if (opts.progress === "caller") {
@@ -411,7 +411,7 @@ async function handle(req: Request): Promise<unknown> {
         busyPoll: opts.busyPoll,
         progress: opts.progress ?? "thread",
         inlinePost: opts.inlinePost ?? true,
-        loopWake: opts.loopWake ?? true,
+        loopWake: opts.loopWake ?? false,
         spinUs: opts.spinUs ?? 0,
       };
     }
@@ -464,8 +464,8 @@ async function handle(req: Request): Promise<unknown> {
         Buffer.from(String(req.tag)),
       );
       const tReturn = now();
-      await pumped(() => p);
-      return { tPostNs: tPost, tReturnNs: tReturn, tDoneNs: now() };
+      const t = await pumped(() => p);
+      return { tPostNs: tPost, tReturnNs: tReturn, tDoneNs: now(), trace: t };
     }
     case "descpost": {
       const a = need(agent, "agent");

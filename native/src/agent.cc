@@ -67,7 +67,7 @@ AgentWrap::AgentWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<AgentWra
   Napi::Value inline_post = o.Get("inlinePost");
   opts.inline_post = inline_post.IsUndefined() || inline_post.ToBoolean().Value();
   Napi::Value loop_wake = o.Get("loopWake");
-  opts.loop_wake = loop_wake.IsUndefined() || loop_wake.ToBoolean().Value();
+  opts.loop_wake = loop_wake.ToBoolean().Value();
   Napi::Value spin = o.Get("spinUs");
   if (spin.IsNumber() && spin.As<Napi::Number>().Int64Value() > 0) {
     opts.spin_after_activity = std::chrono::microseconds(spin.As<Napi::Number>().Int64Value());

@@ -44,10 +44,11 @@ struct EngineOptions {
   // (and nothing is queued before it) is posted, progressed and, if it completes at once,
   // completed on the submitting thread, under the worker's lock: no hand-off, no wake-up.
   bool inline_post = true;
-  // With a progress thread: the JavaScript thread also watches the worker's event fd (LoopFd)
+  // With a progress thread: the JavaScript thread also watches the worker's event fd (loop_fd)
   // and, when it fires, progresses the worker itself under the lock and delivers what arrived,
-  // without waiting for the progress thread to wake and hand it over (LoopTurn).
-  bool loop_wake = true;
+  // without waiting for the progress thread to wake and hand it over (LoopTurn). Off by default
+  // (docs/native.md says why).
+  bool loop_wake = false;
   size_t max_notification_bytes = 4 << 20;
   // TCP transports: a connection whose sent bytes stay unacknowledged this long is given up by
   // the kernel (TCP_USER_TIMEOUT, as UCX_TCP_USER_TIMEOUT), so a connection cut by a partition

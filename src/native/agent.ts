@@ -99,7 +99,7 @@ export class Agent extends EventEmitter<AgentEvents> {
             busyPoll: options.busyPoll ?? false,
             progress: options.progress ?? "thread",
             inlinePost: options.inlinePost ?? true,
-            loopWake: options.loopWake ?? true,
+            loopWake: options.loopWake ?? false,
             spinUs: options.spinUs ?? 0,
             tcpUserTimeoutMs: options.tcpUserTimeoutMs ?? 0,
             maxNotificationBytes,

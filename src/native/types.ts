@@ -65,7 +65,9 @@ export interface AgentOptions {
    * and delivers what arrived (notifications, completions) in that same turn, instead of waiting
    * for the progress thread to wake and hand it over: one wake-up on the path of a notification
    * or an answer, not two in a row. The progress thread still watches too, so transfers move
-   * while JavaScript is busy. Default true; false: only the progress thread watches.
+   * while JavaScript is busy. Default false: an event then wakes two threads of the receiving
+   * process, and in a sidecar pair on two cores that delayed the writer's own completion
+   * (docs/native.md, "The event loop's watch on the worker").
    */
   loopWake?: boolean;
   /**
