@@ -106,7 +106,9 @@ class ProgressEngine {
   // progress thread is not inside the worker, progresses it until idle and re-arms it, the events
   // it produced left queued for the caller to deliver at once (no wake-up of JavaScript); a turn
   // that leaves transfers in flight wakes the progress thread to poll them. Returns whether it
-  // had the worker (otherwise the progress thread has it and re-enables the watch when it sleeps).
+  // had the worker (otherwise the thread has it). The watch then stays off until the turn (idle,
+  // armed, with something for JavaScript) or the thread (going to sleep after handing JavaScript
+  // an event, loop_useful_) turns it back on.
   bool LoopTurn();
 
   // Creates an endpoint (progress thread) from a raw UCX worker address.
