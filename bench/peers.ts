@@ -980,36 +980,18 @@ export function peersTables(r: PeersBenchResult): PeersTables[] {
           ];
         }),
     });
+    const pingOurs = [
+      "kvxfer",
+      ...(loop ? ["kvxfer-loop"] : []),
+      "kvxfer-busy",
+      ...(poll ? ["kvxfer-poll"] : []),
+    ];
     out.push({
       title: `${t}: notification round trips per second, ${PING_BYTES}-byte payload, one in flight (ratio = kvxfer / peer)`,
-      head: [
-        "",
-        ...compareHead(
-          [
-            "kvxfer",
-            ...(loop ? ["kvxfer-loop"] : []),
-            "kvxfer-busy",
-            ...(poll ? ["kvxfer-poll"] : []),
-          ],
-          "/s",
-        ),
-      ],
+      head: ["", ...compareHead(pingOurs, "/s")],
       rows: r.ping
         .filter((p) => p.transport === t)
-        .map((p) => [
-          "round trips",
-          ...compare(
-            p.values,
-            [
-              "kvxfer",
-              ...(loop ? ["kvxfer-loop"] : []),
-              "kvxfer-busy",
-              ...(poll ? ["kvxfer-poll"] : []),
-            ],
-            (v) => v.rate,
-            0,
-          ),
-        ]),
+        .map((p) => ["round trips", ...compare(p.values, pingOurs, (v) => v.rate, 0)]),
     });
   }
   return out;

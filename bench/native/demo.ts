@@ -3,7 +3,7 @@
  * registered region; one writes its region into the other's and reads it
  * back, and both hashes are compared.
  */
-import { PeerProcess } from "./peer-client.js";
+import { PeerProcess, type PeerXfer, connectPeers } from "./peer-client.js";
 
 export interface NativeDemoSummary {
   verified: boolean;
@@ -11,11 +11,6 @@ export interface NativeDemoSummary {
   transports: string;
   write: { ms: number; gbps: number };
   read: { ms: number; gbps: number };
-}
-
-interface Xfer {
-  ms: number;
-  failed?: { code: string; message: string };
 }
 
 export async function runNativeDemo(opts: {
@@ -29,26 +24,13 @@ export async function runNativeDemo(opts: {
   const p = new PeerProcess();
   const d = new PeerProcess();
   try {
-    const ip = await p.call<{ address: string; pid: number }>("init", {
-      name: "prefill",
-      transports,
-    });
-    const id = await d.call<{ address: string; pid: number }>("init", {
-      name: "decode",
-      transports,
-    });
-    log(`started agents: prefill pid ${ip.pid}, decode pid ${id.pid} (UCX_TLS=${transports})`);
-    const kp = await p.call<{ key: string }>("alloc", { size, seed: 1 });
-    const kd = await d.call<{ key: string }>("alloc", { size, seed: 2 });
-    await p.call("connect", { address: id.address });
-    await d.call("connect", { address: ip.address });
-    await p.call("import", { key: kd.key });
-    await d.call("import", { key: kp.key });
+    const { pids } = await connectPeers(p, d, ["prefill", "decode"], { transports }, size);
+    log(`started agents: prefill pid ${pids[0]}, decode pid ${pids[1]} (UCX_TLS=${transports})`);
     const whole = Buffer.from(new Float64Array([0, 0, size]).buffer).toString("base64");
     const hash = async (peer: PeerProcess): Promise<string> =>
       (await peer.call<{ sha256: string }>("hash")).sha256;
 
-    const w = await p.call<Xfer>("write", { descs: whole });
+    const w = await p.call<PeerXfer>("write", { descs: whole });
     if (w.failed) throw new Error(`write failed: ${w.failed.code} ${w.failed.message}`);
     const writeOk = (await hash(p)) === (await hash(d));
     log(
@@ -56,7 +38,7 @@ export async function runNativeDemo(opts: {
     );
 
     await d.call("fill", { seed: 3 });
-    const r = await p.call<Xfer>("read", { descs: whole });
+    const r = await p.call<PeerXfer>("read", { descs: whole });
     if (r.failed) throw new Error(`read failed: ${r.failed.code} ${r.failed.message}`);
     const readOk = (await hash(p)) === (await hash(d));
     log(

@@ -65,3 +65,32 @@ export class PeerProcess {
     return this.proc.stop(timeoutMs);
   }
 }
+
+/** A peer's answer to write/read. */
+export interface PeerXfer {
+  ms: number;
+  failed?: PeerError;
+}
+
+/**
+ * Gives two started peers, P and D, an agent each (`init` plus their names) and a region of
+ * `size` bytes (seeds 1 and 2), connects them both ways and hands each the other's remote key.
+ * Returns their process ids. The caller owns (and closes) both peers.
+ */
+export async function connectPeers(
+  p: PeerProcess,
+  d: PeerProcess,
+  names: [string, string],
+  init: Record<string, unknown>,
+  size: number,
+): Promise<{ pids: [number, number] }> {
+  const ip = await p.call<{ address: string; pid: number }>("init", { name: names[0], ...init });
+  const id = await d.call<{ address: string; pid: number }>("init", { name: names[1], ...init });
+  const kp = await p.call<{ key: string }>("alloc", { size, seed: 1 });
+  const kd = await d.call<{ key: string }>("alloc", { size, seed: 2 });
+  await p.call("connect", { address: id.address });
+  await d.call("connect", { address: ip.address });
+  await p.call("import", { key: kd.key });
+  await d.call("import", { key: kp.key });
+  return { pids: [ip.pid, id.pid] };
+}

@@ -281,7 +281,7 @@ async function handle(req: Request): Promise<unknown> {
       while (performance.now() < until) {
         // nothing: JavaScript is busy
       }
-      return { loopTurns: need(agent, "agent").loopTurns };
+      return {};
     }
     case "loopTurns":
       return { loopTurns: need(agent, "agent").loopTurns };

@@ -464,8 +464,8 @@ async function handle(req: Request): Promise<unknown> {
         Buffer.from(String(req.tag)),
       );
       const tReturn = now();
-      const t = await pumped(() => p);
-      return { tPostNs: tPost, tReturnNs: tReturn, tDoneNs: now(), trace: t };
+      await pumped(() => p);
+      return { tPostNs: tPost, tReturnNs: tReturn, tDoneNs: now() };
     }
     case "descpost": {
       const a = need(agent, "agent");

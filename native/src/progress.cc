@@ -349,13 +349,13 @@ bool ProgressEngine::events_pending() {
   return !events_.empty();
 }
 
-bool ProgressEngine::LoopTurn() {
+void ProgressEngine::LoopTurn() {
   // Take the readiness (the watch is one-shot).
   epoll_event ev;
   (void)epoll_wait(loop_fd_, &ev, 1, 0);
   // Off until re-enabled below, or by the progress thread when it next goes to sleep.
   loop_watch_off_.store(true);
-  if (!started_ || stopped_.load() || shutdown_requested_) return false;
+  if (!started_ || stopped_.load() || shutdown_requested_) return;
   std::unique_lock<std::mutex> lock(worker_mu_, std::defer_lock);
   inline_wanted_.store(true);
   for (int i = 0; i < kInlineLockTries && !lock.try_lock(); ++i) CpuRelax();
@@ -363,7 +363,7 @@ bool ProgressEngine::LoopTurn() {
   // The thread is inside the worker, or polls transfers in flight (it does not sleep meanwhile):
   // what fired is its to progress, and the loop keeps out of its way (the watch stays off) until
   // the thread sleeps again.
-  if (!lock.owns_lock() || stopping_ || !ops_.empty() || !posting_.empty()) return false;
+  if (!lock.owns_lock() || stopping_ || !ops_.empty() || !posting_.empty()) return;
   ++loop_turns_;
   loop_turn_ = true;
   // A few progress calls: what woke the loop (a notification, an answer, a completion). Arming
@@ -392,7 +392,6 @@ bool ProgressEngine::LoopTurn() {
   // Transfers in flight need polling (a CMA fragment raises no event), work still coming needs
   // progress: the thread's.
   if ((in_flight || !armed) && sleeping_.load()) Wake();
-  return true;
 }
 
 void ProgressEngine::PushEvent(Event ev) {

@@ -105,11 +105,11 @@ class ProgressEngine {
   // Called on the JavaScript thread when loop_fd() is readable: takes the worker's lock if the
   // progress thread is not inside the worker, progresses it until idle and re-arms it, the events
   // it produced left queued for the caller to deliver at once (no wake-up of JavaScript); a turn
-  // that leaves transfers in flight wakes the progress thread to poll them. Returns whether it
-  // had the worker (otherwise the thread has it). The watch then stays off until the turn (idle,
+  // that leaves transfers in flight wakes the progress thread to poll them. Without the worker
+  // (the thread has it) it does nothing. The watch then stays off until the turn (idle,
   // armed, with something for JavaScript) or the thread (going to sleep after handing JavaScript
   // an event, loop_useful_) turns it back on.
-  bool LoopTurn();
+  void LoopTurn();
 
   // Creates an endpoint (progress thread) from a raw UCX worker address.
   [[nodiscard]] ucs_status_t CreateEndpoint(const std::vector<uint8_t>& address, bool peer_mode,

@@ -8,7 +8,11 @@
  */
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
-import { PeerProcess } from "../../bench/native/peer-client.js";
+import {
+  PeerProcess,
+  type PeerXfer as Xfer,
+  connectPeers,
+} from "../../bench/native/peer-client.js";
 import type { Agent, Notification } from "../../src/native/index.js";
 import { pattern, useAgents } from "./agents.js";
 
@@ -104,34 +108,16 @@ describe("the event loop's watch on the worker (loopWake)", () => {
   });
 });
 
-interface Init {
-  address: string;
-}
-interface Alloc {
-  key: string;
-}
-interface Xfer {
-  ms: number;
-  failed?: { code: string };
-}
-
 describe("two processes over TCP (loopback): what the loop leaves to the progress thread", () => {
   const SIZE = 32 << 20;
   let p: PeerProcess;
   let d: PeerProcess;
 
   beforeAll(async () => {
+    const init = { transports: "tcp", netDevices: "lo", loopWake: true };
     p = new PeerProcess();
     d = new PeerProcess();
-    const init = { transports: "tcp", netDevices: "lo", loopWake: true };
-    const ip = await p.call<Init>("init", { name: "busy-p", ...init });
-    const id = await d.call<Init>("init", { name: "busy-d", ...init });
-    const kp = await p.call<Alloc>("alloc", { size: SIZE, seed: 1 });
-    const kd = await d.call<Alloc>("alloc", { size: SIZE, seed: 2 });
-    await p.call("connect", { address: id.address });
-    await d.call("connect", { address: ip.address });
-    await p.call("import", { key: kd.key });
-    await d.call("import", { key: kp.key });
+    await connectPeers(p, d, ["busy-p", "busy-d"], init, SIZE);
   });
   afterAll(async () => {
     expect(await p.close()).toBe(0);
@@ -161,7 +147,7 @@ describe("two processes over TCP (loopback): what the loop leaves to the progres
     expect((await d.call<Xfer>("read", { descs: whole })).failed).toBeUndefined();
     await p.call("fill", { seed: 7 });
     const BLOCK_MS = 3_000;
-    const blocked = p.call<{ loopTurns: number }>("block", { ms: BLOCK_MS }, BLOCK_MS + 10_000);
+    const blocked = p.call("block", { ms: BLOCK_MS }, BLOCK_MS + 10_000);
     // P has the request and spins by now (it starts within milliseconds of reading it).
     await new Promise((r) => setTimeout(r, 300));
     const t0 = performance.now();

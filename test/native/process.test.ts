@@ -2,24 +2,18 @@
 import { spawnSync } from "node:child_process";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
-import { PeerProcess } from "../../bench/native/peer-client.js";
+import {
+  PeerProcess,
+  type PeerXfer as Xfer,
+  connectPeers,
+} from "../../bench/native/peer-client.js";
 import { prng, randomDescriptors } from "../../bench/native/pattern.js";
 
 const b64 = (d: Float64Array): string =>
   Buffer.from(d.buffer, d.byteOffset, d.byteLength).toString("base64");
 
-interface Init {
-  address: string;
-}
-interface Alloc {
-  key: string;
-}
 interface Hash {
   sha256: string;
-}
-interface Xfer {
-  ms: number;
-  failed?: { code: string };
 }
 
 describe("two processes over shared memory", () => {
@@ -30,14 +24,7 @@ describe("two processes over shared memory", () => {
   beforeAll(async () => {
     p = new PeerProcess();
     d = new PeerProcess();
-    const ip = await p.call<Init>("init", { name: "proc-p", transports: "shm,self" });
-    const id = await d.call<Init>("init", { name: "proc-d", transports: "shm,self" });
-    const kp = await p.call<Alloc>("alloc", { size: SIZE, seed: 1 });
-    const kd = await d.call<Alloc>("alloc", { size: SIZE, seed: 2 });
-    await p.call("connect", { address: id.address });
-    await d.call("connect", { address: ip.address });
-    await p.call("import", { key: kd.key });
-    await d.call("import", { key: kp.key });
+    await connectPeers(p, d, ["proc-p", "proc-d"], { transports: "shm,self" }, SIZE);
   });
   afterAll(async () => {
     expect(await p.close()).toBe(0);
