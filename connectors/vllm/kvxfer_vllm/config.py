@@ -52,8 +52,9 @@ class ConnectorConfig:
     #: Largest frame accepted from the sidecar.
     max_frame_bytes: int
     #: An engine step with nothing to run while transfers are live waits this long at most for
-    #: the sidecar or new input, instead of stepping again at once (idle.py); 0: vLLM's loop.
-    idle_wait_s: float = 0.05
+    #: the sidecar or new input, instead of stepping again at once (idle.py; at most a quarter of
+    #: ``sidecar_lost_timeout_s``); 0: vLLM's loop.
+    idle_wait_s: float = 0.5
     #: A worker that is in no step and read nothing from its queue for this long sleeps on the
     #: queue's notification instead of spinning out vLLM's second (idle.py ``WorkerRest``); 0: vLLM's.
     worker_rest_s: float = 0.003
@@ -144,7 +145,7 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
         sidecar_lost_timeout_s=_number(extra, "sidecar_lost_timeout_s", 10.0, 0.1, 3600.0),
         advertise=advertise,
         max_frame_bytes=int(_number(extra, "max_frame_bytes", 16 << 20, 64, 1 << 30)),
-        idle_wait_s=_number(extra, "idle_wait_s", 0.05, 0.0, 10.0),
+        idle_wait_s=_number(extra, "idle_wait_s", 0.5, 0.0, 10.0),
         worker_rest_s=_number(extra, "worker_rest_s", 0.003, 0.0, 10.0),
         engine_spin_s=_number(extra, "engine_spin_s", 0.002, 0.0, 10.0),
     )

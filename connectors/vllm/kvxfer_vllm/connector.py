@@ -42,7 +42,7 @@ from .config import ConnectorConfig, load_config
 from .device import DeviceKv, TorchCuda
 from .errors import ConfigError, LayoutError
 from .groups import GroupSpec
-from .idle import IdleWaiter, WorkerRest, limit_engine_spin, waker
+from .idle import UNWATCHED_BOUND_S, IdleWaiter, WorkerRest, limit_engine_spin, wait_bound, waker
 from .layout import DescribedLayout, describe, describe_groups, expand_block_ids, group_message, packing_of
 from .messages import StepMessages
 from .registration import RegionEntry, region_files, registration, tensor_views
@@ -635,7 +635,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                     self._idle.attach(self._engine_core.input_queue)
                 else:
                     log.warning("kvxfer: vLLM's engine-core input queue not found: an idle step waits "
-                                "for the sidecar only (new requests may wait up to idle_wait_s)")
+                                "for the sidecar only (new requests may wait up to %.2f s)", UNWATCHED_BOUND_S)
             # Not while a batch scheduled earlier still runs (async scheduling): its output is due.
             if not getattr(self._engine_core, "batch_queue", None):
                 self._idle.wait()
@@ -689,7 +689,7 @@ def _idle_waiter(cfg: ConnectorConfig) -> IdleWaiter | None:
     if cfg.idle_wait_s <= 0:
         return None
     try:
-        return IdleWaiter(cfg.engine_id, bound_s=cfg.idle_wait_s)
+        return IdleWaiter(cfg.engine_id, bound_s=wait_bound(cfg.idle_wait_s, cfg.sidecar_lost_timeout_s))
     except OSError as err:
         log.warning("kvxfer: no idle wait (%s): an idle engine steps as vLLM's loop does", err)
         return None

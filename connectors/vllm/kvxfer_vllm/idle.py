@@ -18,7 +18,12 @@ goes to the worker, until one of:
   engine id and this process's pid (``wake_address``), and its reader thread notifies the same
   condition;
 - a bound passes (``bound_s``), so whatever else the worker checks each step (the sidecar-lost
-  bound) still runs.
+  bound) still runs. Each wait that ends there is a whole empty step of the engine core and its
+  workers; at the first bound, 0.05 s, those steps were a push-registered D's extra CPU over a
+  pull D's (0.35 against 0.28 CPU-s per 4096-token request), so the bound is long (0.5 s) and
+  shortened where something depends on it: to a quarter of the sidecar-lost bound
+  (``wait_bound``), and to ``UNWATCHED_BOUND_S`` while no input queue is attached (then a new
+  request waits for the bound).
 
 No vLLM here: the adapter (connector.py) finds the input queue and decides when a step is idle.
 """
@@ -37,6 +42,17 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+#: The bound of a wait that new input cannot end (no input queue attached): a new request waits
+#: for it, so it stays short.
+UNWATCHED_BOUND_S = 0.05
+
+
+def wait_bound(idle_wait_s: float, lost_timeout_s: float) -> float:
+    """The idle wait's bound: ``idle_wait_s``, but at most a quarter of the sidecar-lost bound,
+    which the worker checks once per step (a wait must not stretch it by more than that)."""
+    return min(idle_wait_s, lost_timeout_s / 4)
+
+
 def wake_address(engine_id: str, pid: int) -> bytes:
     """The abstract unix socket the scheduler of engine ``engine_id`` in process ``pid`` reads."""
     return b"\0kvxfer-idle-" + f"{engine_id}-{pid}".encode()[:90]
@@ -44,9 +60,10 @@ def wake_address(engine_id: str, pid: int) -> bytes:
 
 class IdleWaiter:
     """The scheduler side's wait in an idle engine step. ``attach`` the engine core's input queue
-    first (without it the wait still ends at a worker's wake or the bound)."""
+    first (without it the wait still ends at a worker's wake or the bound, at most
+    ``UNWATCHED_BOUND_S``)."""
 
-    def __init__(self, engine_id: str, bound_s: float = 0.05, pid: int | None = None) -> None:
+    def __init__(self, engine_id: str, bound_s: float = 0.5, pid: int | None = None) -> None:
         self.bound_s = bound_s
         self._cond = threading.Condition()
         self._queue: queue.Queue | None = None
@@ -73,9 +90,10 @@ class IdleWaiter:
     def wait(self) -> str:
         """Waits until woken, input is queued, or the bound passes; says which."""
         cond = self._cond
+        bound = self.bound_s if self._queue is not None else min(self.bound_s, UNWATCHED_BOUND_S)
         with cond:
             if not self._woken and not self._has_input():
-                cond.wait(self.bound_s)
+                cond.wait(bound)
             if self._woken:
                 why = "wake"
             elif self._has_input():

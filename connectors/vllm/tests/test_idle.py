@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from conftest import unique
 
-from kvxfer_vllm.idle import IdleWaiter, WorkerRest, limit_engine_spin, waker
+from kvxfer_vllm.idle import UNWATCHED_BOUND_S, IdleWaiter, WorkerRest, limit_engine_spin, wait_bound, waker
 
 
 @pytest.fixture
@@ -29,6 +29,7 @@ def _later(s: float, fn) -> threading.Thread:
 
 
 def test_a_workers_wake_ends_the_wait_at_once(waiter):
+    waiter.attach(queue.Queue())
     wake = waker(waiter_engine(waiter))
     t0 = time.monotonic()
     _later(0.1, wake)
@@ -69,11 +70,32 @@ def test_a_wake_before_the_wait_is_not_lost_and_counts_once(waiter):
 def test_nothing_happens_the_bound_ends_it():
     w = IdleWaiter(unique("idle"), bound_s=0.1)
     try:
+        w.attach(queue.Queue())
         t0 = time.monotonic()
         assert w.wait() == "bound"
         assert 0.09 < time.monotonic() - t0 < 2.0
     finally:
         w.close()
+
+
+def test_without_an_input_queue_the_bound_is_short(waiter):
+    """New input cannot end a wait with no queue attached, so a new request waits for the bound:
+    it is cut to UNWATCHED_BOUND_S whatever bound_s says (5 s here), and is bound_s once a queue
+    is attached."""
+    t0 = time.monotonic()
+    assert waiter.wait() == "bound"
+    assert UNWATCHED_BOUND_S * 0.9 < time.monotonic() - t0 < 1.0
+    waiter.attach(queue.Queue())
+    waiter.bound_s = 0.3
+    t0 = time.monotonic()
+    assert waiter.wait() == "bound"
+    assert 0.27 < time.monotonic() - t0 < 2.0
+
+
+def test_the_bound_is_at_most_a_quarter_of_the_sidecar_lost_bound():
+    assert wait_bound(0.5, 10.0) == 0.5
+    assert wait_bound(0.5, 1.0) == 0.25
+    assert wait_bound(0.05, 0.1) == 0.025
 
 
 def test_a_reader_blocked_on_the_queue_still_gets_its_item_after_wakes(waiter):
