@@ -20,10 +20,10 @@ goes to the worker, until one of:
 - a bound passes (``bound_s``), so whatever else the worker checks each step (the sidecar-lost
   bound) still runs. Each wait that ends there is a whole empty step of the engine core and its
   workers; at the first bound, 0.05 s, those steps were a push-registered D's extra CPU over a
-  pull D's (0.35 against 0.28 CPU-s per 4096-token request), so the bound is long (0.5 s) and
-  shortened where something depends on it: to a quarter of the sidecar-lost bound
-  (``wait_bound``), and to ``UNWATCHED_BOUND_S`` while no input queue is attached (then a new
-  request waits for the bound).
+  pull D's (0.35 against 0.28 CPU-s per 4096-token request), so the bound is long (the
+  connector's ``idle_wait_s``, 0.5 s by default) and shortened where something depends on it: to
+  a quarter of the sidecar-lost bound (``wait_bound``), and to ``UNWATCHED_BOUND_S`` while no
+  input queue is attached (then a new request waits for the bound).
 
 No vLLM here: the adapter (connector.py) finds the input queue and decides when a step is idle.
 """
@@ -63,7 +63,7 @@ class IdleWaiter:
     first (without it the wait still ends at a worker's wake or the bound, at most
     ``UNWATCHED_BOUND_S``)."""
 
-    def __init__(self, engine_id: str, bound_s: float = 0.5, pid: int | None = None) -> None:
+    def __init__(self, engine_id: str, bound_s: float, pid: int | None = None) -> None:
         self.bound_s = bound_s
         self._cond = threading.Condition()
         self._queue: queue.Queue | None = None
