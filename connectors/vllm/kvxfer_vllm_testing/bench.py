@@ -46,6 +46,8 @@ from kvxfer_vllm.config import KV_MEMORY
 
 from .harness import EngineSpec, Proc, SidecarProc, VllmServer, free_port, free_ports, metric, proc_stats
 from .load import CpuHog, quantile_interval
+from .netns import NetPair
+from .netns import missing as netns_missing
 from .tiny_model import TinyModelSpec, make_tiny_model
 
 #: Bigger than the tests' model so the KV is not negligible: 8 layers x 4 KV heads x 64 = 8 KiB/token.
@@ -265,7 +267,7 @@ class KvxferPair(Deployment):
     def __init__(self, work: Path, model: str, max_len: int, placement: str = "shared",
                  kv_memory: str = "file", pin: bool = False, idle_wait_s: float | None = None,
                  prefault: bool = True, worker_rest_s: float | None = None,
-                 engine_spin_s: float | None = None) -> None:
+                 engine_spin_s: float | None = None, net: NetPair | None = None) -> None:
         self.model = model
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-bench-", dir="/dev/shm"))
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -275,9 +277,21 @@ class KvxferPair(Deployment):
             # as operations.md advises for vLLM and the Helm chart deploys (without it, page faults
             # were most of a 1024-token read: journal/vllm.md); --prefault false is the CLI's default.
             pf = "true" if prefault else "false"
-            self.p_sc = SidecarProc(f"bp-{tag}", "prefill", f"ipc://{work}/p-{tag}.sock", work, "--prefault", pf)
+
+            def sidecar(side: str, role: str) -> SidecarProc:
+                eid, sock = f"b{side}-{tag}", f"ipc://{work}/{side}-{tag}.sock"
+                if net is None:
+                    return SidecarProc(eid, role, sock, work, "--prefault", pf)
+                # --link: each sidecar on its own "host", UCX over TCP on the (capped) data veth;
+                # its engine stays here and reaches it over the ipc:// file.
+                h = net.hosts[side]
+                return SidecarProc(eid, role, sock, work, "--prefault", pf, "--transports", "tcp,self",
+                                   "--net-devices", h.dev, listen=f"{h.address}:0", grpc=f"{h.mgmt_address}:0",
+                                   prefix=h.prefix)
+
+            self.p_sc = sidecar("p", "prefill")
             self.procs["P sidecar"] = self.p_sc
-            self.d_sc = SidecarProc(f"bd-{tag}", "decode", f"ipc://{work}/d-{tag}.sock", work, "--prefault", pf)
+            self.d_sc = sidecar("d", "decode")
             self.procs["D sidecar"] = self.d_sc
 
             def spec(sc: SidecarProc, cores: str) -> EngineSpec:
@@ -337,7 +351,8 @@ class NixlPair(Deployment):
     router drives them: pull as vLLM's toy proxy does; push with P's side channel up front and
     the same ``X-Request-Id`` on both halves (the push connector pairs P's and D's requests by id)."""
 
-    def __init__(self, work: Path, model: str, max_len: int, *, push: bool, fixed: bool, pin: bool = False) -> None:
+    def __init__(self, work: Path, model: str, max_len: int, *, push: bool, fixed: bool, pin: bool = False,
+                 net: NetPair | None = None) -> None:
         self.model, self.push = model, push
         self.systems = ("nixl-push",) if push else (("nixl-fixed",) if fixed else ("nixl",))
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -346,15 +361,24 @@ class NixlPair(Deployment):
         p_http, d_http, self.p_port, d_side = free_ports(4)
         patches = ("nixl-delay", "nixl-affinity") if fixed else ()
 
-        def spec(eid: str, cores: str, http: int, side: int) -> EngineSpec:
+        # --link: each engine on its own "host" (NIXL's agent lives in the engine), its UCX over
+        # TCP on the (capped) data veth, its side channel there too, HTTP on the management veth.
+        self.p_host = "127.0.0.1" if net is None else net.hosts["p"].address
+
+        def spec(eid: str, side_name: str, cores: str, http: int, side: int) -> EngineSpec:
             cfg = {"kv_connector": "NixlPushConnector" if push else "NixlConnector", "kv_role": "kv_both",
                    "kv_buffer_device": "cpu", "engine_id": eid}
-            return _engine(work, model, eid, cores, max_len, kv_config=cfg, patches=patches, port=http,
-                           env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
+            env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
+            where: dict[str, Any] = {}
+            if net is not None:
+                h = net.hosts[side_name]
+                env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": h.address, "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": h.dev}
+                where = {"prefix": h.prefix, "host": h.mgmt_address}
+            return _engine(work, model, eid, cores, max_len, kv_config=cfg, patches=patches, port=http, env=env,
+                           **where)
 
-        self.p, self.d = _start([spec(self.p_id, "0", p_http, self.p_port), spec(self.d_id, "1", d_http, d_side)],
-                                work, pin)
+        self.p, self.d = _start([spec(self.p_id, "p", "0", p_http, self.p_port),
+                                 spec(self.d_id, "d", "1", d_http, d_side)], work, pin)
         self.procs = {"P engine": self.p, "D engine": self.d}
 
     def serve(self, system: str, prompt: list[int], out: int, dead_port: int | None = None,
@@ -373,7 +397,7 @@ class NixlPair(Deployment):
             return with_d_side(stream(self.d.url, self.model, prompt, out, params, t0, headers), at, t0)
         # P's request id as vLLM's OpenAI server makes it from the header (its engine then appends a
         # random suffix, which the push connector strips when it pairs P's and D's requests).
-        d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id, "remote_host": "127.0.0.1",
+        d_params = {"do_remote_prefill": True, "remote_engine_id": self.p_id, "remote_host": self.p_host,
                     "remote_port": self.p_port if dead_port is None else dead_port, "tp_size": 1,
                     "remote_request_id": f"cmpl-{rid}-0"}
         return with_d_side(
@@ -418,9 +442,11 @@ class MooncakePair(Deployment):
 
 
 #: The deployments a round starts, in order, with the systems each serves.
-def deployments(systems: list[str], kvxfer: dict[str, Any], pin: bool = False
+def deployments(systems: list[str], kvxfer: dict[str, Any], pin: bool = False, net: NetPair | None = None
                 ) -> list[tuple[tuple[str, ...], Callable[[Path, str, int], Deployment]]]:
-    """``pin``: every process of every engine on its core (EngineSpec.pin), for every system alike."""
+    """``pin``: every process of every engine on its core (EngineSpec.pin), for every system alike;
+    ``net``: P's and D's transfer agents (kvxfer's sidecars, NIXL's engines) on the two "hosts"
+    of that pair of namespaces, their KV over TCP on its data link (``--link``)."""
     out: list[tuple[tuple[str, ...], Callable[[Path, str, int], Deployment]]] = [
         (("one",), lambda w, m, n: OneEngine(w, m, n, pin=pin))]
     # One pair per mode, like every other system: pull and push on one pair would share its
@@ -428,13 +454,13 @@ def deployments(systems: list[str], kvxfer: dict[str, Any], pin: bool = False
     # block of each prompt already on D and on P (it moved 32 of 256 prompt tokens).
     for mode in ("kvxfer-pull", "kvxfer-push"):
         if mode in systems:
-            out.append(((mode,), lambda w, m, n: KvxferPair(w, m, n, **kvxfer, pin=pin)))
+            out.append(((mode,), lambda w, m, n: KvxferPair(w, m, n, **kvxfer, pin=pin, net=net)))
     if "nixl" in systems:
-        out.append((("nixl",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=False, pin=pin)))
+        out.append((("nixl",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=False, pin=pin, net=net)))
     if "nixl-fixed" in systems:
-        out.append((("nixl-fixed",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=True, pin=pin)))
+        out.append((("nixl-fixed",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=True, pin=pin, net=net)))
     if "nixl-push" in systems:
-        out.append((("nixl-push",), lambda w, m, n: NixlPair(w, m, n, push=True, fixed=True, pin=pin)))
+        out.append((("nixl-push",), lambda w, m, n: NixlPair(w, m, n, push=True, fixed=True, pin=pin, net=net)))
     if "mooncake" in systems:
         out.append((("mooncake",), lambda w, m, n: MooncakePair(w, m, n, pin=pin)))
     return out
@@ -490,6 +516,8 @@ class Cell:
     status: str = "ok"
     #: D's prompt tokens by source over the cell's requests (what moved, what D computed).
     d_tokens: dict[str, float] = field(default_factory=dict)
+    #: --link: bytes sent over the data link (both directions) during the cell's batches.
+    link_bytes: int = 0
     #: kvxfer: the cell's transfers that failed, by side, state and reason (the sidecars' own record).
     kv_failures: dict[str, int] = field(default_factory=dict)
 
@@ -517,11 +545,14 @@ def distribution(xs: list[float]) -> dict[str, Any]:
 def run(systems: list[str], lengths: list[int], concurrency: list[int], requests_per: int, rounds: int,
         out_tokens: int, work_root: Path | None = None,
         on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, Any] | None = None,
-        faults: bool = False, pin_engines: bool = False, load: CpuHog | None = None) -> dict[str, Any]:
+        faults: bool = False, pin_engines: bool = False, load: CpuHog | None = None,
+        link_mbit: int | None = None) -> dict[str, Any]:
     """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory`` and the sidecars'
     ``prefault``; ``pin_engines`` puts every process of each engine on its core (the model threads
     are always bound); ``load`` runs beside every deployment, from the first to the last (``--load``);
-    ``on_ready`` sees each deployment once it has answered its warm-up requests."""
+    ``on_ready`` sees each deployment once it has answered its warm-up requests; ``link_mbit``
+    (``--link``): P's and D's transfer agents on two network namespaces, the KV over TCP on the
+    veth between them, capped at that many Mbit/s each way (0: not capped)."""
     kvxfer = {"placement": "shared", "kv_memory": "file", "prefault": True, **(kvxfer or {})}
     load = load or CpuHog(0)
     import vllm
@@ -535,10 +566,15 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
     fault_rows: list[dict[str, Any]] = []
     one_engine: list[OneEngine] = []
     load_before = os.getloadavg()
+    net: NetPair | None = None
     try:
+        if link_mbit is not None:
+            net = NetPair("bl", 71)
+            if link_mbit > 0:
+                net.cap(link_mbit)
         load.start()
         for r in range(rounds):
-            for served, make in deployments(systems, kvxfer, pin_engines):
+            for served, make in deployments(systems, kvxfer, pin_engines, net):
                 missing = [s for s in served if (pe := peer_of(s)) is not None and not peers[pe]["installed"]]
                 for s in missing:
                     for (cs, _, _), cell in cells.items():
@@ -574,7 +610,10 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                     for n in lengths:
                         for c in concurrency:
                             for s in served:
+                                sent = net.sent_bytes() if net is not None else 0
                                 batch(dep, s, cells[(s, n, c)], n, c, requests_per, r, out_tokens, reference)
+                                if net is not None:
+                                    cells[(s, n, c)].link_bytes += net.sent_bytes() - sent
                             log(f"  {n} tokens, {c} in flight: done")
                     if faults and r == 0 and isinstance(dep, OneEngine):
                         one_engine.append(dep)
@@ -605,6 +644,8 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
         for dep in one_engine:
             dep.close()
         load.stop()
+        if net is not None:
+            net.destroy()
         shutil.rmtree(work, ignore_errors=True)
     rows = []
     for (s, n, c), cell in cells.items():
@@ -624,6 +665,9 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
             # Per request, from D's vLLM: prompt tokens whose KV moved, and those D computed itself.
             "d_prompt_tokens_per_request": {k: v / cell.requests for k, v in cell.d_tokens.items()}
             if cell.requests and cell.d_tokens else None,
+            # --link: what crossed the data link per request (the KV and its control messages).
+            "link_mib_per_request": cell.link_bytes / cell.requests / 2**20 if net is not None and cell.requests
+            else None,
             "kv_failures": cell.kv_failures or None,
             "errors": cell.errors[:3], "error_count": len(cell.errors),
         })
@@ -639,6 +683,10 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                    "pinned": "every process of each engine" if pin_engines else "the model threads only",
                    "enforce_eager": True},
         "load": load.describe(),
+        "link": None if link_mbit is None else {
+            "mbit": link_mbit or None,
+            "what": "P's and D's transfer agents in two network namespaces, KV over TCP on one veth"
+                    + (f", tbf {link_mbit} Mbit/s each way" if link_mbit else ", not capped")},
         "kvxfer": kvxfer, "output_tokens": out_tokens, "rounds": rounds, "requests_per_round": requests_per,
         "rows": rows,
         "fault_rows": fault_rows,
@@ -905,6 +953,10 @@ def main() -> None:
     ap.add_argument("--load-nice", type=int, default=0, metavar="K", help="the hogs' niceness (default 0)")
     ap.add_argument("--prefault", default="true", choices=("true", "false"),
                     help="kvxfer's sidecars' --prefault (default true, as the Helm chart deploys them)")
+    ap.add_argument("--link", type=int, default=None, metavar="MBIT",
+                    help="P's and D's transfer agents (kvxfer's sidecars, NIXL's engines) on two network namespaces "
+                         "joined by one veth, their KV over TCP, capped at MBIT Mbit/s each way (tbf; 0: not capped); "
+                         "needs root, ip, tc, iptables")
     ap.add_argument("--pin-engines", action="store_true",
                     help="every process of each engine on its core (taskset), for every system alike; "
                          "without it only vLLM's model threads are bound")
@@ -919,6 +971,15 @@ def main() -> None:
             ap.error(f"--vs: unknown peer {v!r} ({', '.join(VS)})")
         systems += VS[v]
     systems = [s for s in SYSTEMS if s in systems]
+    if a.link is not None:
+        if a.link < 0:
+            ap.error(f"--link: {a.link} is not a rate in Mbit/s (0: not capped)")
+        if (why := netns_missing()) is not None:
+            ap.error(f"--link: {why}")
+        if "mooncake" in systems:
+            ap.error("--link: MooncakeConnector runs on loopback only here (not split across namespaces)")
+        if a.faults:
+            ap.error("--link and --faults: one at a time")
     if a.quick:
         lengths, conc, reqs, rounds = [256], [1], 2, 1
     else:
@@ -931,7 +992,7 @@ def main() -> None:
                       **({"worker_rest_s": a.worker_rest_s} if a.worker_rest_s is not None else {}),
                       **({"engine_spin_s": a.engine_spin_s} if a.engine_spin_s is not None else {})},
               faults=a.faults,
-              pin_engines=a.pin_engines, load=CpuHog(a.load, a.load_nice))
+              pin_engines=a.pin_engines, load=CpuHog(a.load, a.load_nice), link_mbit=a.link)
     print(json.dumps(res))
 
 

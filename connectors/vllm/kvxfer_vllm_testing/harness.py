@@ -289,6 +289,10 @@ class EngineSpec:
     #: ``cores``, through ``taskset``; otherwise only vLLM's model threads are bound and the rest
     #: float over every core (where, on a shared host, they take time from the other engine).
     pin: bool = False
+    #: Run the engine on another "host": e.g. ``ip netns exec NS`` (netns.py), serving HTTP on
+    #: ``host`` (an address that namespace has, reachable from here).
+    prefix: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
 
 
 #: ``sitecustomize`` for the peers' patches: first on the PYTHONPATH of engines that ask for them.
@@ -308,10 +312,10 @@ class VllmServer(Proc):
         self.spec = spec
         # Short and in /tmp: a unix socket's path must stay under 108 bytes.
         self.scratch = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-"))
-        self.url = f"http://127.0.0.1:{spec.port}"
+        self.url = f"http://{spec.host}:{spec.port}"
         self.mp_shm: set[Path] = set()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model,
-                "--host", "127.0.0.1", "--port", str(spec.port), "--enforce-eager",
+                "--host", spec.host, "--port", str(spec.port), "--enforce-eager",
                 "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
                 "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--max-num-seqs", "16",
                 "--dtype", spec.dtype]
@@ -319,6 +323,7 @@ class VllmServer(Proc):
             if spec.cores == "nobind":
                 raise ValueError(f"engine {spec.engine_id}: pin needs cores to pin to (cores is 'nobind')")
             args = ["taskset", "--cpu-list", spec.cores, *args]
+        args = [*spec.prefix, *args]
         if spec.kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(spec.kv_config)]
         elif spec.connector:

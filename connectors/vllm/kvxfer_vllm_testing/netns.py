@@ -95,6 +95,15 @@ class NetPair:
         for h in self.hosts.values():
             subprocess.run(["tc", "-n", h.ns, "qdisc", "del", "dev", h.dev, "root"], capture_output=True, timeout=15)
 
+    def sent_bytes(self) -> int:
+        """Bytes both ends of the data link have sent so far (the kernel's counters)."""
+        total = 0
+        for h in self.hosts.values():
+            out = subprocess.run(["ip", "netns", "exec", h.ns, "cat", f"/sys/class/net/{h.dev}/statistics/tx_bytes"],
+                                 capture_output=True, text=True, check=True, timeout=15)
+            total += int(out.stdout)
+        return total
+
     def partition(self) -> None:
         """Every packet arriving on either end of the data link dropped (both directions cut)."""
         for h in self.hosts.values():
