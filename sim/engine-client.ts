@@ -254,6 +254,24 @@ export class SimEngineProcess extends EventEmitter<{ event: [SimEngineEvent] }> 
     );
   }
 
+  /**
+   * A layer-wise prefill (PrefillDone with layer_wise, then a LayersSaved per layer, `layerMs`
+   * apart); resolves once the last layer is saved, or the transfer was aborted meanwhile.
+   */
+  prefillByLayer(
+    transferId: string,
+    tokens: number,
+    layerMs: number,
+    token = "",
+    timeoutMs = 30_000,
+  ) {
+    return this.call<{ blockIds: number[]; layersSaved: number }>(
+      "prefill",
+      { transferId, tokens, layerWise: true, layerMs, ...(token !== "" ? { token } : {}) },
+      timeoutMs,
+    );
+  }
+
   expect(
     args: {
       transferId: string;

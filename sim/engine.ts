@@ -27,6 +27,7 @@ import {
   ExpectKvSchema,
   FailureReason,
   PrefillDoneSchema,
+  LayersSavedSchema,
   AllocateKvSchema,
   type Allocated,
   ReleaseReason,
@@ -667,6 +668,7 @@ export class SimEngine {
       });
       throw new ControlError("ERR_ABORTED", `transfer '${tid}' was aborted during prefill`);
     }
+    if (req.layerWise === true) return this.prefillByLayer(req, t, int(req, "layerMs", 0, 0));
     for (let r = 0; r < L.tpSize; r++) fillKv(L, r, this.memories[r]!, tid, blockIds, 0, tokens);
     t.phase = "held";
     t.gen = this.regGen;
@@ -682,6 +684,51 @@ export class SimEngine {
       ),
     );
     return { blockIds };
+  }
+
+  /**
+   * A layer-wise prefill, as a vLLM connector with layer-wise push sends it: PrefillDone
+   * (layer_wise) before the forward, then each layer's KV and a LayersSaved for it, `layerMs`
+   * apart. Every layer first holds another pattern (`<id>#stale`): a write the sidecar posted
+   * before its layer was saved would land that at D. An abort meanwhile stops the layers; the
+   * sidecar gives the blocks back as for any PrefillDone.
+   */
+  private async prefillByLayer(
+    req: ControlRequest,
+    t: LiveTransfer,
+    layerMs: number,
+  ): Promise<Record<string, unknown>> {
+    const L = this.layout;
+    const { transferId: tid, blockIds, tokens } = t;
+    for (let r = 0; r < L.tpSize; r++)
+      fillKv(L, r, this.memories[r]!, `${tid}#stale`, blockIds, 0, tokens);
+    t.phase = "held";
+    t.gen = this.regGen;
+    await this.link!.send(
+      engineMessage(
+        "prefillDone",
+        create(PrefillDoneSchema, {
+          transferId: tid,
+          blockIds: [...blockIds],
+          numTokens: tokens,
+          token: optStr(req, "token"),
+          layerWise: true,
+        }),
+      ),
+    );
+    let layers = 0;
+    for (; layers < L.numLayers && !t.aborted && !this.stopping; layers++) {
+      if (layerMs > 0) await new Promise((r) => setTimeout(r, layerMs));
+      for (let r = 0; r < L.tpSize; r++)
+        fillKv(L, r, this.memories[r]!, tid, blockIds, 0, tokens, layers, layers + 1);
+      await this.link!.send(
+        engineMessage(
+          "layersSaved",
+          create(LayersSavedSchema, { transferIds: [tid], layers: layers + 1 }),
+        ),
+      );
+    }
+    return { blockIds, layersSaved: layers };
   }
 
   private async expect(req: ControlRequest): Promise<Record<string, unknown>> {

@@ -194,7 +194,8 @@ function firstWord(views: (Uint32Array | undefined)[], row: Row, rowBytes: numbe
 
 /**
  * Writes the pattern of `transferId` for tokens [fromToken, toToken) into one rank's memory
- * (`regions[g]` is region `g` of the layout), through the request's block table `blockIds`.
+ * (`regions[g]` is region `g` of the layout), through the request's block table `blockIds`;
+ * only layers [layerFrom, layerTo) when given (a layer-wise prefill saves one at a time).
  */
 export function fillKv(
   layout: KvLayout,
@@ -204,11 +205,14 @@ export function fillKv(
   blockIds: ArrayLike<number>,
   fromToken: number,
   toToken: number,
+  layerFrom = 0,
+  layerTo = layout.numLayers,
 ): void {
   const rowBytes = kvRowBytes(layout);
   const nWords = rowBytes / 4;
   const views = wordViews(regions);
   forEachRow(layout, rank, regions, transferId, blockIds, fromToken, toToken, (row) => {
+    if (row.layer < layerFrom || row.layer >= layerTo) return;
     const seed = row.seed;
     const w0 = firstWord(views, row, rowBytes);
     if (w0 >= 0) {

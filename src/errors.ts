@@ -68,6 +68,8 @@ export const ERROR_CODES = {
     "an address kvxfer cannot parse: a side channel host:port or a UCX worker address",
   ERR_BAD_BLOCKS: "block ids that do not fit the layout or the token count",
   ERR_BAD_ENGINE_ID: "an engine id that is malformed, or not this sidecar's",
+  ERR_BAD_LAYERS:
+    "a layer-wise PrefillDone or a LayersSaved that does not fit the registered layout or the transfer",
   ERR_BAD_LAYOUT: "RegisterKvCache carries a layout that fails validation",
   ERR_BAD_REGIONS: "RegisterKvCache's ranks or region files do not match the layout",
   ERR_BAD_REMOTE_KEY: "a remote key that is not a kvxfer remote key",

@@ -7,6 +7,7 @@ import type {
   AllocateKv,
   EngineToSidecar,
   ExpectKv,
+  LayersSaved,
   PrefillDone,
   RegisterKvCache,
 } from "../gen/kvxfer/v1/engine_pb.js";
@@ -39,6 +40,7 @@ export type EngineErrorCode =
   | "ERR_BAD_BLOCKS"
   | "ERR_BAD_TOKENS"
   | "ERR_BAD_TRANSFER_TOKEN"
+  | "ERR_BAD_LAYERS"
   | "ERR_BAD_SOURCE";
 
 /** Why a message was refused; `message` names the field at fault. */
@@ -320,9 +322,48 @@ function checkPrefillDone(msg: PrefillDone, groups: readonly KvGroup[]): EngineP
   const idProblem = checkTransferId(msg.transferId);
   if (idProblem) return problem("ERR_BAD_TRANSFER_ID", tid, idProblem);
   if (msg.numTokens === 0) return problem("ERR_BAD_TOKENS", tid, "num_tokens must be > 0");
+  if (msg.layerWise && groups.length !== 1)
+    return problem(
+      "ERR_BAD_LAYERS",
+      tid,
+      `layer_wise: the engine registered ${groups.length} KV cache groups; layer-wise push needs one`,
+    );
   const blocks = checkBlockLists(msg.groups, msg.blockIds, "block_ids", msg.numTokens, groups);
   if (typeof blocks === "string") return problem("ERR_BAD_BLOCKS", tid, blocks);
   return checkToken(msg.token, tid);
+}
+
+/** Most transfers one LayersSaved may name. */
+export const MAX_LAYERS_SAVED_IDS = 65536;
+
+/**
+ * A LayersSaved's own fields: 1..MAX_LAYERS_SAVED_IDS well-formed ids, `layers` 1..num_layers of
+ * the one group's layout. Whether each id is a live layer-wise transfer is P's side to say.
+ */
+function checkLayersSaved(msg: LayersSaved, groups: readonly KvGroup[]): EngineProblem | undefined {
+  const first = echoId(msg.transferIds[0] ?? "");
+  const n = msg.transferIds.length;
+  if (n === 0 || n > MAX_LAYERS_SAVED_IDS)
+    return problem(
+      "ERR_BAD_LAYERS",
+      first,
+      `LayersSaved names ${n} transfers, expected 1..${MAX_LAYERS_SAVED_IDS}`,
+    );
+  for (const [i, id] of msg.transferIds.entries()) {
+    const idProblem = checkTransferId(id);
+    if (idProblem)
+      return problem("ERR_BAD_TRANSFER_ID", echoId(id), `transfer_ids[${i}]: ${idProblem}`);
+  }
+  const layers = groups.length === 1 ? groups[0]!.layout.numLayers : 0;
+  if (msg.layers === 0 || msg.layers > layers)
+    return problem(
+      "ERR_BAD_LAYERS",
+      first,
+      groups.length === 1
+        ? `LayersSaved.layers ${msg.layers} is not 1..${layers} (the layout's num_layers)`
+        : `LayersSaved from an engine with ${groups.length} KV cache groups; layer-wise push needs one`,
+    );
+  return undefined;
 }
 
 /** A transfer token: at most MAX_TOKEN_BYTES (empty: the transfer is not bound to a decode engine). */
@@ -405,6 +446,9 @@ export function checkEngineMessage(
       return checkExpectKv(m.value, groups);
     case "allocate":
       return checkAllocateKv(m.value);
+    case "layersSaved":
+      if (!groups) return notRegistered(m.value.transferIds[0] ?? "");
+      return checkLayersSaved(m.value, groups);
     case "abort": {
       const tid = echoId(m.value.transferId);
       const idProblem = checkTransferId(m.value.transferId);

@@ -17,6 +17,7 @@ export {
   kvHeadsPerRank,
   kvLayout,
   kvPerLayer,
+  regionLayers,
   kvRowBytes,
   runOrderOf,
   tokenStride,

@@ -141,6 +141,22 @@ export function kvPerLayer(layout: Pick<KvLayout, "mla">): number {
   return layout.mla ? 1 : 2;
 }
 
+/**
+ * For each region of `layout`, the one layer whose slots it holds, or -1 when it holds several
+ * layers' slots or none: where every region a transfer writes from is one layer's, its writes
+ * can be posted layer by layer (layer-wise push).
+ */
+export function regionLayers(layout: Pick<KvLayout, "mla" | "slots" | "regionBytes">): Int32Array {
+  const out = new Int32Array(layout.regionBytes.length).fill(-2); // -2: no slot seen yet
+  const perLayer = kvPerLayer(layout);
+  layout.slots.forEach((slot, s) => {
+    const layer = Math.floor(s / perLayer);
+    const seen = out[slot.region]!;
+    out[slot.region] = seen === -2 || seen === layer ? layer : -1;
+  });
+  return out.map((l) => (l < 0 ? -1 : l));
+}
+
 /** KV heads each rank holds: a slice of the heads, or one head when ranks outnumber heads. */
 export function kvHeadsPerRank(layout: Pick<KvLayout, "mla" | "totalKvHeads" | "tpSize">): number {
   if (layout.mla || layout.tpSize >= layout.totalKvHeads) return 1;

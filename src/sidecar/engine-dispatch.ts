@@ -101,6 +101,15 @@ export class EngineDispatch {
             receivedUs,
           );
           break;
+        case "layersSaved":
+          if (role === "decode")
+            return engine.refuse(
+              msg.msg.value.transferIds[0] ?? "",
+              "ERR_WRONG_ROLE",
+              "LayersSaved sent to a decode sidecar",
+            );
+          prefill.layersSaved(msg.msg.value, receivedUs);
+          break;
         case "abort":
           this.abort(msg.msg.value.transferId);
           break;

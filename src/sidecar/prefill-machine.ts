@@ -52,9 +52,11 @@ export const PREFILL_EVENTS = [
   "PLAN_FAILED",
   "WRITES_DONE",
   "WRITES_FAILED",
-  // D's ReadDone (CHECK_READ_TOKEN passed it: READ_OK).
+  // D's ReadDone (CHECK_READ_TOKEN passed it: READ_OK, or READ_EARLY while a layer-wise
+  // transfer's layers are still being computed).
   "READ_DONE",
   "READ_OK",
+  "READ_EARLY",
   // D withdraws its own registration kept aside before PrefillDone.
   "REG_ABORTED",
   "REG_FAILED",
@@ -153,6 +155,7 @@ const WRITES: Partial<Record<PrefillEvent, PrefillRow>> = {
   PREFILL_DONE: { effects: ["REFUSE_DUPLICATE"] },
   READ_DONE: { effects: ["TRACE_READ_DONE", "CHECK_READ_TOKEN"] },
   READ_OK: { effects: ["ACK_NOT_HELD"] },
+  READ_EARLY: { effects: ["ACK_NOT_HELD"] },
   HEARTBEAT: { effects: ["RENEW_REG"] },
 };
 
@@ -161,6 +164,7 @@ const TOMBSTONE: Partial<Record<PrefillEvent, PrefillRow>> = {
   PUSH_REG: { effects: ["REFUSE_ENDED"] },
   READ_DONE: { effects: ["TRACE_READ_DONE", "CHECK_READ_TOKEN"] },
   READ_OK: { effects: ["ACK_NOT_HELD"] },
+  READ_EARLY: { effects: ["ACK_NOT_HELD"] },
   REG_ABORTED: { effects: ["ACK_ABORT"] },
   D_ABORT: { effects: ["ACK_ABORT"] },
   D_ABORT_FORGED: { effects: ["ACK_ABORT"] },
@@ -186,6 +190,7 @@ export const PREFILL_TABLE: Readonly<
     REG_OK: { effects: ["KEEP_ASIDE"] },
     READ_DONE: { effects: ["TRACE_READ_DONE", "CHECK_READ_TOKEN"] },
     READ_OK: { effects: ["ACK_NOT_HELD"] },
+    READ_EARLY: { effects: ["ACK_NOT_HELD"] },
     // Before PrefillDone nothing a registrant says ends the transfer: its own is withdrawn.
     REG_ABORTED: { effects: ["WITHDRAW", "ACK_ABORT"] },
     REG_FAILED: { effects: ["WITHDRAW"] },
@@ -211,6 +216,8 @@ export const PREFILL_TABLE: Readonly<
     READ_DONE: { effects: ["TRACE_READ_DONE", "CHECK_READ_TOKEN"] },
     // D read the blocks while they were held: the KV went to D.
     READ_OK: { to: "RELEASED", reason: "transferred", effects: ["ACK_HELD"] },
+    // Layer-wise, before the last layer was saved: what D read is not the KV yet.
+    READ_EARLY: { effects: ["ACK_NOT_HELD"] },
     D_ABORT: { to: "ABORTED", reason: "aborted by decode", effects: ["ACK_ABORT"] },
     D_ABORT_FORGED: { effects: ["REFUSE_ABORT"] },
     D_FAILED: { to: "FAILED" },

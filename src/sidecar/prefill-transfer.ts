@@ -47,6 +47,11 @@ export interface PrefillTransfer {
   blocks: number[] | undefined;
   /** The same blocks as PrefillDone's lists, one per group. */
   lists: BlockList[] | undefined;
+  /**
+   * Layer-wise push (PrefillDone.layer_wise): the layers saved so far; undefined when every
+   * layer was saved by PrefillDone (the engine's usual PrefillDone, after its forward).
+   */
+  layers: LayerProgress | undefined;
   numTokens: number;
   /** The registration P writes for: chosen at PrefillDone by the token, or one after it. */
   reg: PushRegistration | undefined;
@@ -75,6 +80,31 @@ export interface PrefillTransfer {
   reason: string;
   t: Timings;
   trace: TransferTrace;
+}
+
+/**
+ * A layer-wise transfer's progress: layers `0 .. saved - 1` of the registered layout hold their
+ * final KV (LayersSaved), of `total`; `waiters` are the writes waiting for more (woken by each
+ * LayersSaved and when the transfer stops writing).
+ */
+export interface LayerProgress {
+  saved: number;
+  readonly total: number;
+  waiters: (() => void)[];
+}
+
+/** Whether some layer of `t`'s KV is still being computed (a read must not count yet). */
+export function layersPending(t: PrefillTransfer): boolean {
+  return t.layers !== undefined && t.layers.saved < t.layers.total;
+}
+
+/** Wakes every write waiting for `t`'s layers (more saved, or it stopped writing). */
+export function wakeLayers(t: PrefillTransfer): void {
+  const l = t.layers;
+  if (l === undefined || l.waiters.length === 0) return;
+  const waiting = l.waiters;
+  l.waiters = [];
+  for (const w of waiting) w();
 }
 
 /** What comes with an event, for the effects that need it. */
@@ -115,6 +145,7 @@ export function newPrefillTransfer(id: string): PrefillTransfer {
     state: "AWAITING_PREFILL",
     blocks: undefined,
     lists: undefined,
+    layers: undefined,
     numTokens: 0,
     reg: undefined,
     pending: new Map(),

@@ -3,11 +3,11 @@
  * writes with its XferDone sealed behind them, wait for all to settle. The result is the event
  * PrefillSide feeds P's machine next.
  */
-import type { Endpoint, WritePart } from "../native/index.js";
+import type { Agent, Endpoint, OpTrace, WritePart } from "../native/index.js";
 import { KvxferError } from "../errors.js";
-import { planGroups, type TransferPlan } from "../plan/index.js";
+import { planGroups, regionLayers, type TransferPlan } from "../plan/index.js";
 import { transferError, type SideContext } from "./context.js";
-import type { PrefillTransfer } from "./prefill-transfer.js";
+import type { LayerProgress, PrefillTransfer } from "./prefill-transfer.js";
 import { settleAbandoned } from "./settle.js";
 import { markPairSteps } from "./trace.js";
 
@@ -55,12 +55,16 @@ export async function postWrites(
   const plannedAt = performance.now();
   // A registration whose lease ran out must not be written to: D may have released the blocks.
   const used: Endpoint[] = [];
+  // Layer-wise: the layer each of P's regions holds (-1: several), from P's one group's layout.
+  const layerOf = t.layers !== undefined ? regionLayers(kv.groups[0]!.layout) : undefined;
   const results = await Promise.allSettled(
     plan.pairs.map(async (pair) => {
       const agent = kv.agents[pair.srcRank]!;
       const ep = peer.endpoint(pair.srcRank, pair.dstRank);
       used.push(ep);
       const parts: WritePart[] = [];
+      /** Each part's layer (layer-wise push; -1: a region several layers share). */
+      const partLayers: number[] = [];
       for (const rp of pair.regionPairs) {
         if (rp.count === 0) continue;
         parts.push({
@@ -68,12 +72,16 @@ export async function postWrites(
           remote: peer.remote(pair.srcRank, pair.dstRank, rp.dstRegion),
           descriptors: rp.descriptors,
         });
+        partLayers.push(layerOf?.[rp.srcRegion] ?? -1);
       }
-      if (ctx.clock.now() > t.regDeadline || t.state !== "WRITING" || peer.state !== "connected")
-        throw new KvxferError(
-          "ERR_ABORTED",
-          "registration expired, aborted, or peer down before the write",
-        );
+      const mayWrite = (): void => {
+        if (ctx.clock.now() > t.regDeadline || t.state !== "WRITING" || peer.state !== "connected")
+          throw new KvxferError(
+            "ERR_ABORTED",
+            "registration expired, aborted, or peer down before the write",
+          );
+      };
+      mayWrite();
       // One native operation for all of the pair's region pairs and its XferDone: one hand-off
       // to the progress thread and one flush, whatever the number of layers; the addon sends the
       // XferDone once every write is remotely complete, and not at all if one fails. So it is
@@ -88,8 +96,11 @@ export async function postWrites(
           sincePrefillDoneMs: Math.max(0, ctx.clock.now() - t.t.prefillDoneMs),
         },
       });
-      const written = await agent.writeParts(ep, parts, xferDone);
-      markPairSteps(t.trace, `${pair.srcRank}>${pair.dstRank}`, [written]);
+      const written =
+        t.layers !== undefined && t.layers.saved < t.layers.total
+          ? await writeLayers(ctx, t, t.layers, agent, ep, parts, partLayers, xferDone, mayWrite)
+          : [await agent.writeParts(ep, parts, xferDone)];
+      markPairSteps(t.trace, `${pair.srcRank}>${pair.dstRank}`, written);
     }),
   );
   t.t.dataDoneMs = ctx.clock.now();
@@ -115,4 +126,76 @@ export async function postWrites(
   await settleAbandoned(ctx, t.id, peer.engineId, used);
   const e = KvxferError.from((failed as PromiseRejectedResult).reason);
   return { event: "WRITES_FAILED", error: e };
+}
+
+/**
+ * Layer-wise push, one rank pair: each part is posted once its layer is saved (every part at
+ * once when its region holds several layers: it waits for the last), layers saved together in
+ * one operation; the XferDone goes after every write is remotely complete, and not at all if one
+ * failed. A wait for layers ends when more are saved, when the transfer stops writing, or after
+ * the block lease (an engine that stops sending LayersSaved does not hold D's blocks forever).
+ * Whatever was posted has settled before this returns or throws.
+ */
+async function writeLayers(
+  ctx: SideContext,
+  t: PrefillTransfer,
+  layers: LayerProgress,
+  agent: Agent,
+  ep: Endpoint,
+  parts: readonly WritePart[],
+  partLayers: readonly number[],
+  xferDone: Uint8Array,
+  mayWrite: () => void,
+): Promise<OpTrace[]> {
+  const posted: Promise<OpTrace>[] = [];
+  const sent = new Array<boolean>(parts.length).fill(false);
+  let left = parts.length;
+  const waitUntil = performance.now() + ctx.settings.leaseMs;
+  let failure: unknown;
+  try {
+    for (;;) {
+      const saved = layers.saved;
+      const batch: WritePart[] = [];
+      for (let i = 0; i < parts.length; i++) {
+        if (sent[i]) continue;
+        const layer = partLayers[i]!;
+        if (saved >= layers.total || (layer >= 0 && layer < saved)) {
+          sent[i] = true;
+          left--;
+          batch.push(parts[i]!);
+        }
+      }
+      if (batch.length > 0) {
+        mayWrite();
+        const op = agent.writeParts(ep, batch);
+        op.catch(() => undefined); // settled below
+        posted.push(op);
+      }
+      if (left === 0) break;
+      const wait = waitUntil - performance.now();
+      if (wait <= 0)
+        throw new KvxferError(
+          "ERR_TIMEOUT",
+          `layers ${layers.saved}..${layers.total - 1} of '${t.id}' not saved within the block lease`,
+        );
+      await new Promise<void>((wake) => {
+        const timer = setTimeout(wake, wait);
+        layers.waiters.push(() => {
+          clearTimeout(timer);
+          wake();
+        });
+      });
+      mayWrite();
+    }
+  } catch (err) {
+    failure = err;
+  }
+  const settled = await Promise.allSettled(posted);
+  const bad = settled.find((r) => r.status === "rejected");
+  if (failure !== undefined) throw failure;
+  if (bad !== undefined) throw (bad as PromiseRejectedResult).reason;
+  const traces = settled.map((r) => (r as PromiseFulfilledResult<OpTrace>).value);
+  // Nothing outstanding: the XferDone's own operation flushes nothing and sends it.
+  traces.push(await agent.writeParts(ep, [], xferDone));
+  return traces;
 }

@@ -7,7 +7,7 @@
  * while D reads them (pull), and gives its blocks back to the engine exactly once, in the one
  * exit.
  */
-import { ReleaseReason, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
+import { ReleaseReason, type LayersSaved, type PrefillDone } from "../gen/kvxfer/v1/engine_pb.js";
 import type { PushReg } from "../gen/kvxfer/v1/peer_pb.js";
 import { KvxferError } from "../errors.js";
 import type { PeerState } from "../peer/peer-state.js";
@@ -40,6 +40,7 @@ import {
   type Refusal,
 } from "./prefill-registrations.js";
 import {
+  layersPending,
   mayActOn,
   newPrefillTransfer,
   pendingOf,
@@ -47,6 +48,7 @@ import {
   releaseReason,
   settleRegistrations,
   prefillInfo,
+  wakeLayers,
   type Arrival,
   type EventData,
   type PrefillTransfer,
@@ -164,6 +166,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         break;
       case "ABORTING":
       case "ABORTING_FOR_D":
+        wakeLayers(t); // writes waiting for layers stop waiting
         break;
       default:
         t.t.endedMs = now;
@@ -173,6 +176,7 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
 
   protected exit(t: PrefillTransfer, kind: PrefillState & TerminalKind): void {
     this.confirmOrEnd(t);
+    wakeLayers(t);
     if (t.blocks !== undefined) {
       if (this.ctx.settings.exclusivePrefillBlocks) this.claims.release(t.blocks, t.id);
       this.ctx.engine.send({
@@ -290,7 +294,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
       case "CHECK_READ_TOKEN": {
         const no = readTokenRefusal(t, d.peer!, d.read!.token);
         if (no !== undefined) return this.refuse(d.peer!, t.id, no);
-        this.on(t, "READ_OK", d);
+        // Layer-wise: a read before every layer was saved read KV still being computed.
+        this.on(t, layersPending(t) ? "READ_EARLY" : "READ_OK", d);
         return;
       }
       case "ACK_HELD":
@@ -410,6 +415,8 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
     if (this.ctx.settings.exclusivePrefillBlocks) this.claims.claim(t.blocks, t.id);
     t.numTokens = m.numTokens;
     t.token = m.token;
+    if (m.layerWise)
+      t.layers = { saved: 0, total: this.ctx.kvs.kv!.groups[0]!.layout.numLayers, waiters: [] };
     t.t.prefillDoneMs = this.ctx.clock.now();
     t.trace.mark("engine.prefillDone", receivedUs);
   }
@@ -458,6 +465,32 @@ export class PrefillSide extends SideTable<PrefillState, PrefillTransfer> {
         reason: releaseReason(t.state as TerminalKind), // never RELEASED: that needs blocks
       },
     });
+  }
+
+  /**
+   * The engine saved the first `m.layers` layers of each named layer-wise transfer: writes
+   * waiting for them go on. An id that is not a live layer-wise transfer is refused (the others
+   * still count); one that ended meanwhile (D aborted during the forward) is nothing to do.
+   */
+  layersSaved(m: LayersSaved, receivedUs?: number): void {
+    for (const id of m.transferIds) {
+      const t = this.transfers.get(id);
+      if (t !== undefined && isTerminal(t.state)) continue;
+      if (t?.layers === undefined) {
+        this.ctx.engine.refuse(
+          id,
+          "ERR_BAD_LAYERS",
+          t === undefined
+            ? `LayersSaved for '${id}': no such transfer (a layer-wise PrefillDone comes first)`
+            : `LayersSaved for '${id}': its PrefillDone was not layer-wise`,
+        );
+        continue;
+      }
+      if (m.layers <= t.layers.saved) continue;
+      t.layers.saved = m.layers;
+      if (m.layers === t.layers.total) t.trace.mark("engine.layersSaved all", receivedUs);
+      wakeLayers(t);
+    }
   }
 
   /** The engine aborts: at once, or (writes in flight) once they settle. */

@@ -5,7 +5,7 @@
 import { BinaryWriter, WireType } from "@bufbuild/protobuf/wire";
 import type { MessageInitShape } from "@bufbuild/protobuf";
 import { create, toBinary } from "@bufbuild/protobuf";
-import { AbortSchema, AllocatedSchema, AllocateKvSchema, EngineToSidecarSchema, ExpectKvSchema, KvFailedSchema, KvReadySchema, PrefillDoneSchema, RankKvCacheSchema, RefusedSchema, RegionFileSchema, RegisteredSchema, RegisterKvCacheSchema, ReleaseBlocksSchema, SidecarToEngineSchema } from "./engine_pb.js";
+import { AbortSchema, AllocatedSchema, AllocateKvSchema, EngineToSidecarSchema, ExpectKvSchema, KvFailedSchema, KvReadySchema, LayersSavedSchema, PrefillDoneSchema, RankKvCacheSchema, RefusedSchema, RegionFileSchema, RegisteredSchema, RegisterKvCacheSchema, ReleaseBlocksSchema, SidecarToEngineSchema } from "./engine_pb.js";
 import { writeKvBlockList, writeKvCacheGroup, writeKvLayout } from "./layout_binary.js";
 
 /**
@@ -194,6 +194,10 @@ export function writePrefillDone(w: BinaryWriter, m: MessageInitShape<typeof Pre
       w.join();
     }
   }
+  const layerWise = m.layerWise;
+  if (layerWise !== undefined && layerWise !== false) {
+    w.tag(6, WireType.Varint).bool(layerWise);
+  }
 }
 
 /**
@@ -207,6 +211,36 @@ export function prefillDoneToBinary(m: MessageInitShape<typeof PrefillDoneSchema
   } catch {
     // protobuf-es says which field is wrong.
     return toBinary(PrefillDoneSchema, create(PrefillDoneSchema, m));
+  }
+}
+
+/**
+ * Writes kvxfer.v1.LayersSaved's fields into `w`, as toBinary would.
+ */
+export function writeLayersSaved(w: BinaryWriter, m: MessageInitShape<typeof LayersSavedSchema>): void {
+  const transferIds = m.transferIds;
+  if (transferIds !== undefined && transferIds.length > 0) {
+    for (const v of transferIds) {
+      w.tag(1, WireType.LengthDelimited).string(v);
+    }
+  }
+  const layers = m.layers;
+  if (layers !== undefined && layers !== 0) {
+    w.tag(2, WireType.Varint).uint32(layers);
+  }
+}
+
+/**
+ * kvxfer.v1.LayersSaved as bytes: what `toBinary(LayersSavedSchema, create(LayersSavedSchema, m))` writes.
+ */
+export function layersSavedToBinary(m: MessageInitShape<typeof LayersSavedSchema>): Uint8Array {
+  try {
+    const w = new BinaryWriter();
+    writeLayersSaved(w, m);
+    return w.finish();
+  } catch {
+    // protobuf-es says which field is wrong.
+    return toBinary(LayersSavedSchema, create(LayersSavedSchema, m));
   }
 }
 
@@ -333,6 +367,11 @@ export function writeEngineToSidecar(w: BinaryWriter, m: MessageInitShape<typeof
   if (m.msg?.case === "allocate") {
     w.tag(5, WireType.LengthDelimited).fork();
     writeAllocateKv(w, m.msg.value);
+    w.join();
+  }
+  if (m.msg?.case === "layersSaved") {
+    w.tag(6, WireType.LengthDelimited).fork();
+    writeLayersSaved(w, m.msg.value);
     w.join();
   }
 }

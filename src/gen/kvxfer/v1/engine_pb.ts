@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvxfer/v1/engine.proto.
  */
 export const file_kvxfer_v1_engine: GenFile = /*@__PURE__*/
-  fileDesc("ChZrdnhmZXIvdjEvZW5naW5lLnByb3RvEglrdnhmZXIudjEiigEKClJlZ2lvbkZpbGUSDAoEcGF0aBgBIAEoCRIOCgZvZmZzZXQYAiABKAQSDgoGbGVuZ3RoGAMgASgEEhQKB3NlZ21lbnQYBCABKA1IAIgBARIXCg9jdWRhX2lwY19oYW5kbGUYBSABKAwSEwoLY3VkYV9kZXZpY2UYBiABKA1CCgoIX3NlZ21lbnQiPAoKQWxsb2NhdGVLdhIMCgRyYW5rGAEgASgNEg8KB2xlbmd0aHMYAiADKAQSDwoHdHBfc2l6ZRgDIAEoDSJDCgtSYW5rS3ZDYWNoZRIMCgRyYW5rGAEgASgNEiYKB3JlZ2lvbnMYAiADKAsyFS5rdnhmZXIudjEuUmVnaW9uRmlsZSKZAQoPUmVnaXN0ZXJLdkNhY2hlEhEKCWVuZ2luZV9pZBgBIAEoCRIjCgZsYXlvdXQYAiABKAsyEy5rdnhmZXIudjEuS3ZMYXlvdXQSJQoFcmFua3MYAyADKAsyFi5rdnhmZXIudjEuUmFua0t2Q2FjaGUSJwoGZ3JvdXBzGAQgAygLMhcua3Z4ZmVyLnYxLkt2Q2FjaGVHcm91cCKAAQoLUHJlZmlsbERvbmUSEwoLdHJhbnNmZXJfaWQYASABKAkSEQoJYmxvY2tfaWRzGAIgAygNEhIKCm51bV90b2tlbnMYAyABKA0SDQoFdG9rZW4YBCABKAkSJgoGZ3JvdXBzGAUgAygLMhYua3Z4ZmVyLnYxLkt2QmxvY2tMaXN0IosCCghFeHBlY3RLdhITCgt0cmFuc2Zlcl9pZBgBIAEoCRIOCgZzb3VyY2UYAiABKAkSEQoJYmxvY2tfaWRzGAMgAygNEhIKCm51bV90b2tlbnMYBCABKA0SFQoNcHJlZml4X3Rva2VucxgFIAEoDRIYChBzb3VyY2VfYmxvY2tfaWRzGAYgAygNEhwKFGhhc19zb3VyY2VfYmxvY2tfaWRzGAcgASgIEg0KBXRva2VuGAggASgJEiYKBmdyb3VwcxgJIAMoCzIWLmt2eGZlci52MS5LdkJsb2NrTGlzdBItCg1zb3VyY2VfZ3JvdXBzGAogAygLMhYua3Z4ZmVyLnYxLkt2QmxvY2tMaXN0IhwKBUFib3J0EhMKC3RyYW5zZmVyX2lkGAEgASgJIvABCg9FbmdpbmVUb1NpZGVjYXISLgoIcmVnaXN0ZXIYASABKAsyGi5rdnhmZXIudjEuUmVnaXN0ZXJLdkNhY2hlSAASLgoMcHJlZmlsbF9kb25lGAIgASgLMhYua3Z4ZmVyLnYxLlByZWZpbGxEb25lSAASKAoJZXhwZWN0X2t2GAMgASgLMhMua3Z4ZmVyLnYxLkV4cGVjdEt2SAASIQoFYWJvcnQYBCABKAsyEC5rdnhmZXIudjEuQWJvcnRIABIpCghhbGxvY2F0ZRgFIAEoCzIVLmt2eGZlci52MS5BbGxvY2F0ZUt2SABCBQoDbXNnIi0KB0t2UmVhZHkSEwoLdHJhbnNmZXJfaWQYASABKAkSDQoFYnl0ZXMYAiABKAQiWgoIS3ZGYWlsZWQSEwoLdHJhbnNmZXJfaWQYASABKAkSKAoGcmVhc29uGAIgASgOMhgua3Z4ZmVyLnYxLkZhaWx1cmVSZWFzb24SDwoHbWVzc2FnZRgDIAEoCSJhCg1SZWxlYXNlQmxvY2tzEhMKC3RyYW5zZmVyX2lkGAEgASgJEhEKCWJsb2NrX2lkcxgCIAMoDRIoCgZyZWFzb24YAyABKA4yGC5rdnhmZXIudjEuUmVsZWFzZVJlYXNvbiJMCgpSZWdpc3RlcmVkEgoKAm9rGAEgASgIEg0KBWVycm9yGAIgASgJEhQKDHNpZGVfY2hhbm5lbBgDIAEoCRINCgVlcG9jaBgEIAEoBCI9CgdSZWZ1c2VkEhMKC3RyYW5zZmVyX2lkGAEgASgJEgwKBGNvZGUYAiABKAkSDwoHbWVzc2FnZRgDIAEoCSJGCglBbGxvY2F0ZWQSDAoEcmFuaxgBIAEoDRIKCgJvaxgCIAEoCBINCgVlcnJvchgDIAEoCRIQCghzZWdtZW50cxgEIAMoDSKdAgoPU2lkZWNhclRvRW5naW5lEisKCnJlZ2lzdGVyZWQYASABKAsyFS5rdnhmZXIudjEuUmVnaXN0ZXJlZEgAEiYKCGt2X3JlYWR5GAIgASgLMhIua3Z4ZmVyLnYxLkt2UmVhZHlIABIoCglrdl9mYWlsZWQYAyABKAsyEy5rdnhmZXIudjEuS3ZGYWlsZWRIABIyCg5yZWxlYXNlX2Jsb2NrcxgEIAEoCzIYLmt2eGZlci52MS5SZWxlYXNlQmxvY2tzSAASJQoHcmVmdXNlZBgFIAEoCzISLmt2eGZlci52MS5SZWZ1c2VkSAASKQoJYWxsb2NhdGVkGAYgASgLMhQua3Z4ZmVyLnYxLkFsbG9jYXRlZEgAQgUKA21zZyrMAgoNRmFpbHVyZVJlYXNvbhIeChpGQUlMVVJFX1JFQVNPTl9VTlNQRUNJRklFRBAAEhoKFkZBSUxVUkVfUkVBU09OX1RJTUVPVVQQARIeChpGQUlMVVJFX1JFQVNPTl9QRUVSX0ZBSUxFRBACEhoKFkZBSUxVUkVfUkVBU09OX0FCT1JURUQQAxIfChtGQUlMVVJFX1JFQVNPTl9JTkNPTVBBVElCTEUQBBIeChpGQUlMVVJFX1JFQVNPTl9CQURfUkVRVUVTVBAFEiEKHUZBSUxVUkVfUkVBU09OX1RSQU5TRkVSX0VSUk9SEAYSIAocRkFJTFVSRV9SRUFTT05fTEVBU0VfRVhQSVJFRBAHEh4KGkZBSUxVUkVfUkVBU09OX1VOUkVBQ0hBQkxFEAgSHQoZRkFJTFVSRV9SRUFTT05fT1ZFUkxPQURFRBAJKqIBCg1SZWxlYXNlUmVhc29uEh4KGlJFTEVBU0VfUkVBU09OX1VOU1BFQ0lGSUVEEAASHgoaUkVMRUFTRV9SRUFTT05fVFJBTlNGRVJSRUQQARIaChZSRUxFQVNFX1JFQVNPTl9FWFBJUkVEEAISGgoWUkVMRUFTRV9SRUFTT05fQUJPUlRFRBADEhkKFVJFTEVBU0VfUkVBU09OX0ZBSUxFRBAEYgZwcm90bzM", [file_kvxfer_v1_layout]);
+  fileDesc("ChZrdnhmZXIvdjEvZW5naW5lLnByb3RvEglrdnhmZXIudjEiigEKClJlZ2lvbkZpbGUSDAoEcGF0aBgBIAEoCRIOCgZvZmZzZXQYAiABKAQSDgoGbGVuZ3RoGAMgASgEEhQKB3NlZ21lbnQYBCABKA1IAIgBARIXCg9jdWRhX2lwY19oYW5kbGUYBSABKAwSEwoLY3VkYV9kZXZpY2UYBiABKA1CCgoIX3NlZ21lbnQiPAoKQWxsb2NhdGVLdhIMCgRyYW5rGAEgASgNEg8KB2xlbmd0aHMYAiADKAQSDwoHdHBfc2l6ZRgDIAEoDSJDCgtSYW5rS3ZDYWNoZRIMCgRyYW5rGAEgASgNEiYKB3JlZ2lvbnMYAiADKAsyFS5rdnhmZXIudjEuUmVnaW9uRmlsZSKZAQoPUmVnaXN0ZXJLdkNhY2hlEhEKCWVuZ2luZV9pZBgBIAEoCRIjCgZsYXlvdXQYAiABKAsyEy5rdnhmZXIudjEuS3ZMYXlvdXQSJQoFcmFua3MYAyADKAsyFi5rdnhmZXIudjEuUmFua0t2Q2FjaGUSJwoGZ3JvdXBzGAQgAygLMhcua3Z4ZmVyLnYxLkt2Q2FjaGVHcm91cCKUAQoLUHJlZmlsbERvbmUSEwoLdHJhbnNmZXJfaWQYASABKAkSEQoJYmxvY2tfaWRzGAIgAygNEhIKCm51bV90b2tlbnMYAyABKA0SDQoFdG9rZW4YBCABKAkSJgoGZ3JvdXBzGAUgAygLMhYua3Z4ZmVyLnYxLkt2QmxvY2tMaXN0EhIKCmxheWVyX3dpc2UYBiABKAgiMwoLTGF5ZXJzU2F2ZWQSFAoMdHJhbnNmZXJfaWRzGAEgAygJEg4KBmxheWVycxgCIAEoDSKLAgoIRXhwZWN0S3YSEwoLdHJhbnNmZXJfaWQYASABKAkSDgoGc291cmNlGAIgASgJEhEKCWJsb2NrX2lkcxgDIAMoDRISCgpudW1fdG9rZW5zGAQgASgNEhUKDXByZWZpeF90b2tlbnMYBSABKA0SGAoQc291cmNlX2Jsb2NrX2lkcxgGIAMoDRIcChRoYXNfc291cmNlX2Jsb2NrX2lkcxgHIAEoCBINCgV0b2tlbhgIIAEoCRImCgZncm91cHMYCSADKAsyFi5rdnhmZXIudjEuS3ZCbG9ja0xpc3QSLQoNc291cmNlX2dyb3VwcxgKIAMoCzIWLmt2eGZlci52MS5LdkJsb2NrTGlzdCIcCgVBYm9ydBITCgt0cmFuc2Zlcl9pZBgBIAEoCSKgAgoPRW5naW5lVG9TaWRlY2FyEi4KCHJlZ2lzdGVyGAEgASgLMhoua3Z4ZmVyLnYxLlJlZ2lzdGVyS3ZDYWNoZUgAEi4KDHByZWZpbGxfZG9uZRgCIAEoCzIWLmt2eGZlci52MS5QcmVmaWxsRG9uZUgAEigKCWV4cGVjdF9rdhgDIAEoCzITLmt2eGZlci52MS5FeHBlY3RLdkgAEiEKBWFib3J0GAQgASgLMhAua3Z4ZmVyLnYxLkFib3J0SAASKQoIYWxsb2NhdGUYBSABKAsyFS5rdnhmZXIudjEuQWxsb2NhdGVLdkgAEi4KDGxheWVyc19zYXZlZBgGIAEoCzIWLmt2eGZlci52MS5MYXllcnNTYXZlZEgAQgUKA21zZyItCgdLdlJlYWR5EhMKC3RyYW5zZmVyX2lkGAEgASgJEg0KBWJ5dGVzGAIgASgEIloKCEt2RmFpbGVkEhMKC3RyYW5zZmVyX2lkGAEgASgJEigKBnJlYXNvbhgCIAEoDjIYLmt2eGZlci52MS5GYWlsdXJlUmVhc29uEg8KB21lc3NhZ2UYAyABKAkiYQoNUmVsZWFzZUJsb2NrcxITCgt0cmFuc2Zlcl9pZBgBIAEoCRIRCglibG9ja19pZHMYAiADKA0SKAoGcmVhc29uGAMgASgOMhgua3Z4ZmVyLnYxLlJlbGVhc2VSZWFzb24iTAoKUmVnaXN0ZXJlZBIKCgJvaxgBIAEoCBINCgVlcnJvchgCIAEoCRIUCgxzaWRlX2NoYW5uZWwYAyABKAkSDQoFZXBvY2gYBCABKAQiPQoHUmVmdXNlZBITCgt0cmFuc2Zlcl9pZBgBIAEoCRIMCgRjb2RlGAIgASgJEg8KB21lc3NhZ2UYAyABKAkiRgoJQWxsb2NhdGVkEgwKBHJhbmsYASABKA0SCgoCb2sYAiABKAgSDQoFZXJyb3IYAyABKAkSEAoIc2VnbWVudHMYBCADKA0inQIKD1NpZGVjYXJUb0VuZ2luZRIrCgpyZWdpc3RlcmVkGAEgASgLMhUua3Z4ZmVyLnYxLlJlZ2lzdGVyZWRIABImCghrdl9yZWFkeRgCIAEoCzISLmt2eGZlci52MS5LdlJlYWR5SAASKAoJa3ZfZmFpbGVkGAMgASgLMhMua3Z4ZmVyLnYxLkt2RmFpbGVkSAASMgoOcmVsZWFzZV9ibG9ja3MYBCABKAsyGC5rdnhmZXIudjEuUmVsZWFzZUJsb2Nrc0gAEiUKB3JlZnVzZWQYBSABKAsyEi5rdnhmZXIudjEuUmVmdXNlZEgAEikKCWFsbG9jYXRlZBgGIAEoCzIULmt2eGZlci52MS5BbGxvY2F0ZWRIAEIFCgNtc2cqzAIKDUZhaWx1cmVSZWFzb24SHgoaRkFJTFVSRV9SRUFTT05fVU5TUEVDSUZJRUQQABIaChZGQUlMVVJFX1JFQVNPTl9USU1FT1VUEAESHgoaRkFJTFVSRV9SRUFTT05fUEVFUl9GQUlMRUQQAhIaChZGQUlMVVJFX1JFQVNPTl9BQk9SVEVEEAMSHwobRkFJTFVSRV9SRUFTT05fSU5DT01QQVRJQkxFEAQSHgoaRkFJTFVSRV9SRUFTT05fQkFEX1JFUVVFU1QQBRIhCh1GQUlMVVJFX1JFQVNPTl9UUkFOU0ZFUl9FUlJPUhAGEiAKHEZBSUxVUkVfUkVBU09OX0xFQVNFX0VYUElSRUQQBxIeChpGQUlMVVJFX1JFQVNPTl9VTlJFQUNIQUJMRRAIEh0KGUZBSUxVUkVfUkVBU09OX09WRVJMT0FERUQQCSqiAQoNUmVsZWFzZVJlYXNvbhIeChpSRUxFQVNFX1JFQVNPTl9VTlNQRUNJRklFRBAAEh4KGlJFTEVBU0VfUkVBU09OX1RSQU5TRkVSUkVEEAESGgoWUkVMRUFTRV9SRUFTT05fRVhQSVJFRBACEhoKFlJFTEVBU0VfUkVBU09OX0FCT1JURUQQAxIZChVSRUxFQVNFX1JFQVNPTl9GQUlMRUQQBGIGcHJvdG8z", [file_kvxfer_v1_layout]);
 
 /**
  * One registered memory region of one rank: `length` bytes at `offset` of a
@@ -208,6 +208,16 @@ export type PrefillDone = Message<"kvxfer.v1.PrefillDone"> & {
    * @generated from field: repeated kvxfer.v1.KvBlockList groups = 5;
    */
   groups: KvBlockList[];
+
+  /**
+   * Layer-wise push: sent before the forward that completes the prompt, so the KV is still
+   * being computed. P's sidecar holds the blocks from here as after any PrefillDone, but writes
+   * a layer only once a LayersSaved says it is saved, and answers a read (pull) "not held"
+   * until every layer is. The engine sends LayersSaved up to the layout's num_layers.
+   *
+   * @generated from field: bool layer_wise = 6;
+   */
+  layerWise: boolean;
 };
 
 /**
@@ -216,6 +226,32 @@ export type PrefillDone = Message<"kvxfer.v1.PrefillDone"> & {
  */
 export const PrefillDoneSchema: GenMessage<PrefillDone> = /*@__PURE__*/
   messageDesc(file_kvxfer_v1_engine, 4);
+
+/**
+ * Engine (P) -> sidecar: for each transfer named (each sent as a layer-wise PrefillDone), the
+ * first `layers` layers of the registered layout (slot order) hold their final KV. One message
+ * per layer per forward, for every layer-wise transfer of that forward; never decreases.
+ *
+ * @generated from message kvxfer.v1.LayersSaved
+ */
+export type LayersSaved = Message<"kvxfer.v1.LayersSaved"> & {
+  /**
+   * @generated from field: repeated string transfer_ids = 1;
+   */
+  transferIds: string[];
+
+  /**
+   * @generated from field: uint32 layers = 2;
+   */
+  layers: number;
+};
+
+/**
+ * Describes the message kvxfer.v1.LayersSaved.
+ * Use `create(LayersSavedSchema)` to create a new message.
+ */
+export const LayersSavedSchema: GenMessage<LayersSaved> = /*@__PURE__*/
+  messageDesc(file_kvxfer_v1_engine, 5);
 
 /**
  * Engine (D) -> sidecar: KV for a request is expected into `block_ids`.
@@ -291,7 +327,7 @@ export type ExpectKv = Message<"kvxfer.v1.ExpectKv"> & {
  * Use `create(ExpectKvSchema)` to create a new message.
  */
 export const ExpectKvSchema: GenMessage<ExpectKv> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 5);
+  messageDesc(file_kvxfer_v1_engine, 6);
 
 /**
  * Engine -> sidecar: give up on a transfer.
@@ -310,7 +346,7 @@ export type Abort = Message<"kvxfer.v1.Abort"> & {
  * Use `create(AbortSchema)` to create a new message.
  */
 export const AbortSchema: GenMessage<Abort> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 6);
+  messageDesc(file_kvxfer_v1_engine, 7);
 
 /**
  * @generated from message kvxfer.v1.EngineToSidecar
@@ -349,6 +385,12 @@ export type EngineToSidecar = Message<"kvxfer.v1.EngineToSidecar"> & {
      */
     value: AllocateKv;
     case: "allocate";
+  } | {
+    /**
+     * @generated from field: kvxfer.v1.LayersSaved layers_saved = 6;
+     */
+    value: LayersSaved;
+    case: "layersSaved";
   } | { case: undefined; value?: undefined };
 };
 
@@ -357,7 +399,7 @@ export type EngineToSidecar = Message<"kvxfer.v1.EngineToSidecar"> & {
  * Use `create(EngineToSidecarSchema)` to create a new message.
  */
 export const EngineToSidecarSchema: GenMessage<EngineToSidecar> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 7);
+  messageDesc(file_kvxfer_v1_engine, 8);
 
 /**
  * Sidecar (D) -> engine: every byte of the transfer has landed.
@@ -383,7 +425,7 @@ export type KvReady = Message<"kvxfer.v1.KvReady"> & {
  * Use `create(KvReadySchema)` to create a new message.
  */
 export const KvReadySchema: GenMessage<KvReady> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 8);
+  messageDesc(file_kvxfer_v1_engine, 9);
 
 /**
  * Sidecar -> engine: the transfer failed; D recomputes.
@@ -412,7 +454,7 @@ export type KvFailed = Message<"kvxfer.v1.KvFailed"> & {
  * Use `create(KvFailedSchema)` to create a new message.
  */
 export const KvFailedSchema: GenMessage<KvFailed> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 9);
+  messageDesc(file_kvxfer_v1_engine, 10);
 
 /**
  * Sidecar -> engine: the blocks may be reused; no write into them can still arrive.
@@ -441,7 +483,7 @@ export type ReleaseBlocks = Message<"kvxfer.v1.ReleaseBlocks"> & {
  * Use `create(ReleaseBlocksSchema)` to create a new message.
  */
 export const ReleaseBlocksSchema: GenMessage<ReleaseBlocks> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 10);
+  messageDesc(file_kvxfer_v1_engine, 11);
 
 /**
  * Sidecar -> engine: answer to RegisterKvCache.
@@ -480,7 +522,7 @@ export type Registered = Message<"kvxfer.v1.Registered"> & {
  * Use `create(RegisteredSchema)` to create a new message.
  */
 export const RegisteredSchema: GenMessage<Registered> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 11);
+  messageDesc(file_kvxfer_v1_engine, 12);
 
 /**
  * Sidecar -> engine: a message from the engine was refused (it never costs more
@@ -510,7 +552,7 @@ export type Refused = Message<"kvxfer.v1.Refused"> & {
  * Use `create(RefusedSchema)` to create a new message.
  */
 export const RefusedSchema: GenMessage<Refused> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 12);
+  messageDesc(file_kvxfer_v1_engine, 13);
 
 /**
  * Sidecar -> engine: answer to AllocateKv. Each segment is a SysV shared
@@ -548,7 +590,7 @@ export type Allocated = Message<"kvxfer.v1.Allocated"> & {
  * Use `create(AllocatedSchema)` to create a new message.
  */
 export const AllocatedSchema: GenMessage<Allocated> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 13);
+  messageDesc(file_kvxfer_v1_engine, 14);
 
 /**
  * @generated from message kvxfer.v1.SidecarToEngine
@@ -601,7 +643,7 @@ export type SidecarToEngine = Message<"kvxfer.v1.SidecarToEngine"> & {
  * Use `create(SidecarToEngineSchema)` to create a new message.
  */
 export const SidecarToEngineSchema: GenMessage<SidecarToEngine> = /*@__PURE__*/
-  messageDesc(file_kvxfer_v1_engine, 14);
+  messageDesc(file_kvxfer_v1_engine, 15);
 
 /**
  * @generated from enum kvxfer.v1.FailureReason

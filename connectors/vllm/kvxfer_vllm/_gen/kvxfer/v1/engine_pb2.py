@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from kvxfer_vllm._gen.kvxfer.v1 import layout_pb2 as kvxfer_dot_v1_dot_layout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/engine.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/layout.proto\"\x8a\x01\n\nRegionFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x14\n\x07segment\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x63uda_ipc_handle\x18\x05 \x01(\x0c\x12\x13\n\x0b\x63uda_device\x18\x06 \x01(\rB\n\n\x08_segment\"<\n\nAllocateKv\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07lengths\x18\x02 \x03(\x04\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\"C\n\x0bRankKvCache\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12&\n\x07regions\x18\x02 \x03(\x0b\x32\x15.kvxfer.v1.RegionFile\"\x99\x01\n\x0fRegisterKvCache\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.kvxfer.v1.KvLayout\x12%\n\x05ranks\x18\x03 \x03(\x0b\x32\x16.kvxfer.v1.RankKvCache\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.kvxfer.v1.KvCacheGroup\"\x80\x01\n\x0bPrefillDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12&\n\x06groups\x18\x05 \x03(\x0b\x32\x16.kvxfer.v1.KvBlockList\"\x8b\x02\n\x08\x45xpectKv\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x15\n\rprefix_tokens\x18\x05 \x01(\r\x12\x18\n\x10source_block_ids\x18\x06 \x03(\r\x12\x1c\n\x14has_source_block_ids\x18\x07 \x01(\x08\x12\r\n\x05token\x18\x08 \x01(\t\x12&\n\x06groups\x18\t \x03(\x0b\x32\x16.kvxfer.v1.KvBlockList\x12-\n\rsource_groups\x18\n \x03(\x0b\x32\x16.kvxfer.v1.KvBlockList\"\x1c\n\x05\x41\x62ort\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xf0\x01\n\x0f\x45ngineToSidecar\x12.\n\x08register\x18\x01 \x01(\x0b\x32\x1a.kvxfer.v1.RegisterKvCacheH\x00\x12.\n\x0cprefill_done\x18\x02 \x01(\x0b\x32\x16.kvxfer.v1.PrefillDoneH\x00\x12(\n\texpect_kv\x18\x03 \x01(\x0b\x32\x13.kvxfer.v1.ExpectKvH\x00\x12!\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x10.kvxfer.v1.AbortH\x00\x12)\n\x08\x61llocate\x18\x05 \x01(\x0b\x32\x15.kvxfer.v1.AllocateKvH\x00\x42\x05\n\x03msg\"-\n\x07KvReady\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"Z\n\x08KvFailed\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvxfer.v1.FailureReason\x12\x0f\n\x07message\x18\x03 \x01(\t\"a\n\rReleaseBlocks\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12(\n\x06reason\x18\x03 \x01(\x0e\x32\x18.kvxfer.v1.ReleaseReason\"L\n\nRegistered\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0cside_channel\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"=\n\x07Refused\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"F\n\tAllocated\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x10\n\x08segments\x18\x04 \x03(\r\"\x9d\x02\n\x0fSidecarToEngine\x12+\n\nregistered\x18\x01 \x01(\x0b\x32\x15.kvxfer.v1.RegisteredH\x00\x12&\n\x08kv_ready\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.KvReadyH\x00\x12(\n\tkv_failed\x18\x03 \x01(\x0b\x32\x13.kvxfer.v1.KvFailedH\x00\x12\x32\n\x0erelease_blocks\x18\x04 \x01(\x0b\x32\x18.kvxfer.v1.ReleaseBlocksH\x00\x12%\n\x07refused\x18\x05 \x01(\x0b\x32\x12.kvxfer.v1.RefusedH\x00\x12)\n\tallocated\x18\x06 \x01(\x0b\x32\x14.kvxfer.v1.AllocatedH\x00\x42\x05\n\x03msg*\xcc\x02\n\rFailureReason\x12\x1e\n\x1a\x46\x41ILURE_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x46\x41ILURE_REASON_TIMEOUT\x10\x01\x12\x1e\n\x1a\x46\x41ILURE_REASON_PEER_FAILED\x10\x02\x12\x1a\n\x16\x46\x41ILURE_REASON_ABORTED\x10\x03\x12\x1f\n\x1b\x46\x41ILURE_REASON_INCOMPATIBLE\x10\x04\x12\x1e\n\x1a\x46\x41ILURE_REASON_BAD_REQUEST\x10\x05\x12!\n\x1d\x46\x41ILURE_REASON_TRANSFER_ERROR\x10\x06\x12 \n\x1c\x46\x41ILURE_REASON_LEASE_EXPIRED\x10\x07\x12\x1e\n\x1a\x46\x41ILURE_REASON_UNREACHABLE\x10\x08\x12\x1d\n\x19\x46\x41ILURE_REASON_OVERLOADED\x10\t*\xa2\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1aRELEASE_REASON_TRANSFERRED\x10\x01\x12\x1a\n\x16RELEASE_REASON_EXPIRED\x10\x02\x12\x1a\n\x16RELEASE_REASON_ABORTED\x10\x03\x12\x19\n\x15RELEASE_REASON_FAILED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/engine.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/layout.proto\"\x8a\x01\n\nRegionFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x14\n\x07segment\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0f\x63uda_ipc_handle\x18\x05 \x01(\x0c\x12\x13\n\x0b\x63uda_device\x18\x06 \x01(\rB\n\n\x08_segment\"<\n\nAllocateKv\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07lengths\x18\x02 \x03(\x04\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\"C\n\x0bRankKvCache\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12&\n\x07regions\x18\x02 \x03(\x0b\x32\x15.kvxfer.v1.RegionFile\"\x99\x01\n\x0fRegisterKvCache\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.kvxfer.v1.KvLayout\x12%\n\x05ranks\x18\x03 \x03(\x0b\x32\x16.kvxfer.v1.RankKvCache\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.kvxfer.v1.KvCacheGroup\"\x94\x01\n\x0bPrefillDone\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12&\n\x06groups\x18\x05 \x03(\x0b\x32\x16.kvxfer.v1.KvBlockList\x12\x12\n\nlayer_wise\x18\x06 \x01(\x08\"3\n\x0bLayersSaved\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\"\x8b\x02\n\x08\x45xpectKv\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x15\n\rprefix_tokens\x18\x05 \x01(\r\x12\x18\n\x10source_block_ids\x18\x06 \x03(\r\x12\x1c\n\x14has_source_block_ids\x18\x07 \x01(\x08\x12\r\n\x05token\x18\x08 \x01(\t\x12&\n\x06groups\x18\t \x03(\x0b\x32\x16.kvxfer.v1.KvBlockList\x12-\n\rsource_groups\x18\n \x03(\x0b\x32\x16.kvxfer.v1.KvBlockList\"\x1c\n\x05\x41\x62ort\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\xa0\x02\n\x0f\x45ngineToSidecar\x12.\n\x08register\x18\x01 \x01(\x0b\x32\x1a.kvxfer.v1.RegisterKvCacheH\x00\x12.\n\x0cprefill_done\x18\x02 \x01(\x0b\x32\x16.kvxfer.v1.PrefillDoneH\x00\x12(\n\texpect_kv\x18\x03 \x01(\x0b\x32\x13.kvxfer.v1.ExpectKvH\x00\x12!\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x10.kvxfer.v1.AbortH\x00\x12)\n\x08\x61llocate\x18\x05 \x01(\x0b\x32\x15.kvxfer.v1.AllocateKvH\x00\x12.\n\x0clayers_saved\x18\x06 \x01(\x0b\x32\x16.kvxfer.v1.LayersSavedH\x00\x42\x05\n\x03msg\"-\n\x07KvReady\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"Z\n\x08KvFailed\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.kvxfer.v1.FailureReason\x12\x0f\n\x07message\x18\x03 \x01(\t\"a\n\rReleaseBlocks\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12(\n\x06reason\x18\x03 \x01(\x0e\x32\x18.kvxfer.v1.ReleaseReason\"L\n\nRegistered\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0cside_channel\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"=\n\x07Refused\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"F\n\tAllocated\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x10\n\x08segments\x18\x04 \x03(\r\"\x9d\x02\n\x0fSidecarToEngine\x12+\n\nregistered\x18\x01 \x01(\x0b\x32\x15.kvxfer.v1.RegisteredH\x00\x12&\n\x08kv_ready\x18\x02 \x01(\x0b\x32\x12.kvxfer.v1.KvReadyH\x00\x12(\n\tkv_failed\x18\x03 \x01(\x0b\x32\x13.kvxfer.v1.KvFailedH\x00\x12\x32\n\x0erelease_blocks\x18\x04 \x01(\x0b\x32\x18.kvxfer.v1.ReleaseBlocksH\x00\x12%\n\x07refused\x18\x05 \x01(\x0b\x32\x12.kvxfer.v1.RefusedH\x00\x12)\n\tallocated\x18\x06 \x01(\x0b\x32\x14.kvxfer.v1.AllocatedH\x00\x42\x05\n\x03msg*\xcc\x02\n\rFailureReason\x12\x1e\n\x1a\x46\x41ILURE_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x46\x41ILURE_REASON_TIMEOUT\x10\x01\x12\x1e\n\x1a\x46\x41ILURE_REASON_PEER_FAILED\x10\x02\x12\x1a\n\x16\x46\x41ILURE_REASON_ABORTED\x10\x03\x12\x1f\n\x1b\x46\x41ILURE_REASON_INCOMPATIBLE\x10\x04\x12\x1e\n\x1a\x46\x41ILURE_REASON_BAD_REQUEST\x10\x05\x12!\n\x1d\x46\x41ILURE_REASON_TRANSFER_ERROR\x10\x06\x12 \n\x1c\x46\x41ILURE_REASON_LEASE_EXPIRED\x10\x07\x12\x1e\n\x1a\x46\x41ILURE_REASON_UNREACHABLE\x10\x08\x12\x1d\n\x19\x46\x41ILURE_REASON_OVERLOADED\x10\t*\xa2\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1aRELEASE_REASON_TRANSFERRED\x10\x01\x12\x1a\n\x16RELEASE_REASON_EXPIRED\x10\x02\x12\x1a\n\x16RELEASE_REASON_ABORTED\x10\x03\x12\x19\n\x15RELEASE_REASON_FAILED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxfer.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FAILUREREASON']._serialized_start=1903
-  _globals['_FAILUREREASON']._serialized_end=2235
-  _globals['_RELEASEREASON']._serialized_start=2238
-  _globals['_RELEASEREASON']._serialized_end=2400
+  _globals['_FAILUREREASON']._serialized_start=2024
+  _globals['_FAILUREREASON']._serialized_end=2356
+  _globals['_RELEASEREASON']._serialized_start=2359
+  _globals['_RELEASEREASON']._serialized_end=2521
   _globals['_REGIONFILE']._serialized_start=62
   _globals['_REGIONFILE']._serialized_end=200
   _globals['_ALLOCATEKV']._serialized_start=202
@@ -45,25 +45,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERKVCACHE']._serialized_start=334
   _globals['_REGISTERKVCACHE']._serialized_end=487
   _globals['_PREFILLDONE']._serialized_start=490
-  _globals['_PREFILLDONE']._serialized_end=618
-  _globals['_EXPECTKV']._serialized_start=621
-  _globals['_EXPECTKV']._serialized_end=888
-  _globals['_ABORT']._serialized_start=890
-  _globals['_ABORT']._serialized_end=918
-  _globals['_ENGINETOSIDECAR']._serialized_start=921
-  _globals['_ENGINETOSIDECAR']._serialized_end=1161
-  _globals['_KVREADY']._serialized_start=1163
-  _globals['_KVREADY']._serialized_end=1208
-  _globals['_KVFAILED']._serialized_start=1210
-  _globals['_KVFAILED']._serialized_end=1300
-  _globals['_RELEASEBLOCKS']._serialized_start=1302
-  _globals['_RELEASEBLOCKS']._serialized_end=1399
-  _globals['_REGISTERED']._serialized_start=1401
-  _globals['_REGISTERED']._serialized_end=1477
-  _globals['_REFUSED']._serialized_start=1479
-  _globals['_REFUSED']._serialized_end=1540
-  _globals['_ALLOCATED']._serialized_start=1542
-  _globals['_ALLOCATED']._serialized_end=1612
-  _globals['_SIDECARTOENGINE']._serialized_start=1615
-  _globals['_SIDECARTOENGINE']._serialized_end=1900
+  _globals['_PREFILLDONE']._serialized_end=638
+  _globals['_LAYERSSAVED']._serialized_start=640
+  _globals['_LAYERSSAVED']._serialized_end=691
+  _globals['_EXPECTKV']._serialized_start=694
+  _globals['_EXPECTKV']._serialized_end=961
+  _globals['_ABORT']._serialized_start=963
+  _globals['_ABORT']._serialized_end=991
+  _globals['_ENGINETOSIDECAR']._serialized_start=994
+  _globals['_ENGINETOSIDECAR']._serialized_end=1282
+  _globals['_KVREADY']._serialized_start=1284
+  _globals['_KVREADY']._serialized_end=1329
+  _globals['_KVFAILED']._serialized_start=1331
+  _globals['_KVFAILED']._serialized_end=1421
+  _globals['_RELEASEBLOCKS']._serialized_start=1423
+  _globals['_RELEASEBLOCKS']._serialized_end=1520
+  _globals['_REGISTERED']._serialized_start=1522
+  _globals['_REGISTERED']._serialized_end=1598
+  _globals['_REFUSED']._serialized_start=1600
+  _globals['_REFUSED']._serialized_end=1661
+  _globals['_ALLOCATED']._serialized_start=1663
+  _globals['_ALLOCATED']._serialized_end=1733
+  _globals['_SIDECARTOENGINE']._serialized_start=1736
+  _globals['_SIDECARTOENGINE']._serialized_end=2021
 # @@protoc_insertion_point(module_scope)

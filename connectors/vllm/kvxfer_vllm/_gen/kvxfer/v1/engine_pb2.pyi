@@ -91,18 +91,28 @@ class RegisterKvCache(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_layout_pb2.KvLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankKvCache, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[_layout_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("transfer_id", "block_ids", "num_tokens", "token", "groups")
+    __slots__ = ("transfer_id", "block_ids", "num_tokens", "token", "groups", "layer_wise")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_WISE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     token: str
     groups: _containers.RepeatedCompositeFieldContainer[_layout_pb2.KvBlockList]
-    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., token: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_layout_pb2.KvBlockList, _Mapping]]] = ...) -> None: ...
+    layer_wise: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., token: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_layout_pb2.KvBlockList, _Mapping]]] = ..., layer_wise: _Optional[bool] = ...) -> None: ...
+
+class LayersSaved(_message.Message):
+    __slots__ = ("transfer_ids", "layers")
+    TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    transfer_ids: _containers.RepeatedScalarFieldContainer[str]
+    layers: int
+    def __init__(self, transfer_ids: _Optional[_Iterable[str]] = ..., layers: _Optional[int] = ...) -> None: ...
 
 class ExpectKv(_message.Message):
     __slots__ = ("transfer_id", "source", "block_ids", "num_tokens", "prefix_tokens", "source_block_ids", "has_source_block_ids", "token", "groups", "source_groups")
@@ -135,18 +145,20 @@ class Abort(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class EngineToSidecar(_message.Message):
-    __slots__ = ("register", "prefill_done", "expect_kv", "abort", "allocate")
+    __slots__ = ("register", "prefill_done", "expect_kv", "abort", "allocate", "layers_saved")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
     EXPECT_KV_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_SAVED_FIELD_NUMBER: _ClassVar[int]
     register: RegisterKvCache
     prefill_done: PrefillDone
     expect_kv: ExpectKv
     abort: Abort
     allocate: AllocateKv
-    def __init__(self, register: _Optional[_Union[RegisterKvCache, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillDone, _Mapping]] = ..., expect_kv: _Optional[_Union[ExpectKv, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., allocate: _Optional[_Union[AllocateKv, _Mapping]] = ...) -> None: ...
+    layers_saved: LayersSaved
+    def __init__(self, register: _Optional[_Union[RegisterKvCache, _Mapping]] = ..., prefill_done: _Optional[_Union[PrefillDone, _Mapping]] = ..., expect_kv: _Optional[_Union[ExpectKv, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., allocate: _Optional[_Union[AllocateKv, _Mapping]] = ..., layers_saved: _Optional[_Union[LayersSaved, _Mapping]] = ...) -> None: ...
 
 class KvReady(_message.Message):
     __slots__ = ("transfer_id", "bytes")
