@@ -141,20 +141,86 @@ export function kvPerLayer(layout: Pick<KvLayout, "mla">): number {
   return layout.mla ? 1 : 2;
 }
 
+/** Where each layer's KV lies in one region: disjoint byte ranges, sorted by start. */
+export interface LayerSpans {
+  readonly starts: Float64Array;
+  readonly ends: Float64Array;
+  readonly layers: Int32Array;
+}
+
 /**
- * For each region of `layout`, the one layer whose slots it holds, or -1 when it holds several
- * layers' slots or none: where every region a transfer writes from is one layer's, its writes
- * can be posted layer by layer (layer-wise push).
+ * For each region of `layout`, the byte range each layer's slots take in it (every block of
+ * the slot: `offset .. offset + (numBlocks - 1) * blockStride + footprint`), or undefined when
+ * two layers' ranges overlap there (blocks that hold every layer, say): a transfer's copies can
+ * then be told apart by layer only where it is defined (layer-wise push).
  */
-export function regionLayers(layout: Pick<KvLayout, "mla" | "slots" | "regionBytes">): Int32Array {
-  const out = new Int32Array(layout.regionBytes.length).fill(-2); // -2: no slot seen yet
+export function layerSpans(layout: KvLayout): (LayerSpans | undefined)[] {
   const perLayer = kvPerLayer(layout);
+  const reach = (layout.numBlocks - 1) * layout.blockStride + kvBlockFootprint(layout);
+  const byRegion = layout.regionBytes.map(() => new Map<number, [number, number]>());
   layout.slots.forEach((slot, s) => {
     const layer = Math.floor(s / perLayer);
-    const seen = out[slot.region]!;
-    out[slot.region] = seen === -2 || seen === layer ? layer : -1;
+    const m = byRegion[slot.region]!;
+    const span = m.get(layer);
+    const end = slot.offset + reach;
+    if (span === undefined) m.set(layer, [slot.offset, end]);
+    else m.set(layer, [Math.min(span[0], slot.offset), Math.max(span[1], end)]);
   });
-  return out.map((l) => (l < 0 ? -1 : l));
+  return byRegion.map((m) => {
+    const spans = [...m.entries()].sort((a, b) => a[1][0] - b[1][0]);
+    for (let i = 1; i < spans.length; i++)
+      if (spans[i]![1][0] < spans[i - 1]![1][1]) return undefined;
+    return {
+      starts: Float64Array.from(spans, (x) => x[1][0]),
+      ends: Float64Array.from(spans, (x) => x[1][1]),
+      layers: Int32Array.from(spans, (x) => x[0]),
+    };
+  });
+}
+
+/** The layer whose span holds byte `at`, or -1. */
+function layerAt(spans: LayerSpans, at: number): number {
+  let lo = 0;
+  let hi = spans.starts.length - 1;
+  while (lo <= hi) {
+    const mid = (lo + hi) >> 1;
+    if (at < spans.starts[mid]!) hi = mid - 1;
+    else if (at >= spans.ends[mid]!) lo = mid + 1;
+    else return spans.layers[mid]!;
+  }
+  return -1;
+}
+
+/**
+ * One region pair's `(src, dst, length)` triples split by the layer of the source bytes they
+ * read (a copy that runs into the next layer's range goes with the later one), in layer order;
+ * undefined when some copy reads bytes outside every layer's range.
+ */
+export function splitByLayer(
+  descriptors: Float64Array,
+  count: number,
+  spans: LayerSpans,
+): { layer: number; descriptors: Float64Array }[] | undefined {
+  const of = new Int32Array(count);
+  const sizes = new Map<number, number>();
+  for (let i = 0; i < count; i++) {
+    const src = descriptors[3 * i]!;
+    const first = layerAt(spans, src);
+    const last = layerAt(spans, src + descriptors[3 * i + 2]! - 1);
+    if (first < 0 || last < 0) return undefined;
+    const layer = Math.max(first, last);
+    of[i] = layer;
+    sizes.set(layer, (sizes.get(layer) ?? 0) + 1);
+  }
+  const out = [...sizes.keys()]
+    .sort((a, b) => a - b)
+    .map((layer) => ({ layer, descriptors: new Float64Array(3 * sizes.get(layer)!), n: 0 }));
+  const index = new Map(out.map((o) => [o.layer, o]));
+  for (let i = 0; i < count; i++) {
+    const o = index.get(of[i]!)!;
+    o.descriptors.set(descriptors.subarray(3 * i, 3 * i + 3), 3 * o.n++);
+  }
+  return out.map(({ layer, descriptors: d }) => ({ layer, descriptors: d }));
 }
 
 /** KV heads each rank holds: a slice of the heads, or one head when ranks outnumber heads. */

@@ -5,7 +5,7 @@
  */
 import type { Agent, Endpoint, OpTrace, WritePart } from "../native/index.js";
 import { KvxferError } from "../errors.js";
-import { planGroups, regionLayers, type TransferPlan } from "../plan/index.js";
+import { layerSpans, planGroups, splitByLayer, type TransferPlan } from "../plan/index.js";
 import { transferError, type SideContext } from "./context.js";
 import type { LayerProgress, PrefillTransfer } from "./prefill-transfer.js";
 import { settleAbandoned } from "./settle.js";
@@ -55,24 +55,33 @@ export async function postWrites(
   const plannedAt = performance.now();
   // A registration whose lease ran out must not be written to: D may have released the blocks.
   const used: Endpoint[] = [];
-  // Layer-wise: the layer each of P's regions holds (-1: several), from P's one group's layout.
-  const layerOf = t.layers !== undefined ? regionLayers(kv.groups[0]!.layout) : undefined;
+  // Layer-wise, while layers are still coming: where each layer lies in P's regions (one group).
+  const layersOf =
+    t.layers !== undefined && t.layers.saved < t.layers.total
+      ? layerSpans(kv.groups[0]!.layout)
+      : undefined;
   const results = await Promise.allSettled(
     plan.pairs.map(async (pair) => {
       const agent = kv.agents[pair.srcRank]!;
       const ep = peer.endpoint(pair.srcRank, pair.dstRank);
       used.push(ep);
       const parts: WritePart[] = [];
-      /** Each part's layer (layer-wise push; -1: a region several layers share). */
+      /** Layer-wise push: each part's layer (-1: it waits for the last layer). */
       const partLayers: number[] = [];
       for (const rp of pair.regionPairs) {
         if (rp.count === 0) continue;
-        parts.push({
-          local: kv.regions[pair.srcRank]![rp.srcRegion]!,
-          remote: peer.remote(pair.srcRank, pair.dstRank, rp.dstRegion),
-          descriptors: rp.descriptors,
-        });
-        partLayers.push(layerOf?.[rp.srcRegion] ?? -1);
+        const local = kv.regions[pair.srcRank]![rp.srcRegion]!;
+        const remote = peer.remote(pair.srcRank, pair.dstRank, rp.dstRegion);
+        const spans = layersOf?.[rp.srcRegion];
+        const byLayer = spans && splitByLayer(rp.descriptors, rp.count, spans);
+        if (byLayer === undefined) {
+          parts.push({ local, remote, descriptors: rp.descriptors });
+          partLayers.push(-1);
+        } else
+          for (const l of byLayer) {
+            parts.push({ local, remote, descriptors: l.descriptors });
+            partLayers.push(l.layer);
+          }
       }
       const mayWrite = (): void => {
         if (ctx.clock.now() > t.regDeadline || t.state !== "WRITING" || peer.state !== "connected")

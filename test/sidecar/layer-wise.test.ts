@@ -13,7 +13,7 @@ import {
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
 import { PushRegSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { checkEngineMessage } from "../../src/engine/validate.js";
-import { kvLayout, regionLayers, singleGroup } from "../../src/plan/index.js";
+import { kvLayout, layerSpans, singleGroup, splitByLayer } from "../../src/plan/index.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
 import { FakeWorld, SMALL, prefillDone, settle } from "./fakes.js";
 
@@ -235,10 +235,31 @@ describe("LayersSaved the sidecar refuses", () => {
   });
 });
 
-describe("regionLayers", () => {
-  it("a region per layer maps to its layer; one region for all layers to -1", () => {
-    expect([...regionLayers(SMALL)]).toEqual([0, 1]);
-    const one = kvLayout({ ...SMALL, numLayers: 3 }, "one-region-blocks-first");
-    expect([...regionLayers(one)]).toEqual([-1]);
+describe("layerSpans and splitByLayer: P's copies told apart by layer", () => {
+  it("a region per layer: one span each; one region, layers first: a span per layer; blocks first: none", () => {
+    const perLayer = layerSpans(SMALL);
+    expect(perLayer.map((s) => [...s!.layers])).toEqual([[0], [1]]);
+    const layersFirst = layerSpans(kvLayout({ ...SMALL, numLayers: 3 }, "one-region-layers-first"));
+    expect(layersFirst).toHaveLength(1);
+    expect([...layersFirst[0]!.layers]).toEqual([0, 1, 2]);
+    const blocksFirst = layerSpans(kvLayout({ ...SMALL, numLayers: 3 }, "one-region-blocks-first"));
+    expect(blocksFirst).toEqual([undefined]);
+  });
+
+  it("each copy goes with the layer it reads; one that runs into the next layer, with that one", () => {
+    const spans = {
+      starts: Float64Array.from([0, 100, 200]),
+      ends: Float64Array.from([100, 200, 300]),
+      layers: Int32Array.from([0, 1, 2]),
+    };
+    // (src, dst, length): layer 2, layer 0, layers 0-1 (goes with 1), layer 1.
+    const d = Float64Array.from([250, 0, 10, 10, 10, 10, 90, 20, 20, 150, 40, 5]);
+    const out = splitByLayer(d, 4, spans)!;
+    expect(out.map((o) => [o.layer, [...o.descriptors]])).toEqual([
+      [0, [10, 10, 10]],
+      [1, [90, 20, 20, 150, 40, 5]],
+      [2, [250, 0, 10]],
+    ]);
+    expect(splitByLayer(Float64Array.from([290, 0, 20]), 1, spans)).toBeUndefined();
   });
 });

@@ -62,6 +62,10 @@ class ConnectorConfig:
     #: read before it sleeps on the queue's notification (idle.py ``limit_engine_spin``); vLLM
     #: spins a second. 0: vLLM's.
     engine_spin_s: float = 0.002
+    #: P (push): tell the sidecar of a prefill before the forward that completes it, then of each
+    #: layer as its attention has saved its KV, so its writes leave while later layers compute
+    #: (CPU engines, one KV cache group, TP 1; elsewhere whole-request push, logged once).
+    layer_wise: bool = False
 
 
 _KEYS = {
@@ -76,6 +80,7 @@ _KEYS = {
     "idle_wait_s",
     "worker_rest_s",
     "engine_spin_s",
+    "layer_wise",
 }
 
 
@@ -135,6 +140,9 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
     advertise = extra.get("advertise", "")
     if not isinstance(advertise, str) or (advertise and not re.match(r"^[^:\s]+:\d{1,5}$", advertise)):
         raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.advertise must be 'host:port', got {advertise!r}")
+    layer_wise = extra.get("layer_wise", False)
+    if not isinstance(layer_wise, bool):
+        raise ConfigError("ERR_CONFIG", f"kv_connector_extra_config.layer_wise must be true or false, got {layer_wise!r}")
     return ConnectorConfig(
         engine_id=engine_id,
         engine_socket=socket,
@@ -148,4 +156,5 @@ def load_config(engine_id: str | None, extra: dict[str, Any] | None, device_type
         idle_wait_s=_number(extra, "idle_wait_s", 0.5, 0.0, 10.0),
         worker_rest_s=_number(extra, "worker_rest_s", 0.003, 0.0, 10.0),
         engine_spin_s=_number(extra, "engine_spin_s", 0.002, 0.0, 10.0),
+        layer_wise=layer_wise,
     )

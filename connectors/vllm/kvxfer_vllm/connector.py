@@ -294,15 +294,36 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         #: The KV cache groups that move (hybrid models: several, each its own kind and layout).
         self._groups = group_specs(kv_cache_config) if kv_cache_config is not None else []
         self._hybrid = len(self._groups) > 1 or any(g.kind != "full" for g in self._groups)
+        #: Layer-wise push (``layer_wise``), where it can run; else whole-request push, said once.
+        self._layer_wise = self.cfg.layer_wise and self._layer_wise_refusal(pc) is None
+        if self.cfg.layer_wise and not self._layer_wise and role == KVConnectorRole.SCHEDULER:
+            log.warning("kvxfer: layer_wise is set but %s: pushing each request whole",
+                        self._layer_wise_refusal(pc))
         if role == KVConnectorRole.WORKER and current_platform.device_type == "cpu":
             _allow_amx_tiles()
         if role == KVConnectorRole.SCHEDULER:
             # P's PrefillDone when the forward that completes the prompt has run (wait_for_save), a
             # step before vLLM finishes the request: on a CPU engine that hook runs after the forward.
             self.scheduler = SchedulerLogic(engine_id=self.cfg.engine_id, tp_size=self.tp_size, advertise=self.cfg.advertise,
-                                            early_prefill_done=self._send_at_bind, groups=self._groups or None)
+                                            early_prefill_done=self._send_at_bind, groups=self._groups or None,
+                                            layer_wise=self._layer_wise)
             # Data parallel engines step in waves together: not waited in (vLLM's own loop).
             self._idle = _idle_waiter(self.cfg) if getattr(pc, "data_parallel_size", 1) == 1 else None
+
+    def _layer_wise_refusal(self, pc: Any) -> str | None:
+        """Why layer-wise push cannot run on this engine, or None. It needs the forward to have
+        really run when ``save_kv_layer`` is called (a CPU engine: on a GPU the kernels are only
+        queued then), one KV cache group, one rank (rank 0 speaks for all, and another rank's
+        layer is not known saved) and the KV where the sidecar reads it (placement ``shared``)."""
+        if not self._send_at_bind:
+            return f"it needs a CPU engine (this one is {current_platform.device_type!r})"
+        if self._hybrid:
+            return "the model has several KV cache groups"
+        if self.tp_size != 1:
+            return f"tensor parallel size is {self.tp_size} (it needs 1)"
+        if self.cfg.placement != "shared":
+            return f"placement is {self.cfg.placement!r} (it needs 'shared')"
+        return None
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -400,6 +421,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             expand_blocks=lambda ids: expand_block_ids(ids, bpb),
             on_kv_ready=host.to_device if host is not None else None,
             on_activity=waker(self.cfg.engine_id) if self.cfg.idle_wait_s > 0 else None,
+            layer_names=described.layers if self._layer_wise else None,
             before_prefill_done=(
                 host.to_host if host is not None else device_kv.before_prefill_done if device_kv is not None else None
             ),
@@ -482,7 +504,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return None
+        # After the layer's attention (on CPU the forward has run it): its KV is final.
+        if self.worker is not None and self._layer_wise:
+            self.worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         # After the forward: the prefills it completed (on CPU only, where the forward has run).

@@ -73,6 +73,10 @@ class StepMessages:
     #: P: prefills that this step's forward completes, sent when the forward has run (the worker's
     #: ``after_forward``), not when the step starts like the lists above.
     prefill_done_after_forward: list[PrefillDoneMsg] = field(default_factory=list)
+    #: P, layer-wise push: prefills that this step's forward completes, sent before the forward
+    #: (layer_wise), each layer announced as the forward saves it (the worker's ``layer_saved``).
+    prefill_done_layer_wise: list[PrefillDoneMsg] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prefill_done or self.expect or self.abort or self.give_up or self.prefill_done_after_forward)
+        return bool(self.prefill_done or self.expect or self.abort or self.give_up or self.prefill_done_after_forward
+                    or self.prefill_done_layer_wise)

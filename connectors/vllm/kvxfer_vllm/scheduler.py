@@ -101,7 +101,7 @@ def _transfer_token(params: dict[str, Any]) -> str:
 class SchedulerLogic:
     def __init__(self, *, engine_id: str, tp_size: int, advertise: str = "",
                  resolver: BootstrapResolver | None = None, early_prefill_done: bool = False,
-                 groups: Sequence[GroupSpec] | None = None) -> None:
+                 groups: Sequence[GroupSpec] | None = None, layer_wise: bool = False) -> None:
         self.engine_id = engine_id
         #: The engine's KV cache groups (hybrid models); None: one group of full attention, whose
         #: blocks travel as a plain list.
@@ -114,6 +114,8 @@ class SchedulerLogic:
         #: has processed that step's output and run the next one (only where the forward has really
         #: run when the worker's after-forward hook is called: a CPU engine).
         self._early_enabled = early_prefill_done
+        #: P: those early prefills go before their forward, layer by layer (one group only).
+        self._layer_wise = layer_wise and early_prefill_done and self.groups is None
         self._candidates: dict[str, _Candidate] = {}
         self._early: dict[str, _Early] = {}
         #: D: P's side channel from a router's bootstrap URL (vllm-router's mooncake mode).
@@ -304,8 +306,11 @@ class SchedulerLogic:
                 flat, lists = self.lists_of(c.tables, n)
             except ValueError:
                 continue  # request_finished tries again with vLLM's final tables
-            self._next.prefill_done_after_forward.append(
-                PrefillDoneMsg(rid, tid, flat, n, bind_token(token, digest), groups=lists))
+            msg = PrefillDoneMsg(rid, tid, flat, n, bind_token(token, digest), groups=lists)
+            if self._layer_wise:
+                self._next.prefill_done_layer_wise.append(msg)
+            else:
+                self._next.prefill_done_after_forward.append(msg)
             self._early[rid] = _Early(tid, token, digest, c.tables, n)
             self._holding.add(rid)
             timeline.mark("p.sched.early", tid, tokens=n)
@@ -433,7 +438,7 @@ class SchedulerLogic:
         if timeline.enabled():
             for m in step.expect:
                 timeline.mark("d.sched.step", m.transfer_id)
-            for p in step.prefill_done + step.prefill_done_after_forward:
+            for p in step.prefill_done + step.prefill_done_after_forward + step.prefill_done_layer_wise:
                 timeline.mark("p.sched.step", p.transfer_id)
         return step
 

@@ -114,6 +114,7 @@ class WorkerLogic:
         clock: Callable[[], float] = time.monotonic,
         bytes_per_token: int = 0,
         on_activity: Callable[[], None] | None = None,
+        layer_names: list[str] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.register_timeout_s = register_timeout_s
@@ -154,6 +155,14 @@ class WorkerLogic:
         self._already_retries = 0
         #: The latest failures the sidecar reported, (transfer id, reason, message), newest last.
         self.failures: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=64)
+        #: Layer-wise push: each KV layer's place in the registered layout (its slot order); a
+        #: layer that shares another's KV is not there (it moves with that one).
+        self._layer_pos = {n: i for i, n in enumerate(layer_names or [])}
+        #: The layer-wise transfers of the forward under way, its layers saved, and how many of
+        #: them (from layer 0, without a gap) the sidecar was told of.
+        self._lw_tids: list[str] = []
+        self._lw_done: list[bool] = []
+        self._lw_told = 0
         self.link = EngineLink(engine_socket, self._on_message, self._on_state, max_frame_bytes)
 
     # --- registration -----------------------------------------------------------------
@@ -221,6 +230,10 @@ class WorkerLogic:
                 self._giving_up.add(g.transfer_id)
             self._send(engine_pb2.EngineToSidecar(abort=engine_pb2.Abort(transfer_id=g.transfer_id)))
         self._prefill_done(step.prefill_done)
+        if step.prefill_done_layer_wise:
+            self._lw_tids = self._prefill_done(step.prefill_done_layer_wise, layer_wise=True)
+            self._lw_done = [False] * len(self._layer_pos)
+            self._lw_told = 0
         for e in step.expect:
             if self.link_down():
                 # The KV cannot come through a sidecar we cannot reach: D computes it.
@@ -266,11 +279,43 @@ class WorkerLogic:
                 self._fail_d(e.transfer_id)
 
     def after_forward(self, step: StepMessages) -> None:
-        """Sends the PrefillDone of the prefills this step's forward completed (called once it has run)."""
+        """Sends the PrefillDone of the prefills this step's forward completed (called once it has
+        run); for layer-wise ones, that every layer is saved (a layer the forward did not report
+        is saved too by now)."""
         if step.prefill_done_after_forward:
             self._prefill_done(step.prefill_done_after_forward)
+        if self._lw_tids:
+            if self._lw_told < len(self._lw_done):
+                self._tell_layers(len(self._lw_done))
+            self._lw_tids = []
 
-    def _prefill_done(self, msgs: list[PrefillDoneMsg]) -> None:
+    def layer_saved(self, layer_name: str) -> None:
+        """The forward saved ``layer_name``'s KV (vLLM's ``save_kv_layer``, after its attention):
+        with layer-wise transfers in this forward, the sidecar hears how many layers from the
+        first are saved, once per layer that adds to them."""
+        if not self._lw_tids:
+            return
+        i = self._layer_pos.get(layer_name)
+        if i is None or self._lw_done[i]:
+            return
+        self._lw_done[i] = True
+        n = self._lw_told
+        while n < len(self._lw_done) and self._lw_done[n]:
+            n += 1
+        if n > self._lw_told:
+            self._tell_layers(n)
+
+    def _tell_layers(self, n: int) -> None:
+        self._lw_told = n
+        if n == len(self._lw_done):
+            for tid in self._lw_tids:
+                timeline.mark("p.worker.layers", tid)
+        self._send(engine_pb2.EngineToSidecar(
+            layers_saved=engine_pb2.LayersSaved(transfer_ids=self._lw_tids, layers=n)))
+
+    def _prefill_done(self, msgs: list[PrefillDoneMsg], *, layer_wise: bool = False) -> list[str]:
+        """Sends each PrefillDone; returns the transfer ids that reached the sidecar."""
+        sent: list[str] = []
         for m in msgs:
             if self.link_down():
                 # Nobody can read these blocks now: the engine gets them back at once.
@@ -289,7 +334,8 @@ class WorkerLogic:
                     continue
                 self._p[m.transfer_id] = _P(m.request_id, m.num_tokens)
             log.debug("kvxfer: PrefillDone %s (%d blocks, %d tokens)", m.transfer_id, len(m.block_ids), m.num_tokens)
-            done = engine_pb2.PrefillDone(transfer_id=m.transfer_id, num_tokens=m.num_tokens, token=m.token)
+            done = engine_pb2.PrefillDone(transfer_id=m.transfer_id, num_tokens=m.num_tokens, token=m.token,
+                                          layer_wise=layer_wise)
             if m.groups is not None:
                 done.groups.extend(self._lists(m.groups))
             else:
@@ -298,6 +344,9 @@ class WorkerLogic:
             timeline.mark("p.worker.sent", m.transfer_id)
             if not self._send(msg):
                 self._end_p(m.transfer_id, failed=True)
+            else:
+                sent.append(m.transfer_id)
+        return sent
 
     def _lists(self, groups: list[BlockList]) -> list[layout_pb2.KvBlockList]:
         """vLLM's per-group lists in kvxfer blocks: each group split as its backend splits blocks."""

@@ -59,6 +59,7 @@ SYSTEMS: dict[str, str] = {
     "one": "one engine",
     "kvxfer-pull": "kvxfer pull",
     "kvxfer-push": "kvxfer push",
+    "kvxfer-layerwise": "kvxfer push, layer-wise",
     # "2 fixes": the two CPU fixes of peer_patches (NIXL's progress delay, vLLM's core pinning).
     "nixl": "NixlConnector as shipped",
     "nixl-fixed": "NixlConnector, 2 fixes",
@@ -262,12 +263,12 @@ class KvxferPair(Deployment):
     """kvxfer's connector and sidecars: pull (P first, D with P's answer) and push (both at once,
     D told P's sidecar address and the transfer id). The bench gives each mode a pair of its own."""
 
-    systems = ("kvxfer-pull", "kvxfer-push")
+    systems = ("kvxfer-pull", "kvxfer-push", "kvxfer-layerwise")
 
     def __init__(self, work: Path, model: str, max_len: int, placement: str = "shared",
                  kv_memory: str = "file", pin: bool = False, idle_wait_s: float | None = None,
                  prefault: bool = True, worker_rest_s: float | None = None,
-                 engine_spin_s: float | None = None, net: NetPair | None = None) -> None:
+                 engine_spin_s: float | None = None, net: NetPair | None = None, layer_wise: bool = False) -> None:
         self.model = model
         self.shm = Path(tempfile.mkdtemp(prefix="kvxfer-bench-", dir="/dev/shm"))
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
@@ -301,7 +302,8 @@ class KvxferPair(Deployment):
                                          "kv_memory": kv_memory,
                                          **({"idle_wait_s": idle_wait_s} if idle_wait_s is not None else {}),
                                          **({"worker_rest_s": worker_rest_s} if worker_rest_s is not None else {}),
-                                         **({"engine_spin_s": engine_spin_s} if engine_spin_s is not None else {})})
+                                         **({"engine_spin_s": engine_spin_s} if engine_spin_s is not None else {}),
+                                         **({"layer_wise": True} if layer_wise else {})})
 
             self.p, self.d = _start([spec(self.p_sc, "0"), spec(self.d_sc, "1")], work, pin)
             self.procs = {"P engine": self.p, "D engine": self.d, "P sidecar": self.p_sc, "D sidecar": self.d_sc}
@@ -452,9 +454,10 @@ def deployments(systems: list[str], kvxfer: dict[str, Any], pin: bool = False, n
     # One pair per mode, like every other system: pull and push on one pair would share its
     # engines' prefix caches, and push (asked second, the same prompts) found all but the last
     # block of each prompt already on D and on P (it moved 32 of 256 prompt tokens).
-    for mode in ("kvxfer-pull", "kvxfer-push"):
+    for mode in ("kvxfer-pull", "kvxfer-push", "kvxfer-layerwise"):
         if mode in systems:
-            out.append(((mode,), lambda w, m, n: KvxferPair(w, m, n, **kvxfer, pin=pin, net=net)))
+            out.append(((mode,), lambda w, m, n, lw=mode == "kvxfer-layerwise": KvxferPair(
+                w, m, n, **kvxfer, pin=pin, net=net, layer_wise=lw)))
     if "nixl" in systems:
         out.append((("nixl",), lambda w, m, n: NixlPair(w, m, n, push=False, fixed=False, pin=pin, net=net)))
     if "nixl-fixed" in systems:
@@ -926,7 +929,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="kvxfer bench vllm", description=__doc__.splitlines()[0])
     ap.add_argument("--vs", default="",
                     help="peers beside kvxfer: nixl (as shipped and fixed), nixl-fixed, nixl-push, mooncake (comma-separated)")
-    ap.add_argument("--modes", default="pull,push", help="kvxfer's modes")
+    ap.add_argument("--modes", default="pull,push",
+                    help="kvxfer's modes: pull, push, layerwise (push with the connector's layer_wise)")
     ap.add_argument("--placement", default="shared", choices=("shared", "host_buffer"), help="kvxfer's KV placement")
     ap.add_argument("--kv-memory", default="file", choices=KV_MEMORY, help="kvxfer's KV memory")
     ap.add_argument("--lengths", default="32,256,1024,4096")
@@ -963,8 +967,8 @@ def main() -> None:
     a = ap.parse_args()
     systems = ["one"]
     for m in a.modes.split(","):
-        if m not in ("pull", "push"):
-            ap.error(f"--modes: unknown mode {m!r} (pull, push)")
+        if m not in ("pull", "push", "layerwise"):
+            ap.error(f"--modes: unknown mode {m!r} (pull, push, layerwise)")
         systems.append(f"kvxfer-{m}")
     for v in (x for x in a.vs.split(",") if x):
         if v not in VS:

@@ -4,7 +4,7 @@
  * before its "forward", then one LayersSaved per layer; every layer holds a stale pattern until
  * it is saved, so a write posted before its layer was saved lands the wrong bytes at D. D
  * registers before P's first layer, during P's forward and after its last; P's TP 2 writes into
- * D's TP 1 with other block sizes; an abort mid-forward gives every block back on both sides.
+ * D's TP 1 with other block sizes, from one region holding every layer; an abort mid-forward gives every block back on both sides.
  */
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 
@@ -26,6 +26,9 @@ const SHAPE: DemoOptions = {
   pBlock: 16,
   dBlock: 32,
   layers: 4,
+  // Every layer in one region on P, layers first (as vLLM's CPU engine places them in one file):
+  // P's copies are told apart by the bytes they read, not by region.
+  pScheme: "one-region-layers-first",
   requestTimeoutMs: 30_000,
 };
 const BLOCKS = 64;
