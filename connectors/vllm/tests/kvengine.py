@@ -95,7 +95,7 @@ class KvEngine:
         )
         self.worker: WorkerLogic | None = None
 
-    def connect(self, socket: str, *, lost_timeout_s: float = 10.0) -> WorkerLogic:
+    def connect(self, socket: str, *, lost_timeout_s: float = 10.0, layer_wise: bool = False) -> WorkerLogic:
         hosts = self.hosts
 
         def each(fn_name: str):
@@ -109,6 +109,7 @@ class KvEngine:
             max_frame_bytes=16 << 20,
             on_kv_ready=each("to_device"),
             before_prefill_done=each("to_host"),
+            layer_names=self.described.layers if layer_wise else None,
         )
         self.worker.register(self.registration())
         return self.worker

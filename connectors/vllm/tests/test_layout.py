@@ -125,6 +125,9 @@ def test_config_refusals_name_the_key():
     assert (c.placement, c.engine_socket, c.kv_memory) == ("shared", "ipc:///tmp/kvxfer-p0.sock", "file")
     assert load_config("p0", {"kv_memory": "segment"}, "cpu").kv_memory == "segment"
     assert load_config("p0", {}, "cuda").placement == "host_buffer"
+    with pytest.raises(ConfigError, match="layer_wise must be true or false, got 'yes'"):
+        load_config("p0", {"layer_wise": "yes"}, "cpu")
+    assert (c.layer_wise, load_config("p0", {"layer_wise": True}, "cpu").layer_wise) == (False, True)
 
 
 def test_vllm_versions():

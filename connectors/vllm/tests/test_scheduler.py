@@ -259,6 +259,27 @@ def test_a_one_token_prefill_is_announced_after_the_forward_that_completes_it():
     assert not s.has_pending_work()
 
 
+def test_layer_wise_the_prefill_goes_before_its_forward_with_its_last_chunk():
+    """Layer-wise push: the step that completes the prompt carries its PrefillDone to be sent when
+    the step is bound (before its forward), not after it; a chunked prompt only with its last
+    chunk (its earlier chunks' KV is final by then, every layer of it)."""
+    from kvxfer_vllm.scheduler import Scheduled
+
+    s = SchedulerLogic(engine_id="p0", tp_size=1, early_prefill_done=True, layer_wise=True)
+    s.set_side_channel("10.1.2.3:4567")
+    s.p_allocated("r", {"do_remote_decode": True, "transfer_id": "t"}, [1, 2], list(range(100)), 1)
+    assert not s.build_step({"r": Scheduled(64)})
+    step = s.build_step({"r": Scheduled(100, [9])})
+    assert not step.prefill_done_after_forward and not step.prefill_done
+    (m,) = step.prefill_done_layer_wise
+    assert (m.transfer_id, m.block_ids, m.num_tokens) == ("t", [1, 2, 9], 100)
+    # Without early PrefillDone (a GPU engine) there is no layer-wise either.
+    g = SchedulerLogic(engine_id="p0", tp_size=1, early_prefill_done=False, layer_wise=True)
+    g.set_side_channel("10.1.2.3:4567")
+    g.p_allocated("r", {"do_remote_decode": True}, [1], list(range(10)), 1)
+    assert not g.build_step({"r": Scheduled(10)})
+
+
 def test_a_chunked_prompt_is_announced_with_its_last_chunk_and_all_its_blocks():
     from kvxfer_vllm.scheduler import Scheduled
 

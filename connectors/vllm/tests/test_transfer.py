@@ -269,3 +269,49 @@ def test_host_buffer_placement_copies_through_shared_memory(sidecars, shm_dir):
         assert all(f.tensor.data_ptr() != next(iter(rank.values())).data_ptr() for f, rank in
                    ((fs.files[0], rk) for fs, rk in zip(d.files, d.ranks)))
         check_cpu_blocks(p, d, pb, db, 70, 0, 32)
+
+
+@pytest.mark.parametrize("d_registers", ["before-the-forward", "mid-forward"])
+def test_layer_wise_push_moves_each_layer_once_it_is_saved(sidecars, shm_dir, d_registers):
+    """Layer-wise push through real sidecars (vLLM's CPU layout, every layer in one file): P's
+    PrefillDone (layer_wise) goes before the "forward", which then saves one layer at a time;
+    until a layer is saved P's memory holds other bytes there, so a write posted early lands
+    the wrong bytes at D. D is ready only after the last layer, with P's final KV, byte for byte;
+    the LayersSaved of two layers at once (one reported late) still moves both."""
+    p_sc, d_sc = sidecars("prefill"), sidecars("decode")
+    block, tokens = 32, 70
+    p = KvEngine(str(shm_dir), p_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=block, num_blocks=16)
+    d = KvEngine(str(shm_dir), d_sc.engine_id, backend="CPU_ATTN", tp=1, block_size=block, num_blocks=16)
+    try:
+        pw, dw = p.connect(p_sc.socket, layer_wise=True), d.connect(d_sc.socket)
+        p.fill_random(1)
+        final = {n: t.clone() for n, t in p.ranks[0].items()}
+        for t in p.ranks[0].values():
+            t.view(torch.int8).fill_(-1)  # not computed yet
+        p_blocks, d_blocks = [5, 9, 2], [7, 1, 12]
+        tid = unique("lw")
+        step_d = StepMessages(expect=[ExpectMsg("rd", tid, d_blocks, tokens, 0, pw.side_channel, None)])
+        step_p = StepMessages(prefill_done_layer_wise=[PrefillDoneMsg("rp", tid, p_blocks, tokens)])
+        pc, dc = Collector(pw), Collector(dw)
+        if d_registers == "before-the-forward":
+            dw.on_step(step_d)
+        pw.on_step(step_p)
+        names = p.described.layers
+        assert len(names) == 2
+        # Layer 1 saved first: nothing may move for it until layer 0 is saved too.
+        p.ranks[0][names[1]].copy_(final[names[1]])
+        pw.layer_saved(names[1])
+        if d_registers == "mid-forward":
+            dw.on_step(step_d)
+        with pytest.raises(pytest.fail.Exception, match="timed out"):
+            wait_for(lambda: "rd" in dc.poll().finished_recving, 0.5, "D's KV before every layer was saved")
+        p.ranks[0][names[0]].copy_(final[names[0]])
+        pw.layer_saved(names[0])
+        pw.after_forward(step_p)
+        wait_for(lambda: "rd" in dc.poll().finished_recving, 20, "D's KV")
+        wait_for(lambda: "rp" in pc.poll().finished_sending, 20, "P's blocks back")
+        assert "rd" not in dc.r.failed_recving
+        check_cpu_blocks(p, d, p_blocks, d_blocks, tokens, 0, block)
+    finally:
+        p.close()
+        d.close()
