@@ -6,7 +6,9 @@
 // (vllm-ttft.svg/.png). Flags go to the Python side: [--vs nixl,nixl-push,mooncake]
 // [--lengths 32,256,1024,4096] [--concurrency 1,8] [--requests N] [--rounds N]
 // [--output-tokens N] [--modes pull,push] [--faults] [--quick] [--load N [--load-nice K]]
-// [--prefault true|false] [--pin-engines] [--idle-wait-s S] [--worker-rest-s S] [--engine-spin-s S]; here: [--json] [--install-peers] (pip-installs
+// [--prefault true|false] [--pin-engines] [--idle-wait-s S] [--worker-rest-s S] [--engine-spin-s S]
+// [--link MBIT] (P's and D's agents on two network namespaces, KV over TCP, capped; 0: not capped)
+// [--model kv8|kv64] [--kv-cache-mib N] [--modes pull,push,layerwise]; here: [--json] [--install-peers] (pip-installs
 // the pinned peers, bench/peers/requirements.txt, into .venv first).
 // `--models` runs kvxfer_vllm_testing.models_bench instead: every model family through kvxfer and
 // NixlConnector ([--families ...] [--lengths 200,1000] [--requests 3] [--no-nixl]).
@@ -75,6 +77,8 @@ export interface VllmBenchResult {
   engine: Record<string, unknown>;
   /** The CPU hog beside the engines (--load; absent before 2026-12-06: none). */
   load?: { hogs: number; nice: number; what: string };
+  /** --link: the transfer agents on two network namespaces, the link capped (absent before 2026-12-07: loopback). */
+  link?: { mbit: number | null; what: string } | null;
   /** kvxfer's settings: the connector's placement, KV memory and idle wait, the sidecars' prefault. */
   kvxfer?: Record<string, unknown>;
   output_tokens: number;
@@ -192,6 +196,13 @@ export function settingsLine(r: VllmBenchResult): string {
   return [
     `engines: ${String(r.engine.pinned ?? "?")} pinned`,
     `load: ${r.load?.what ?? "none"}`,
+    // Named only when run across a link (--link) or with a model's figures (every run since).
+    ...(r.link ? [`link: ${r.link.what}`] : []),
+    ...(r.model
+      ? [
+          `model: ${r.model.layers} layers, ${r.model.kv_bytes_per_token / 1024} KiB of KV per token`,
+        ]
+      : []),
     `kvxfer: prefault ${String(kx.prefault ?? "true")}, placement ${String(kx.placement ?? "?")}, ` +
       `KV memory ${String(kx.kv_memory ?? "?")}, idle wait ${kx.idle_wait_s === undefined ? "the connector's default" : `${String(kx.idle_wait_s)} s`}` +
       // Named only when set (--worker-rest-s): absent, the connector's default ran (or, before

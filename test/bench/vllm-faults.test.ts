@@ -144,5 +144,21 @@ describe("settingsLine", () => {
         kvxfer: { placement: "shared", kv_memory: "file", worker_rest_s: 0 },
       } as unknown as VllmBenchResult),
     ).toContain("idle wait the connector's default, worker rest 0 s");
+    expect(
+      settingsLine({
+        ...base,
+        link: { mbit: 1000, what: "two namespaces, tbf 1000 Mbit/s each way" },
+        model: {
+          layers: 32,
+          kv_heads: 8,
+          head_dim: 64,
+          dtype: "bfloat16",
+          kv_bytes_per_token: 65536,
+        },
+        kvxfer: { placement: "shared", kv_memory: "file" },
+      } as unknown as VllmBenchResult),
+    ).toContain(
+      "load: none; link: two namespaces, tbf 1000 Mbit/s each way; model: 32 layers, 64 KiB of KV per token; kvxfer:",
+    );
   });
 });

@@ -53,6 +53,19 @@ from .tiny_model import TinyModelSpec, make_tiny_model
 #: Bigger than the tests' model so the KV is not negligible: 8 layers x 4 KV heads x 64 = 8 KiB/token.
 BENCH_MODEL = TinyModelSpec(layers=8, heads=8, kv_heads=4, head_dim=64, hidden=512, intermediate=1024,
                             max_positions=8192)
+#: ``--model``: the bench's model (8 KiB of KV per token), or one with 64 KiB per token (32
+#: layers, 8 KV heads: where the KV is large next to the compute, as in production models).
+MODELS: dict[str, TinyModelSpec] = {
+    "kv8": BENCH_MODEL,
+    "kv64": TinyModelSpec(layers=32, heads=8, kv_heads=8, head_dim=64, hidden=512, intermediate=1024,
+                          max_positions=8192),
+}
+#: Each engine's KV cache (``--kv-cache-mib``; 512 MiB: 8 prompts of 8192 tokens of the bench's model).
+KV_CACHE_BYTES = 512 << 20
+
+
+def kv_bytes_per_token(m: TinyModelSpec) -> int:
+    return m.layers * 2 * m.kv_heads * m.head_dim * 2
 
 #: Every system, in the order a round runs them, with its label.
 SYSTEMS: dict[str, str] = {
@@ -227,7 +240,7 @@ class Deployment:
 
 
 def _engine(work: Path, model: str, engine_id: str, cores: str, max_len: int, **kw: Any) -> EngineSpec:
-    return EngineSpec(model, engine_id, "", "", block_size=32, kv_cache_bytes=512 << 20, max_model_len=max_len,
+    return EngineSpec(model, engine_id, "", "", block_size=32, kv_cache_bytes=KV_CACHE_BYTES, max_model_len=max_len,
                       cores=cores, **kw)
 
 
@@ -297,7 +310,7 @@ class KvxferPair(Deployment):
 
             def spec(sc: SidecarProc, cores: str) -> EngineSpec:
                 return EngineSpec(model, sc.engine_id, sc.socket, str(self.shm), block_size=32,
-                                  kv_cache_bytes=512 << 20, max_model_len=max_len, cores=cores,
+                                  kv_cache_bytes=KV_CACHE_BYTES, max_model_len=max_len, cores=cores,
                                   extra={"register_timeout_s": 600.0, "placement": placement,
                                          "kv_memory": kv_memory,
                                          **({"idle_wait_s": idle_wait_s} if idle_wait_s is not None else {}),
@@ -549,7 +562,8 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
         out_tokens: int, work_root: Path | None = None,
         on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, Any] | None = None,
         faults: bool = False, pin_engines: bool = False, load: CpuHog | None = None,
-        link_mbit: int | None = None) -> dict[str, Any]:
+        link_mbit: int | None = None, model_spec: TinyModelSpec = BENCH_MODEL,
+        kv_cache_bytes: int = 512 << 20) -> dict[str, Any]:
     """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory`` and the sidecars'
     ``prefault``; ``pin_engines`` puts every process of each engine on its core (the model threads
     are always bound); ``load`` runs beside every deployment, from the first to the last (``--load``);
@@ -562,7 +576,9 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
 
     peers = peers_installed()
     work = Path(tempfile.mkdtemp(prefix="kvxfer-bench-vllm-", dir=work_root))
-    model = make_tiny_model(str(work / "model"), BENCH_MODEL)
+    global KV_CACHE_BYTES
+    KV_CACHE_BYTES = kv_cache_bytes
+    model = make_tiny_model(str(work / "model"), model_spec)
     max_len = max(lengths) + out_tokens + 64
     cells: dict[tuple[str, int, int], Cell] = {(s, n, c): Cell() for s in systems for n in lengths for c in concurrency}
     reference: dict[int, list[int]] = {}
@@ -679,10 +695,10 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                    f"{os.getloadavg()[0]:.2f} after",
         "vllm": vllm.__version__,
         "peers": peers,
-        "model": {"layers": BENCH_MODEL.layers, "kv_heads": BENCH_MODEL.kv_heads, "head_dim": BENCH_MODEL.head_dim,
+        "model": {"layers": model_spec.layers, "kv_heads": model_spec.kv_heads, "head_dim": model_spec.head_dim,
                   "dtype": "bfloat16",
-                  "kv_bytes_per_token": BENCH_MODEL.layers * 2 * BENCH_MODEL.kv_heads * BENCH_MODEL.head_dim * 2},
-        "engine": {"block_size": 32, "max_model_len": max_len, "kv_cache_bytes": 512 << 20, "cores": "P 0, D 1, one 0",
+                  "kv_bytes_per_token": kv_bytes_per_token(model_spec)},
+        "engine": {"block_size": 32, "max_model_len": max_len, "kv_cache_bytes": kv_cache_bytes, "cores": "P 0, D 1, one 0",
                    "pinned": "every process of each engine" if pin_engines else "the model threads only",
                    "enforce_eager": True},
         "load": load.describe(),
@@ -961,6 +977,10 @@ def main() -> None:
                     help="P's and D's transfer agents (kvxfer's sidecars, NIXL's engines) on two network namespaces "
                          "joined by one veth, their KV over TCP, capped at MBIT Mbit/s each way (tbf; 0: not capped); "
                          "needs root, ip, tc, iptables")
+    ap.add_argument("--model", default="kv8", choices=tuple(MODELS),
+                    help="kv8: the bench's model (8 layers, 8 KiB of KV per token); kv64: 32 layers, 8 KV heads "
+                         "(64 KiB per token)")
+    ap.add_argument("--kv-cache-mib", type=int, default=512, help="each engine's KV cache (MiB)")
     ap.add_argument("--pin-engines", action="store_true",
                     help="every process of each engine on its core (taskset), for every system alike; "
                          "without it only vLLM's model threads are bound")
@@ -996,7 +1016,8 @@ def main() -> None:
                       **({"worker_rest_s": a.worker_rest_s} if a.worker_rest_s is not None else {}),
                       **({"engine_spin_s": a.engine_spin_s} if a.engine_spin_s is not None else {})},
               faults=a.faults,
-              pin_engines=a.pin_engines, load=CpuHog(a.load, a.load_nice), link_mbit=a.link)
+              pin_engines=a.pin_engines, load=CpuHog(a.load, a.load_nice), link_mbit=a.link,
+              model_spec=MODELS[a.model], kv_cache_bytes=a.kv_cache_mib << 20)
     print(json.dumps(res))
 
 

@@ -293,6 +293,8 @@ class EngineSpec:
     #: ``host`` (an address that namespace has, reachable from here).
     prefix: tuple[str, ...] = ()
     host: str = "127.0.0.1"
+    #: More flags for vLLM's server (e.g. ``--max-num-batched-tokens 128``: chunked prefill).
+    args: tuple[str, ...] = ()
 
 
 #: ``sitecustomize`` for the peers' patches: first on the PYTHONPATH of engines that ask for them.
@@ -318,7 +320,7 @@ class VllmServer(Proc):
                 "--host", spec.host, "--port", str(spec.port), "--enforce-eager",
                 "--max-model-len", str(spec.max_model_len), "--block-size", str(spec.block_size),
                 "--kv-cache-memory-bytes", str(spec.kv_cache_bytes), "--max-num-seqs", "16",
-                "--dtype", spec.dtype]
+                "--dtype", spec.dtype, *spec.args]
         if spec.pin:
             if spec.cores == "nobind":
                 raise ValueError(f"engine {spec.engine_id}: pin needs cores to pin to (cores is 'nobind')")

@@ -118,7 +118,7 @@ class Deployment:
 
 @contextlib.contextmanager
 def pd_deployment(work: Path, block: int, extra: dict[str, Any], model: str | None = None,
-                  max_model_len: int = 1024) -> Iterator[Deployment]:
+                  max_model_len: int = 1024, engine_args: tuple[str, ...] = ()) -> Iterator[Deployment]:
     """Starts a P/D deployment of a tiny model made here (or ``model``), with ``extra``
     kv_connector_extra_config; stops it at the end and checks it left nothing (``stop_deployment``)."""
     model = model or make_tiny_model(str(work / "model"))
@@ -128,9 +128,9 @@ def pd_deployment(work: Path, block: int, extra: dict[str, Any], model: str | No
     d_sc = SidecarProc(unique("d"), "decode", f"ipc:///tmp/{unique('kvxfer-e2e')}.sock", work)
     extra = {"sidecar_lost_timeout_s": 2.0, "register_timeout_s": 300.0, **extra}
     p = VllmServer(EngineSpec(model, p_sc.engine_id, p_sc.socket, str(shm), block_size=block, cores="0", extra=extra,
-                              max_model_len=max_model_len), work)
+                              max_model_len=max_model_len, args=engine_args), work)
     d = VllmServer(EngineSpec(model, d_sc.engine_id, d_sc.socket, str(shm), block_size=block, cores="1", extra=extra,
-                              max_model_len=max_model_len), work)
+                              max_model_len=max_model_len, args=engine_args), work)
     dep = None
     try:
         p.wait_ready()
