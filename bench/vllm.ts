@@ -56,6 +56,10 @@ export interface VllmRow {
   d_prompt_tokens_per_request?: { external_kv_transfer: number; local_compute: number } | null;
   /** kvxfer: the cell's transfers that failed, by "side state: reason" (the sidecars' record). */
   kv_failures?: Record<string, number> | null;
+  /** --link: the data link's cap for this cell, Mbit/s (0: not capped). */
+  link_mbit?: number;
+  /** --link: MiB per request that crossed the data link (KV and control). */
+  link_mib_per_request?: number | null;
   errors: string[];
   error_count: number;
 }
@@ -78,7 +82,7 @@ export interface VllmBenchResult {
   /** The CPU hog beside the engines (--load; absent before 2026-12-06: none). */
   load?: { hogs: number; nice: number; what: string };
   /** --link: the transfer agents on two network namespaces, the link capped (absent before 2026-12-07: loopback). */
-  link?: { mbit: number | null; what: string } | null;
+  link?: { mbits: number[]; what: string } | null;
   /** kvxfer's settings: the connector's placement, KV memory and idle wait, the sidecars' prefault. */
   kvxfer?: Record<string, unknown>;
   output_tokens: number;
@@ -233,7 +237,10 @@ export function formatVllm(r: VllmBenchResult, markdown = false): string {
   for (const row of r.rows) {
     const ref = r.rows.find(
       (x) =>
-        x.system === "kvxfer-pull" && x.tokens === row.tokens && x.concurrency === row.concurrency,
+        x.system === "kvxfer-pull" &&
+        x.tokens === row.tokens &&
+        x.concurrency === row.concurrency &&
+        x.link_mbit === row.link_mbit,
     );
     const ok = row.status === "ok";
     const ratio =
@@ -320,17 +327,20 @@ export function formatVllmFaults(rows: readonly VllmFaultRow[], markdown = false
   return markdown ? markdownTable(head, body) : table(head, body);
 }
 
-/** TTFT p50 by prompt length, one line per system (at the lowest concurrency measured). */
+/**
+ * TTFT p50 by prompt length, one line per system (and link, with several: each row's label
+ * names it), at the lowest concurrency measured.
+ */
 export function ttftChart(r: VllmBenchResult): string {
   const conc = Math.min(...r.rows.map((x) => x.concurrency));
-  const systems = [...new Set(r.rows.map((x) => x.system))];
-  const series: ChartSeries[] = systems.map((s) => {
+  const labels = [...new Set(r.rows.map((x) => x.label))];
+  const series: ChartSeries[] = labels.map((label) => {
     const rows = r.rows.filter(
-      (x) => x.system === s && x.concurrency === conc && x.status === "ok",
+      (x) => x.label === label && x.concurrency === conc && x.status === "ok",
     );
     return {
-      name: rows[0]?.label ?? s,
-      dashed: s === "one",
+      name: label,
+      dashed: rows[0]?.system === "one",
       points: rows.map((x) => [x.tokens, x.ttft_ms.p50 ?? Number.NaN] as const),
     };
   });

@@ -562,14 +562,15 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
         out_tokens: int, work_root: Path | None = None,
         on_ready: Callable[[Deployment], None] | None = None, kvxfer: dict[str, Any] | None = None,
         faults: bool = False, pin_engines: bool = False, load: CpuHog | None = None,
-        link_mbit: int | None = None, model_spec: TinyModelSpec = BENCH_MODEL,
+        link_mbit: list[int] | None = None, model_spec: TinyModelSpec = BENCH_MODEL,
         kv_cache_bytes: int = 512 << 20) -> dict[str, Any]:
     """The bench; ``kvxfer`` holds the connector's ``placement`` and ``kv_memory`` and the sidecars'
     ``prefault``; ``pin_engines`` puts every process of each engine on its core (the model threads
     are always bound); ``load`` runs beside every deployment, from the first to the last (``--load``);
     ``on_ready`` sees each deployment once it has answered its warm-up requests; ``link_mbit``
     (``--link``): P's and D's transfer agents on two network namespaces, the KV over TCP on the
-    veth between them, capped at that many Mbit/s each way (0: not capped)."""
+    veth between them, capped at each of these Mbit/s each way in turn (0: not capped) on the
+    same deployments, so every link's cells run in the same rounds."""
     kvxfer = {"placement": "shared", "kv_memory": "file", "prefault": True, **(kvxfer or {})}
     load = load or CpuHog(0)
     import vllm
@@ -580,23 +581,23 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
     KV_CACHE_BYTES = kv_cache_bytes
     model = make_tiny_model(str(work / "model"), model_spec)
     max_len = max(lengths) + out_tokens + 64
-    cells: dict[tuple[str, int, int], Cell] = {(s, n, c): Cell() for s in systems for n in lengths for c in concurrency}
+    links: list[int | None] = list(link_mbit) if link_mbit else [None]
+    cells: dict[tuple[str, int | None, int, int], Cell] = {
+        (s, lk, n, c): Cell() for s in systems for lk in links for n in lengths for c in concurrency}
     reference: dict[int, list[int]] = {}
     fault_rows: list[dict[str, Any]] = []
     one_engine: list[OneEngine] = []
     load_before = os.getloadavg()
     net: NetPair | None = None
     try:
-        if link_mbit is not None:
+        if link_mbit:
             net = NetPair("bl", 71)
-            if link_mbit > 0:
-                net.cap(link_mbit)
         load.start()
         for r in range(rounds):
             for served, make in deployments(systems, kvxfer, pin_engines, net):
                 missing = [s for s in served if (pe := peer_of(s)) is not None and not peers[pe]["installed"]]
                 for s in missing:
-                    for (cs, _, _), cell in cells.items():
+                    for (cs, _, _, _), cell in cells.items():
                         if cs == s:
                             cell.status = f"not installed: run {INSTALL_HINT}"
                 served = tuple(s for s in served if s not in missing)
@@ -613,7 +614,7 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                         failure = err
                 if dep is None:
                     err = failure
-                    for (cs, _, _), cell in cells.items():
+                    for (cs, _, _, _), cell in cells.items():
                         if cs in served:
                             cell.status = f"failed to start: {str(err).splitlines()[0][:300]}"
                     continue
@@ -626,14 +627,20 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                                 log(f"  warm-up of {s} failed: {err}")
                     if on_ready is not None:
                         on_ready(dep)
-                    for n in lengths:
-                        for c in concurrency:
-                            for s in served:
-                                sent = net.sent_bytes() if net is not None else 0
-                                batch(dep, s, cells[(s, n, c)], n, c, requests_per, r, out_tokens, reference)
-                                if net is not None:
-                                    cells[(s, n, c)].link_bytes += net.sent_bytes() - sent
-                            log(f"  {n} tokens, {c} in flight: done")
+                    for lk in links:
+                        if net is not None and lk:
+                            net.cap(lk)
+                        elif net is not None:
+                            net.uncap()
+                        for n in lengths:
+                            for c in concurrency:
+                                for s in served:
+                                    cell = cells[(s, lk, n, c)]
+                                    sent = net.sent_bytes() if net is not None else 0
+                                    batch(dep, s, cell, n, c, requests_per, r, out_tokens, reference)
+                                    if net is not None:
+                                        cell.link_bytes += net.sent_bytes() - sent
+                                log(f"  {n} tokens, {c} in flight{'' if lk is None else f', link {lk or None} Mbit/s'}: done")
                     if faults and r == 0 and isinstance(dep, OneEngine):
                         one_engine.append(dep)
                         continue  # kept running: the fault rows compare with its outputs
@@ -667,11 +674,14 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
             net.destroy()
         shutil.rmtree(work, ignore_errors=True)
     rows = []
-    for (s, n, c), cell in cells.items():
+    for (s, lk, n, c), cell in cells.items():
         if cell.status == "ok" and cell.errors and not cell.ttft:
             cell.status = f"failed: {cell.errors[0][:300]}"
+        label = SYSTEMS[s] if len(links) == 1 else f"{SYSTEMS[s]}, {f'{lk} Mbit/s' if lk else 'uncapped'}"
         rows.append({
-            "system": s, "label": SYSTEMS[s], "tokens": n, "concurrency": c, "status": cell.status,
+            "system": s, "label": label, "tokens": n, "concurrency": c, "status": cell.status,
+            # --link: the data link's cap for this cell (0: not capped; absent without --link).
+            **({"link_mbit": lk} if lk is not None else {}),
             "requests": cell.requests,
             "ttft_ms": distribution(cell.ttft),
             "e2e_ms": distribution(cell.e2e),
@@ -702,10 +712,11 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                    "pinned": "every process of each engine" if pin_engines else "the model threads only",
                    "enforce_eager": True},
         "load": load.describe(),
-        "link": None if link_mbit is None else {
-            "mbit": link_mbit or None,
-            "what": "P's and D's transfer agents in two network namespaces, KV over TCP on one veth"
-                    + (f", tbf {link_mbit} Mbit/s each way" if link_mbit else ", not capped")},
+        "link": None if not link_mbit else {
+            "mbits": link_mbit,
+            "what": "P's and D's transfer agents in two network namespaces, KV over TCP on one veth, "
+                    + " / ".join(f"tbf {x} Mbit/s each way" if x else "not capped" for x in link_mbit)
+                    + (" (in turn, on the same deployments)" if len(link_mbit) > 1 else "")},
         "kvxfer": kvxfer, "output_tokens": out_tokens, "rounds": rounds, "requests_per_round": requests_per,
         "rows": rows,
         "fault_rows": fault_rows,
@@ -973,10 +984,10 @@ def main() -> None:
     ap.add_argument("--load-nice", type=int, default=0, metavar="K", help="the hogs' niceness (default 0)")
     ap.add_argument("--prefault", default="true", choices=("true", "false"),
                     help="kvxfer's sidecars' --prefault (default true, as the Helm chart deploys them)")
-    ap.add_argument("--link", type=int, default=None, metavar="MBIT",
+    ap.add_argument("--link", default=None, metavar="MBIT[,MBIT...]",
                     help="P's and D's transfer agents (kvxfer's sidecars, NIXL's engines) on two network namespaces "
                          "joined by one veth, their KV over TCP, capped at MBIT Mbit/s each way (tbf; 0: not capped); "
-                         "needs root, ip, tc, iptables")
+                         "several: each in turn on the same deployments, every round; needs root, ip, tc, iptables")
     ap.add_argument("--model", default="kv8", choices=tuple(MODELS),
                     help="kv8: the bench's model (8 layers, 8 KiB of KV per token); kv64: 32 layers, 8 KV heads "
                          "(64 KiB per token)")
@@ -995,9 +1006,14 @@ def main() -> None:
             ap.error(f"--vs: unknown peer {v!r} ({', '.join(VS)})")
         systems += VS[v]
     systems = [s for s in SYSTEMS if s in systems]
+    links: list[int] | None = None
     if a.link is not None:
-        if a.link < 0:
-            ap.error(f"--link: {a.link} is not a rate in Mbit/s (0: not capped)")
+        try:
+            links = [int(x) for x in a.link.split(",")]
+        except ValueError:
+            ap.error(f"--link: {a.link!r} is not a list of rates in Mbit/s (0: not capped)")
+        if any(x < 0 for x in links):
+            ap.error(f"--link: {a.link!r} is not a list of rates in Mbit/s (0: not capped)")
         if (why := netns_missing()) is not None:
             ap.error(f"--link: {why}")
         if "mooncake" in systems:
@@ -1016,7 +1032,7 @@ def main() -> None:
                       **({"worker_rest_s": a.worker_rest_s} if a.worker_rest_s is not None else {}),
                       **({"engine_spin_s": a.engine_spin_s} if a.engine_spin_s is not None else {})},
               faults=a.faults,
-              pin_engines=a.pin_engines, load=CpuHog(a.load, a.load_nice), link_mbit=a.link,
+              pin_engines=a.pin_engines, load=CpuHog(a.load, a.load_nice), link_mbit=links,
               model_spec=MODELS[a.model], kv_cache_bytes=a.kv_cache_mib << 20)
     print(json.dumps(res))
 
