@@ -431,7 +431,42 @@ export function main(argv: string[] = process.argv.slice(2)): Promise<VllmBenchR
         : []),
       ...(r.fault_rows?.length ? ["", formatVllmFaults(r.fault_rows)] : []),
     ],
-    (r) => writeChart("vllm-ttft.svg", ttftChart(r)),
+    (r) => {
+      const cap = r.link?.mbits.find((m) => m > 0);
+      // With a capped link: its chart (every system over it, the uncapped kvxfer and NIXL pull beside).
+      return cap === undefined
+        ? writeChart("vllm-ttft.svg", ttftChart(r))
+        : writeChart("vllm-link-ttft.svg", linkChart(r, cap));
+    },
+  );
+}
+
+/** A label short enough for the chart's legend. */
+function shortLabel(row: VllmRow): string {
+  if (row.system === "one") return "one engine";
+  return row.label
+    .replace("NixlConnector, 2 fixes", "NIXL pull*")
+    .replace("NixlPushConnector, 2 fixes", "NIXL push*")
+    .replace("kvxfer push, layer-wise", "kvxfer layer-wise")
+    .replace(/, (\d+) Mbit\/s$/, (_, m: string) => `, ${Number(m) / 1000} Gb/s`)
+    .replace(", uncapped", ", no cap");
+}
+
+/**
+ * TTFT p50 by prompt length over the `mbit` link, every system (one engine once), with kvxfer's
+ * pushes and NixlConnector on the uncapped link beside them (--link with 0 among the caps).
+ */
+export function linkChart(r: VllmBenchResult, mbit: number): string {
+  const rows = r.rows
+    .filter(
+      (x) =>
+        x.link_mbit === mbit ||
+        (x.link_mbit === 0 && ["kvxfer-push", "kvxfer-layerwise", "nixl-fixed"].includes(x.system)),
+    )
+    .map((x) => ({ ...x, label: shortLabel(x) }));
+  return ttftChart({ ...r, rows }).replace(
+    /TTFT p50 by prompt length, (\d+) in flight/,
+    `TTFT p50 by prompt length, $1 in flight, P and D over a ${mbit / 1000} Gbit/s link`,
   );
 }
 

@@ -9,6 +9,7 @@ import {
   formatKvFailures,
   formatVllm,
   formatVllmFaults,
+  linkChart,
   settingsLine,
   type VllmBenchResult,
   type VllmFaultRow,
@@ -160,5 +161,60 @@ describe("settingsLine", () => {
     ).toContain(
       "load: none; link: two namespaces, tbf 1000 Mbit/s each way; model: 32 layers, 64 KiB of KV per token; kvxfer:",
     );
+  });
+});
+
+describe("--link: each cell's reference and the link's chart", () => {
+  const cell = (system: string, label: string, link: number, p50: number): VllmRow =>
+    ({
+      system,
+      label,
+      tokens: 1024,
+      concurrency: 1,
+      status: "ok",
+      requests: 8,
+      ttft_ms: { p50, p90: p50, n: 8 },
+      e2e_ms: { p50, p90: p50, n: 8 },
+      output_tokens_per_s: 1,
+      cpu_s_per_request: { total: 1 },
+      correct: { identical: 8, compared: 8 },
+      link_mbit: link,
+      errors: [],
+      error_count: 0,
+    }) as VllmRow;
+  const r = {
+    vllm: "0.32.0",
+    machine: "2 cores",
+    engine: {},
+    link: { mbits: [1000, 0], what: "two namespaces" },
+    rows: [
+      cell("one", "one engine, 1000 Mbit/s", 1000, 150),
+      cell("one", "one engine, uncapped", 0, 150),
+      cell("kvxfer-pull", "kvxfer pull, 1000 Mbit/s", 1000, 250),
+      cell("kvxfer-pull", "kvxfer pull, uncapped", 0, 200),
+      cell("kvxfer-layerwise", "kvxfer push, layer-wise, 1000 Mbit/s", 1000, 180),
+      cell("kvxfer-layerwise", "kvxfer push, layer-wise, uncapped", 0, 180),
+    ],
+  } as unknown as VllmBenchResult;
+
+  it("ratios are to kvxfer pull over the same link", () => {
+    const lines = formatVllm(r).split("\n");
+    const lw = (link: string) => lines.find((l) => l.includes(`layer-wise, ${link}`))!;
+    expect(lw("1000 Mbit/s")).toContain("0.72"); // 180 / 250
+    expect(lw("uncapped")).toContain("0.90"); // 180 / 200
+  });
+
+  it("the chart: every system over the capped link, one engine once, the uncapped pushes beside", () => {
+    const svg = linkChart(r, 1000);
+    expect(svg).toContain("P and D over a 1 Gbit/s link");
+    for (const name of [
+      "one engine",
+      "kvxfer pull, 1 Gb/s",
+      "kvxfer layer-wise, 1 Gb/s",
+      "kvxfer layer-wise, no cap",
+    ])
+      expect(svg).toContain(`>${name}<`);
+    expect(svg).not.toContain("kvxfer pull, no cap");
+    expect(svg.match(/>one engine</g)).toHaveLength(1);
   });
 });

@@ -64,6 +64,11 @@ MODELS: dict[str, TinyModelSpec] = {
 KV_CACHE_BYTES = 512 << 20
 
 
+def link_name(mbit: int | None) -> str:
+    """", link 1000 Mbit/s" / ", link uncapped" for a progress line ("" without --link)."""
+    return "" if mbit is None else f", link {f'{mbit} Mbit/s' if mbit else 'uncapped'}"
+
+
 def kv_bytes_per_token(m: TinyModelSpec) -> int:
     return m.layers * 2 * m.kv_heads * m.head_dim * 2
 
@@ -637,10 +642,11 @@ def run(systems: list[str], lengths: list[int], concurrency: list[int], requests
                                 for s in served:
                                     cell = cells[(s, lk, n, c)]
                                     sent = net.sent_bytes() if net is not None else 0
-                                    batch(dep, s, cell, n, c, requests_per, r, out_tokens, reference)
+                                    batch(dep, s, cell, n, c, requests_per, r, out_tokens, reference,
+                                          salt=0 if lk is None else lk + 1)
                                     if net is not None:
                                         cell.link_bytes += net.sent_bytes() - sent
-                                log(f"  {n} tokens, {c} in flight{'' if lk is None else f', link {lk or None} Mbit/s'}: done")
+                                log(f"  {n} tokens, {c} in flight{link_name(lk)}: done")
                     if faults and r == 0 and isinstance(dep, OneEngine):
                         one_engine.append(dep)
                         continue  # kept running: the fault rows compare with its outputs
@@ -757,9 +763,11 @@ def destructive_fault_rows(systems: list[str], kvxfer: dict[str, Any], peers: di
 
 
 def batch(dep: Deployment, system: str, cell: Cell, n: int, c: int, count: int, rnd: int, out: int,
-          reference: dict[int, list[int]]) -> None:
-    """``count`` requests of ``n`` tokens, ``c`` at a time; the same prompts for every system."""
-    seeds = [hash((n, c, rnd, i)) & 0x7FFFFFFF for i in range(count)]
+          reference: dict[int, list[int]], salt: int = 0) -> None:
+    """``count`` requests of ``n`` tokens, ``c`` at a time; the same prompts for every system.
+    ``salt`` (--link: one per link) gives other prompts, so that no link's requests find another
+    link's in a prefix cache."""
+    seeds = [hash((n, c, rnd, i, *((salt,) if salt else ()))) & 0x7FFFFFFF for i in range(count)]
     before = cpu_seconds(dep.procs)
     d_before = dep.d_prompt_tokens()
     failed_before = dep.failed_transfers()
