@@ -94,7 +94,9 @@ export async function postWrites(
       // One native operation for all of the pair's region pairs and its XferDone: one hand-off
       // to the progress thread and one flush, whatever the number of layers; the addon sends the
       // XferDone once every write is remotely complete, and not at all if one fails. So it is
-      // sealed before the writes: its time since PrefillDone is to their posting.
+      // sealed before the writes: its time since PrefillDone is to their posting. Layer-wise,
+      // while layers are still coming: one operation per batch of saved layers, then the
+      // XferDone's own (writeLayers).
       const xferDone = ctx.peers.seal(peer, {
         case: "xferDone",
         value: {
