@@ -670,20 +670,26 @@ export class SimEngine {
     }
     if (req.layerWise === true) return this.prefillByLayer(req, t, int(req, "layerMs", 0, 0));
     for (let r = 0; r < L.tpSize; r++) fillKv(L, r, this.memories[r]!, tid, blockIds, 0, tokens);
+    await this.sendPrefillDone(t, optStr(req, "token"), false);
+    return { blockIds };
+  }
+
+  /** `t`'s blocks go to the sidecar (held from now on); `layerWise`: before its layers are saved. */
+  private async sendPrefillDone(t: LiveTransfer, token: string, layerWise: boolean): Promise<void> {
     t.phase = "held";
     t.gen = this.regGen;
     await this.link!.send(
       engineMessage(
         "prefillDone",
         create(PrefillDoneSchema, {
-          transferId: tid,
-          blockIds,
-          numTokens: tokens,
-          token: optStr(req, "token"),
+          transferId: t.transferId,
+          blockIds: [...t.blockIds],
+          numTokens: t.tokens,
+          token,
+          layerWise,
         }),
       ),
     );
-    return { blockIds };
   }
 
   /**
@@ -702,20 +708,7 @@ export class SimEngine {
     const { transferId: tid, blockIds, tokens } = t;
     for (let r = 0; r < L.tpSize; r++)
       fillKv(L, r, this.memories[r]!, `${tid}#stale`, blockIds, 0, tokens);
-    t.phase = "held";
-    t.gen = this.regGen;
-    await this.link!.send(
-      engineMessage(
-        "prefillDone",
-        create(PrefillDoneSchema, {
-          transferId: tid,
-          blockIds: [...blockIds],
-          numTokens: tokens,
-          token: optStr(req, "token"),
-          layerWise: true,
-        }),
-      ),
-    );
+    await this.sendPrefillDone(t, optStr(req, "token"), true);
     let layers = 0;
     for (; layers < L.numLayers && !t.aborted && !this.stopping; layers++) {
       if (layerMs > 0) await new Promise((r) => setTimeout(r, layerMs));

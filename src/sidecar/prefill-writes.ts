@@ -7,7 +7,7 @@ import type { Agent, Endpoint, OpTrace, WritePart } from "../native/index.js";
 import { KvxferError } from "../errors.js";
 import { layerSpans, planGroups, splitByLayer, type TransferPlan } from "../plan/index.js";
 import { transferError, type SideContext } from "./context.js";
-import type { LayerProgress, PrefillTransfer } from "./prefill-transfer.js";
+import { layersPending, type LayerProgress, type PrefillTransfer } from "./prefill-transfer.js";
 import { settleAbandoned } from "./settle.js";
 import { markPairSteps } from "./trace.js";
 
@@ -56,10 +56,8 @@ export async function postWrites(
   // A registration whose lease ran out must not be written to: D may have released the blocks.
   const used: Endpoint[] = [];
   // Layer-wise, while layers are still coming: where each layer lies in P's regions (one group).
-  const layersOf =
-    t.layers !== undefined && t.layers.saved < t.layers.total
-      ? layerSpans(kv.groups[0]!.layout)
-      : undefined;
+  const layers = layersPending(t) ? t.layers : undefined;
+  const layersOf = layers && layerSpans(kv.groups[0]!.layout);
   const results = await Promise.allSettled(
     plan.pairs.map(async (pair) => {
       const agent = kv.agents[pair.srcRank]!;
@@ -107,10 +105,9 @@ export async function postWrites(
           sincePrefillDoneMs: Math.max(0, ctx.clock.now() - t.t.prefillDoneMs),
         },
       });
-      const written =
-        t.layers !== undefined && t.layers.saved < t.layers.total
-          ? await writeLayers(ctx, t, t.layers, agent, ep, parts, partLayers, xferDone, mayWrite)
-          : [await agent.writeParts(ep, parts, xferDone)];
+      const written = layers
+        ? await writeLayers(ctx, t, layers, agent, ep, parts, partLayers, xferDone, mayWrite)
+        : [await agent.writeParts(ep, parts, xferDone)];
       markPairSteps(t.trace, `${pair.srcRank}>${pair.dstRank}`, written);
     }),
   );

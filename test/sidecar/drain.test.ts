@@ -2,24 +2,12 @@
 // for a PrefillDone it will refuse and tells each registered D at once; new registrations are
 // refused ERR_DRAINING; at the drain's deadline what is left fails, its D told. D's abandon
 // fails its transfers and tells P (Abort), so P frees its blocks before its lease.
-import { create } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
-import { PushRegSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
-import { FakeWorld, SETTINGS, expectKv, prefillDone, settle } from "./fakes.js";
-
-const pushReg = (transferId: string, token = "") =>
-  create(PushRegSchema, {
-    transferId,
-    blockIds: [4, 5],
-    numTokens: 20,
-    prefixTokens: 0,
-    leaseMs: SETTINGS.regLeaseMs,
-    token,
-  });
+import { FakeWorld, expectKv, prefillDone, pushReg, settle } from "./fakes.js";
 
 describe("drain tells the peer", () => {
   it("P: registrations waiting for prefill fail at once, D told ERR_DRAINING; new ones refused; held ones go on until the deadline", async () => {

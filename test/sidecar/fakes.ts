@@ -10,7 +10,12 @@ import {
   type ExpectKv,
   type PrefillDone,
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
-import { AgentMetadataSchema, RankMetadataSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
+import {
+  AgentMetadataSchema,
+  PushRegSchema,
+  RankMetadataSchema,
+  type PushReg,
+} from "../../src/gen/kvxfer/v1/peer_pb.js";
 import type { Agent, OpTrace, Region } from "../../src/native/index.js";
 import type { PeerBody } from "../../src/peer/messages.js";
 import type { PeerCredentials } from "../../src/peer/side-channel.js";
@@ -413,6 +418,18 @@ export function peerMetadata(engineId: string, epoch: bigint, layout: KvLayout =
 
 export function prefillDone(transferId: string, token = "", blocks = [0, 1]): PrefillDone {
   return create(PrefillDoneSchema, { transferId, blockIds: blocks, numTokens: 20, token });
+}
+
+/** D's PushReg for blocks [4, 5], 20 tokens, the settings' registration lease. */
+export function pushReg(transferId: string, token = ""): PushReg {
+  return create(PushRegSchema, {
+    transferId,
+    blockIds: [4, 5],
+    numTokens: 20,
+    prefixTokens: 0,
+    leaseMs: SETTINGS.regLeaseMs,
+    token,
+  });
 }
 
 export function expectKv(transferId: string, pull = false, token = "", blocks = [2, 3]): ExpectKv {

@@ -2,24 +2,12 @@
 // its files' sizes (kv.shrunk, one fstat per file) before it hands its memory to UCX, so the
 // transfer fails ERR_REGION_CHANGED instead of the process dying of SIGBUS. The multi-process
 // cases (a real `truncate -s 0`) are in multiprocess/attacks.test.ts.
-import { create } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
 
 import { ReleaseReason } from "../../src/gen/kvxfer/v1/engine_pb.js";
-import { PushRegSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { DecodeSide } from "../../src/sidecar/decode.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
-import { FakeWorld, SETTINGS, expectKv, prefillDone, settle } from "./fakes.js";
-
-const pushReg = (transferId: string, token = "") =>
-  create(PushRegSchema, {
-    transferId,
-    blockIds: [4, 5],
-    numTokens: 20,
-    prefixTokens: 0,
-    leaseMs: SETTINGS.regLeaseMs,
-    token,
-  });
+import { FakeWorld, expectKv, prefillDone, pushReg, settle } from "./fakes.js";
 
 describe("a KV file that shrank under the sidecar (kv.shrunk)", () => {
   const shrink = (w: FakeWorld) => {

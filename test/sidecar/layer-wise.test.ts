@@ -11,21 +11,10 @@ import {
   LayersSavedSchema,
   ReleaseReason,
 } from "../../src/gen/kvxfer/v1/engine_pb.js";
-import { PushRegSchema } from "../../src/gen/kvxfer/v1/peer_pb.js";
 import { checkEngineMessage } from "../../src/engine/validate.js";
 import { kvLayout, layerSpans, singleGroup, splitByLayer } from "../../src/plan/index.js";
 import { PrefillSide } from "../../src/sidecar/prefill.js";
-import { FakeWorld, SMALL, prefillDone, settle } from "./fakes.js";
-
-const pushReg = (transferId: string, token = "") =>
-  create(PushRegSchema, {
-    transferId,
-    blockIds: [4, 5],
-    numTokens: 20,
-    prefixTokens: 0,
-    leaseMs: 800,
-    token,
-  });
+import { FakeWorld, SMALL, prefillDone, pushReg, settle } from "./fakes.js";
 
 const layerWise = (transferId: string, token = "") => ({
   ...prefillDone(transferId, token),

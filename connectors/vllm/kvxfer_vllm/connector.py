@@ -295,10 +295,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._groups = group_specs(kv_cache_config) if kv_cache_config is not None else []
         self._hybrid = len(self._groups) > 1 or any(g.kind != "full" for g in self._groups)
         #: Layer-wise push (``layer_wise``), where it can run; else whole-request push, said once.
-        self._layer_wise = self.cfg.layer_wise and self._layer_wise_refusal(pc) is None
-        if self.cfg.layer_wise and not self._layer_wise and role == KVConnectorRole.SCHEDULER:
-            log.warning("kvxfer: layer_wise is set but %s: pushing each request whole",
-                        self._layer_wise_refusal(pc))
+        refusal = self._layer_wise_refusal() if self.cfg.layer_wise else None
+        self._layer_wise = self.cfg.layer_wise and refusal is None
+        if refusal is not None and role == KVConnectorRole.SCHEDULER:
+            log.warning("kvxfer: layer_wise is set but %s: pushing each request whole", refusal)
         if role == KVConnectorRole.WORKER and current_platform.device_type == "cpu":
             _allow_amx_tiles()
         if role == KVConnectorRole.SCHEDULER:
@@ -310,7 +310,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # Data parallel engines step in waves together: not waited in (vLLM's own loop).
             self._idle = _idle_waiter(self.cfg) if getattr(pc, "data_parallel_size", 1) == 1 else None
 
-    def _layer_wise_refusal(self, pc: Any) -> str | None:
+    def _layer_wise_refusal(self) -> str | None:
         """Why layer-wise push cannot run on this engine, or None. It needs the forward to have
         really run when ``save_kv_layer`` is called (a CPU engine: on a GPU the kernels are only
         queued then), one KV cache group, one rank (rank 0 speaks for all, and another rank's

@@ -11,6 +11,7 @@ import { startNode, type Node } from "../../../sim/demo-node.js";
 import type { SimEngineProcess } from "../../../sim/engine-client.js";
 import type { SidecarProcess } from "../../../sim/sidecar-process.js";
 import type { TransferInfo, TransferState } from "../../../src/sidecar/view.js";
+import { awaitListed } from "./fixtures.js";
 import { kvxfer } from "../../cli/run.js";
 import { OP_STEPS } from "../fakes.js";
 import { canCreateNetns, createNetnsPair, type NetnsPair } from "../../../bench/native/netns.js";
@@ -185,15 +186,7 @@ describe("push orderings, forced", () => {
   });
 
   /** Waits (bounded) until P's sidecar lists the transfer in `state`. */
-  async function pState(id: string, state: TransferState): Promise<void> {
-    const end = Date.now() + 10_000;
-    for (;;) {
-      const { transfers } = await pApi.listTransfers({ states: [state] });
-      if (transfers.some((t) => t.transferId === id)) return;
-      if (Date.now() > end) throw new Error(`P never listed ${id} as ${state}`);
-      await new Promise((r) => setTimeout(r, 20));
-    }
-  }
+  const pState = (id: string, state: TransferState) => awaitListed(pApi, id, state);
 
   it("D registers before P finishes prefill: P writes as soon as prefill is done", async () => {
     const id = `d-first-${process.pid}`;

@@ -14,6 +14,7 @@ import type {
   TransferInfo,
   TransferMode,
   TransferSide,
+  TransferState,
 } from "../../../src/sidecar/view.js";
 import {
   SimEngineProcess,
@@ -23,6 +24,17 @@ import {
 } from "../../../sim/engine-client.js";
 import { SidecarProcess, type SidecarReady } from "../../../sim/sidecar-process.js";
 import { until } from "../../until.js";
+
+/** Waits (bounded, 10 s) until the sidecar behind `api` lists transfer `id` in `state`. */
+export function awaitListed(api: SidecarClient, id: string, state: TransferState): Promise<void> {
+  return until(
+    async () =>
+      (await api.listTransfers({ states: [state] })).transfers.some((t) => t.transferId === id),
+    10_000,
+    `${id} listed as ${state}`,
+    20,
+  );
+}
 
 export function sleep(ms: number): Promise<void> {
   return new Promise((r) => setTimeout(r, ms));

@@ -14,6 +14,8 @@ import { startNode, type Node } from "../../../sim/demo-node.js";
 import type { SimEngineProcess } from "../../../sim/engine-client.js";
 import type { SidecarProcess } from "../../../sim/sidecar-process.js";
 import type { TransferState } from "../../../src/sidecar/view.js";
+import { until } from "../../until.js";
+import { awaitListed } from "./fixtures.js";
 
 const SHAPE: DemoOptions = {
   ...DEFAULT_DEMO,
@@ -58,15 +60,7 @@ describe("layer-wise push across processes, byte-verified", () => {
   });
 
   /** Waits (bounded) until P's sidecar lists the transfer in `state`. */
-  async function pState(id: string, state: TransferState): Promise<void> {
-    const end = Date.now() + 10_000;
-    for (;;) {
-      const { transfers } = await pApi.listTransfers({ states: [state] });
-      if (transfers.some((t) => t.transferId === id)) return;
-      if (Date.now() > end) throw new Error(`P never listed ${id} as ${state}`);
-      await new Promise((r) => setTimeout(r, 20));
-    }
-  }
+  const pState = (id: string, state: TransferState) => awaitListed(pApi, id, state);
 
   /** D's bytes are P's pattern, D ready by push, P released; nothing held after. */
   async function landed(id: string): Promise<void> {
@@ -79,15 +73,18 @@ describe("layer-wise push across processes, byte-verified", () => {
     await noneHeld();
   }
 
-  async function noneHeld(): Promise<void> {
-    const end = Date.now() + 10_000;
-    for (;;) {
-      const [ps, ds] = [await p.engine.stats(), await d.engine.stats()];
-      if (ps.freeBlocks === ps.totalBlocks && ds.freeBlocks === ds.totalBlocks) return;
-      if (Date.now() > end)
-        throw new Error(`blocks still held: P ${JSON.stringify(ps)}, D ${JSON.stringify(ds)}`);
-      await new Promise((r) => setTimeout(r, 20));
-    }
+  function noneHeld(): Promise<void> {
+    let last = "";
+    return until(
+      async () => {
+        const [ps, ds] = [await p.engine.stats(), await d.engine.stats()];
+        last = `P ${JSON.stringify(ps)}, D ${JSON.stringify(ds)}`;
+        return ps.freeBlocks === ps.totalBlocks && ds.freeBlocks === ds.totalBlocks;
+      },
+      10_000,
+      () => `every block back (${last})`,
+      20,
+    );
   }
 
   it("D registers before P's first layer: each layer leaves as it is saved", async () => {
